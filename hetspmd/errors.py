@@ -1,0 +1,31 @@
+"""The hetspmd exception family.
+
+Every error hetspmd raises on purpose is a :class:`HetSpmdError`, so callers
+can catch one type. Messages say what was given, what was expected, and where
+(argument path or Flax module path) the problem sits.
+"""
+
+from __future__ import annotations
+
+
+class HetSpmdError(Exception):
+  """Base class of every error raised by hetspmd on purpose."""
+
+
+class TraceError(HetSpmdError, TypeError):
+  """The function or its arguments cannot be traced to a jaxpr."""
+
+
+class UnpartitionableError(HetSpmdError):
+  """The step has an effect (host callback, debug print) that cannot be split."""
+
+
+class UnknownNameError(HetSpmdError, KeyError):
+  """A model, preset or device name that hetspmd does not know."""
+
+  def __str__(self) -> str:  # KeyError would quote the message.
+    return str(self.args[0]) if self.args else ""
+
+
+class InvalidValueError(HetSpmdError, ValueError):
+  """A number or spec outside its valid range."""

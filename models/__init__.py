@@ -1,0 +1,29 @@
+"""The hetspmd model zoo (import as ``hetspmd.models``).
+
+``names()`` lists the registered workloads; ``get(name)`` returns one
+:class:`Workload`.
+"""
+
+from __future__ import annotations
+
+from hetspmd.errors import UnknownNameError
+from hetspmd.models import gpt2, mlp
+from hetspmd.models.workload import Workload as Workload
+
+_REGISTRY: dict[str, Workload] = {w.name: w for module in (mlp, gpt2) for w in module.workloads()}
+
+
+def names() -> list[str]:
+  """Registered workload names, in registration order."""
+  return list(_REGISTRY)
+
+
+def get(name: str) -> Workload:
+  """The workload registered as ``name``."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise UnknownNameError(f"unknown model {name!r}; known models: {', '.join(names())}") from None
+
+
+__all__ = ["Workload", "get", "names"]

@@ -1,0 +1,143 @@
+"""The :class:`Workload` interface shared by every model in the zoo.
+
+A workload bundles what hetspmd needs to plan and run a model: how to build
+it (Flax NNX), its loss, its batch layout, its optimizer, and a ready
+single-device ``train_step(state, batch) -> (state, metrics)``.
+
+The train state is a plain dict, the layout ``hetspmd.trace`` infers roles
+for without help::
+
+    {"params": nnx.State,      # the model's nnx.Param variables
+     "opt_state": optax state, # over the same tree
+     "step": int32 scalar}
+
+``abstract_state()`` builds it with ``nnx.eval_shape`` (``ShapeDtypeStruct``
+leaves, no memory), so even the largest configs can be traced on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from hetspmd.errors import InvalidValueError
+
+Batch = Mapping[str, Any]
+LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, Mapping[str, jax.Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model, its loss, its batch layout and its optimizer.
+
+  Attributes:
+    name: registry name, e.g. ``gpt2-small``.
+    family: model family, e.g. ``gpt2``.
+    config: the model's frozen config dataclass.
+    build: ``build(config, rngs) -> nnx.Module``.
+    loss: ``loss(model, batch) -> (scalar loss, aux metrics)``.
+    batch_spec: ``batch_spec(config, batch, seq) -> {name: ShapeDtypeStruct}``.
+    make_optimizer: ``() -> optax.GradientTransformation``.
+    default_batch, default_seq: sizes used when none are given (``seq`` is
+      ``None`` for models without a sequence axis).
+    published_params: the parameter count published for this config, if any.
+    source: where the config comes from (paper or model card).
+  """
+
+  name: str
+  family: str
+  config: Any
+  build: Callable[[Any, nnx.Rngs], nnx.Module]
+  loss: LossFn
+  batch_spec: Callable[[Any, int, int | None], dict[str, jax.ShapeDtypeStruct]]
+  make_optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-3)
+  default_batch: int = 8
+  default_seq: int | None = None
+  max_seq: int | None = None
+  published_params: int | None = None
+  source: str = ""
+
+  # --- state -----------------------------------------------------------------
+
+  def init_state(self, seed: int = 0) -> dict[str, Any]:
+    """A concrete train state (allocates the weights)."""
+    model = self.build(self.config, nnx.Rngs(seed))
+    params = nnx.state(model, nnx.Param)
+    return {"params": params, "opt_state": self.make_optimizer().init(params), "step": jnp.zeros((), jnp.int32)}
+
+  def abstract_state(self) -> dict[str, Any]:
+    """The train state as ``ShapeDtypeStruct``s; allocates nothing."""
+    return jax.eval_shape(self.init_state)
+
+  def graphdef(self) -> nnx.GraphDef:
+    model = nnx.eval_shape(lambda: self.build(self.config, nnx.Rngs(0)))
+    graphdef, _ = nnx.split(model, nnx.Param)
+    return graphdef
+
+  def param_count(self) -> int:
+    params = self.abstract_state()["params"]
+    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
+
+  # --- batches ---------------------------------------------------------------
+
+  def example_batch(self, batch: int | None = None, seq: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch layout as ``ShapeDtypeStruct``s, sizes checked."""
+    batch = self.default_batch if batch is None else batch
+    seq = self.default_seq if seq is None else seq
+    if not isinstance(batch, int) or batch < 1:
+      raise InvalidValueError(f"{self.name}: batch must be a positive integer, got {batch!r}")
+    if self.default_seq is None and seq is not None:
+      raise InvalidValueError(f"{self.name} has no sequence axis; do not pass a sequence length (got {seq})")
+    if self.default_seq is not None:
+      if not isinstance(seq, int) or seq < 1:
+        raise InvalidValueError(f"{self.name}: sequence length must be a positive integer, got {seq!r}")
+      if self.max_seq is not None and seq > self.max_seq:
+        raise InvalidValueError(f"{self.name}: sequence length {seq} exceeds the model's context of {self.max_seq}")
+    return self.batch_spec(self.config, batch, seq)
+
+  def synthetic_batch(self, seed: int = 0, batch: int | None = None, seq: int | None = None) -> dict[str, np.ndarray]:
+    """Random host data with the layout of :meth:`example_batch`."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, spec in self.example_batch(batch, seq).items():
+      if np.issubdtype(spec.dtype, np.integer):
+        high = _integer_high(self.config, key)
+        out[key] = rng.integers(0, high, size=spec.shape, dtype=spec.dtype)
+      else:
+        out[key] = rng.standard_normal(spec.shape).astype(spec.dtype)
+    return out
+
+  # --- the step --------------------------------------------------------------
+
+  def make_train_step(self) -> Callable[[dict[str, Any], Batch], tuple[dict[str, Any], dict[str, jax.Array]]]:
+    """The single-device ``train_step(state, batch) -> (state, metrics)``."""
+    graphdef = self.graphdef()
+    tx = self.make_optimizer()
+    loss = self.loss
+
+    def train_step(state, batch):
+      def loss_fn(params):
+        return loss(nnx.merge(graphdef, params), batch)
+
+      (value, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+      params = optax.apply_updates(state["params"], updates)
+      new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+      return new_state, {"loss": value, **aux}
+
+    train_step.__name__ = f"{self.name.replace('-', '_')}_train_step"
+    return train_step
+
+
+def _integer_high(config: Any, key: str) -> int:
+  """Exclusive upper bound for synthetic integer inputs named ``key``."""
+  for attr in ("vocab_size", "num_classes"):
+    if hasattr(config, attr) and key in ("inputs", "targets", "tokens", "labels"):
+      return int(getattr(config, attr))
+  return 2

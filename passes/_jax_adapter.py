@@ -1,0 +1,285 @@
+"""Adapter over JAX's jaxpr internals: the only module that reads them.
+
+Everything else in ``hetspmd.passes`` sees jaxprs through the small vocabulary
+defined here (equations, values, shapes, nested bodies, name stacks), so a JAX
+upgrade that moves an internal touches this file alone.
+
+Checked against jax 0.10.2: ``jax.jit(f).trace(...).jaxpr`` gives a
+``ClosedJaxpr``; nested bodies live in equation params under the keys listed
+in ``_CALL_BODY_KEYS``; ``scan`` carries ``length``/``num_consts``/
+``num_carry``; ``while`` carries ``cond_jaxpr``/``body_jaxpr`` and their const
+counts; ``cond`` carries ``branches`` and takes the branch index first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+ClosedJaxpr = jcore.ClosedJaxpr
+Jaxpr = jcore.Jaxpr
+Equation = jcore.JaxprEqn
+
+# Param keys under which call-like primitives keep the body to inline.
+_CALL_BODY_KEYS: dict[str, str] = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_lin": "jaxpr",
+    "shard_map": "jaxpr",
+}
+
+# Transformation wrappers that JAX writes around name-stack components.
+_TRANSFORM_WRAPPER = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
+_HIDDEN_COMPONENTS = frozenset({"rematted_computation", "checkpoint", "remat", ""})
+
+
+def trace_to_jaxpr(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[ClosedJaxpr, Any]:
+  """Traces ``fn(*args, **kwargs)`` under ``jax.jit`` without running it.
+
+  Returns the closed jaxpr and the output pytree of ``ShapeDtypeStruct``s.
+  """
+  traced = jax.jit(fn).trace(*args, **kwargs)
+  return traced.jaxpr, traced.out_info
+
+
+def to_abstract(tree: Any) -> Any:
+  """Replaces every array leaf by a ``ShapeDtypeStruct`` (no device memory)."""
+
+  def leaf(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return x
+
+  return jax.tree.map(leaf, tree)
+
+
+# --- values ---------------------------------------------------------------
+
+
+def is_literal(value: Any) -> bool:
+  return isinstance(value, jcore.Literal)
+
+
+def is_dropped(value: Any) -> bool:
+  return isinstance(value, jcore.DropVar)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbstractValue:
+  shape: tuple[int, ...]
+  dtype: str
+  itemsize: int
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.itemsize
+
+
+def abstract_value(value: Any) -> AbstractValue:
+  """Shape, dtype name and item size of a jaxpr variable or literal."""
+  aval = value.aval
+  shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+  dtype = getattr(aval, "dtype", None)
+  if dtype is None:  # tokens and other non-array values
+    return AbstractValue(shape, type(aval).__name__, 0)
+  return AbstractValue(shape, str(dtype), int(getattr(dtype, "itemsize", 0)))
+
+
+# --- equations ------------------------------------------------------------
+
+
+def primitive_name(eqn: Equation) -> str:
+  return eqn.primitive.name
+
+
+def eqn_params(eqn: Equation) -> dict[str, Any]:
+  return eqn.params
+
+
+def has_side_effects(eqn: Equation) -> bool:
+  return bool(eqn.effects)
+
+
+def module_path(eqn: Equation, prefix: str = "") -> str:
+  """The Flax module path of ``eqn``, with transformation wrappers removed.
+
+  JAX writes ``transpose(jvp(h_3))/attn`` for the backward pass of a
+  ``h_3/attn`` scope; both map to ``h_3/attn``. ``prefix`` is the path of
+  the enclosing equation when ``eqn`` sits in a nested body.
+  """
+  return join_paths(prefix, normalise_name_stack(str(eqn.source_info.name_stack)))
+
+
+def normalise_name_stack(text: str) -> str:
+  text = _TRANSFORM_WRAPPER.sub("", text).replace(")", "")
+  # jnp.einsum names its call after the subscripts ("bqhd,bkhd->bhqk").
+  parts = [p for p in text.split("/") if p not in _HIDDEN_COMPONENTS and "->" not in p]
+  # remat writes the saved forward scope again after the transposed one.
+  half = len(parts) // 2
+  if half and len(parts) % 2 == 0 and parts[:half] == parts[half:]:
+    parts = parts[:half]
+  return "/".join(parts)
+
+
+def join_paths(prefix: str, path: str) -> str:
+  if not prefix:
+    return path
+  if not path:
+    return prefix
+  return f"{prefix}/{path}"
+
+
+def user_location(eqn: Equation) -> str:
+  """``file:line (function)`` of the user code that created ``eqn``."""
+  return source_info_util.summarize(eqn.source_info)
+
+
+# --- nested bodies ----------------------------------------------------------
+
+
+def call_body(eqn: Equation) -> ClosedJaxpr | None:
+  """The body of a call-like equation (jit, remat, custom_jvp, ...) or None."""
+  key = _CALL_BODY_KEYS.get(primitive_name(eqn))
+  if key is None or key not in eqn.params:
+    return None
+  return as_closed(eqn.params[key])
+
+
+def nested_bodies(eqn: Equation) -> list[ClosedJaxpr]:
+  """Every jaxpr nested in the params of ``eqn`` (for unknown primitives)."""
+  return [as_closed(j) for j in jcore.jaxprs_in_params(eqn.params)]
+
+
+def as_closed(jaxpr: Any) -> ClosedJaxpr:
+  if isinstance(jaxpr, ClosedJaxpr):
+    return jaxpr
+  return ClosedJaxpr(jaxpr, ())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScanParts:
+  body: ClosedJaxpr
+  length: int
+  num_consts: int
+  num_carry: int
+
+
+def scan_parts(eqn: Equation) -> ScanParts:
+  p = eqn.params
+  return ScanParts(as_closed(p["jaxpr"]), int(p["length"]), int(p["num_consts"]), int(p["num_carry"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WhileParts:
+  cond: ClosedJaxpr
+  body: ClosedJaxpr
+  cond_nconsts: int
+  body_nconsts: int
+
+
+def while_parts(eqn: Equation) -> WhileParts:
+  p = eqn.params
+  return WhileParts(as_closed(p["cond_jaxpr"]), as_closed(p["body_jaxpr"]), int(p["cond_nconsts"]), int(p["body_nconsts"]))
+
+
+def cond_branches(eqn: Equation) -> tuple[ClosedJaxpr, ...]:
+  return tuple(as_closed(b) for b in eqn.params["branches"])
+
+
+def literal_int(value: Any) -> int | None:
+  """The integer held by a scalar literal, or None."""
+  if not is_literal(value):
+    return None
+  v = np.asarray(value.val)
+  if v.shape != () or not np.issubdtype(v.dtype, np.integer):
+    return None
+  return int(v)
+
+
+def static_while_trip_count(eqn: Equation, init_values: Sequence[Any]) -> int | None:
+  """Trip count of a ``while`` written as ``for i in range(lo, hi)``, or None.
+
+  Recognises the loop JAX emits for ``fori_loop`` when the bounds are
+  literals but the loop could not become a ``scan``: the condition is a single
+  ``lt(carry[i], carry[j])`` and both initial values are integer literals.
+  """
+  parts = while_parts(eqn)
+  cond = parts.cond.jaxpr
+  if len(cond.eqns) != 1 or primitive_name(cond.eqns[0]) != "lt":
+    return None
+  carry_vars = cond.invars[parts.cond_nconsts:]
+  bounds = []
+  for operand in cond.eqns[0].invars:
+    if is_literal(operand):
+      bounds.append(literal_int(operand))
+    elif operand in carry_vars:
+      bounds.append(literal_int(init_values[carry_vars.index(operand)]))
+    else:
+      return None
+  if None in bounds:
+    return None
+  return max(0, bounds[1] - bounds[0])
+
+
+def iter_equations(jaxpr: ClosedJaxpr) -> Iterator[Equation]:
+  yield from jaxpr.jaxpr.eqns
+
+
+def jaxpr_invars(jaxpr: ClosedJaxpr) -> list[Any]:
+  return list(jaxpr.jaxpr.invars)
+
+
+def jaxpr_constvars(jaxpr: ClosedJaxpr) -> list[Any]:
+  return list(jaxpr.jaxpr.constvars)
+
+
+def jaxpr_outvars(jaxpr: ClosedJaxpr) -> list[Any]:
+  return list(jaxpr.jaxpr.outvars)
+
+
+def dot_dimension_numbers(eqn: Equation) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def _plain(value: Any) -> Any:
+  """``value`` as nested tuples of ints/floats/strs, or raises TypeError."""
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, np.dtype) or type(value).__name__.endswith("DType"):
+    return str(np.dtype(value))
+  if isinstance(value, (tuple, list)):
+    return tuple(_plain(v) for v in value)
+  if isinstance(value, np.generic):
+    return value.item()
+  raise TypeError(type(value).__name__)
+
+
+def simple_params(eqn: Equation) -> tuple[tuple[str, Any], ...]:
+  """The params of ``eqn`` that are plain data (no jaxprs, functions, meshes)."""
+  out = []
+  for key, value in sorted(eqn.params.items()):
+    try:
+      out.append((key, _plain(value)))
+    except (TypeError, ValueError):
+      continue
+  return tuple(out)
