@@ -18,6 +18,11 @@ def names() -> list[str]:
   return list(_REGISTRY)
 
 
+def test_names() -> list[str]:
+  """Names of the small configs that tests compile and run."""
+  return [name for name, w in _REGISTRY.items() if w.test_size]
+
+
 def get(name: str) -> Workload:
   """The workload registered as ``name``."""
   try:
@@ -26,4 +31,4 @@ def get(name: str) -> Workload:
     raise UnknownNameError(f"unknown model {name!r}; known models: {', '.join(names())}") from None
 
 
-__all__ = ["Workload", "get", "names"]
+__all__ = ["Workload", "get", "names", "test_names"]

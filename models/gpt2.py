@@ -140,6 +140,7 @@ def workloads() -> list[Workload]:
           max_seq=cfg.n_ctx,
           published_params=published,
           source="GPT-2 (Radford et al., 2019); released checkpoints" if published else "test size",
+          test_size=published is None,
       )
       for name, (cfg, published) in CONFIGS.items()
   ]

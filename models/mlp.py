@@ -66,6 +66,7 @@ def workloads() -> list[Workload]:
   return [
       Workload(name=name, family="mlp", config=cfg, build=MLP, loss=classification_loss,
                batch_spec=classification_batch_spec, make_optimizer=lambda: optax.adam(1e-3),
-               default_batch=16 if name == "mlp-tiny" else 256, source="test size" if name == "mlp-tiny" else "")
+               default_batch=16 if name == "mlp-tiny" else 256, test_size=name == "mlp-tiny",
+               source="test size" if name == "mlp-tiny" else "synthetic 784-input classifier")
       for name, cfg in CONFIGS.items()
   ]

@@ -18,6 +18,7 @@ leaves, no memory), so even the largest configs can be traced on a laptop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -48,6 +49,7 @@ class Workload:
       ``None`` for models without a sequence axis).
     published_params: the parameter count published for this config, if any.
     source: where the config comes from (paper or model card).
+    test_size: True for the small configs that tests compile and run.
   """
 
   name: str
@@ -62,26 +64,28 @@ class Workload:
   max_seq: int | None = None
   published_params: int | None = None
   source: str = ""
+  test_size: bool = False
 
   # --- state -----------------------------------------------------------------
 
   def init_state(self, seed: int = 0) -> dict[str, Any]:
     """A concrete train state (allocates the weights)."""
     model = self.build(self.config, nnx.Rngs(seed))
-    params = nnx.state(model, nnx.Param)
+    return self._state_from_params(nnx.state(model, nnx.Param))
+
+  def _state_from_params(self, params: nnx.State) -> dict[str, Any]:
     return {"params": params, "opt_state": self.make_optimizer().init(params), "step": jnp.zeros((), jnp.int32)}
 
   def abstract_state(self) -> dict[str, Any]:
     """The train state as ``ShapeDtypeStruct``s; allocates nothing."""
-    return jax.eval_shape(self.init_state)
+    _, params = _abstract_model(self)
+    return jax.eval_shape(self._state_from_params, params)
 
   def graphdef(self) -> nnx.GraphDef:
-    model = nnx.eval_shape(lambda: self.build(self.config, nnx.Rngs(0)))
-    graphdef, _ = nnx.split(model, nnx.Param)
-    return graphdef
+    return _abstract_model(self)[0]
 
   def param_count(self) -> int:
-    params = self.abstract_state()["params"]
+    _, params = _abstract_model(self)
     return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
 
   # --- batches ---------------------------------------------------------------
@@ -133,6 +137,18 @@ class Workload:
 
     train_step.__name__ = f"{self.name.replace('-', '_')}_train_step"
     return train_step
+
+
+@functools.cache
+def _abstract_model(workload: Workload) -> tuple[nnx.GraphDef, nnx.State]:
+  """Graph definition and abstract parameters, built once per workload.
+
+  Building a model abstractly still runs its initialisers under
+  ``eval_shape`` (seconds for billion-parameter configs), so it is cached.
+  """
+  model = nnx.eval_shape(lambda: workload.build(workload.config, nnx.Rngs(0)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, params
 
 
 def _integer_high(config: Any, key: str) -> int:

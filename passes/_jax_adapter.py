@@ -79,29 +79,18 @@ def is_dropped(value: Any) -> bool:
   return isinstance(value, jcore.DropVar)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AbstractValue:
-  shape: tuple[int, ...]
-  dtype: str
-  itemsize: int
-
-  @property
-  def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
-
-  @property
-  def nbytes(self) -> int:
-    return self.size * self.itemsize
+def aval_of(value: Any) -> Any:
+  """The abstract value of a variable or literal (hashable; use as a cache key)."""
+  return value.aval
 
 
-def abstract_value(value: Any) -> AbstractValue:
-  """Shape, dtype name and item size of a jaxpr variable or literal."""
-  aval = value.aval
+def describe_aval(aval: Any) -> tuple[tuple[int, ...], str, int]:
+  """(shape, dtype name, item size) of an abstract value."""
   shape = tuple(int(d) for d in getattr(aval, "shape", ()))
   dtype = getattr(aval, "dtype", None)
   if dtype is None:  # tokens and other non-array values
-    return AbstractValue(shape, type(aval).__name__, 0)
-  return AbstractValue(shape, str(dtype), int(getattr(dtype, "itemsize", 0)))
+    return shape, type(aval).__name__, 0
+  return shape, str(dtype), int(getattr(dtype, "itemsize", 0))
 
 
 # --- equations ------------------------------------------------------------
@@ -218,26 +207,45 @@ def literal_int(value: Any) -> int | None:
 def static_while_trip_count(eqn: Equation, init_values: Sequence[Any]) -> int | None:
   """Trip count of a ``while`` written as ``for i in range(lo, hi)``, or None.
 
-  Recognises the loop JAX emits for ``fori_loop`` when the bounds are
-  literals but the loop could not become a ``scan``: the condition is a single
-  ``lt(carry[i], carry[j])`` and both initial values are integer literals.
+  Recognises a loop whose condition is the single equation
+  ``lt(carry[i], hi)``, whose body returns ``carry[i] + 1`` in position
+  ``i``, and where ``lo`` and ``hi`` are integer literals (``hi`` either in
+  the condition or as a carried value the body passes through unchanged).
+  Anything else is data dependent.
   """
   parts = while_parts(eqn)
-  cond = parts.cond.jaxpr
+  cond, body = parts.cond.jaxpr, parts.body.jaxpr
   if len(cond.eqns) != 1 or primitive_name(cond.eqns[0]) != "lt":
     return None
-  carry_vars = cond.invars[parts.cond_nconsts:]
-  bounds = []
-  for operand in cond.eqns[0].invars:
-    if is_literal(operand):
-      bounds.append(literal_int(operand))
-    elif operand in carry_vars:
-      bounds.append(literal_int(init_values[carry_vars.index(operand)]))
-    else:
-      return None
-  if None in bounds:
+  cond_carry = list(cond.invars[parts.cond_nconsts:])
+  body_carry = list(body.invars[parts.body_nconsts:])
+  counter, bound = cond.eqns[0].invars
+  if is_literal(counter) or counter not in cond_carry:
     return None
-  return max(0, bounds[1] - bounds[0])
+  position = cond_carry.index(counter)
+  if not _increments_by_one(body, body_carry[position], body.outvars[position]):
+    return None
+  lo = literal_int(init_values[position])
+  if is_literal(bound):
+    hi = literal_int(bound)
+  elif bound in cond_carry:
+    k = cond_carry.index(bound)
+    hi = literal_int(init_values[k]) if body.outvars[k] is body_carry[k] else None
+  else:
+    return None
+  if lo is None or hi is None:
+    return None
+  return max(0, hi - lo)
+
+
+def _increments_by_one(body: Jaxpr, before: Any, after: Any) -> bool:
+  for eqn in body.eqns:
+    if after in eqn.outvars:
+      if primitive_name(eqn) != "add":
+        return False
+      a, b = eqn.invars
+      return (a is before and literal_int(b) == 1) or (b is before and literal_int(a) == 1)
+  return False
 
 
 def iter_equations(jaxpr: ClosedJaxpr) -> Iterator[Equation]:

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, Iterable
-
-import numpy as np
 
 
 class Role(str, enum.Enum):
@@ -52,11 +51,11 @@ class TensorType:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    return math.prod(self.shape)
 
   @property
   def nbytes(self) -> int:
-    return self.size * self.itemsize
+    return math.prod(self.shape) * self.itemsize
 
   def __str__(self) -> str:
     return f"{self.dtype}[{','.join(map(str, self.shape))}]"

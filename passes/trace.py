@@ -201,9 +201,21 @@ def _edges(nodes: Sequence[Node]) -> tuple[Edge, ...]:
       if ref.source is Source.NODE)
 
 
+_TYPE_CACHE: dict[Any, TensorType] = {}
+
+
 def _tensor_type(var: Any) -> TensorType:
-  aval = jx.abstract_value(var)
-  return TensorType(aval.shape, aval.dtype, aval.itemsize)
+  aval = jx.aval_of(var)
+  try:
+    return _TYPE_CACHE[aval]
+  except KeyError:
+    pass
+  except TypeError:  # an unhashable abstract value
+    return TensorType(*jx.describe_aval(aval))
+  if len(_TYPE_CACHE) > 65536:
+    _TYPE_CACHE.clear()
+  typ = _TYPE_CACHE[aval] = TensorType(*jx.describe_aval(aval))
+  return typ
 
 
 def _name(fn: Callable[..., Any]) -> str:

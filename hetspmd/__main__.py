@@ -1,0 +1,5 @@
+import sys
+
+from hetspmd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""The ``hetspmd`` command line.
+
+    hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
+
+Errors that hetspmd raises on purpose print one line to stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from hetspmd.errors import HetSpmdError
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="hetspmd", description="Automatic, device-weighted SPMD sharding for JAX on mixed accelerator pools.")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  trace = sub.add_parser(
+      "trace", help="trace a model's training step and report its parameters, FLOPs and layers",
+      description="Trace a zoo model's single-device train step (forward, backward, optimizer) abstractly, "
+      "without allocating weights, and report parameters, FLOPs per step, the per-layer breakdown "
+      "and the primitives that dominate.")
+  trace.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small); "
+                     "--list shows every name")
+  trace.add_argument("--list", action="store_true", help="list the zoo models and exit")
+  trace.add_argument("--batch", type=_positive_int, help="global batch size (default: the model's own)")
+  trace.add_argument("--seq", type=_positive_int, help="sequence length, for sequence models (default: the model's own)")
+  trace.add_argument("--top", type=_positive_int, default=8, help="how many primitives to list (default: 8)")
+  trace.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+  trace.set_defaults(run=_run_trace)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except HetSpmdError as e:
+    print(f"hetspmd {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+# --- trace -------------------------------------------------------------------
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+  from hetspmd import models
+  from hetspmd.passes import trace
+
+  if args.list:
+    return _print_model_list(models, args.json)
+  workload = models.get(args.model)
+  batch = workload.example_batch(args.batch, args.seq)
+  if not args.json:
+    print(f"tracing {workload.name} train step (abstract, batch {_batch_desc(batch)}) ...", file=sys.stderr)
+  start = time.perf_counter()
+  graph = trace(workload.make_train_step(), workload.abstract_state(), batch)
+  seconds = time.perf_counter() - start
+  report = trace_report(workload, graph, batch, seconds, args.top)
+  if args.json:
+    print(json.dumps(report, indent=2))
+  else:
+    print(format_trace_report(report))
+  return 0
+
+
+def _batch_desc(batch: dict[str, Any]) -> str:
+  return ", ".join(f"{k}{list(v.shape)}" for k, v in batch.items())
+
+
+def trace_report(workload, graph, batch, seconds: float, top: int) -> dict[str, Any]:
+  """The machine-readable summary printed by ``hetspmd trace --json``."""
+  from hetspmd.passes import Role
+
+  return {
+      "model": workload.name,
+      "params": graph.elements_with_role(Role.PARAM),
+      "batch": {k: list(v.shape) for k, v in batch.items()},
+      "flops_per_step": graph.total_flops,
+      "transcendentals_per_step": graph.total_transcendentals,
+      "bytes_per_step": graph.total_bytes,
+      "state_bytes": {role.value: graph.bytes_with_role(role) for role in Role},
+      "nodes": len(graph.nodes),
+      "layers": [{"name": l.name, "flops": l.flops, "nodes": len(l.node_ids), "repeat_of": l.repeat_of}
+                 for l in graph.layers],
+      "top_primitives": [{"primitive": p, "flops": f} for p, f in list(graph.flops_by_primitive().items())[:top]],
+      "loops": [{"primitive": l.primitive, "trip_count": l.trip_count, "data_dependent": l.data_dependent,
+                 "module": l.module_path} for l in graph.loops],
+      "unknown_primitives": list(graph.unknown_primitives),
+      "trace_seconds": round(seconds, 3),
+  }
+
+
+def _si(x: float, unit: str = "") -> str:
+  for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.2f} {prefix}{unit}"
+  return f"{x:.0f} {unit}".rstrip()
+
+
+def format_trace_report(report: dict[str, Any]) -> str:
+  total = report["flops_per_step"] or 1.0
+  lines = [
+      f"model            {report['model']}",
+      f"parameters       {report['params']:,} ({_si(report['params'])})",
+      f"batch            " + ", ".join(f"{k}{v}" for k, v in report["batch"].items()),
+      f"FLOPs per step   {_si(report['flops_per_step'], 'FLOP')} (+ {_si(report['transcendentals_per_step'])} transcendentals)",
+      f"graph            {report['nodes']:,} nodes, {len(report['layers'])} layers, traced in {report['trace_seconds']:.2f} s",
+  ]
+  if report["unknown_primitives"]:
+    lines.append(f"default-costed   {', '.join(report['unknown_primitives'])}")
+  dynamic = [l for l in report["loops"] if l["data_dependent"]]
+  if dynamic:
+    lines.append(f"warning          {len(dynamic)} data-dependent while loop(s) costed as one iteration")
+  lines += ["", f"{'layer':<28} {'FLOPs':>14} {'share':>7}  repeat of"]
+  for layer in report["layers"]:
+    lines.append(f"{layer['name'][:28]:<28} {_si(layer['flops'], 'FLOP'):>14} {layer['flops'] / total:>6.1%}  "
+                 f"{layer['repeat_of'] or ''}")
+  lines += ["", f"{'primitive':<28} {'FLOPs':>14} {'share':>7}"]
+  for row in report["top_primitives"]:
+    lines.append(f"{row['primitive']:<28} {_si(row['flops'], 'FLOP'):>14} {row['flops'] / total:>6.1%}")
+  return "\n".join(lines)
+
+
+def _print_model_list(models, as_json: bool) -> int:
+  rows = []
+  for name in models.names():
+    w = models.get(name)
+    rows.append({"name": name, "family": w.family, "params": w.param_count(), "source": w.source})
+  if as_json:
+    print(json.dumps(rows, indent=2))
+  else:
+    print(f"{'model':<16} {'params':>10}  source")
+    for r in rows:
+      print(f"{r['name']:<16} {_si(r['params']):>10}  {r['source']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,77 @@
+"""The model zoo: registry, published sizes, batches, and real training on CPU."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd
+from hetspmd import models
+
+PUBLISHED = [name for name in models.names() if models.get(name).published_params]
+
+
+def test_registry_lists_the_foundation_models():
+  for name in ("mlp", "mlp-tiny", "gpt2-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+    assert name in models.names()
+  assert set(models.test_names()) >= {"mlp-tiny", "gpt2-tiny"}
+
+
+def test_unknown_model_lists_known_ones():
+  with pytest.raises(hetspmd.UnknownNameError, match="unknown model 'gpt5'.*gpt2-small"):
+    models.get("gpt5")
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_count_within_one_percent_of_published(name):
+  workload = models.get(name)
+  assert workload.param_count() == pytest.approx(workload.published_params, rel=0.01)
+
+
+@pytest.mark.parametrize("batch,seq,match", [
+    (0, 16, "batch must be a positive integer"),
+    (2, 0, "sequence length must be a positive integer"),
+    (2, 4096, "exceeds the model's context of 128"),
+])
+def test_bad_batch_sizes_are_refused(batch, seq, match):
+  with pytest.raises(hetspmd.InvalidValueError, match=match):
+    models.get("gpt2-tiny").example_batch(batch, seq)
+
+
+def test_sequence_length_on_a_model_without_one_is_refused():
+  with pytest.raises(hetspmd.InvalidValueError, match="no sequence axis"):
+    models.get("mlp-tiny").example_batch(4, 16)
+
+
+@pytest.mark.parametrize("name", models.test_names())
+def test_tiny_models_train_on_cpu(name):
+  workload = models.get(name)
+  step = jax.jit(workload.make_train_step())
+  state = workload.init_state(seed=0)
+  batch = workload.synthetic_batch(seed=0)
+  losses = []
+  for _ in range(20):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert np.isfinite(losses).all()
+  assert losses[-1] < 0.9 * losses[0]
+  assert int(state["step"]) == 20
+
+
+def test_abstract_trace_of_gpt2_xl_allocates_no_weights(tmp_path):
+  """1.5B float32 parameters and adam state are 18 GiB; the trace stays under 2 GiB."""
+  script = textwrap.dedent("""
+      import resource, hetspmd
+      from hetspmd import models
+      w = models.get("gpt2-xl")
+      g = hetspmd.trace(w.make_train_step(), w.abstract_state(), w.example_batch(1, 1024))
+      print(g.elements_with_role("param"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+  """)
+  out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr
+  params, max_rss_kib = map(int, out.stdout.split())
+  assert params == models.get("gpt2-xl").published_params
+  assert max_rss_kib * 1024 < 2 * 2**30
