@@ -1,16 +1,24 @@
 """hetspmd: automatic, device-weighted SPMD sharding for JAX."""
 
 from hetspmd._version import __version__ as __version__
+from hetspmd.cluster import Cluster as Cluster
+from hetspmd.cluster import Host as Host
+from hetspmd.devices import DeviceSpec as DeviceSpec
+from hetspmd.devices import Link as Link
 from hetspmd.errors import HetSpmdError as HetSpmdError
 from hetspmd.errors import InvalidValueError as InvalidValueError
 from hetspmd.errors import TraceError as TraceError
 from hetspmd.errors import UnknownNameError as UnknownNameError
 from hetspmd.errors import UnpartitionableError as UnpartitionableError
+from hetspmd.mesh import HetMesh as HetMesh
+from hetspmd.mesh import enumerate_layouts as enumerate_layouts
 from hetspmd.passes import Graph as Graph
 from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
+from hetspmd.profiler import profile as profile
 
 __all__ = [
+    "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
     "Graph", "HetSpmdError", "InvalidValueError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",
 ]

@@ -1,6 +1,7 @@
 """The ``hetspmd`` command line.
 
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
+    hetspmd profile [--json] [--out cluster.toml]
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
 """
@@ -44,7 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
   trace.add_argument("--top", type=_positive_int, default=8, help="how many primitives to list (default: 8)")
   trace.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
   trace.set_defaults(run=_run_trace)
+
+  profile = sub.add_parser(
+      "profile", help="measure this machine's devices and links and write a cluster file",
+      description="Measure every visible JAX device (matmul FLOP/s in float32 and bfloat16, alone and with "
+      "all devices busy; memory copy bandwidth) and the collectives between them (all-reduce, all-gather, "
+      "reduce-scatter over message sizes, fitted to alpha + beta * bytes). With jax.distributed initialised "
+      "every process measures its own devices.",
+      epilog="Cluster spec grammar used by --cluster elsewhere: " + _GRAMMAR)
+  profile.add_argument("--out", help="write the measured cluster to this TOML file")
+  profile.add_argument("--json", action="store_true", help="print the full profile as JSON")
+  profile.add_argument("--devices", type=_positive_int, help="measure only the first N devices")
+  profile.set_defaults(run=_run_profile)
   return parser
+
+
+_GRAMMAR = ("SPEC := GROUP('+'GROUP)*(';'OPTION)*, GROUP := [HOSTSx][DEVICESx]KIND[@LINK], "
+            "OPTION := inter=LINK | intra=LINK | inter_latency=TIME | intra_latency=TIME; "
+            "e.g. '2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps'. LINK is a preset (pcie, pcie4, nvlink, "
+            "nvlink3, nvlink4, xgmi, ici, host) or a bandwidth such as 25Gbps.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +96,33 @@ def _run_trace(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2))
   else:
     print(format_trace_report(report))
+  return 0
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+  import jax
+
+  from hetspmd.profiler import profile
+
+  devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+  result = profile(devices, progress=not args.json)
+  cluster = result.cluster()
+  if args.out:
+    cluster.save(args.out)
+  if args.json:
+    print(json.dumps({**result.to_json(), "cluster": cluster.describe()}, indent=2))
+    return 0
+  print(f"measured {len(result.devices)} {result.backend} device(s) in {result.seconds:.1f} s")
+  print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy':>11} {'memory':>9}")
+  for d in result.devices:
+    print(f"{d.id:>6} {d.kind:<10} {_si(d.peak('float32', busy=False), 'FLOP/s'):>15} "
+          f"{_si(d.peak('float32'), 'FLOP/s'):>15} {_si(d.peak('bfloat16'), 'FLOP/s'):>15} "
+          f"{_si(d.copy_bandwidth, 'B/s'):>11} {_si(d.memory_bytes, 'B'):>9}")
+  for fit in result.collectives:
+    print(f"{fit.op:<15} over {fit.group_size} ({fit.axis}): alpha {fit.alpha * 1e6:.1f} us, "
+          f"{_si(1 / fit.beta if fit.beta else float('inf'), 'B/s')} asymptotic")
+  if args.out:
+    print(f"wrote {args.out}")
   return 0
 
 

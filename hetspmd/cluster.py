@@ -1,0 +1,387 @@
+"""The cluster model: hosts of devices, the links inside and between them.
+
+Devices are numbered host-major (host 0's devices first), the order
+``jax.experimental.mesh_utils.create_hybrid_device_mesh(process_is_granule=True)``
+uses, and every plan names devices by these global ids.
+
+Cluster spec grammar (``Cluster.parse``)::
+
+    spec   := group ("+" group)* (";" option)*
+    group  := [HOSTS "x"] [DEVICES "x"] KIND ["@" LINK]
+    option := "inter=" LINK | "intra=" LINK | "inter_latency=" TIME | "intra_latency=" TIME
+
+``2x8xV100-32GB`` is 2 hosts of 8 V100s; ``4xT4`` one host of 4 T4s; ``L4``
+one host of one L4. ``LINK`` is a preset (``pcie``, ``pcie4``, ``nvlink``,
+``nvlink3``, ``nvlink4``, ``xgmi``, ``ici``, ``host``) or a bandwidth
+(``10.4Gbps``, ``12GB/s``). ``intra=`` sets every group's link unless the
+group names its own with ``@``; without either, each kind gets its usual
+link (NVLink for SXM parts, PCIe otherwise). The default network between
+hosts is 25 Gbps with 20 µs latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Sequence
+
+from hetspmd.devices import (LINK_PRESETS, DeviceSpec, Link, device_spec, link, parse_latency,
+                             preset_for_device_kind)
+from hetspmd.errors import InvalidValueError, UnknownNameError
+
+DEFAULT_INTER = "25Gbps"
+DEFAULT_INTER_LATENCY = 20e-6
+
+# Usual intra-host link per device kind.
+_DEFAULT_INTRA = {
+    "P100-16GB": "pcie3", "V100-16GB": "nvlink2", "V100-32GB": "nvlink2", "T4": "pcie3", "A10G": "pcie4",
+    "L4": "pcie4", "A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "H100-80GB": "nvlink4", "H200": "nvlink4",
+    "RTX3090": "pcie4", "RTX4090": "pcie4", "MI250X": "xgmi", "MI300X": "xgmi", "TPU-v4": "ici",
+    "TPU-v5e": "ici", "cpu": "host",
+}
+
+CLUSTER_PRESETS: dict[str, str] = {
+    # HAP (Zhang et al., EuroSys 2024): 2 hosts x 8 V100 + 6 hosts x 8 P100, 10.4 Gbps between hosts
+    "hap-v100-p100": "2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps",
+    # AMP (Li et al., NeurIPS 2022) mixed cluster: 3 g4dn.12xlarge (4 T4) + 1 p3.8xlarge (4 V100);
+    # the p3.8xlarge's 10 Gbps bounds the network
+    "amp-t4-v100": "3x4xT4+1x4xV100-16GB;inter=10Gbps",
+    "a100-v100-mix": "1x8xA100-40GB+2x8xV100-32GB;inter=100Gbps",
+    "h100-a100-l4-mix": "1x8xH100-80GB+1x8xA100-80GB+2x8xL4;inter=200Gbps",
+    # homogeneous references
+    "v100x16": "2x8xV100-32GB;inter=10.4Gbps",
+    "p100x48": "6x8xP100-16GB;inter=10.4Gbps",
+    "t4x16": "4x4xT4;inter=50Gbps",
+    "a100x8": "1x8xA100-80GB",
+    "a100x64": "8x8xA100-80GB;inter=200Gbps",
+    "h100x16": "2x8xH100-80GB;inter=400Gbps",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+  device: DeviceSpec
+  count: int
+  intra: Link
+
+  def __post_init__(self):
+    if not isinstance(self.count, int) or self.count < 1:
+      raise InvalidValueError(f"a host needs a positive device count, got {self.count!r} x {self.device.name}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterDevice:
+  """One device of a cluster: global id (host-major), host, index in host."""
+
+  id: int
+  host: int
+  local: int
+  spec: DeviceSpec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cluster:
+  """Hosts of devices and the network between them.
+
+  ``jax_device_ids`` maps cluster positions to real JAX device ids when the
+  cluster describes (or emulates) devices this process can see.
+  """
+
+  hosts: tuple[Host, ...]
+  inter: Link = Link(DEFAULT_INTER, 25e9 / 8, DEFAULT_INTER_LATENCY)
+  name: str = ""
+  jax_device_ids: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if not self.hosts:
+      raise InvalidValueError("a cluster needs at least one host")
+    if self.jax_device_ids is not None:
+      ids = tuple(self.jax_device_ids)
+      if len(ids) != self.num_devices:
+        raise InvalidValueError(
+            f"cluster has {self.num_devices} devices but {len(ids)} jax_device_ids were given")
+      if len(set(ids)) != len(ids):
+        raise InvalidValueError(f"jax_device_ids repeat a device: {ids}")
+
+  def replace(self, **changes: Any) -> "Cluster":
+    return dataclasses.replace(self, **changes)
+
+  # --- views -------------------------------------------------------------
+
+  @property
+  def num_devices(self) -> int:
+    return sum(h.count for h in self.hosts)
+
+  @property
+  def devices(self) -> tuple[ClusterDevice, ...]:
+    out, gid = [], 0
+    for h, host in enumerate(self.hosts):
+      for local in range(host.count):
+        out.append(ClusterDevice(gid, h, local, host.device))
+        gid += 1
+    return tuple(out)
+
+  @property
+  def kinds(self) -> tuple[str, ...]:
+    """Device kinds in order of first appearance."""
+    return tuple(dict.fromkeys(h.device.name for h in self.hosts))
+
+  @property
+  def is_homogeneous(self) -> bool:
+    return len(self.kinds) == 1
+
+  def spec_of(self, kind: str) -> DeviceSpec:
+    for host in self.hosts:
+      if host.device.name == kind:
+        return host.device
+    raise UnknownNameError(f"no {kind!r} devices in this cluster; it has {', '.join(self.kinds)}")
+
+  def describe(self) -> str:
+    """A compact spec that :meth:`parse` reads back (for preset kinds)."""
+    groups: list[list[Any]] = []
+    for host in self.hosts:
+      if groups and groups[-1][1] == host:
+        groups[-1][0] += 1
+      else:
+        groups.append([1, host])
+    parts = [f"{n}x{h.count}x{h.device.name}@{h.intra.name}" for n, h in groups]
+    return "+".join(parts) + f";inter={self.inter.name}"
+
+  def __str__(self) -> str:
+    return self.name or self.describe()
+
+  # --- constructors ------------------------------------------------------
+
+  @classmethod
+  def parse(cls, spec: str, devices: dict[str, DeviceSpec] | None = None, name: str = "") -> "Cluster":
+    """Reads the compact grammar in this module's docstring."""
+    return _parse(spec, devices or {}, name)
+
+  @classmethod
+  def preset(cls, name: str) -> "Cluster":
+    """A named cluster from :data:`CLUSTER_PRESETS`."""
+    if name not in CLUSTER_PRESETS:
+      raise UnknownNameError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTER_PRESETS)}")
+    return _parse(CLUSTER_PRESETS[name], {}, name)
+
+  @classmethod
+  def load(cls, path: str | Path) -> "Cluster":
+    """Reads a cluster TOML file written by :meth:`save`."""
+    path = Path(path)
+    try:
+      data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+      raise InvalidValueError(f"cluster file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+      raise InvalidValueError(f"cluster file {str(path)!r} is not valid TOML: {e}") from None
+    return from_dict(data, where=str(path))
+
+  def save(self, path: str | Path) -> None:
+    Path(path).write_text(to_toml(self))
+
+  @classmethod
+  def resolve(cls, text: str) -> "Cluster":
+    """A preset name, a path to a TOML file, or a compact spec."""
+    if text in CLUSTER_PRESETS:
+      return cls.preset(text)
+    if text.endswith(".toml") or Path(text).is_file():
+      return cls.load(text)
+    return cls.parse(text)
+
+  @classmethod
+  def from_devices(cls, devices: Sequence[Any], inter: str = DEFAULT_INTER) -> "Cluster":
+    """The cluster of real JAX devices: ``device_kind`` → preset, others measured.
+
+    Devices are grouped into hosts by ``process_index`` and then by kind.
+    Kinds without a preset (``cpu`` included) are profiled once each.
+    """
+    specs: dict[str, DeviceSpec] = {}
+    kinds = []
+    for d in devices:
+      preset = preset_for_device_kind(getattr(d, "device_kind", ""))
+      if preset is None:
+        kind = "cpu" if d.platform == "cpu" else str(d.device_kind)
+        if kind not in specs:
+          from hetspmd import profiler
+          specs[kind] = profiler.measure_device_spec(d, name=kind)
+      else:
+        kind = preset
+      kinds.append(kind)
+    return _grouped(devices, kinds, specs, link(inter), name="local")
+
+  @classmethod
+  def emulate(cls, devices: Sequence[Any], kinds: Sequence[str],
+              custom: dict[str, DeviceSpec] | None = None) -> "Cluster":
+    """Real devices (e.g. 8 emulated CPU devices) standing in for ``kinds``.
+
+    Plans for the result run on ``devices``; costs use the virtual kinds.
+    Consecutive devices of one kind in one process form one virtual host.
+    """
+    devices, kinds = list(devices), list(kinds)
+    if len(devices) != len(kinds):
+      raise InvalidValueError(f"emulate() got {len(devices)} devices but {len(kinds)} kinds; give one kind per device")
+    specs = {k: device_spec(k, custom) for k in dict.fromkeys(kinds)}
+    return _grouped(devices, kinds, specs, LINK_PRESETS["host"], name="emulated", intra=LINK_PRESETS["host"])
+
+
+def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,
+             intra: Link | None = None) -> Cluster:
+  order = sorted(range(len(devices)), key=lambda i: (getattr(devices[i], "process_index", 0), i))
+  hosts: list[Host] = []
+  ids: list[int] = []
+  previous = None
+  for i in order:
+    key = (getattr(devices[i], "process_index", 0), kinds[i])
+    spec = specs.get(kinds[i]) or device_spec(kinds[i])
+    if key == previous:
+      hosts[-1] = dataclasses.replace(hosts[-1], count=hosts[-1].count + 1)
+    else:
+      hosts.append(Host(spec, 1, intra or _default_intra(spec.name)))
+    previous = key
+    ids.append(int(devices[i].id))
+  return Cluster(tuple(hosts), inter, name, tuple(ids))
+
+
+def _default_intra(kind: str) -> Link:
+  return LINK_PRESETS[_DEFAULT_INTRA.get(kind, "pcie")]
+
+
+# --- the compact grammar ----------------------------------------------------
+
+_GROUP = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?([A-Za-z][A-Za-z0-9._-]*)(?:@(\S+))?$")
+_GROUP_FORM = "[HOSTSx][DEVICESx]KIND[@LINK], e.g. 2x8xV100-32GB or 4xT4@pcie"
+
+
+def _spec_error(spec: str, token: str, position: int, why: str) -> InvalidValueError:
+  marker = " " * position + "^" * max(1, len(token))
+  return InvalidValueError(f"malformed cluster spec at {token!r}: {why}\n  {spec}\n  {marker}")
+
+
+def _parse(spec: str, custom: dict[str, DeviceSpec], name: str) -> Cluster:
+  if not isinstance(spec, str) or not spec.strip():
+    raise InvalidValueError(f"a cluster spec is a non-empty string such as '2x8xV100-32GB+6x8xP100-16GB', got {spec!r}")
+  head, *options = spec.split(";")
+  settings, option_pos = {}, len(head) + 1
+  for option in options:
+    key, sep, value = option.partition("=")
+    key = key.strip()
+    if not sep or key not in ("inter", "intra", "inter_latency", "intra_latency") or not value.strip():
+      raise _spec_error(spec, option, option_pos,
+                        "expected inter=LINK, intra=LINK, inter_latency=TIME or intra_latency=TIME")
+    settings[key] = (value.strip(), option_pos)
+    option_pos += len(option) + 1
+
+  def option_value(key, parse):
+    value, position = settings[key]
+    try:
+      return parse(value)
+    except (InvalidValueError, UnknownNameError) as e:
+      raise _spec_error(spec, value, position + len(key) + 1, str(e)) from None
+
+  intra_latency = option_value("intra_latency", parse_latency) if "intra_latency" in settings else None
+  inter_latency = option_value("inter_latency", parse_latency) if "inter_latency" in settings else None
+  inter = option_value("inter", lambda v: link(v, inter_latency)) if "inter" in settings else link(
+      DEFAULT_INTER, inter_latency)
+  intra_all = option_value("intra", lambda v: link(v, intra_latency)) if "intra" in settings else None
+
+  hosts: list[Host] = []
+  position = 0
+  for token in head.split("+"):
+    hosts += _parse_group(spec, token, position, custom, intra_all, intra_latency)
+    position += len(token) + 1
+  return Cluster(tuple(hosts), inter, name)
+
+
+def _parse_group(spec, token, position, custom, intra_all, intra_latency) -> list[Host]:
+  match = _GROUP.match(token.strip())
+  if match is None:
+    raise _spec_error(spec, token, position, f"expected {_GROUP_FORM}")
+  first, second, kind, link_name = match.groups()
+  if second is None:
+    n_hosts, per_host = 1, int(first or 1)
+  else:
+    n_hosts, per_host = int(first), int(second)
+  if n_hosts < 1 or per_host < 1:
+    raise _spec_error(spec, token, position, f"host and device counts must be positive, got {n_hosts} x {per_host}")
+  try:
+    device = device_spec(kind, custom)
+    intra = link(link_name, intra_latency) if link_name else intra_all or _default_intra(device.name)
+    if intra_latency is not None and not link_name and intra_all is None:
+      intra = intra.replace(latency=intra_latency)
+  except (UnknownNameError, InvalidValueError) as e:
+    raise _spec_error(spec, token, position, str(e)) from None
+  return [Host(device, per_host, intra) for _ in range(n_hosts)]
+
+
+# --- TOML -------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, (int, float)):
+    return repr(value)
+  if isinstance(value, str):
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+  if isinstance(value, (list, tuple)):
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+  raise TypeError(type(value))
+
+
+def _table(fields: dict[str, Any]) -> list[str]:
+  return [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
+
+
+def to_toml(cluster: Cluster) -> str:
+  """Exact TOML text of ``cluster``: every number written so it reads back equal."""
+  lines = ["# hetspmd cluster: bandwidths in bytes/s, latencies in s, memory in bytes, FLOP/s"]
+  top = {"name": cluster.name}
+  if cluster.jax_device_ids is not None:
+    top["jax_device_ids"] = list(cluster.jax_device_ids)
+  lines += _table(top)
+  lines += ["", "[inter]"] + _table(dataclasses.asdict(cluster.inter))
+  for host in cluster.hosts:
+    lines += ["", "[[hosts]]"] + _table({"device": host.device.name, "count": host.count})
+    lines += ["[hosts.intra]"] + _table(dataclasses.asdict(host.intra))
+  for kind in cluster.kinds:
+    spec = dataclasses.asdict(cluster.spec_of(kind))
+    del spec["name"]
+    lines += ["", f"[devices.{_toml_value(kind)}]"] + _table(spec)
+  return "\n".join(lines) + "\n"
+
+
+def _need(table: dict[str, Any], key: str, where: str) -> Any:
+  if key not in table:
+    raise InvalidValueError(f"{where}: missing key {key!r}")
+  return table[key]
+
+
+def _link_from(table: Any, where: str) -> Link:
+  if isinstance(table, str):
+    return link(table)
+  if not isinstance(table, dict):
+    raise InvalidValueError(f"{where}: expected a link name or a table with bandwidth and latency, got {table!r}")
+  return Link(str(table.get("name", "custom")), float(_need(table, "bandwidth", where)),
+              float(table.get("latency", DEFAULT_INTER_LATENCY)))
+
+
+def from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
+  """A cluster from parsed TOML (the layout written by :func:`to_toml`)."""
+  custom = {}
+  for kind, fields in data.get("devices", {}).items():
+    try:
+      custom[kind] = DeviceSpec(kind, **fields)
+    except TypeError as e:
+      raise InvalidValueError(
+          f"{where}: [devices.{kind!r}] needs fp32_flops, bf16_flops, memory_bytes, memory_bandwidth ({e})") from None
+  hosts = []
+  for i, table in enumerate(_need(data, "hosts", where)):
+    kind = _need(table, "device", f"{where} hosts[{i}]")
+    device = device_spec(kind, custom)
+    intra = _link_from(table["intra"], f"{where} hosts[{i}].intra") if "intra" in table else _default_intra(kind)
+    hosts.append(Host(device, _need(table, "count", f"{where} hosts[{i}]"), intra))
+  inter = _link_from(data["inter"], f"{where} [inter]") if "inter" in data else link(DEFAULT_INTER)
+  ids = data.get("jax_device_ids")
+  return Cluster(tuple(hosts), inter, str(data.get("name", "")), tuple(ids) if ids is not None else None)

@@ -1,0 +1,253 @@
+"""Device and link specifications: datasheet presets and unit parsing.
+
+A :class:`DeviceSpec` is what the cost model knows about one accelerator:
+dense peak FLOP/s in fp32 and in bf16/fp16 (tensor cores where the device
+has them), memory size and memory bandwidth. A :class:`Link` is a bandwidth
+(bytes/s, one direction) and a latency (s).
+
+Preset numbers are dense (no structured sparsity) peaks from the vendors'
+datasheets, named beside each entry. The ``cpu`` spec is never assumed: it
+is measured on this machine the first time it is asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+from hetspmd.errors import InvalidValueError, UnknownNameError
+
+GiB = 2**30
+GB = 10**9
+TFLOPS = 1e12
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceSpec:
+  """One accelerator kind.
+
+  Attributes:
+    name: the kind, e.g. ``V100-32GB``.
+    fp32_flops: dense fp32 peak, FLOP/s.
+    bf16_flops: dense bf16/fp16 peak (tensor cores), FLOP/s.
+    memory_bytes: device memory, bytes.
+    memory_bandwidth: device memory bandwidth, bytes/s.
+    measured: True when the numbers come from :func:`hetspmd.profile`.
+  """
+
+  name: str
+  fp32_flops: float
+  bf16_flops: float
+  memory_bytes: int
+  memory_bandwidth: float
+  measured: bool = False
+
+  def __post_init__(self):
+    if not self.name or not isinstance(self.name, str):
+      raise InvalidValueError(f"DeviceSpec needs a non-empty name, got {self.name!r}")
+    for field in ("fp32_flops", "bf16_flops", "memory_bytes", "memory_bandwidth"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
+
+  def replace(self, **changes: Any) -> "DeviceSpec":
+    return dataclasses.replace(self, **changes)
+
+  def peak_flops(self, dtype: str = "float32") -> float:
+    """Dense peak for ``dtype`` (``float32``; ``bfloat16``/``float16``)."""
+    return self.bf16_flops if dtype in ("bfloat16", "float16", "bf16", "fp16") else self.fp32_flops
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+  """A link class: one-direction bandwidth (bytes/s) and latency (s)."""
+
+  name: str
+  bandwidth: float
+  latency: float
+
+  def __post_init__(self):
+    if not math.isfinite(self.bandwidth) or self.bandwidth <= 0:
+      raise InvalidValueError(f"link {self.name!r}: bandwidth must be positive, got {self.bandwidth!r} bytes/s")
+    if not math.isfinite(self.latency) or self.latency < 0:
+      raise InvalidValueError(f"link {self.name!r}: latency must be non-negative, got {self.latency!r} s")
+
+  def replace(self, **changes: Any) -> "Link":
+    return dataclasses.replace(self, **changes)
+
+  def transfer_seconds(self, nbytes: float) -> float:
+    return self.latency + nbytes / self.bandwidth
+
+
+def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float) -> DeviceSpec:
+  return DeviceSpec(name, fp32_tflops * TFLOPS, bf16_tflops * TFLOPS, int(memory_gib * GiB), bandwidth_gbs * GB)
+
+
+# name: DeviceSpec. Memory sizes are the marketed GB read as GiB (HBM stacks
+# are binary sized); bandwidth in GB/s as published.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
+    # NVIDIA Tesla P100 PCIe datasheet: 9.3 TF fp32, 18.7 TF fp16, 16 GB, 732 GB/s
+    _spec("P100-16GB", 9.3, 18.7, 16, 732),
+    # NVIDIA V100 datasheet (SXM2): 15.7 TF fp32, 125 TF tensor, 900 GB/s
+    _spec("V100-16GB", 15.7, 125, 16, 900),
+    _spec("V100-32GB", 15.7, 125, 32, 900),
+    # NVIDIA T4 datasheet: 8.1 TF fp32, 65 TF fp16 tensor, 16 GB GDDR6, 320 GB/s
+    _spec("T4", 8.1, 65, 16, 320),
+    # NVIDIA A10 datasheet (A10G is AWS's A10): 31.2 TF fp32, 125 TF bf16 tensor, 24 GB, 600 GB/s
+    _spec("A10G", 31.2, 125, 24, 600),
+    # NVIDIA L4 datasheet: 30.3 TF fp32, 121 TF bf16 tensor (dense), 24 GB, 300 GB/s
+    _spec("L4", 30.3, 121, 24, 300),
+    # NVIDIA A100 datasheet (SXM): 19.5 TF fp32, 312 TF bf16 tensor, 1555 / 2039 GB/s
+    _spec("A100-40GB", 19.5, 312, 40, 1555),
+    _spec("A100-80GB", 19.5, 312, 80, 2039),
+    # NVIDIA H100 datasheet (SXM): 67 TF fp32, 989 TF bf16 tensor (dense), 80 GB, 3.35 TB/s
+    _spec("H100-80GB", 67, 989, 80, 3350),
+    # NVIDIA H200 datasheet (SXM): 67 TF fp32, 989 TF bf16 tensor (dense), 141 GB, 4.8 TB/s
+    _spec("H200", 67, 989, 141, 4800),
+    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 35.6 TF fp32, 71 TF fp16 tensor (fp32 acc.), 936 GB/s
+    _spec("RTX3090", 35.6, 71, 24, 936),
+    # NVIDIA Ada whitepaper (RTX 4090): 82.6 TF fp32, 165.2 TF fp16 tensor (fp32 acc.), 1008 GB/s
+    _spec("RTX4090", 82.6, 165.2, 24, 1008),
+    # AMD Instinct MI250X datasheet: 47.9 TF fp32 vector, 383 TF bf16 matrix, 128 GB, 3.2 TB/s
+    _spec("MI250X", 47.9, 383, 128, 3277),
+    # AMD Instinct MI300X datasheet: 163.4 TF fp32, 1307 TF bf16 (dense), 192 GB, 5.3 TB/s
+    _spec("MI300X", 163.4, 1307.4, 192, 5300),
+    # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; fp32 matmuls as 3 bf16 passes
+    _spec("TPU-v4", 275 / 3, 275, 32, 1200),
+    # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; fp32 matmuls as 3 bf16 passes
+    _spec("TPU-v5e", 197 / 3, 197, 16, 819),
+)}
+
+# The names JAX reports as ``device.device_kind`` → preset names.
+_DEVICE_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"P100", "P100-16GB"),
+    (r"V100.*32", "V100-32GB"),
+    (r"V100", "V100-16GB"),
+    (r"\bT4\b", "T4"),
+    (r"A10G|\bA10\b", "A10G"),
+    (r"\bL4\b", "L4"),
+    (r"A100.*80", "A100-80GB"),
+    (r"A100", "A100-40GB"),
+    (r"H200", "H200"),
+    (r"H100", "H100-80GB"),
+    (r"3090", "RTX3090"),
+    (r"4090", "RTX4090"),
+    (r"MI250", "MI250X"),
+    (r"MI300", "MI300X"),
+    (r"TPU v4", "TPU-v4"),
+    (r"TPU v5 lite|TPU v5e", "TPU-v5e"),
+)
+
+
+def preset_for_device_kind(device_kind: str) -> str | None:
+  """The preset name for a JAX ``device_kind`` string, or None."""
+  for pattern, name in _DEVICE_KIND_PATTERNS:
+    if re.search(pattern, device_kind, re.IGNORECASE):
+      return name
+  return None
+
+
+def known_device_names() -> list[str]:
+  return sorted(DEVICE_PRESETS) + ["cpu"]
+
+
+def device_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> DeviceSpec:
+  """The spec of kind ``name``: ``custom`` first, then presets, then ``cpu`` (measured)."""
+  if custom and name in custom:
+    return custom[name]
+  if name in DEVICE_PRESETS:
+    return DEVICE_PRESETS[name]
+  if name.lower() == "cpu":
+    return measured_cpu_spec()
+  lower = {k.lower(): k for k in DEVICE_PRESETS}
+  if name.lower() in lower:
+    return DEVICE_PRESETS[lower[name.lower()]]
+  raise UnknownNameError(
+      f"unknown device kind {name!r}; known kinds: {', '.join(known_device_names())}. "
+      f"For other hardware give its numbers: Cluster.parse(spec, devices={{{name!r}: "
+      f"hetspmd.DeviceSpec({name!r}, fp32_flops=..., bf16_flops=..., memory_bytes=..., memory_bandwidth=...)}}) "
+      f"or a [devices.{name!r}] table in a cluster TOML file")
+
+
+@functools.cache
+def measured_cpu_spec() -> DeviceSpec:
+  """This machine's CPU, measured once per process (about a second)."""
+  from hetspmd import profiler
+
+  return profiler.measure_device_spec(profiler.first_cpu_device(), name="cpu")
+
+
+# --- links -----------------------------------------------------------------
+
+# name: Link. Bandwidth is one direction per device.
+LINK_PRESETS: dict[str, Link] = {l.name: l for l in (
+    # PCIe 3.0 x16: 15.75 GB/s per direction; PCIe 4.0 / 5.0 double it each generation
+    Link("pcie", 15.75 * GB, 5e-6),
+    Link("pcie3", 15.75 * GB, 5e-6),
+    Link("pcie4", 31.5 * GB, 5e-6),
+    Link("pcie5", 63.0 * GB, 5e-6),
+    # NVLink 2 (V100 SXM2): 150 GB/s per direction; NVLink 3 (A100): 300; NVLink 4 (H100/H200): 450
+    Link("nvlink", 150 * GB, 3e-6),
+    Link("nvlink2", 150 * GB, 3e-6),
+    Link("nvlink3", 300 * GB, 3e-6),
+    Link("nvlink4", 450 * GB, 3e-6),
+    # AMD Infinity Fabric (MI250X/MI300X): 50 GB/s per link per direction, 7 links on MI300X
+    Link("xgmi", 350 * GB, 3e-6),
+    # TPU v4 ICI: 6 links x 50 GB/s; v5e: 4 links x 50 GB/s
+    Link("ici", 300 * GB, 2e-6),
+    # One host's memory shared by emulated devices
+    Link("host", 20 * GB, 2e-6),
+)}
+
+_UNITS = {
+    "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
+    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+    "bytes/s": 1, "kib/s": 2**10, "mib/s": 2**20, "gib/s": 2**30,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def _parse_with_units(text: str, units: dict[str, float], what: str, example: str) -> float:
+  match = re.fullmatch(_NUMBER + r"\s*([A-Za-zµ/]*)", text.strip())
+  if match is None:
+    raise InvalidValueError(f"cannot read {what} {text!r}; expected a number with a unit, e.g. {example}")
+  number, unit = float(match.group(1)), match.group(2).lower()
+  if unit not in units:
+    raise InvalidValueError(f"unknown unit {match.group(2)!r} in {what} {text!r}; use one of {', '.join(units)}")
+  value = number * units[unit]
+  if value <= 0 and what != "latency":
+    raise InvalidValueError(f"{what} must be positive, got {text!r}")
+  return value
+
+
+def parse_bandwidth(text: str) -> float:
+  """``10.4Gbps`` (bits) or ``12GB/s`` (bytes) → bytes/s."""
+  return _parse_with_units(text, _UNITS, "bandwidth", "10.4Gbps or 12GB/s")
+
+
+def parse_latency(text: str) -> float:
+  """``20us``, ``0.1ms`` → seconds."""
+  return _parse_with_units(text, _TIME_UNITS, "latency", "20us")
+
+
+def parse_size(text: str) -> int:
+  """``16GiB``, ``512MB`` → bytes."""
+  return int(_parse_with_units(text, _SIZE_UNITS, "size", "16GiB"))
+
+
+def link(name_or_bandwidth: str, latency: float | None = None) -> Link:
+  """A preset link by name, or a custom one from a bandwidth such as ``25Gbps``."""
+  key = name_or_bandwidth.strip().lower()
+  if key in LINK_PRESETS:
+    base = LINK_PRESETS[key]
+    return base if latency is None else base.replace(latency=latency)
+  if re.match(r"^[-+0-9.]", key):
+    return Link(name_or_bandwidth.strip(), parse_bandwidth(name_or_bandwidth), 20e-6 if latency is None else latency)
+  raise UnknownNameError(
+      f"unknown link {name_or_bandwidth!r}; use one of {', '.join(LINK_PRESETS)} or a bandwidth such as 25Gbps")

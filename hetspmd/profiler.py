@@ -1,0 +1,383 @@
+"""Measure the devices that are actually here: compute, memory, collectives.
+
+``profile(devices)`` measures, on whatever backend is present:
+
+* per device, matmul throughput at several sizes in float32 and bfloat16,
+  once with the device alone and once with every device busy at once (as
+  in a training step);
+* per device, memory copy bandwidth (read + write of one large array);
+* over the devices as one mesh axis (or each axis of a given ``HetMesh``),
+  all-reduce, all-gather and reduce-scatter time over message sizes, fitted
+  to ``time = alpha + bytes * beta`` (non-negative least squares) next to a
+  piecewise-linear table made monotone in size.
+
+``Profile.cluster()`` turns the numbers into a :class:`Cluster` whose
+``DeviceSpec``s are ``measured=True`` (peak = best busy throughput) and
+whose links come from the all-reduce fit. With ``jax.distributed``
+initialised, every process measures its own devices and the results are
+gathered, so every process returns the same profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hetspmd.devices import DeviceSpec, Link
+
+_MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
+_COPY_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
+_MESSAGE_BYTES = tuple(4**k * 1024 for k in range(0, 7))  # 1 KiB .. 4 MiB per device
+_DTYPES = ("float32", "bfloat16")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMeasurement:
+  id: int
+  kind: str
+  process: int
+  alone_flops: dict[str, tuple[tuple[int, float], ...]]  # dtype → ((size, FLOP/s), ...)
+  busy_flops: dict[str, tuple[tuple[int, float], ...]]
+  copy_bandwidth: float  # bytes/s
+  memory_bytes: int
+
+  def peak(self, dtype: str, busy: bool = True) -> float:
+    table = (self.busy_flops if busy else self.alone_flops)[dtype]
+    return max(rate for _, rate in table)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CollectiveFit:
+  """Time of one collective over one group size, fitted and tabulated."""
+
+  op: str
+  axis: str
+  group_size: int
+  sizes: tuple[int, ...]      # bytes per device
+  seconds: tuple[float, ...]  # monotone non-decreasing in size
+  alpha: float                # s
+  beta: float                 # s per byte
+
+  def predict(self, nbytes: float) -> float:
+    """Piecewise-linear in the table; the α–β line beyond it."""
+    if nbytes >= self.sizes[-1]:
+      return max(self.seconds[-1], self.alpha + self.beta * nbytes)
+    return float(np.interp(nbytes, self.sizes, self.seconds))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Profile:
+  devices: tuple[DeviceMeasurement, ...]
+  collectives: tuple[CollectiveFit, ...]
+  backend: str
+  process_count: int
+  seconds: float
+
+  def fit(self, op: str, axis: str | None = None) -> CollectiveFit:
+    for f in self.collectives:
+      if f.op == op and (axis is None or f.axis == axis):
+        return f
+    raise KeyError(f"no {op} measured{' over ' + axis if axis else ''}")
+
+  def device_spec(self, kind: str) -> DeviceSpec:
+    members = [d for d in self.devices if d.kind == kind]
+    return DeviceSpec(
+        name=kind,
+        fp32_flops=min(d.peak("float32") for d in members),
+        bf16_flops=min(d.peak("bfloat16") for d in members),
+        memory_bytes=min(d.memory_bytes for d in members),
+        memory_bandwidth=min(d.copy_bandwidth for d in members),
+        measured=True,
+    )
+
+  def link(self, name: str) -> Link | None:
+    """A link from the all-reduce fit (ring: 2(p-1)/p bytes moved per byte)."""
+    try:
+      fit = self.fit("all_reduce")
+    except KeyError:
+      return None
+    p = fit.group_size
+    if p < 2 or fit.beta <= 0:
+      return None
+    return Link(name, (2 * (p - 1) / p) / fit.beta, fit.alpha / (2 * (p - 1)))
+
+  def cluster(self):
+    """The measured :class:`Cluster` (hosts by process, then kind)."""
+    from hetspmd.cluster import Cluster, Host, _default_intra
+
+    specs = {k: self.device_spec(k) for k in dict.fromkeys(d.kind for d in self.devices)}
+    measured = self.link("measured")
+    hosts: list[Host] = []
+    previous = None
+    for d in sorted(self.devices, key=lambda d: (d.process, d.id)):
+      key = (d.process, d.kind)
+      if key == previous:
+        hosts[-1] = dataclasses.replace(hosts[-1], count=hosts[-1].count + 1)
+      else:
+        hosts.append(Host(specs[d.kind], 1, measured or _default_intra(d.kind)))
+      previous = key
+    ids = tuple(d.id for d in sorted(self.devices, key=lambda d: (d.process, d.id)))
+    if self.process_count > 1 and measured is not None:
+      return Cluster(tuple(hosts), measured, "profiled", ids)
+    return Cluster(tuple(hosts), name="profiled", jax_device_ids=ids)
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "backend": self.backend,
+        "process_count": self.process_count,
+        "seconds": self.seconds,
+        "devices": [dataclasses.asdict(d) for d in self.devices],
+        "collectives": [dataclasses.asdict(c) for c in self.collectives],
+    }
+
+
+# --- progress ---------------------------------------------------------------
+
+
+class _Progress:
+  """One status line on stderr (redrawn on a terminal, a line per step otherwise)."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.done, self.enabled = total, 0, enabled
+    self.tty = enabled and sys.stderr.isatty()
+    self.start = time.perf_counter()
+
+  def step(self, message: str) -> None:
+    self.done += 1
+    if not self.enabled:
+      return
+    line = f"[{self.done:>3}/{self.total}] {time.perf_counter() - self.start:5.1f}s  {message}"
+    if self.tty:
+      sys.stderr.write("\r" + line.ljust(78)[:78])
+      if self.done == self.total:
+        sys.stderr.write("\n")
+    else:
+      sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+# --- timing -----------------------------------------------------------------
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
+  import jax
+
+  jax.block_until_ready(fn())  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _platform_key(device: Any) -> str:
+  return "cpu" if device.platform == "cpu" else "default"
+
+
+def first_cpu_device():
+  import jax
+
+  return jax.devices("cpu")[0]
+
+
+def _memory_bytes(device: Any) -> int:
+  stats = None
+  try:
+    stats = device.memory_stats()
+  except Exception:  # backends without memory stats raise different errors
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  import jax
+
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  local = max(1, len([d for d in jax.local_devices() if d.platform == device.platform]))
+  return int(total // local)
+
+
+def matmul_flops(device: Any, size: int, dtype: str) -> float:
+  """FLOP/s of one ``size``-square matmul on ``device`` alone."""
+  import jax
+  import jax.numpy as jnp
+
+  a = jax.device_put(jnp.ones((size, size), dtype), device)
+  f = jax.jit(lambda x: x @ x)
+  return 2.0 * size**3 / _median_seconds(lambda: f(a))
+
+
+def busy_matmul_flops(devices: Sequence[Any], size: int, dtype: str) -> float:
+  """Per-device FLOP/s with every device running its own matmul at once."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
+  x = jax.device_put(jnp.ones((len(devices) * size, size), dtype), NamedSharding(mesh, P("d", None)))
+  f = jax.jit(jax.shard_map(lambda b: b @ b[:size].T, mesh=mesh, in_specs=P("d", None), out_specs=P("d", None)))
+  return 2.0 * size**3 / _median_seconds(lambda: f(x))
+
+
+def copy_bandwidth(device: Any, nbytes: int) -> float:
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+  f = jax.jit(lambda v: v + 1.0)
+  return 2.0 * nbytes / _median_seconds(lambda: f(x))
+
+
+def measure_device_spec(device: Any, name: str) -> DeviceSpec:
+  """A quick spec of one device alone (for kinds without a preset)."""
+  key = _platform_key(device)
+  size = _MATMUL_SIZES[key][-1]
+  return DeviceSpec(
+      name=name,
+      fp32_flops=matmul_flops(device, size, "float32"),
+      bf16_flops=matmul_flops(device, size, "bfloat16"),
+      memory_bytes=_memory_bytes(device),
+      memory_bandwidth=copy_bandwidth(device, _COPY_BYTES[key]),
+      measured=True,
+  )
+
+
+def collective_seconds(devices: Sequence[Any], op: str, nbytes: int) -> float:
+  """Median time of ``op`` over ``devices`` with ``nbytes`` per device."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  n = len(devices)
+  mesh = Mesh(np.asarray(devices, dtype=object), ("x",))
+  per_device = max(n, nbytes // 4 // n * n)  # divisible for reduce-scatter
+  x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("x")))
+  body = {
+      "all_reduce": lambda v: jax.lax.psum(v, "x"),
+      "all_gather": lambda v: jax.lax.all_gather(v, "x", tiled=True),
+      "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "x", tiled=True),
+  }[op]
+  out_spec = P() if op == "all_gather" else P("x")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_spec, check_vma=False))
+  return _median_seconds(lambda: f(x), repeats=5)
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+  """Non-negative least squares fit of ``seconds = alpha + beta * size``."""
+  from scipy.optimize import nnls
+
+  a = np.stack([np.ones(len(sizes)), np.asarray(sizes, float)], axis=1)
+  scale = np.array([1.0, 1.0 / max(sizes)])
+  solution, _ = nnls(a * scale, np.asarray(seconds, float))
+  alpha, beta = solution * scale
+  return float(alpha), float(beta)
+
+
+def _fit_collective(devices, op, axis, sizes, progress) -> CollectiveFit:
+  times = []
+  for nbytes in sizes:
+    times.append(collective_seconds(devices, op, nbytes))
+    progress.step(f"{op} {nbytes // 1024} KiB over {len(devices)} devices ({axis})")
+  monotone = tuple(float(t) for t in np.maximum.accumulate(times))
+  alpha, beta = fit_alpha_beta(sizes, times)
+  return CollectiveFit(op, axis, len(devices), tuple(sizes), monotone, alpha, beta)
+
+
+def _axis_groups(devices: Sequence[Any], mesh) -> list[tuple[str, list[Any]]]:
+  """(axis name, devices of the first group along it) for each mesh axis."""
+  if mesh is None:
+    return [("all", list(devices))] if len(devices) > 1 else []
+  grid = np.asarray(mesh.device_grid())
+  by_id = {d.id: d for d in devices}
+  ids = mesh.cluster.jax_device_ids or tuple(range(len(devices)))
+  out = []
+  for axis, name in enumerate(mesh.axis_names):
+    if mesh.shape[axis] < 2:
+      continue
+    first = np.moveaxis(grid, axis, 0).reshape(mesh.shape[axis], -1)[:, 0]
+    out.append((name, [by_id[ids[int(i)]] for i in first]))
+  return out
+
+
+def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: Sequence[int] = _MESSAGE_BYTES,
+            progress: bool = True) -> Profile:
+  """Measures ``devices`` (default: every JAX device) and returns a :class:`Profile`.
+
+  Args:
+    devices: JAX devices to measure; with several processes, each process
+      measures the ones it can address and the results are gathered.
+    mesh: optional :class:`hetspmd.HetMesh` whose axes the collectives are
+      measured over; by default one axis over all devices.
+    message_bytes: per-device message sizes for the collectives.
+    progress: print a status line to stderr while measuring.
+  """
+  import jax
+
+  start = time.perf_counter()
+  devices = list(jax.devices() if devices is None else devices)
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  key = _platform_key(local[0])
+  sizes = _MATMUL_SIZES[key]
+  groups = _axis_groups(devices, mesh)
+  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local)
+  total += len(groups) * len(COLLECTIVES) * len(message_bytes)
+  bar = _Progress(total, progress)
+
+  busy: dict[str, list[tuple[int, float]]] = {dt: [] for dt in _DTYPES}
+  for dtype in _DTYPES:
+    for size in sizes:
+      busy[dtype].append((size, busy_matmul_flops(local, size, dtype)))
+      bar.step(f"matmul {dtype} {size} on {len(local)} devices at once")
+  measurements = []
+  for d in local:
+    alone = {}
+    for dtype in _DTYPES:
+      alone[dtype] = []
+      for size in sizes:
+        alone[dtype].append((size, matmul_flops(d, size, dtype)))
+        bar.step(f"matmul {dtype} {size} on device {d.id} alone")
+    bandwidth = copy_bandwidth(d, _COPY_BYTES[key])
+    bar.step(f"memory copy on device {d.id}")
+    measurements.append(DeviceMeasurement(
+        d.id, _kind_name(d), d.process_index, {k: tuple(v) for k, v in alone.items()},
+        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d)))
+  fits = tuple(_fit_collective(g, op, axis, tuple(message_bytes), bar) for axis, g in groups for op in COLLECTIVES)
+  measurements = _gather_across_processes(measurements)
+  return Profile(tuple(measurements), fits, local[0].platform, jax.process_count(), time.perf_counter() - start)
+
+
+def _kind_name(device: Any) -> str:
+  from hetspmd.devices import preset_for_device_kind
+
+  if device.platform == "cpu":
+    return "cpu"
+  return preset_for_device_kind(device.device_kind) or str(device.device_kind)
+
+
+def _gather_across_processes(local: list[DeviceMeasurement]) -> list[DeviceMeasurement]:
+  import jax
+
+  if jax.process_count() == 1:
+    return local
+  import json
+
+  from jax.experimental import multihost_utils
+
+  payload = json.dumps([dataclasses.asdict(m) for m in local]).encode()
+  width = int(np.max(multihost_utils.process_allgather(np.array([len(payload)]))))
+  buffer = np.zeros(width, np.uint8)
+  buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
+  gathered = multihost_utils.process_allgather(buffer)
+  out = []
+  for row in np.asarray(gathered).reshape(jax.process_count(), width):
+    for item in json.loads(bytes(row).rstrip(b"\0").decode()):
+      for field in ("alone_flops", "busy_flops"):
+        item[field] = {k: tuple(tuple(p) for p in v) for k, v in item[field].items()}
+      out.append(DeviceMeasurement(**item))
+  return sorted(out, key=lambda m: m.id)

@@ -1,0 +1,218 @@
+"""Cluster model: presets, the compact grammar, TOML round trips, bad input."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import hetspmd
+from hetspmd import Cluster, DeviceSpec
+from hetspmd.cluster import CLUSTER_PRESETS
+from hetspmd.devices import DEVICE_PRESETS, GB, GiB, parse_bandwidth, parse_latency, preset_for_device_kind
+
+REQUIRED_KINDS = ["P100-16GB", "V100-16GB", "V100-32GB", "T4", "A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB",
+                  "H200", "RTX3090", "RTX4090", "MI250X", "MI300X", "TPU-v4", "TPU-v5e"]
+
+
+@pytest.mark.parametrize("kind", REQUIRED_KINDS)
+def test_device_presets_exist_and_are_positive(kind):
+  spec = DEVICE_PRESETS[kind]
+  assert spec.fp32_flops > 0 and spec.bf16_flops >= spec.fp32_flops
+  assert spec.memory_bytes > 0 and spec.memory_bandwidth > 0 and not spec.measured
+
+
+def test_preset_sanity_against_datasheets():
+  v100, p100 = DEVICE_PRESETS["V100-32GB"], DEVICE_PRESETS["P100-16GB"]
+  assert v100.fp32_flops > p100.fp32_flops and v100.bf16_flops > p100.bf16_flops
+  assert v100.memory_bytes == 32 * GiB and p100.memory_bytes == 16 * GiB
+  assert DEVICE_PRESETS["V100-16GB"].memory_bytes == 16 * GiB
+  assert DEVICE_PRESETS["A100-80GB"].memory_bandwidth > DEVICE_PRESETS["A100-40GB"].memory_bandwidth
+  assert DEVICE_PRESETS["H100-80GB"].bf16_flops > DEVICE_PRESETS["A100-80GB"].bf16_flops > DEVICE_PRESETS["L4"].bf16_flops
+
+
+def test_cpu_spec_is_measured():
+  spec = hetspmd.devices.device_spec("cpu")
+  assert spec.measured and spec.fp32_flops > 1e8 and spec.memory_bandwidth > 1e7
+
+
+@pytest.mark.parametrize("device_kind,preset", [
+    ("Tesla V100-SXM2-32GB", "V100-32GB"), ("Tesla V100-PCIE-16GB", "V100-16GB"), ("Tesla P100-PCIE-16GB", "P100-16GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+    ("NVIDIA H200", "H200"), ("NVIDIA L4", "L4"), ("Tesla T4", "T4"), ("NVIDIA A10G", "A10G"), ("TPU v4", "TPU-v4"),
+    ("TPU v5 lite", "TPU-v5e"), ("cpu", None),
+])
+def test_device_kind_to_preset(device_kind, preset):
+  assert preset_for_device_kind(device_kind) == preset
+
+
+@pytest.mark.parametrize("text,bytes_per_s", [("10.4Gbps", 1.3e9), ("12GB/s", 12e9), ("800Mbps", 1e8), ("1e9B/s", 1e9)])
+def test_bandwidth_units(text, bytes_per_s):
+  assert parse_bandwidth(text) == pytest.approx(bytes_per_s)
+
+
+def test_latency_units():
+  assert parse_latency("20us") == pytest.approx(20e-6) and parse_latency("0.5ms") == pytest.approx(5e-4)
+
+
+# --- grammar -------------------------------------------------------------------
+
+PARSE_CASES = [
+    # spec, hosts, devices per host (in order), kinds, inter bytes/s
+    ("2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps", 8, [8] * 8, ("V100-32GB", "P100-16GB"), 1.3e9),
+    ("4xT4", 1, [4], ("T4",), 25e9 / 8),
+    ("L4", 1, [1], ("L4",), 25e9 / 8),
+    ("1x4xA100-80GB+2x2xL4;inter=100Gbps", 3, [4, 2, 2], ("A100-80GB", "L4"), 12.5e9),
+]
+
+
+@pytest.mark.parametrize("spec,n_hosts,counts,kinds,inter", PARSE_CASES)
+def test_parse(spec, n_hosts, counts, kinds, inter):
+  cluster = Cluster.parse(spec)
+  assert len(cluster.hosts) == n_hosts
+  assert [h.count for h in cluster.hosts] == counts
+  assert cluster.kinds == kinds
+  assert cluster.inter.bandwidth == pytest.approx(inter)
+  assert [d.id for d in cluster.devices] == list(range(sum(counts)))
+  assert Cluster.parse(cluster.describe()).hosts == cluster.hosts
+
+
+def test_intra_links_default_by_kind_and_can_be_overridden():
+  default = Cluster.parse("8xV100-32GB+4xT4")
+  assert [h.intra.name for h in default.hosts] == ["nvlink2", "pcie3"]
+  everywhere = Cluster.parse("8xV100-32GB+4xT4;intra=pcie4")
+  assert {h.intra.name for h in everywhere.hosts} == {"pcie4"}
+  per_group = Cluster.parse("8xV100-32GB@pcie+4xT4;intra=nvlink;intra_latency=1us")
+  assert per_group.hosts[0].intra.name == "pcie" and per_group.hosts[1].intra.name == "nvlink"
+  assert per_group.hosts[1].intra.latency == pytest.approx(1e-6)
+
+
+def test_custom_device_numbers():
+  mine = DeviceSpec("MyChip", fp32_flops=1e13, bf16_flops=4e13, memory_bytes=8 * GiB, memory_bandwidth=500 * GB)
+  cluster = Cluster.parse("2x4xMyChip+4xV100-16GB", devices={"MyChip": mine})
+  assert cluster.spec_of("MyChip") == mine
+
+
+BAD_SPECS = [
+    ("2x8xV1000", "unknown device kind 'V1000'; known kinds:.*V100-32GB.*DeviceSpec"),
+    ("2x8x", "malformed cluster spec at '2x8x'"),
+    ("4xT4++2xL4", "malformed cluster spec at ''"),
+    ("0x8xV100-32GB", "counts must be positive, got 0 x 8"),
+    ("4xT4;inter=fast", "unknown link 'fast'"),
+    ("4xT4;inter=-3Gbps", "cannot read bandwidth"),
+    ("4xT4;inter=0Gbps", "bandwidth must be positive"),
+    ("4xT4;speed=3", "malformed cluster spec at 'speed=3'"),
+    ("4xT4@warp", "unknown link 'warp'"),
+    ("", "non-empty string"),
+]
+
+
+@pytest.mark.parametrize("spec,match", BAD_SPECS)
+def test_bad_specs_point_at_the_token(spec, match):
+  with pytest.raises(hetspmd.HetSpmdError, match=match):
+    Cluster.parse(spec)
+
+
+def test_malformed_spec_message_marks_the_position():
+  with pytest.raises(hetspmd.HetSpmdError) as info:
+    Cluster.parse("4xT4+2x8x+L4")
+  spec_line, marker_line = str(info.value).splitlines()[1:3]
+  assert spec_line.strip() == "4xT4+2x8x+L4"
+  assert marker_line.index("^") - spec_line.index("4") == 5
+
+
+@pytest.mark.parametrize("field,value", [("fp32_flops", 0), ("memory_bytes", -1), ("memory_bandwidth", float("nan"))])
+def test_device_spec_refuses_non_positive_numbers(field, value):
+  fields = dict(name="X", fp32_flops=1e12, bf16_flops=2e12, memory_bytes=GiB, memory_bandwidth=1e11)
+  fields[field] = value
+  with pytest.raises(hetspmd.InvalidValueError, match=rf"{field} must be a positive number, got {value}"):
+    DeviceSpec(**fields)
+
+
+def test_cluster_values_are_frozen():
+  cluster = Cluster.preset("amp-t4-v100")
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cluster.name = "x"
+
+
+# --- presets and files -----------------------------------------------------------
+
+
+def test_required_cluster_presets():
+  hap = Cluster.preset("hap-v100-p100")
+  assert hap.num_devices == 64 and [h.count for h in hap.hosts] == [8] * 8
+  assert hap.kinds == ("V100-32GB", "P100-16GB") and hap.inter.bandwidth == pytest.approx(1.3e9)
+  amp = Cluster.preset("amp-t4-v100")
+  assert amp.num_devices == 16 and len(amp.hosts) == 4 and set(amp.kinds) == {"T4", "V100-16GB"}
+  for name in ("a100-v100-mix", "h100-a100-l4-mix"):
+    assert not Cluster.preset(name).is_homogeneous
+  assert any(Cluster.preset(n).is_homogeneous for n in CLUSTER_PRESETS)
+
+
+def test_unknown_preset_lists_presets():
+  with pytest.raises(hetspmd.UnknownNameError, match="unknown cluster preset 'hap'; presets: hap-v100-p100"):
+    Cluster.preset("hap")
+
+
+@pytest.mark.parametrize("name", list(CLUSTER_PRESETS))
+def test_toml_round_trip_is_exact(tmp_path, name):
+  cluster = Cluster.preset(name)
+  path = tmp_path / "cluster.toml"
+  cluster.save(path)
+  assert Cluster.load(path) == cluster
+
+
+def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path):
+  mine = DeviceSpec("Odd", 1.2345678901234e13, 3.3e13, 12345678901, 7.77e11, measured=True)
+  cluster = Cluster.parse("2x2xOdd+2xT4;inter=3.3Gbps", devices={"Odd": mine}).replace(
+      jax_device_ids=(5, 4, 3, 2, 1, 0))
+  cluster.save(tmp_path / "c.toml")
+  assert Cluster.load(tmp_path / "c.toml") == cluster
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[[hosts]]\ncount = 2\n", "missing key 'device'"),
+    ("name = 'x'\n", "missing key 'hosts'"),
+    ("[[hosts]]\ndevice = 'V100-32GB'\ncount = 0\n", "positive device count, got 0"),
+    ("[[hosts]\n", "not valid TOML"),
+    ("[[hosts]]\ndevice = 'Z'\ncount = 1\n[devices.Z]\nfp32_flops = 1.0\n", r"\[devices.'Z'\] needs fp32_flops"),
+])
+def test_bad_cluster_files(tmp_path, text, match):
+  path = tmp_path / "bad.toml"
+  path.write_text(text)
+  with pytest.raises(hetspmd.HetSpmdError, match=match):
+    Cluster.load(path)
+
+
+def test_missing_cluster_file():
+  with pytest.raises(hetspmd.InvalidValueError, match="does not exist"):
+    Cluster.load("/nonexistent/cluster.toml")
+
+
+def test_resolve_accepts_presets_files_and_specs(tmp_path):
+  assert Cluster.resolve("amp-t4-v100").name == "amp-t4-v100"
+  Cluster.parse("4xT4").save(tmp_path / "c.toml")
+  assert Cluster.resolve(str(tmp_path / "c.toml")).num_devices == 4
+  assert Cluster.resolve("2xL4").num_devices == 2
+
+
+# --- real and emulated devices ----------------------------------------------------
+
+
+def test_emulate_maps_real_devices_to_virtual_kinds():
+  devices = jax.devices()[:8]
+  if len(devices) < 8:
+    pytest.skip("needs 8 devices")
+  cluster = Cluster.emulate(devices, kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+  assert [h.device.name for h in cluster.hosts] == ["V100-32GB", "P100-16GB"]
+  assert cluster.jax_device_ids == tuple(d.id for d in devices)
+
+
+def test_emulate_refuses_count_mismatch():
+  with pytest.raises(hetspmd.InvalidValueError, match="got 2 devices but 3 kinds"):
+    Cluster.emulate(jax.devices()[:2], kinds=["T4"] * 3)
+
+
+def test_from_devices_measures_cpu():
+  cluster = Cluster.from_devices(jax.devices())
+  assert cluster.num_devices == jax.device_count()
+  assert cluster.kinds == ("cpu",) and cluster.hosts[0].device.measured

@@ -1,0 +1,74 @@
+"""The profiler on the emulated CPU devices: positive, monotone, fitted."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd
+from hetspmd import Cluster, enumerate_layouts
+from hetspmd.cli import main
+from hetspmd.profiler import COLLECTIVES, fit_alpha_beta
+
+from conftest import require_devices
+
+SMALL_MESSAGES = (4096, 65536, 1 << 20)
+
+
+@pytest.fixture(scope="module")
+def profile():
+  require_devices(8)
+  return hetspmd.profile(jax.devices()[:8], message_bytes=SMALL_MESSAGES, progress=False)
+
+
+def test_compute_and_memory_figures_are_positive(profile):
+  assert len(profile.devices) == 8 and profile.backend == "cpu"
+  for d in profile.devices:
+    for table in (d.alone_flops, d.busy_flops):
+      assert set(table) == {"float32", "bfloat16"}
+      assert all(rate > 0 for rows in table.values() for _, rate in rows)
+    assert d.copy_bandwidth > 0 and d.memory_bytes > 0
+
+
+def test_collective_tables_are_monotone_and_fitted(profile):
+  assert {f.op for f in profile.collectives} == set(COLLECTIVES)
+  for fit in profile.collectives:
+    assert fit.sizes == SMALL_MESSAGES and fit.group_size == 8
+    assert all(np.diff(fit.seconds) >= 0) and fit.seconds[0] > 0
+    assert fit.alpha >= 0 and fit.beta >= 0
+    assert fit.predict(2 * SMALL_MESSAGES[-1]) >= fit.seconds[-1]
+    assert fit.predict(SMALL_MESSAGES[0]) == pytest.approx(fit.seconds[0])
+
+
+def test_profile_becomes_a_measured_cluster(profile, tmp_path):
+  cluster = profile.cluster()
+  assert cluster.num_devices == 8 and cluster.kinds == ("cpu",)
+  spec = cluster.hosts[0].device
+  assert spec.measured and spec.fp32_flops == min(d.peak("float32") for d in profile.devices)
+  cluster.save(tmp_path / "cpu.toml")
+  assert Cluster.load(tmp_path / "cpu.toml") == cluster
+
+
+def test_profile_over_mesh_axes():
+  require_devices(8)
+  cluster = Cluster.emulate(jax.devices()[:8], kinds=["T4"] * 8)
+  mesh = next(m for m in enumerate_layouts(cluster) if m.shape == (4, 2))
+  result = hetspmd.profile(jax.devices()[:8], mesh=mesh, message_bytes=(4096, 65536), progress=False)
+  assert {(f.axis, f.group_size) for f in result.collectives} == {("data", 4), ("model", 2)}
+
+
+@pytest.mark.parametrize("alpha,beta", [(1e-5, 1e-9), (0.0, 5e-10), (3e-4, 0.0)])
+def test_alpha_beta_fit_recovers_a_line(alpha, beta):
+  sizes = [2**k for k in range(10, 24, 2)]
+  got_alpha, got_beta = fit_alpha_beta(sizes, [alpha + beta * s for s in sizes])
+  assert got_alpha == pytest.approx(alpha, abs=1e-9) and got_beta == pytest.approx(beta, abs=1e-15)
+
+
+def test_profile_cli_json_and_out(tmp_path, capsys):
+  require_devices(2)
+  out = tmp_path / "cluster.toml"
+  assert main(["profile", "--devices", "2", "--json", "--out", str(out)]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert len(report["devices"]) == 2 and report["backend"] == "cpu"
+  assert Cluster.load(out).num_devices == 2
