@@ -72,3 +72,20 @@ def test_profile_cli_json_and_out(tmp_path, capsys):
   report = json.loads(capsys.readouterr().out)
   assert len(report["devices"]) == 2 and report["backend"] == "cpu"
   assert Cluster.load(out).num_devices == 2
+
+
+@pytest.mark.timeout(240)
+def test_profile_across_two_processes():
+  """Each process measures its own devices; every process gets all of them."""
+  from multiprocess import run_processes
+
+  results = run_processes("""
+      import json, hetspmd
+      p = hetspmd.profile(message_bytes=(4096, 65536), progress=False)
+      c = p.cluster()
+      print(json.dumps({"ids": [d.id for d in p.devices], "processes": [d.process for d in p.devices],
+                        "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives]}))
+  """)
+  assert results[0] == results[1]
+  assert results[0]["processes"] == [0, 0, 1, 1]
+  assert results[0]["hosts"] == [2, 2] and results[0]["groups"] == [4, 4, 4]
