@@ -12,13 +12,24 @@ from hetspmd.errors import UnknownNameError as UnknownNameError
 from hetspmd.errors import UnpartitionableError as UnpartitionableError
 from hetspmd.mesh import HetMesh as HetMesh
 from hetspmd.mesh import enumerate_layouts as enumerate_layouts
+from hetspmd.microbatch import Weighted as Weighted
+from hetspmd.microbatch import grad as grad
+from hetspmd.microbatch import value_and_grad as value_and_grad
+from hetspmd.microbatch import weighted as weighted
 from hetspmd.passes import Graph as Graph
+from hetspmd.plan import Plan as Plan
+from hetspmd.plan import plan_for as plan_for
 from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.profiler import profile as profile
+from hetspmd.runtime import ParallelStep as ParallelStep
+from hetspmd.runtime import ShardedBatch as ShardedBatch
+from hetspmd.runtime import parallelize as parallelize
 
 __all__ = [
     "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
+    "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "value_and_grad",
+    "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",
 ]

@@ -119,17 +119,22 @@ class Workload:
 
   # --- the step --------------------------------------------------------------
 
-  def make_train_step(self) -> Callable[[dict[str, Any], Batch], tuple[dict[str, Any], dict[str, jax.Array]]]:
-    """The single-device ``train_step(state, batch) -> (state, metrics)``."""
+  def make_train_step(self, value_and_grad: Callable[..., Any] = jax.value_and_grad
+                      ) -> Callable[[dict[str, Any], Batch], tuple[dict[str, Any], dict[str, jax.Array]]]:
+    """The single-device ``train_step(state, batch) -> (state, metrics)``.
+
+    ``value_and_grad=hetspmd.value_and_grad`` gives the same step ready for
+    ``hetspmd.parallelize`` (on one device it computes the same values).
+    """
     graphdef = self.graphdef()
     tx = self.make_optimizer()
     loss = self.loss
 
     def train_step(state, batch):
-      def loss_fn(params):
+      def loss_fn(params, batch):
         return loss(nnx.merge(graphdef, params), batch)
 
-      (value, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      (value, aux), grads = value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
       updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
       params = optax.apply_updates(state["params"], updates)
       new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}

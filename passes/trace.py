@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
+from hetspmd._pytree import key_name, path_components, path_str
 from hetspmd.errors import TraceError, UnpartitionableError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes import flops as flops_rules
@@ -222,23 +223,8 @@ def _name(fn: Callable[..., Any]) -> str:
   return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _key_name(key: Any) -> str | None:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _path_str(path: Sequence[Any]) -> str:
-  return "/".join(_path_components(path)) or "out"
-
-
-def _path_components(path: Sequence[Any]) -> tuple[str, ...]:
-  parts = [_key_name(k) for k in path]
-  # NNX variables flatten to an attribute named 'value'; it names nothing.
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-    parts = parts[:-1]
-  return tuple(parts)
+  return path_str(path) or "out"
 
 
 def _arg_names(fn: Callable[..., Any], num_args: int) -> list[str]:
@@ -261,11 +247,11 @@ def _input_leaves(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
   variable_types = _variable_types((args, kwargs))
   leaves = []
   for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-    top, position = path[0].idx, _key_name(path[1])
+    top, position = path[0].idx, key_name(path[1])
     argnum = int(position) if top == 0 else None
     head = arg_names[argnum] if argnum is not None else position
     dtype = str(getattr(leaf, "dtype", type(leaf).__name__))
-    leaves.append(Leaf((head,) + _path_components(path[2:]), argnum, dtype,
+    leaves.append(Leaf((head,) + path_components(path[2:]), argnum, dtype,
                        variable_types.get(jax.tree_util.keystr(path[:-1]))))
   return leaves
 

@@ -1,0 +1,231 @@
+"""Gradient accumulation over per-device microbatch counts.
+
+``hetspmd.value_and_grad`` is a drop-in for ``jax.value_and_grad`` that
+marks where one microbatch's gradient is computed. Outside a
+``hetspmd.parallelize`` step it behaves like the JAX function. Inside one,
+the runtime has replaced the step's batch by a padded buffer of microbatches
+(``[data positions * max count, microbatch, ...]``) and a per-position count;
+the call then becomes a ``shard_map`` that is manual over the ``data`` axis
+only and, on every device, runs ``fori_loop(0, count_i, ...)`` over its own
+microbatches, accumulating the loss numerator, its normaliser, the gradients
+and the metrics. One ``psum`` over ``data`` after the loop and one division
+give exactly the single-device result: work is proportional to ``count_i``,
+so a slow device really does less. The model axis stays with XLA's automatic
+partitioner inside the loop (its groups share one count).
+
+A loss is either a scalar, the mean over the microbatch's examples, or
+``hetspmd.weighted(total, weight)`` (e.g. a token-masked sum and the number of
+tokens): then the result is the global total over the global weight, as on
+one device. Auxiliary metrics are reduced the same way: plain values as
+example means, ``weighted`` values as ratios of sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from hetspmd.errors import HetSpmdError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weighted:
+  """A loss or metric given as ``total / weight``, to be reduced as sums."""
+
+  total: Any
+  weight: Any
+
+
+def weighted(total: Any, weight: Any) -> Weighted:
+  """Marks a loss (or metric) as ``total / weight`` with a data-dependent weight."""
+  return Weighted(total, weight)
+
+
+def _is_weighted(x: Any) -> bool:
+  return isinstance(x, Weighted)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepContext:
+  """What the runtime tells ``value_and_grad`` while tracing a step."""
+
+  mesh: Any
+  data_axis: str
+  batch_leaf_ids: frozenset[int]
+  counts: Any  # int32[data positions], sharded over the data axis
+  microbatch: int
+  remat: bool
+  calls: list  # appended to on every use, so the runtime can tell it happened
+
+
+_ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("hetspmd_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(ctx: _StepContext):
+  token = _ACTIVE.set(ctx)
+  try:
+    yield ctx
+  finally:
+    _ACTIVE.reset(token)
+
+
+# --- the objective: (numerator, normaliser, metric sums) -------------------------
+
+
+def _objective(fun: Callable[..., Any], has_aux: bool, examples: int) -> Callable[..., Any]:
+  """``fun`` → ``args -> (total, (weight, aux_totals, aux_weights))``."""
+
+  def objective(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    if _is_weighted(loss):
+      total, weight = loss.total, loss.weight
+    else:
+      total, weight = loss * examples, jnp.asarray(examples, jnp.result_type(loss))
+    aux_totals, aux_weights = _split_aux(aux, examples)
+    return total, (weight, aux_totals, aux_weights)
+
+  return objective
+
+
+def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:
+  def totals(x):
+    return x.total if _is_weighted(x) else jnp.asarray(x) * examples
+
+  def weights(x):
+    return jnp.asarray(x.weight, jnp.float32) if _is_weighted(x) else jnp.float32(examples)
+
+  return (jax.tree.map(totals, aux, is_leaf=_is_weighted), jax.tree.map(weights, aux, is_leaf=_is_weighted))
+
+
+def _finish(total, weight, aux_totals, aux_weights, grads, has_aux):
+  loss = total / weight
+  grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
+  if has_aux:
+    aux = jax.tree.map(lambda t, w: t / w, aux_totals, aux_weights)
+    return (loss, aux), grads
+  return loss, grads
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+                   ) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad``; inside a parallelized step, accumulates over microbatches.
+
+  ``fun`` returns a scalar mean loss or ``hetspmd.weighted(total, weight)``
+  (with ``has_aux``, a pair ``(loss, aux)``). The batch must reach ``fun`` as
+  an argument (not a closure), so that each microbatch can be sliced from it.
+  """
+
+  def wrapped(*args, **kwargs):
+    ctx = _ACTIVE.get()
+    if ctx is None:
+      return _single_device(fun, argnums, has_aux, args, kwargs)
+    ctx.calls.append(getattr(fun, "__name__", "loss"))
+    return _accumulate(ctx, fun, argnums, has_aux, args, kwargs)
+
+  return wrapped
+
+
+def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+  """Like ``jax.grad``; see :func:`value_and_grad`."""
+  vg = value_and_grad(fun, argnums, has_aux)
+
+  def wrapped(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return wrapped
+
+
+def _examples_in(args: Any, kwargs: Any) -> int:
+  leaves = [x for x in jax.tree.leaves((args, kwargs)) if getattr(x, "ndim", 0) >= 1]
+  return int(leaves[0].shape[0]) if leaves else 1
+
+
+def _single_device(fun, argnums, has_aux, args, kwargs):
+  examples = _examples_in(args, kwargs)
+  objective = _objective(fun, has_aux, examples)
+  (total, (weight, aux_totals, aux_weights)), grads = jax.value_and_grad(objective, argnums, has_aux=True)(
+      *args, **kwargs)
+  return _finish(total, weight, aux_totals, aux_weights, grads, has_aux)
+
+
+# --- inside a parallelized step -------------------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
+  flat, treedef = jax.tree.flatten((args, kwargs))
+  is_batch = [id(x) in ctx.batch_leaf_ids for x in flat]
+  if not any(is_batch):
+    raise HetSpmdError(
+        f"hetspmd.value_and_grad({getattr(fun, '__name__', 'fn')}) got no part of the step's batch as an argument; "
+        "pass the batch (or its arrays) to the loss function as an argument instead of closing over it")
+  positions = [i for i, b in enumerate(is_batch) if not b and _is_array(flat[i])]
+  batch_positions = [i for i, b in enumerate(is_batch) if b]
+  static = {i: x for i, x in enumerate(flat) if not is_batch[i] and not _is_array(flat[i])}
+  axis = ctx.data_axis
+  loss_fun = jax.checkpoint(fun) if ctx.remat else fun
+  objective = _objective(loss_fun, has_aux, ctx.microbatch)
+  vg = jax.value_and_grad(objective, argnums, has_aux=True)
+
+  def rebuild(arrays, microbatch):
+    leaves = [None] * len(flat)
+    for i, x in static.items():
+      leaves[i] = x
+    for i, x in zip(positions, arrays):
+      leaves[i] = x
+    for i, x in zip(batch_positions, microbatch):
+      leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+  def per_device(arrays, buffers, counts):
+    # Replicated inputs become varying before the loop: otherwise their
+    # gradients carry an implicit psum, which deadlocks when trip counts differ.
+    arrays = [jax.lax.pcast(x, (axis,), to="varying") for x in arrays]
+
+    def one(i):
+      microbatch = [jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in buffers]
+      a, kw = rebuild(arrays, microbatch)
+      (total, (weight, aux_t, aux_w)), grads = vg(*a, **kw)
+      return _widen((total, weight, aux_t, aux_w, grads))
+
+    zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), (axis,), to="varying"),
+                         jax.eval_shape(one, 0))
+    acc = jax.lax.fori_loop(0, counts[0], lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
+    return jax.lax.psum(acc, axis)
+
+  sharded = jax.shard_map(
+      per_device, mesh=ctx.mesh, in_specs=(P(), P(axis), P(axis)), out_specs=P(), axis_names={axis})
+  arrays = [flat[i] for i in positions]
+  buffers = [flat[i] for i in batch_positions]
+  total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
+  grads = _narrow(grads, _grad_dtypes(flat, treedef, argnums))
+  return _finish(total, weight, aux_t, aux_w, grads, has_aux)
+
+
+def _widen(tree: Any) -> Any:
+  """Accumulate low-precision floats in float32."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                      and jnp.finfo(x.dtype).bits < 32 else x, tree)
+
+
+def _grad_dtypes(flat, treedef, argnums):
+  args, _ = jax.tree.unflatten(treedef, [getattr(x, "dtype", None) for x in flat])
+  return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+
+def _narrow(grads: Any, dtypes: Any) -> Any:
+  return jax.tree.map(lambda g, d: g.astype(d) if d is not None else g, grads, dtypes)

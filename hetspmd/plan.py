@@ -1,0 +1,337 @@
+"""Plans: what runs where, as a frozen value and a versioned JSON file.
+
+A :class:`Plan` fixes the mesh (axis names, shape, the JAX device ids in mesh
+order), the global batch, the microbatch size and how many microbatches each
+position of the weighted ``data`` axis runs, a ``PartitionSpec`` per train
+state leaf (by path), the ZeRO stage and the remat policy. ``plan_for``
+builds one from a cluster with device-speed-proportional counts; the planner
+fills in the predicted figures.
+
+Loading checks the schema version; binding a plan to devices or to a state
+that differ from the ones it was made for raises :class:`HetSpmdError`
+saying what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hetspmd._pytree import leaves_with_paths
+from hetspmd._version import __version__
+from hetspmd.cluster import Cluster
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.mesh import HetMesh, enumerate_layouts
+
+SCHEMA_VERSION = 1
+ZERO_STAGES = (0, 1, 3)
+REMAT_POLICIES = ("none", "full")
+
+SpecEntry = None | str | tuple[str, ...]
+Spec = tuple[SpecEntry, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A parallel execution plan for one train step on one set of devices."""
+
+  axis_names: tuple[str, ...]
+  mesh_shape: tuple[int, ...]
+  device_ids: tuple[int, ...]
+  global_batch: int
+  microbatch: int
+  microbatch_counts: tuple[int, ...]
+  state_specs: tuple[tuple[str, Spec], ...] = ()
+  zero_stage: int = 0
+  remat: str = "none"
+  device_kinds: tuple[str, ...] = ()
+  predicted: tuple[tuple[str, float], ...] = ()
+  version: str = __version__
+  schema: int = SCHEMA_VERSION
+
+  def __post_init__(self):
+    if len(self.axis_names) != len(self.mesh_shape):
+      raise InvalidValueError(f"plan axes {self.axis_names} and mesh shape {self.mesh_shape} differ in length")
+    if math.prod(self.mesh_shape) != len(self.device_ids) or len(set(self.device_ids)) != len(self.device_ids):
+      raise InvalidValueError(
+          f"plan mesh {self.mesh_shape} needs {math.prod(self.mesh_shape)} distinct devices, got {self.device_ids}")
+    if len(self.microbatch_counts) != self.mesh_shape[0]:
+      raise InvalidValueError(f"plan has {len(self.microbatch_counts)} microbatch counts for "
+                              f"{self.mesh_shape[0]} positions of the {self.axis_names[0]!r} axis")
+    if any(c < 0 for c in self.microbatch_counts) or not any(self.microbatch_counts):
+      raise InvalidValueError(f"microbatch counts must be non-negative and not all zero, got {self.microbatch_counts}")
+    if self.microbatch < 1:
+      raise InvalidValueError(f"microbatch must be a positive integer, got {self.microbatch}")
+    if sum(self.microbatch_counts) * self.microbatch != self.global_batch:
+      raise InvalidValueError(
+          f"microbatch counts {list(self.microbatch_counts)} x microbatch {self.microbatch} cover "
+          f"{sum(self.microbatch_counts) * self.microbatch} examples, not the global batch of {self.global_batch}")
+    if self.zero_stage not in ZERO_STAGES:
+      raise InvalidValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {self.zero_stage}")
+    if self.remat not in REMAT_POLICIES:
+      raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if self.schema != SCHEMA_VERSION:
+      raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schema {SCHEMA_VERSION}")
+
+  def replace(self, **changes: Any) -> "Plan":
+    return dataclasses.replace(self, **changes)
+
+  # --- views -------------------------------------------------------------------
+
+  @property
+  def data_axis(self) -> str:
+    return self.axis_names[0]
+
+  @property
+  def data_size(self) -> int:
+    return self.mesh_shape[0]
+
+  @property
+  def max_count(self) -> int:
+    return max(self.microbatch_counts)
+
+  @property
+  def is_uniform(self) -> bool:
+    return len(set(self.microbatch_counts)) == 1
+
+  def examples_per_position(self) -> tuple[int, ...]:
+    return tuple(c * self.microbatch for c in self.microbatch_counts)
+
+  def spec_for(self, path: str) -> PartitionSpec:
+    for p, spec in self.state_specs:
+      if p == path:
+        return PartitionSpec(*spec)
+    raise HetSpmdError(f"the plan has no PartitionSpec for state leaf {path!r}")
+
+  # --- binding -----------------------------------------------------------------
+
+  def mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+    """The JAX mesh over this plan's devices (axis types Auto, set explicitly)."""
+    visible = {d.id: d for d in (jax.devices() if devices is None else devices)}
+    missing = [i for i in self.device_ids if i not in visible]
+    if missing:
+      raise HetSpmdError(
+          f"the plan was made for JAX devices {list(self.device_ids)}; devices {missing} are not present "
+          f"(visible: {sorted(visible)}). Make a plan for this device set.")
+    grid = np.empty(len(self.device_ids), dtype=object)
+    grid[:] = [visible[i] for i in self.device_ids]
+    return Mesh(grid.reshape(self.mesh_shape), self.axis_names, axis_types=(AxisType.Auto,) * len(self.axis_names))
+
+  def check_state(self, state: Any) -> None:
+    """Raises if ``state``'s leaf paths or shapes do not fit this plan."""
+    leaves = leaves_with_paths(state)
+    have = {p for p, _ in leaves}
+    want = {p for p, _ in self.state_specs}
+    if have != want:
+      extra, missing = sorted(have - want), sorted(want - have)
+      raise HetSpmdError(
+          "the state does not match the plan: "
+          + (f"leaves not in the plan: {extra[:5]}{' ...' if len(extra) > 5 else ''}; " if extra else "")
+          + (f"leaves the plan expects but the state lacks: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+             if missing else ""))
+    sizes = dict(zip(self.axis_names, self.mesh_shape))
+    for path, leaf in leaves:
+      spec = self.spec_for(path)
+      shape = np.shape(leaf)
+      if len(spec) > len(shape):
+        raise HetSpmdError(f"state leaf {path!r} has shape {shape} but the plan shards {len(spec)} dimensions ({spec})")
+      for dim, entry in enumerate(spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[dim] % parts:
+          raise HetSpmdError(f"state leaf {path!r} dimension {dim} of size {shape[dim]} does not split "
+                             f"evenly over {axes} ({parts} parts)")
+
+  def state_shardings(self, mesh: Mesh, state: Any) -> Any:
+    """A pytree of ``NamedSharding`` matching ``state``."""
+    self.check_state(state)
+    paths = iter([p for p, _ in leaves_with_paths(state)])
+    return jax.tree.map(lambda _: NamedSharding(mesh, self.spec_for(next(paths))), state)
+
+  # --- files -------------------------------------------------------------------
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "schema": self.schema,
+        "hetspmd_version": self.version,
+        "mesh": {"axes": list(self.axis_names), "shape": list(self.mesh_shape), "device_ids": list(self.device_ids),
+                 "device_kinds": list(self.device_kinds)},
+        "global_batch": self.global_batch,
+        "microbatch": self.microbatch,
+        "microbatch_counts": list(self.microbatch_counts),
+        "zero_stage": self.zero_stage,
+        "remat": self.remat,
+        "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
+        "predicted": dict(self.predicted),
+    }
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "Plan":
+    try:
+      schema = int(data["schema"])
+      if schema != SCHEMA_VERSION:
+        raise InvalidValueError(f"plan schema {schema} is not supported; this hetspmd reads schema {SCHEMA_VERSION}")
+      mesh = data["mesh"]
+      return cls(
+          axis_names=tuple(mesh["axes"]), mesh_shape=tuple(mesh["shape"]), device_ids=tuple(mesh["device_ids"]),
+          device_kinds=tuple(mesh.get("device_kinds", ())), global_batch=int(data["global_batch"]),
+          microbatch=int(data["microbatch"]), microbatch_counts=tuple(data["microbatch_counts"]),
+          zero_stage=int(data["zero_stage"]), remat=str(data["remat"]),
+          state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
+                            for p, spec in data["state_specs"].items()),
+          predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
+          version=str(data.get("hetspmd_version", "")), schema=schema)
+    except KeyError as e:
+      raise InvalidValueError(f"plan JSON lacks the key {e.args[0]!r}") from None
+
+  def save(self, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+  @classmethod
+  def load(cls, path: str | Path) -> "Plan":
+    try:
+      return cls.from_json(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+      raise InvalidValueError(f"plan file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+      raise InvalidValueError(f"plan file {str(path)!r} is not valid JSON: {e}") from None
+
+  def summary(self) -> str:
+    lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))}, global batch {self.global_batch} = "
+             f"{sum(self.microbatch_counts)} microbatches of {self.microbatch}, ZeRO-{self.zero_stage}, "
+             f"remat {self.remat}"]
+    groups = np.asarray(self.device_ids).reshape(self.data_size, -1)
+    kinds = np.asarray(self.device_kinds or ["?"] * len(self.device_ids), dtype=object).reshape(self.data_size, -1)
+    for i, count in enumerate(self.microbatch_counts):
+      share = count / sum(self.microbatch_counts)
+      lines.append(f"  {self.data_axis}[{i}] devices {list(map(int, groups[i]))} ({kinds[i][0]}): "
+                   f"{count} microbatches ({share:.0%}) {'#' * round(share * 40)}")
+    for key, value in self.predicted:
+      lines.append(f"  predicted {key}: {value:.6g}")
+    return "\n".join(lines)
+
+
+# --- building plans ------------------------------------------------------------
+
+
+def proportional_counts(weights: Sequence[float], total: int) -> tuple[int, ...]:
+  """Integer counts summing to ``total``, proportional to ``weights``.
+
+  Largest-remainder rounding: floor each share, then give the leftover units
+  to the largest remainders (ties to the earlier position).
+  """
+  w = np.asarray(weights, dtype=float)
+  if total < 0 or len(w) == 0 or np.any(w < 0) or w.sum() <= 0:
+    raise InvalidValueError(f"cannot split {total} by weights {list(weights)}")
+  exact = w / w.sum() * total
+  counts = np.floor(exact).astype(int)
+  order = sorted(range(len(w)), key=lambda i: (-(exact[i] - counts[i]), i))
+  for i in order[: total - counts.sum()]:
+    counts[i] += 1
+  return tuple(int(c) for c in counts)
+
+
+def default_microbatch(global_batch: int, data_size: int, per_position: int = 4) -> int:
+  """The largest divisor of the global batch giving every position about ``per_position`` microbatches."""
+  target = max(1, global_batch // (data_size * per_position))
+  return max(d for d in range(1, target + 1) if global_batch % d == 0)
+
+
+def _role_of(path: str, dtype: Any) -> str:
+  from hetspmd.passes.roles import Leaf, infer_role
+
+  return infer_role(Leaf(tuple(path.split("/")), 0, str(dtype), None), num_args=2).value
+
+
+def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0
+                     ) -> tuple[tuple[str, Spec], ...]:
+  """PartitionSpecs by a simple rule, until the planner chooses per operation.
+
+  Along an unweighted (``model``) axis: the last dimension of every leaf of
+  rank ≥ 2 that divides evenly. Along ``data`` (ZeRO): with stage ≥ 1 the
+  first free, evenly dividing dimension of optimizer state; with stage 3 of
+  parameters too.
+  """
+  sizes = dict(zip(axis_names, mesh_shape))
+  data, others = axis_names[0], [a for a in axis_names[1:] if sizes[a] > 1]
+  specs = []
+  for path, leaf in leaves_with_paths(state):
+    shape = tuple(np.shape(leaf))
+    spec: list[SpecEntry] = [None] * len(shape)
+    for axis in others:
+      if len(shape) >= 2 and spec[-1] is None and shape[-1] % sizes[axis] == 0:
+        spec[-1] = axis
+    role = _role_of(path, getattr(leaf, "dtype", "float32"))
+    if sizes[data] > 1 and (zero_stage >= 1 and role == "opt_state" or zero_stage >= 3 and role == "param"):
+      for dim, entry in enumerate(spec):
+        if entry is None and shape[dim] % sizes[data] == 0:
+          spec[dim] = data
+          break
+    while spec and spec[-1] is None:
+      spec.pop()
+    specs.append((path, tuple(spec)))
+  return tuple(specs)
+
+
+def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh | tuple[int, ...] | None = None,
+             microbatch: int | None = None, counts: Sequence[int] | None = None, zero_stage: int = 0,
+             remat: str = "none", dtype: str = "float32") -> Plan:
+  """A plan over ``cluster`` with microbatch counts proportional to device speed.
+
+  Args:
+    cluster: devices bound to JAX (``Cluster.from_devices`` / ``emulate``).
+    state: the train state (arrays or ``ShapeDtypeStruct``s) whose leaves
+      get PartitionSpecs.
+    global_batch: examples per step.
+    layout: a ``HetMesh`` or a ``(data, model)`` shape; default all data.
+    microbatch: examples per microbatch; default :func:`default_microbatch`.
+    counts: microbatches per data position; default proportional to each
+      position's peak FLOP/s in ``dtype``.
+  """
+  if cluster.jax_device_ids is None:
+    raise HetSpmdError("the cluster is not bound to JAX devices; use Cluster.from_devices(jax.devices()) or "
+                       "Cluster.emulate(jax.devices(), kinds=[...]) to run on this machine")
+  if not isinstance(global_batch, int) or global_batch < 1:
+    raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+  mesh = _layout(cluster, layout)
+  if microbatch is None:
+    microbatch = default_microbatch(global_batch, mesh.shape[0]) if counts is None else global_batch // max(
+        1, sum(counts))
+  if global_batch % microbatch:
+    raise InvalidValueError(f"global batch {global_batch} is not divisible by the microbatch {microbatch}; "
+                            f"valid microbatches: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}")
+  if counts is None:
+    counts = proportional_counts(mesh.speed_weights(dtype), global_batch // microbatch)
+  devices = cluster.devices
+  return Plan(
+      axis_names=mesh.axis_names,
+      mesh_shape=mesh.shape,
+      device_ids=tuple(cluster.jax_device_ids[i] for i in mesh.device_ids),
+      global_batch=global_batch,
+      microbatch=microbatch,
+      microbatch_counts=tuple(int(c) for c in counts),
+      state_specs=auto_state_specs(state, mesh.axis_names, mesh.shape, zero_stage),
+      zero_stage=zero_stage,
+      remat=remat,
+      device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids),
+  )
+
+
+def _layout(cluster: Cluster, layout: HetMesh | tuple[int, ...] | None) -> HetMesh:
+  if isinstance(layout, HetMesh):
+    return layout
+  layouts = list(enumerate_layouts(cluster))
+  if layout is None:
+    return layouts[0]
+  for mesh in layouts:
+    if mesh.shape == tuple(layout):
+      return mesh
+  raise InvalidValueError(f"layout {tuple(layout)} is not valid for {cluster}; valid (data, model) shapes: "
+                          f"{[m.shape for m in layouts]}")

@@ -1,0 +1,284 @@
+"""``@hetspmd.parallelize``: run a single-device train step under a plan.
+
+The decorated ``train_step(state, batch) -> (state, metrics)`` is lowered
+once per plan to one ``jax.jit`` program:
+
+* state leaves carry the plan's ``NamedSharding``s (tensor parallel along
+  ``model``, ZeRO along ``data``) in and out;
+* the batch arrives as a padded microbatch buffer sharded over ``data`` plus
+  each position's microbatch count (:meth:`ParallelStep.shard_batch`);
+* every ``hetspmd.value_and_grad`` call in the step becomes the weighted
+  gradient accumulation of :mod:`hetspmd.microbatch`; everything after it
+  (the optimizer update) runs once, on the sharded state.
+
+A step that uses plain ``jax.grad`` still runs correctly as ordinary data
+parallelism over the whole global batch (no per-device weighting), with a
+one-line warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hetspmd._pytree import leaves_with_paths
+from hetspmd.cluster import Cluster
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.microbatch import _StepContext, step_context
+from hetspmd.plan import Plan, plan_for
+
+
+class ShardedBatch(NamedTuple):
+  """A step's batch on the devices: padded microbatch buffers and counts."""
+
+  data: Any    # pytree of [positions * max_count, microbatch, ...] arrays, sharded over data
+  counts: Any  # int32[positions], sharded over data
+
+
+class _NoMicrobatchGradient(Exception):
+  """Raised while tracing a step that never called hetspmd.value_and_grad."""
+
+
+@dataclasses.dataclass
+class ParallelStep:
+  """A train step bound to a plan; call it like the original step.
+
+  Build with :func:`parallelize`. ``plan`` is resolved on first use from
+  the state (``plan="auto"``), or given up front.
+  """
+
+  fn: Callable[..., Any]
+  cluster: Cluster | None
+  requested_plan: Any
+  global_batch: int
+  microbatch: int | None
+  donate_state: bool
+  _plan: Plan | None = None
+  _mesh: Any = None
+  _compiled: dict = dataclasses.field(default_factory=dict)
+  _plain_grad: bool = False
+
+  def __post_init__(self):
+    functools.update_wrapper(self, self.fn)
+
+  # --- plan ------------------------------------------------------------------
+
+  @property
+  def plan(self) -> Plan:
+    if self._plan is None:
+      raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
+    return self._plan
+
+  def _resolve(self, state: Any) -> Plan:
+    if self._plan is None:
+      requested = self.requested_plan
+      if isinstance(requested, str) and requested != "auto":
+        requested = Plan.load(requested)
+      if isinstance(requested, Plan):
+        plan = requested
+      elif requested == "auto":
+        cluster = self.cluster or Cluster.from_devices(jax.devices())
+        plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch)
+      else:
+        raise InvalidValueError(f"plan must be 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
+      if plan.global_batch != self.global_batch:
+        raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
+                           f"global_batch={self.global_batch}")
+      self._mesh = plan.mesh()
+      self._plan = plan
+    self._plan.check_state(state)
+    return self._plan
+
+  # --- placing data ----------------------------------------------------------------
+
+  def shard_state(self, state: Any) -> Any:
+    """Places ``state`` on the devices with the plan's shardings."""
+    plan = self._resolve(state)
+    return jax.device_put(state, plan.state_shardings(self._mesh, state))
+
+  def state_shardings(self, state: Any) -> Any:
+    return self._resolve(state).state_shardings(self._mesh, state)
+
+  def shard_batch(self, batch: Any) -> ShardedBatch:
+    """Host batch → padded per-device microbatch buffers and counts.
+
+    With one process, ``batch`` is the global batch (leading axis
+    ``global_batch``). With several, each process passes only the examples
+    of the data positions it hosts, in position order.
+    """
+    plan = self.plan
+    mesh = self._mesh
+    positions = _local_positions(mesh, plan)
+    expected = sum(plan.examples_per_position()[i] for i in positions)
+    offsets = {}
+    offset = 0
+    for i in positions:
+      offsets[i] = offset
+      offset += plan.examples_per_position()[i]
+    sharding = NamedSharding(mesh, P(plan.data_axis))
+    grid = mesh.devices
+
+    def buffer(path: str, leaf: Any) -> jax.Array:
+      leaf = np.asarray(leaf)
+      if leaf.ndim < 1 or leaf.shape[0] != expected:
+        raise HetSpmdError(
+            f"batch leaf {path or '<root>'!r} has shape {leaf.shape}; expected a leading axis of {expected} "
+            f"({'the global batch' if expected == plan.global_batch else 'this process’s examples'}"
+            f" = {[plan.examples_per_position()[i] for i in positions]} per data position)")
+      rows = leaf.shape[1:]
+      arrays = []
+      for i in range(plan.data_size):
+        if i not in offsets:
+          continue
+        block = np.zeros((plan.max_count, plan.microbatch) + rows, leaf.dtype)
+        n = plan.examples_per_position()[i]
+        block.reshape((-1,) + rows)[:n] = leaf[offsets[i]:offsets[i] + n]
+        arrays += [jax.device_put(block, d) for d in grid[i].ravel() if d.process_index == jax.process_index()]
+      shape = (plan.data_size * plan.max_count, plan.microbatch) + rows
+      return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    leaves = leaves_with_paths(batch)
+    data = jax.tree.unflatten(jax.tree.structure(batch), [buffer(p, x) for p, x in leaves])
+    count_arrays = [jax.device_put(np.array([plan.microbatch_counts[i]], np.int32), d)
+                    for i in range(plan.data_size) if i in offsets
+                    for d in grid[i].ravel() if d.process_index == jax.process_index()]
+    counts = jax.make_array_from_single_device_arrays((plan.data_size,), sharding, count_arrays)
+    return ShardedBatch(data, counts)
+
+  # --- running -------------------------------------------------------------------
+
+  def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+    self._resolve(state)
+    sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
+    return self._executable(state)(state, sharded.data, sharded.counts)
+
+  def lower(self, state: Any, batch: Any):
+    """The ``jax.stages.Lowered`` program for ``state`` and ``batch``."""
+    self._resolve(state)
+    sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
+    return self._executable(state).lower(state, sharded.data, sharded.counts)
+
+  def explain(self) -> str:
+    mode = ("plain data parallel (the step uses jax.grad)" if self._plain_grad else
+            "weighted microbatch accumulation")
+    return f"{self.plan.summary()}\n  execution: {mode}"
+
+  def _executable(self, state: Any):
+    key = jax.tree.structure(state)
+    if key not in self._compiled:
+      self._compiled[key] = self._build(state)
+    return self._compiled[key]
+
+  def _build(self, state: Any):
+    plan, mesh = self.plan, self._mesh
+    shardings = plan.state_shardings(mesh, state)
+    donate = (0,) if self.donate_state else ()
+    weighted = jax.jit(self._weighted_step(shardings), donate_argnums=donate)
+    plain = jax.jit(self._plain_step(shardings), donate_argnums=donate)
+
+    def run(*args):
+      if not self._plain_grad:
+        try:
+          return weighted(*args)
+        except _NoMicrobatchGradient:
+          self._plain_grad = True
+          warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
+                        "hetspmd.value_and_grad: running plain data parallelism over the global batch "
+                        "(no per-device weighting, no microbatch accumulation)", stacklevel=3)
+      return plain(*args)
+
+    def lower(*args):
+      return (plain if self._plain_grad else weighted).lower(*args)
+
+    run.lower = lower
+    return run
+
+  def _weighted_step(self, shardings: Any):
+    plan, mesh, fn = self.plan, self._mesh, self.fn
+
+    def step(state, data, counts):
+      calls: list = []
+      ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
+                         plan.microbatch, plan.remat == "full", calls)
+      with step_context(ctx):
+        new_state, metrics = fn(state, data)
+      if not calls:
+        raise _NoMicrobatchGradient()
+      return jax.lax.with_sharding_constraint(new_state, shardings), metrics
+
+    return step
+
+  def _plain_step(self, shardings: Any):
+    plan, mesh, fn = self.plan, self._mesh, self.fn
+    valid = _valid_rows(plan)
+    divisible = plan.global_batch % plan.data_size == 0
+
+    def step(state, data, counts):
+      del counts
+
+      def flatten(x):
+        x = x.reshape((-1,) + x.shape[2:])
+        if len(valid) != x.shape[0]:
+          x = jnp.take(x, valid, axis=0)
+        spec = P(plan.data_axis) if divisible else P()
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+      new_state, metrics = fn(state, jax.tree.map(flatten, data))
+      return jax.lax.with_sharding_constraint(new_state, shardings), metrics
+
+    return step
+
+
+def _valid_rows(plan: Plan) -> np.ndarray:
+  """Rows of the flattened buffer that hold real examples, in global order."""
+  rows = []
+  per_position = plan.max_count * plan.microbatch
+  for i, count in enumerate(plan.microbatch_counts):
+    rows.append(np.arange(i * per_position, i * per_position + count * plan.microbatch))
+  return np.concatenate(rows).astype(np.int32)
+
+
+def _local_positions(mesh: Any, plan: Plan) -> list[int]:
+  me = jax.process_index()
+  return [i for i in range(plan.data_size) if any(d.process_index == me for d in mesh.devices[i].ravel())]
+
+
+def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
+                global_batch: int, microbatch: int | None = None, donate_state: bool = True):
+  """Runs ``train_step(state, batch) -> (state, metrics)`` on a (mixed) cluster.
+
+  Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``.
+
+  Args:
+    fn: the single-device step; compute gradients with
+      :func:`hetspmd.value_and_grad` (or :func:`hetspmd.grad`) and pass the
+      batch to the loss function as an argument.
+    cluster: the devices, bound to JAX (``Cluster.from_devices`` or
+      ``Cluster.emulate``); default ``Cluster.from_devices(jax.devices())``.
+    plan: ``"auto"``, a :class:`Plan`, or a path to a plan JSON file. Until
+      the planner chooses plans, ``"auto"`` puts every device on the data
+      axis and gives each device a number of microbatches proportional to
+      its peak FLOP/s.
+    global_batch: examples per step.
+    microbatch: examples per microbatch (``"auto"`` plans only).
+    donate_state: let XLA reuse the input state's buffers for the output.
+  """
+  if not isinstance(global_batch, int) or global_batch < 1:
+    raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+  if microbatch is not None and (not isinstance(microbatch, int) or microbatch < 1 or global_batch % microbatch):
+    raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
+                            f"got {microbatch!r}")
+
+  def wrap(f: Callable[..., Any]) -> ParallelStep:
+    if not callable(f):
+      raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
+    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state)
+
+  return wrap if fn is None else wrap(fn)
