@@ -63,6 +63,7 @@ class _StepContext:
   counts: Any  # int32[data positions], sharded over the data axis
   microbatch: int
   remat: bool
+  lockstep: bool  # every position runs max_count microbatches, padding masked
   calls: list  # appended to on every use, so the runtime can tell it happened
 
 
@@ -204,7 +205,16 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
 
     zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), (axis,), to="varying"),
                          jax.eval_shape(one, 0))
-    acc = jax.lax.fori_loop(0, counts[0], lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
+    if ctx.lockstep:
+      # Same trip count everywhere (collectives inside stay matched); padded
+      # microbatches contribute exact zeros.
+      def body(i, acc):
+        valid = i < counts[0]
+        return jax.tree.map(lambda a, x: a + jnp.where(valid, x, jnp.zeros_like(x)), acc, one(i))
+
+      acc = jax.lax.fori_loop(0, buffers[0].shape[0], body, zeros)
+    else:
+      acc = jax.lax.fori_loop(0, counts[0], lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
     return jax.lax.psum(acc, axis)
 
   sharded = jax.shard_map(

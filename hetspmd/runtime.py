@@ -64,6 +64,7 @@ class ParallelStep:
   _mesh: Any = None
   _compiled: dict = dataclasses.field(default_factory=dict)
   _plain_grad: bool = False
+  _lockstep: bool | None = None  # decided from the first compiled program
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -166,8 +167,13 @@ class ParallelStep:
     return self._executable(state).lower(state, sharded.data, sharded.counts)
 
   def explain(self) -> str:
-    mode = ("plain data parallel (the step uses jax.grad)" if self._plain_grad else
-            "weighted microbatch accumulation")
+    if self._plain_grad:
+      mode = "plain data parallel (the step uses jax.grad)"
+    elif self._lockstep:
+      mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
+              "(XLA placed a collective-permute or all-to-all inside the loop)")
+    else:
+      mode = "weighted microbatch accumulation (per-device trip counts)"
     return f"{self.plan.summary()}\n  execution: {mode}"
 
   def _executable(self, state: Any):
@@ -180,13 +186,15 @@ class ParallelStep:
     plan, mesh = self.plan, self._mesh
     shardings = plan.state_shardings(mesh, state)
     donate = (0,) if self.donate_state else ()
-    weighted = jax.jit(self._weighted_step(shardings), donate_argnums=donate)
+    weighted = {mode: jax.jit(self._weighted_step(shardings, mode), donate_argnums=donate) for mode in (False, True)}
     plain = jax.jit(self._plain_step(shardings), donate_argnums=donate)
 
     def run(*args):
       if not self._plain_grad:
         try:
-          return weighted(*args)
+          if self._lockstep is None:
+            self._lockstep = not plan.is_uniform and _loop_needs_lockstep(weighted[False].lower(*args))
+          return weighted[self._lockstep](*args)
         except _NoMicrobatchGradient:
           self._plain_grad = True
           warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
@@ -195,18 +203,18 @@ class ParallelStep:
       return plain(*args)
 
     def lower(*args):
-      return (plain if self._plain_grad else weighted).lower(*args)
+      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(*args)
 
     run.lower = lower
     return run
 
-  def _weighted_step(self, shardings: Any):
+  def _weighted_step(self, shardings: Any, lockstep: bool):
     plan, mesh, fn = self.plan, self._mesh, self.fn
 
     def step(state, data, counts):
       calls: list = []
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
-                         plan.microbatch, plan.remat == "full", calls)
+                         plan.microbatch, plan.remat == "full", lockstep, calls)
       with step_context(ctx):
         new_state, metrics = fn(state, data)
       if not calls:
@@ -234,6 +242,18 @@ class ParallelStep:
       return jax.lax.with_sharding_constraint(new_state, shardings), metrics
 
     return step
+
+
+# Collectives whose CPU/GPU rendezvous can span every device of the program,
+# not just the participating pairs: inside a loop with per-device trip counts
+# they would deadlock or pair up the wrong iterations.
+_GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
+
+
+def _loop_needs_lockstep(lowered: Any) -> bool:
+  """Whether the compiled microbatch loop holds a collective that needs lockstep."""
+  text = lowered.compile().as_text()
+  return any(op in line and "while/body" in line for line in text.splitlines() for op in _GLOBAL_RENDEZVOUS)
 
 
 def _valid_rows(plan: Plan) -> np.ndarray:
