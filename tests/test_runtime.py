@@ -1,0 +1,303 @@
+"""The weighted runtime against single-device training, over meshes and uneven counts."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import hetspmd as hs
+from hetspmd import models
+
+from conftest import require_devices
+
+KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4
+STEPS = 3
+
+
+def _workload(name):
+  # eps=1e-4: parameters whose true gradient is zero (e.g. attention key
+  # biases) would otherwise turn rounding noise into full-size adam steps.
+  return dataclasses.replace(models.get(name), make_optimizer=lambda: optax.adam(1e-3, eps=1e-4))
+
+
+def _cluster():
+  require_devices(8)
+  return hs.Cluster.emulate(jax.devices()[:8], kinds=KINDS)
+
+
+def _reference(workload, batches):
+  step = jax.jit(workload.make_train_step())
+  state = workload.init_state(0)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def _gathered(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_states_close(expected, actual, rtol=1e-4):
+  for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)):
+    scale = max(float(np.max(np.abs(e))), 1e-3)
+    assert float(np.max(np.abs(np.asarray(e) - np.asarray(a)))) <= rtol * scale, jax.tree_util.keystr(path)
+
+
+# (model, (data, model) mesh, microbatch counts per data position, microbatch)
+CASES = [
+    ("mlp-tiny", (8, 1), (3, 3, 2, 2, 1, 1, 1, 1), 2),
+    ("mlp-tiny", (4, 2), (3, 3, 2, 1), 2),
+    ("mlp-tiny", (2, 4), (2, 1), 4),
+    ("mlp-tiny", (4, 2), (2, 2, 2, 2), 2),
+    ("gpt2-tiny", (8, 1), (2, 2, 1, 1, 1, 1, 0, 0), 2),
+    ("gpt2-tiny", (4, 2), (3, 3, 1, 1), 2),
+    ("gpt2-tiny", (2, 4), (5, 3), 2),
+]
+
+
+@pytest.mark.parametrize("name,shape,counts,microbatch", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
+  workload = _workload(name)
+  global_batch = sum(counts) * microbatch
+  batches = [workload.synthetic_batch(seed=i, batch=global_batch) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+
+  state = workload.init_state(0)
+  plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+                        global_batch=global_batch)
+  state = step.shard_state(state)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_states_close(expected, _gathered(state))
+  assert int(state["step"]) == STEPS
+  kernel = next(x for p, x in hs._pytree.leaves_with_paths(state) if p.startswith("params") and np.ndim(x) == 2)
+  assert kernel.sharding.mesh.shape == dict(zip(("data", "model"), shape))
+
+
+def test_auto_plan_weights_by_device_speed():
+  workload = _workload("mlp-tiny")
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), global_batch=64)
+  state = step.shard_state(workload.init_state(0))
+  counts = step.plan.microbatch_counts
+  assert sum(counts) * step.plan.microbatch == 64
+  assert counts[0] > counts[-1]  # a V100 gets more than a P100
+  state, metrics = step(state, workload.synthetic_batch(0, batch=64))
+  assert np.isfinite(float(metrics["loss"]))
+  assert "per-device trip counts" in step.explain()
+
+
+def _masked_loss(model, batch):
+  logits = model(batch["inputs"]).astype(jnp.float32)
+  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  mask = batch["mask"].astype(jnp.float32)
+  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  return (hs.weighted(jnp.sum(per_token * mask), jnp.sum(mask)),
+          {"masked_accuracy": hs.weighted(jnp.sum(correct * mask), jnp.sum(mask)), "mean_logit": jnp.mean(logits)})
+
+
+def test_token_masked_weighted_loss_is_exact():
+  workload = dataclasses.replace(_workload("gpt2-tiny"), loss=_masked_loss)
+  counts, microbatch = (3, 2, 2, 1), 2
+  global_batch = sum(counts) * microbatch
+  rng = np.random.default_rng(0)
+  batches = []
+  for i in range(STEPS):
+    batch = workload.synthetic_batch(seed=i, batch=global_batch)
+    # very different token counts per example: a mean of microbatch means would be wrong
+    batch["mask"] = (rng.random(batch["targets"].shape) < rng.random((global_batch, 1))).astype(np.int32)
+    batches.append(batch)
+
+  def reference_step():
+    graphdef, tx = workload.graphdef(), workload.make_optimizer()
+
+    def step(state, batch):
+      def loss_fn(params):
+        loss, aux = _masked_loss(nnx.merge(graphdef, params), batch)
+        accuracy = aux["masked_accuracy"]
+        return loss.total / loss.weight, (accuracy.total / accuracy.weight, aux["mean_logit"])
+
+      (loss, (accuracy, mean_logit)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+      return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+              "step": state["step"] + 1}, {"loss": loss, "masked_accuracy": accuracy, "mean_logit": mean_logit}
+
+    return jax.jit(step)
+
+  ref_step, expected = reference_step(), workload.init_state(0)
+  expected_metrics = []
+  for batch in batches:
+    expected, metrics = ref_step(expected, batch)
+    expected_metrics.append(metrics)
+
+  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=global_batch, layout=(4, 2),
+                     microbatch=microbatch, counts=counts)
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+                        global_batch=global_batch)
+  state = step.shard_state(workload.init_state(0))
+  for batch, want in zip(batches, expected_metrics):
+    state, metrics = step(state, batch)
+    for key in ("loss", "masked_accuracy", "mean_logit"):
+      assert float(metrics[key]) == pytest.approx(float(want[key]), rel=1e-5, abs=1e-7), key
+  assert_states_close(expected, _gathered(state))
+
+
+def test_uniform_plan_matches_plain_jit_with_same_shardings():
+  workload = _workload("gpt2-tiny")
+  state0 = workload.init_state(0)
+  plan = hs.plan_for(_cluster(), state0, global_batch=16, layout=(4, 2), microbatch=2, counts=(2, 2, 2, 2))
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+                        global_batch=16, donate_state=False)
+  state = step.shard_state(state0)
+  mesh = plan.mesh()
+  shardings = plan.state_shardings(mesh, state0)
+  batch_sharding = NamedSharding(mesh, P("data"))
+  plain = jax.jit(workload.make_train_step(), in_shardings=(shardings, batch_sharding),
+                  out_shardings=(shardings, None))
+  plain_state = jax.device_put(state0, shardings)
+  for i in range(STEPS):
+    batch = workload.synthetic_batch(seed=i, batch=16)
+    state, metrics = step(state, batch)
+    plain_state, plain_metrics = plain(plain_state, jax.device_put(batch, batch_sharding))
+    assert float(metrics["loss"]) == pytest.approx(float(plain_metrics["loss"]), rel=1e-5)
+  assert_states_close(_gathered(plain_state), _gathered(state))
+
+
+def test_plain_jax_grad_still_runs_correctly_and_warns_once():
+  workload = _workload("mlp-tiny")
+  batches = [workload.synthetic_batch(seed=i, batch=16) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=16, layout=(4, 2), microbatch=2,
+                     counts=(3, 2, 2, 1))
+  step = hs.parallelize(workload.make_train_step(), cluster=_cluster(), plan=plan, global_batch=16)
+  state = step.shard_state(workload.init_state(0))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for batch, want in zip(batches, expected_losses):
+      state, metrics = step(state, batch)
+      assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
+  messages = [str(w.message) for w in caught if "jax.grad" in str(w.message)]
+  assert len(messages) == 1 and "\n" not in messages[0]
+  assert_states_close(expected, _gathered(state))
+  assert "plain data parallel" in step.explain()
+
+
+def test_value_and_grad_outside_a_step_matches_jax():
+  f = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+  w, x = jnp.ones((3, 2)) * 0.1, jnp.arange(12.0).reshape(4, 3)
+  value, grads = hs.value_and_grad(f)(w, x)
+  want_value, want_grads = jax.value_and_grad(f)(w, x)
+  assert float(value) == pytest.approx(float(want_value), rel=1e-6)
+  np.testing.assert_allclose(grads, want_grads, rtol=1e-5)
+  wf = lambda w, x: hs.weighted(jnp.sum(x @ w), 7.0)
+  value, grads = hs.value_and_grad(wf)(w, x)
+  assert float(value) == pytest.approx(float(jnp.sum(x @ w)) / 7.0)
+  np.testing.assert_allclose(grads, jax.grad(lambda w: jnp.sum(x @ w) / 7.0)(w), rtol=1e-6)
+  np.testing.assert_allclose(hs.grad(f)(w, x), want_grads, rtol=1e-5)
+
+
+# --- plans as files, and bad input ------------------------------------------------
+
+
+def _mlp_step(cluster, **kwargs):
+  workload = _workload("mlp-tiny")
+  return workload, hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, **kwargs)
+
+
+def test_plan_round_trip_and_reuse(tmp_path):
+  workload = _workload("mlp-tiny")
+  plan = hs.plan_for(_cluster(), workload.abstract_state(), global_batch=18, layout=(4, 2), microbatch=2,
+                     counts=(3, 3, 2, 1), zero_stage=1)
+  plan.save(tmp_path / "plan.json")
+  loaded = hs.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=str(tmp_path / "plan.json"),
+                        global_batch=18)
+  state = step.shard_state(workload.init_state(0))
+  opt_kernel = next(x for p, x in hs._pytree.leaves_with_paths(state) if p.startswith("opt_state/0/mu") and x.ndim == 2)
+  assert "data" in str(opt_kernel.sharding.spec)  # ZeRO-1 shards optimizer state over data
+  state, _ = step(state, workload.synthetic_batch(0, batch=18))
+
+
+def test_plan_for_other_devices_is_refused():
+  workload = _workload("mlp-tiny")
+  plan = hs.plan_for(_cluster(), workload.abstract_state(), global_batch=8, microbatch=1)
+  other = plan.replace(device_ids=tuple(i + 100 for i in plan.device_ids))
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=other, global_batch=8)
+  with pytest.raises(hs.HetSpmdError, match=r"made for JAX devices \[100, .*are not present"):
+    step.shard_state(workload.init_state(0))
+
+
+def test_plan_for_other_state_is_refused():
+  plan = hs.plan_for(_cluster(), _workload("mlp-tiny").abstract_state(), global_batch=8, microbatch=1)
+  gpt = _workload("gpt2-tiny")
+  step = hs.parallelize(gpt.make_train_step(hs.value_and_grad), plan=plan, global_batch=8)
+  with pytest.raises(hs.HetSpmdError, match="state does not match the plan: leaves not in the plan"):
+    step.shard_state(gpt.abstract_state())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(global_batch=0), "global_batch must be a positive integer, got 0"),
+    (dict(global_batch=10, microbatch=3), "microbatch must be a positive divisor of the global batch 10, got 3"),
+])
+def test_bad_parallelize_arguments(kwargs, match):
+  with pytest.raises(hs.InvalidValueError, match=match):
+    hs.parallelize(lambda s, b: (s, {}), **kwargs)
+
+
+def test_microbatch_not_dividing_global_batch_is_refused():
+  with pytest.raises(hs.InvalidValueError, match="not divisible by the microbatch 3; valid microbatches"):
+    hs.plan_for(_cluster(), {"w": jnp.ones(2)}, global_batch=10, microbatch=3)
+
+
+def test_bad_batch_is_refused_and_state_survives():
+  workload, step = _mlp_step(_cluster(), global_batch=16)
+  state = step.shard_state(workload.init_state(0))
+  with pytest.raises(hs.HetSpmdError, match=r"batch leaf 'inputs' has shape \(12, 32\); expected a leading axis of 16"):
+    step(state, workload.synthetic_batch(0, batch=12))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  state, metrics = step(state, workload.synthetic_batch(0, batch=16))  # still usable
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_state_mismatch_on_call_is_refused_before_running():
+  workload, step = _mlp_step(_cluster(), global_batch=16)
+  state = step.shard_state(workload.init_state(0))
+  broken = {**state, "params": {k: v for k, v in state["params"].items()}}
+  broken.pop("step")
+  with pytest.raises(hs.HetSpmdError, match="leaves the plan expects but the state lacks: \\['step'\\]"):
+    step(broken, workload.synthetic_batch(0, batch=16))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_plan_file_errors(tmp_path):
+  (tmp_path / "bad.json").write_text('{"schema": 99}')
+  with pytest.raises(hs.InvalidValueError, match="plan schema 99 is not supported"):
+    hs.Plan.load(tmp_path / "bad.json")
+  (tmp_path / "broken.json").write_text("{")
+  with pytest.raises(hs.InvalidValueError, match="not valid JSON"):
+    hs.Plan.load(tmp_path / "broken.json")
+
+
+def test_plan_values_are_validated():
+  with pytest.raises(hs.InvalidValueError, match="cover 6 examples, not the global batch of 8"):
+    hs.Plan(("data",), (2,), (0, 1), global_batch=8, microbatch=2, microbatch_counts=(2, 1))
+  with pytest.raises(hs.InvalidValueError, match="ZeRO stage must be one of"):
+    hs.Plan(("data",), (2,), (0, 1), global_batch=4, microbatch=2, microbatch_counts=(1, 1), zero_stage=2)
+
+
+def test_proportional_counts():
+  assert hs.plan.proportional_counts([2, 1, 1], 8) == (4, 2, 2)
+  assert hs.plan.proportional_counts([1, 1, 1], 4) == (2, 1, 1)
+  assert sum(hs.plan.proportional_counts([0.3, 0.2, 0.5], 7)) == 7
