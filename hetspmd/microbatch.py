@@ -64,6 +64,7 @@ class _StepContext:
   microbatch: int
   remat: bool
   lockstep: bool  # every position runs max_count microbatches, padding masked
+  uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
   calls: list  # appended to on every use, so the runtime can tell it happened
 
 
@@ -203,9 +204,13 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
       (total, (weight, aux_t, aux_w)), grads = vg(*a, **kw)
       return _widen((total, weight, aux_t, aux_w, grads))
 
+    if ctx.uniform_count == 1:
+      return jax.lax.psum(one(0), axis)
     zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), (axis,), to="varying"),
                          jax.eval_shape(one, 0))
-    if ctx.lockstep:
+    if ctx.uniform_count is not None:
+      acc = jax.lax.fori_loop(0, ctx.uniform_count, lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
+    elif ctx.lockstep:
       # Same trip count everywhere (collectives inside stay matched); padded
       # microbatches contribute exact zeros.
       def body(i, acc):

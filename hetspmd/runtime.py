@@ -65,6 +65,7 @@ class ParallelStep:
   _compiled: dict = dataclasses.field(default_factory=dict)
   _plain_grad: bool = False
   _lockstep: bool | None = None  # decided from the first compiled program
+  _checked: set = dataclasses.field(default_factory=set)  # state signatures already validated
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -73,12 +74,13 @@ class ParallelStep:
 
   @property
   def plan(self) -> Plan:
-    if self._plan is None:
-      raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
-    return self._plan
+    """The plan; an ``"auto"`` plan exists once the state has been seen."""
+    return self._resolve(None)
 
   def _resolve(self, state: Any) -> Plan:
     if self._plan is None:
+      if state is None and self.requested_plan == "auto":
+        raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested = self.requested_plan
       if isinstance(requested, str) and requested != "auto":
         requested = Plan.load(requested)
@@ -94,8 +96,15 @@ class ParallelStep:
                            f"global_batch={self.global_batch}")
       self._mesh = plan.mesh()
       self._plan = plan
-    self._plan.check_state(state)
+    if state is not None:
+      self._check_state(state, *jax.tree.flatten(state))
     return self._plan
+
+  def _check_state(self, state: Any, leaves: list, treedef: Any) -> None:
+    signature = (treedef, tuple(np.shape(x) for x in leaves))
+    if signature not in self._checked:
+      self._plan.check_state(state)
+      self._checked.add(signature)
 
   # --- placing data ----------------------------------------------------------------
 
@@ -114,7 +123,7 @@ class ParallelStep:
     ``global_batch``). With several, each process passes only the examples
     of the data positions it hosts, in position order.
     """
-    plan = self.plan
+    plan = self._resolve(None)
     mesh = self._mesh
     positions = _local_positions(mesh, plan)
     expected = sum(plan.examples_per_position()[i] for i in positions)
@@ -156,15 +165,18 @@ class ParallelStep:
   # --- running -------------------------------------------------------------------
 
   def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-    self._resolve(state)
+    leaves, treedef = jax.tree.flatten(state)
+    if self._plan is None:
+      self._resolve(state)
+    self._check_state(state, leaves, treedef)
     sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(state)(state, sharded.data, sharded.counts)
+    return self._executable(treedef, state)(state, sharded.data, sharded.counts)
 
   def lower(self, state: Any, batch: Any):
     """The ``jax.stages.Lowered`` program for ``state`` and ``batch``."""
     self._resolve(state)
     sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(state).lower(state, sharded.data, sharded.counts)
+    return self._executable(jax.tree.structure(state), state).lower(state, sharded.data, sharded.counts)
 
   def explain(self) -> str:
     if self._plain_grad:
@@ -176,11 +188,11 @@ class ParallelStep:
       mode = "weighted microbatch accumulation (per-device trip counts)"
     return f"{self.plan.summary()}\n  execution: {mode}"
 
-  def _executable(self, state: Any):
-    key = jax.tree.structure(state)
-    if key not in self._compiled:
-      self._compiled[key] = self._build(state)
-    return self._compiled[key]
+  def _executable(self, treedef: Any, state: Any):
+    # Shapes were checked against the plan; jit itself keys on them.
+    if treedef not in self._compiled:
+      self._compiled[treedef] = self._build(state)
+    return self._compiled[treedef]
 
   def _build(self, state: Any):
     plan, mesh = self.plan, self._mesh
@@ -214,7 +226,8 @@ class ParallelStep:
     def step(state, data, counts):
       calls: list = []
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
-                         plan.microbatch, plan.remat == "full", lockstep, calls)
+                         plan.microbatch, plan.remat == "full", lockstep,
+                         plan.max_count if plan.is_uniform else None, calls)
       with step_context(ctx):
         new_state, metrics = fn(state, data)
       if not calls:
