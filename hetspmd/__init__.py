@@ -23,13 +23,14 @@ from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.profiler import profile as profile
 from hetspmd.runtime import ParallelStep as ParallelStep
+from hetspmd.search import search_step as search
 from hetspmd.runtime import ShardedBatch as ShardedBatch
 from hetspmd.runtime import parallelize as parallelize
 
 __all__ = [
     "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
     "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "value_and_grad",
-    "weighted",
+    "search", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",
 ]

@@ -2,6 +2,8 @@
 
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
+    hetspmd search [--model gpt2-small] [--cluster amp-t4-v100] [--global-batch 64] [--out plan.json] [--json]
+    hetspmd explain plan.json
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
 """
@@ -57,6 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
   profile.add_argument("--json", action="store_true", help="print the full profile as JSON")
   profile.add_argument("--devices", type=_positive_int, help="measure only the first N devices")
   profile.set_defaults(run=_run_profile)
+
+  search = sub.add_parser(
+      "search", help="rank device-weighted plans for a zoo model on a cluster",
+      description="Trace the model's train step, cost it on every device kind of the cluster, and rank "
+      "data-parallel plans whose per-device microbatch counts are chosen by a MILP, against the baselines "
+      "dp_even, dp_proportional, fastest_only and best_homogeneous.",
+      epilog="Cluster spec grammar: " + _GRAMMAR)
+  search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
+  search.add_argument("--cluster", default="amp-t4-v100",
+                      help="preset name, cluster TOML file, or spec (default: amp-t4-v100)")
+  search.add_argument("--global-batch", type=_positive_int, default=64, help="examples per step (default: 64)")
+  search.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
+  search.add_argument("--top", type=_positive_int, default=5, help="plans to show (default: 5)")
+  search.add_argument("--out", help="write the best plan to this JSON file")
+  search.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+  search.set_defaults(run=_run_search)
+
+  explain = sub.add_parser("explain", help="show a plan file: devices, microbatch shares, predictions")
+  explain.add_argument("plan", help="a plan JSON file written by hetspmd search --out")
+  explain.set_defaults(run=_run_explain)
   return parser
 
 
@@ -123,6 +145,96 @@ def _run_profile(args: argparse.Namespace) -> int:
           f"{_si(1 / fit.beta if fit.beta else float('inf'), 'B/s')} asymptotic")
   if args.out:
     print(f"wrote {args.out}")
+  return 0
+
+
+def _run_search(args: argparse.Namespace) -> int:
+  from hetspmd import models
+  from hetspmd.cluster import Cluster
+  from hetspmd.search import BASELINES, plan_from, search_step
+
+  cluster = Cluster.resolve(args.cluster)
+  workload = models.get(args.model)
+  batch = workload.example_batch(2, args.seq)
+  state = workload.abstract_state()
+  start = time.perf_counter()
+
+  def progress(message: str) -> None:
+    if not args.json and time.perf_counter() - start > 1.0 or message.startswith("tracing"):
+      if not args.json:
+        print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
+
+  result = search_step(workload.make_train_step(), state, batch, cluster, global_batch=args.global_batch,
+                       top=args.top, progress=progress)
+  ideal = result.ideal_throughput
+  best = result.plans[0]
+  if args.out:
+    plan_from(best, cluster, state, ideal).save(args.out)
+  report = {
+      "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
+      "global_batch": args.global_batch, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
+      "plans": [p.to_json(ideal) for p in result.plans],
+      "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
+                           result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
+      "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
+  }
+  if args.json:
+    print(json.dumps(report, indent=2))
+    return 0
+  kinds = ", ".join(f"{sum(1 for d in cluster.devices if d.spec.name == k)} {k}" for k in cluster.kinds)
+  print(f"{workload.name} on {cluster} ({cluster.num_devices} devices: {kinds}), global batch {args.global_batch}"
+        + (f", seq {report['seq']}" if report["seq"] else ""))
+  print(f"searched {result.candidates} candidates in {result.search_seconds:.2f} s (after tracing); "
+        f"ideal throughput {ideal:.1f} samples/s")
+  print()
+  print(f"{'#':>2} {'plan':<28} {'mb':>4} {'ZeRO':>4} {'remat':>5} {'step s':>8} {'samples/s':>10} {'eff':>6} "
+        f"{'comm s':>7} {'mem/dev':>9}  counts")
+  for i, p in enumerate(result.plans, 1):
+    print(_plan_row(str(i), p, ideal))
+  print()
+  print(f"{'':>2} {'baseline':<28}")
+  for name in BASELINES:
+    if name in result.baselines:
+      b = result.baselines[name]
+      print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
+  if args.out:
+    print(f"\nwrote the best plan to {args.out}")
+  return 0
+
+
+def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
+  counts = _counts_summary(p.kinds, p.counts)
+  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {'on' if p.remat else 'off':>5} "
+          f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
+          f"{_si(max(p.memory_bytes), 'B'):>9}  {counts}{suffix}")
+
+
+def _counts_summary(kinds, counts) -> str:
+  groups: dict[tuple[str, int], int] = {}
+  for k, c in zip(kinds, counts):
+    groups[(k, c)] = groups.get((k, c), 0) + 1
+  return ", ".join(f"{n}x{k}:{c}" for (k, c), n in groups.items())
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+  from hetspmd.devices import DEVICE_PRESETS
+  from hetspmd.plan import Plan
+
+  plan = Plan.load(args.plan)
+  print(plan.summary())
+  predicted = dict(plan.predicted)
+  if "memory_bytes_per_device" in predicted:
+    print("  memory per device (predicted / capacity):")
+    for kind in dict.fromkeys(plan.device_kinds):
+      capacity = DEVICE_PRESETS[kind].memory_bytes if kind in DEVICE_PRESETS else None
+      used = predicted["memory_bytes_per_device"]
+      bar = "#" * round(40 * used / capacity) if capacity else ""
+      print(f"    {kind:<12} {_si(used, 'B'):>9} / {_si(capacity, 'B') if capacity else '?':>9} {bar}")
+  if "compute_seconds" in predicted:
+    total = predicted["step_seconds"]
+    print(f"  step {total:.3f} s = compute {predicted['compute_seconds']:.3f} s "
+          f"{'#' * round(40 * predicted['compute_seconds'] / total)} + communication "
+          f"{predicted['communication_seconds']:.3f} s {'#' * round(40 * predicted['communication_seconds'] / total)}")
   return 0
 
 

@@ -1,0 +1,159 @@
+"""Cost model: per-device compute time and live memory of a traced step.
+
+Compute is a roofline per node: ``max(FLOPs / (peak × efficiency),
+bytes / (bandwidth × efficiency))``, with the peak for the node's dtype
+(bf16/fp16 peaks for low-precision contractions) and efficiencies from
+:data:`EFFICIENCY` for datasheet specs; measured specs (``hetspmd
+profile``) already hold achieved rates, so their efficiency is 1.
+
+Memory is the peak of live intermediate values over the graph in program
+order (a value lives from its producer to its last consumer; step outputs
+to the end), not counting the step's inputs, which the caller accounts for
+by role (parameters, optimizer state, batch).
+
+A step is traced at two batch sizes and every node's FLOPs and bytes are
+fitted linearly in the batch (:class:`StepProfile`), so the search can cost
+any microbatch size without tracing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from hetspmd.devices import DeviceSpec
+from hetspmd.passes.ir import Graph, Node, Role, Source
+
+# Fraction of the datasheet peak reached in practice, per kind of work.
+EFFICIENCY: Mapping[str, float] = {"matmul": 0.6, "memory": 0.7}
+
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+def _efficiency(spec: DeviceSpec, kind: str) -> float:
+  return 1.0 if spec.measured else EFFICIENCY[kind]
+
+
+def node_seconds(node: Node, spec: DeviceSpec) -> float:
+  """Roofline time of one execution of ``node`` on ``spec``."""
+  memory = (node.bytes_read + node.bytes_written) / (spec.memory_bandwidth * _efficiency(spec, "memory"))
+  if node.primitive in MATMUL_PRIMITIVES:
+    low = all(t.dtype in _LOW_PRECISION for t in node.inputs[:2])
+    peak = spec.bf16_flops if low else spec.fp32_flops
+    return max(node.flops / (peak * _efficiency(spec, "matmul")), memory)
+  return memory
+
+
+def step_seconds(graph: Graph, spec: DeviceSpec) -> float:
+  """Compute time of the whole traced step on one device of kind ``spec``."""
+  return sum(node_seconds(n, spec) * n.count for n in graph.nodes)
+
+
+def peak_live_bytes(graph: Graph) -> int:
+  """Peak bytes of intermediate values live at once, in program order."""
+  last_use: dict[tuple[int, int], int] = {}
+  for node in graph.nodes:
+    for ref in node.operands:
+      if ref.source is Source.NODE:
+        last_use[(ref.index, ref.output)] = node.id
+  end = len(graph.nodes)
+  for out in graph.outputs:
+    if out.source.source is Source.NODE:
+      last_use[(out.source.index, out.source.output)] = end
+  frees: dict[int, int] = {}
+  for (producer, output), last in last_use.items():
+    frees[last] = frees.get(last, 0) + graph.nodes[producer].outputs[output].nbytes
+  live = peak = 0
+  for node in graph.nodes:
+    live += sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last_use)
+    peak = max(peak, live)
+    live -= frees.get(node.id, 0)
+  return peak
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearCost:
+  """``fixed + per_example × batch`` for one device kind."""
+
+  fixed: float
+  per_example: float
+
+  def at(self, batch: float) -> float:
+    return self.fixed + self.per_example * batch
+
+
+def fit_linear(small: float, large: float, small_batch: int, large_batch: int) -> LinearCost:
+  per_example = max(0.0, (large - small) / (large_batch - small_batch))
+  return LinearCost(max(0.0, small - per_example * small_batch), per_example)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+  """What the search needs from a model: per-node costs linear in the batch.
+
+  The step is traced at two batch sizes; node ``i`` of both traces is the
+  same operation (checked), so its FLOPs and bytes are fitted as
+  ``a + b × batch`` per node. Nodes whose cost does not change with the
+  batch (the optimizer update) run once per step; every other node runs
+  once per microbatch, including its batch-independent part (re-reading
+  the weights each microbatch).
+  """
+
+  param_bytes: int
+  opt_state_bytes: int
+  param_count: int
+  activation: LinearCost       # live intermediate bytes at a given microbatch
+  flops: LinearCost            # FLOPs per step at a given batch
+  per_step: np.ndarray         # bool per node
+  flops_fit: np.ndarray        # [nodes, 2]: a, b
+  bytes_fit: np.ndarray        # [nodes, 2]
+  matmul: np.ndarray           # bool per node
+  low_precision: np.ndarray    # bool per node
+  counts: np.ndarray           # executions per step
+
+  def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
+    flops = self.flops_fit[:, 0] + self.flops_fit[:, 1] * batch
+    nbytes = self.bytes_fit[:, 0] + self.bytes_fit[:, 1] * batch
+    peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
+    compute = np.where(self.matmul, flops / peak, 0.0)
+    memory = nbytes / (spec.memory_bandwidth * _efficiency(spec, "memory"))
+    return float(np.sum(np.maximum(compute, memory) * self.counts * mask))
+
+  def microbatch_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
+    """Forward and backward of one microbatch on one device of kind ``spec``."""
+    return self._seconds(spec, microbatch, ~self.per_step)
+
+  def step_fixed_seconds(self, spec: DeviceSpec) -> float:
+    """Per-step work that does not scale with the batch (the optimizer update)."""
+    return self._seconds(spec, 0, self.per_step)
+
+
+def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
+  """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
+  if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
+    raise ValueError("the two traces differ in structure; trace the step at two batch sizes of one program")
+
+  def fit(values_small, values_large):
+    a, b = np.asarray(values_small, float), np.asarray(values_large, float)
+    slope = (b - a) / (large_batch - small_batch)
+    return np.stack([a - slope * small_batch, slope], axis=1)
+
+  flops_fit = fit([n.flops for n in small.nodes], [n.flops for n in large.nodes])
+  bytes_fit = fit([n.bytes_read + n.bytes_written for n in small.nodes],
+                  [n.bytes_read + n.bytes_written for n in large.nodes])
+  return StepProfile(
+      param_bytes=small.bytes_with_role(Role.PARAM),
+      opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
+      param_count=small.elements_with_role(Role.PARAM),
+      activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
+      flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
+      per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(bytes_fit[:, 1]) < 1e-12),
+      flops_fit=flops_fit,
+      bytes_fit=bytes_fit,
+      matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
+      low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
+      counts=np.array([n.count for n in small.nodes], float),
+  )
