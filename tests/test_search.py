@@ -1,0 +1,145 @@
+"""The planner: cost model pieces, MILP counts, baselines, errors, CLI."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd as hs
+from hetspmd import Cluster, models
+from hetspmd.cli import main
+from hetspmd.devices import DEVICE_PRESETS
+from hetspmd.passes import cost
+from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, allreduce_seconds, even_counts,
+                            milp_counts, plan_from, profile_step, search)
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+  w = models.get("gpt2-tiny")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
+
+
+def test_peak_live_bytes_of_a_chain():
+  graph = hs.trace(lambda x: jnp_chain(x), jax.ShapeDtypeStruct((256,), np.float32))
+  # x*2 then +1 then sin: at most two 1 KiB intermediates are alive together
+  assert cost.peak_live_bytes(graph) == 2 * 1024
+
+
+def jnp_chain(x):
+  import jax.numpy as jnp
+
+  return jnp.sin(x * 2.0 + 1.0)
+
+
+def test_step_profile_splits_per_step_and_per_microbatch_work(gpt_profile):
+  v100, p100 = DEVICE_PRESETS["V100-32GB"], DEVICE_PRESETS["P100-16GB"]
+  t1, t4 = gpt_profile.microbatch_seconds(v100, 1), gpt_profile.microbatch_seconds(v100, 4)
+  assert 0 < t1 < t4 < 4 * t1 + 1e-12  # weights are re-read per microbatch: sub-linear from 1 to 4
+  assert gpt_profile.microbatch_seconds(p100, 4) > t4
+  assert gpt_profile.step_fixed_seconds(v100) > 0  # the adam update
+  assert gpt_profile.param_count == models.get("gpt2-tiny").param_count()
+  assert gpt_profile.opt_state_bytes == pytest.approx(2 * gpt_profile.param_bytes, rel=0.01)
+  assert gpt_profile.activation.at(8) > gpt_profile.activation.at(1) > 0
+
+
+@pytest.mark.parametrize("micro,fixed,total,expected", [
+    ({"A": 1.0, "B": 2.0}, {"A": 0.0, "B": 0.0}, 9, {"A": 3, "B": 1.5}),     # makespan 3 either way
+    ({"A": 1.0, "B": 1.0}, {"A": 0.0, "B": 0.0}, 8, {"A": 2, "B": 2}),
+    ({"A": 1.0, "B": 100.0}, {"A": 0.0, "B": 0.0}, 4, {"A": 2, "B": 0}),      # the slow kind gets nothing
+])
+def test_milp_counts_minimise_the_makespan(micro, fixed, total, expected):
+  kinds = ["A", "A", "B", "B"]
+  costs = {k: _KindCost(micro[k], fixed[k]) for k in micro}
+  counts = milp_counts(kinds, costs, total)
+  assert sum(counts) == total
+  makespan = max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, counts))
+  brute = min(max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, cs))
+              for cs in np.ndindex(*(total + 1,) * 4) if sum(cs) == total)
+  assert makespan == pytest.approx(brute)
+
+
+def test_even_counts():
+  assert even_counts(3, 8) == (3, 3, 2)
+
+
+def test_allreduce_is_bounded_by_the_slowest_link():
+  fast = Cluster.parse("2x8xA100-80GB;inter=400Gbps")
+  slow = Cluster.parse("2x8xA100-80GB;inter=10Gbps")
+  one_host = list(range(8))
+  both = list(range(16))
+  nbytes = 1e9
+  assert allreduce_seconds(fast, one_host, nbytes) == allreduce_seconds(slow, one_host, nbytes)
+  assert allreduce_seconds(slow, both, nbytes) > 10 * allreduce_seconds(fast, both, nbytes) / 2
+  assert allreduce_seconds(fast, [0], nbytes) == 0.0
+
+
+@pytest.mark.parametrize("preset", ["amp-t4-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
+def test_best_plan_never_loses_to_a_baseline(gpt_profile, preset):
+  result = search(Cluster.preset(preset), gpt_profile, global_batch=64)
+  best = result.plans[0]
+  assert set(result.baselines) == set(BASELINES)
+  for name, baseline in result.baselines.items():
+    assert best.step_seconds <= baseline.step_seconds * (1 + 1e-9), name
+  assert 0 < best.throughput <= result.ideal_throughput * (1 + 1e-9)
+  assert sum(best.counts) * best.microbatch == 64
+
+
+def test_homogeneous_cluster_matches_best_uniform_plan(gpt_profile):
+  result = search(Cluster.preset("v100x16"), gpt_profile, global_batch=64)
+  assert result.plans[0].step_seconds == pytest.approx(result.baselines["dp_even"].step_seconds, rel=1e-9) or \
+      result.plans[0].step_seconds < result.baselines["dp_even"].step_seconds
+
+
+def test_slow_network_can_leave_slow_devices_out(gpt_profile):
+  cluster = Cluster.parse("1x8xH100-80GB+1x8xT4;inter=100Mbps")
+  best = search(cluster, gpt_profile, global_batch=64).plans[0]
+  assert set(best.kinds) == {"H100-80GB"}
+
+
+def test_nothing_fits_names_the_device_and_the_way_out(gpt_profile):
+  small = hs.DeviceSpec("Small", 1e12, 2e12, 2**20, 1e11)
+  with pytest.raises(PlanDoesNotFitError, match=r"on a Small with 0.00 GiB, .* too much.*more devices.*ZeRO-3"):
+    search(Cluster.parse("2xSmall", devices={"Small": small}), gpt_profile, global_batch=8)
+
+
+def test_plan_from_a_search_runs(tmp_path):
+  w = models.get("mlp-tiny")
+  cluster = Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+  result = hs.search(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(4), cluster,
+                     global_batch=32)
+  plan = plan_from(result.plans[0], cluster, w.abstract_state(), result.ideal_throughput)
+  assert dict(plan.predicted)["step_seconds"] == pytest.approx(result.plans[0].step_seconds)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=32)
+  state = step.shard_state(w.init_state(0))
+  state, metrics = step(state, w.synthetic_batch(0, batch=32))
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_search_cli_json(capsys, tmp_path):
+  out = tmp_path / "plan.json"
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", "amp-t4-v100", "--global-batch", "32", "--seq", "64",
+               "--json", "--out", str(out)]) == 0
+  report = json.loads(capsys.readouterr().out)
+  for key in ("plans", "baselines", "ideal_throughput", "search_seconds"):
+    assert key in report
+  for plan in report["plans"]:
+    for key in ("throughput", "predicted_step_seconds", "efficiency", "mesh", "microbatch_counts", "memory_bytes"):
+      assert key in plan
+  assert set(report["baselines"]) == set(BASELINES)
+  assert all("throughput" in b for b in report["baselines"].values())
+  assert hs.Plan.load(out).global_batch == 32
+  assert main(["explain", str(out)]) == 0
+  assert "microbatches" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["search", "--cluster", "nope"], "malformed cluster spec|unknown device kind"),
+    (["search", "--model", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_search_cli_errors(capsys, argv, message):
+  assert main(argv) == 2
+  import re
+
+  assert re.search(message, capsys.readouterr().err)
