@@ -1,0 +1,50 @@
+"""Search time against cluster size (the trace is done once, outside the timing).
+
+    python benchmarks/search_time.py [--model gpt2-medium] [--global-batch 1024] [--repeats 3]
+
+Clusters of 8, 64, 256 and 1024 devices, half A100-80GB and half V100-32GB,
+8 per host, 100 Gbps between hosts. Prints the median search seconds.
+Goals: <= 2 s at 64 devices, <= 20 s at 1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="gpt2-medium")
+  parser.add_argument("--global-batch", type=int, default=1024)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+
+  from hetspmd import Cluster, models
+  from hetspmd.search import profile_step, search
+
+  workload = models.get(args.model)
+  start = time.perf_counter()
+  profile = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2))
+  print(f"{args.model}: traced and costed once in {time.perf_counter() - start:.1f} s; global batch {args.global_batch}")
+  print(f"{'devices':>8} {'median search s':>16} {'candidates':>11} {'goal':>8}")
+  goals = {64: 2.0, 1024: 20.0}
+  for n in (8, 64, 256, 1024):
+    hosts = n // 8
+    spec = (f"{max(1, hosts // 2)}x8xA100-80GB+{max(1, hosts - hosts // 2)}x8xV100-32GB" if hosts > 1
+            else "1x4xA100-80GB+1x4xV100-32GB")
+    cluster = Cluster.parse(spec + ";inter=100Gbps")
+    times, result = [], None
+    for _ in range(args.repeats):
+      t = time.perf_counter()
+      result = search(cluster, profile, args.global_batch)
+      times.append(time.perf_counter() - t)
+    median = statistics.median(times)
+    goal = goals.get(n)
+    verdict = "" if goal is None else ("met" if median <= goal else "NOT met")
+    print(f"{cluster.num_devices:>8} {median:16.3f} {result.candidates:>11} {verdict:>8}")
+
+
+if __name__ == "__main__":
+  main()
