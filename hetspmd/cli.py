@@ -160,9 +160,8 @@ def _run_search(args: argparse.Namespace) -> int:
   start = time.perf_counter()
 
   def progress(message: str) -> None:
-    if not args.json and time.perf_counter() - start > 1.0 or message.startswith("tracing"):
-      if not args.json:
-        print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
+    if not args.json:
+      print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
   result = search_step(workload.make_train_step(), state, batch, cluster, global_batch=args.global_batch,
                        top=args.top, progress=progress)
