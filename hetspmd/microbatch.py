@@ -63,6 +63,7 @@ class _StepContext:
   counts: Any  # int32[data positions], sharded over the data axis
   microbatch: int
   remat: bool
+  buffer_dims: tuple[int, int]  # leading dims of every batch buffer: (positions * max_count, microbatch)
   lockstep: bool  # every position runs max_count microbatches, padding masked
   uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
   calls: list  # appended to on every use, so the runtime can tell it happened
@@ -90,13 +91,18 @@ def _objective(fun: Callable[..., Any], has_aux: bool, examples: int) -> Callabl
     out = fun(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
     if _is_weighted(loss):
-      total, weight = loss.total, loss.weight
-    else:
-      total, weight = loss * examples, jnp.asarray(examples, jnp.result_type(loss))
+      total, weight = _wide(loss.total), _wide(loss.weight)
+    else:  # float32 at least, so that loss × examples cannot overflow float16
+      total, weight = _wide(loss) * examples, jnp.float32(examples)
     aux_totals, aux_weights = _split_aux(aux, examples)
     return total, (weight, aux_totals, aux_weights)
 
   return objective
+
+
+def _wide(x: Any) -> Any:
+  x = jnp.asarray(x)
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x
 
 
 def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:
@@ -109,9 +115,11 @@ def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:
   return (jax.tree.map(totals, aux, is_leaf=_is_weighted), jax.tree.map(weights, aux, is_leaf=_is_weighted))
 
 
-def _finish(total, weight, aux_totals, aux_weights, grads, has_aux):
+def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, grad_dtypes=None):
   loss = total / weight
-  grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
+  grads = jax.tree.map(lambda g: g / weight, grads)  # divide in the accumulation dtype, then narrow
+  if grad_dtypes is not None:
+    grads = _narrow(grads, grad_dtypes)
   if has_aux:
     aux = jax.tree.map(lambda t, w: t / w, aux_totals, aux_weights)
     return (loss, aux), grads
@@ -158,7 +166,8 @@ def _single_device(fun, argnums, has_aux, args, kwargs):
   objective = _objective(fun, has_aux, examples)
   (total, (weight, aux_totals, aux_weights)), grads = jax.value_and_grad(objective, argnums, has_aux=True)(
       *args, **kwargs)
-  return _finish(total, weight, aux_totals, aux_weights, grads, has_aux)
+  flat, treedef = jax.tree.flatten((args, kwargs))
+  return _finish(total, weight, aux_totals, aux_weights, grads, has_aux, _grad_dtypes(flat, treedef, argnums))
 
 
 # --- inside a parallelized step -------------------------------------------------
@@ -171,10 +180,16 @@ def _is_array(x: Any) -> bool:
 def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   flat, treedef = jax.tree.flatten((args, kwargs))
   is_batch = [id(x) in ctx.batch_leaf_ids for x in flat]
-  if not any(is_batch):
+  buffer_dims = ctx.buffer_dims
+  derived = [i for i, x in enumerate(flat) if not is_batch[i] and _is_array(x) and tuple(np.shape(x)[:2]) == buffer_dims]
+  if derived or not any(is_batch):
     raise HetSpmdError(
-        f"hetspmd.value_and_grad({getattr(fun, '__name__', 'fn')}) got no part of the step's batch as an argument; "
-        "pass the batch (or its arrays) to the loss function as an argument instead of closing over it")
+        f"hetspmd.value_and_grad({getattr(fun, '__name__', 'fn')}) must receive the step's batch arrays unchanged, "
+        "as arguments: "
+        + ("it got arrays computed from them; move that computation into the loss function"
+           if derived else "it got none of them; pass the batch to the loss function instead of closing over it"))
+  # Python floats may be differentiated: make them arrays so they become varying like the rest.
+  flat = [jnp.asarray(x) if isinstance(x, float) and not is_batch[i] else x for i, x in enumerate(flat)]
   positions = [i for i, b in enumerate(is_batch) if not b and _is_array(flat[i])]
   batch_positions = [i for i, b in enumerate(is_batch) if b]
   static = {i: x for i, x in enumerate(flat) if not is_batch[i] and not _is_array(flat[i])}
@@ -227,8 +242,7 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   arrays = [flat[i] for i in positions]
   buffers = [flat[i] for i in batch_positions]
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
-  grads = _narrow(grads, _grad_dtypes(flat, treedef, argnums))
-  return _finish(total, weight, aux_t, aux_w, grads, has_aux)
+  return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums))
 
 
 def _widen(tree: Any) -> Any:

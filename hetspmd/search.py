@@ -42,6 +42,7 @@ ZERO_STAGES = (0, 1, 3)
 REMAT_COMPUTE = 4.0 / 3.0     # one extra forward pass
 REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
+GRAD_BYTES = 4                # gradients are accumulated and reduced in float32
 
 
 class PlanDoesNotFitError(HetSpmdError):
@@ -115,7 +116,7 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float)
   intra = min((cluster.hosts[h].intra for h in hosts), key=lambda l: l.bandwidth)
   if len(hosts) == 1:
     return 2 * (p - 1) / p * nbytes / intra.bandwidth + 2 * (p - 1) * intra.latency
-  k, n_hosts = min(hosts.values()), len(hosts)
+  k, n_hosts = max(hosts.values()), len(hosts)  # the busiest host bounds the in-host stages
   local = 2 * (k - 1) / k * nbytes / intra.bandwidth + 2 * (k - 1) * intra.latency if k > 1 else 0.0
   inter = cluster.inter
   between = 2 * (n_hosts - 1) / n_hosts * nbytes / inter.bandwidth + 2 * (n_hosts - 1) * inter.latency
@@ -124,14 +125,14 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float)
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: bool) -> int:
   params = profile.param_bytes / (n if zero_stage >= 3 else 1)
-  grads = profile.param_bytes  # accumulated in full during the microbatch loop
+  grads = profile.param_count * GRAD_BYTES  # accumulated in full (float32) during the microbatch loop
   optimizer = profile.opt_state_bytes / (n if zero_stage >= 1 else 1)
   activations = profile.activation.at(microbatch) * (REMAT_ACTIVATIONS if remat else 1.0)
   return int((params + grads + optimizer + activations) * WORKSPACE)
 
 
 def comm_seconds(cluster: Cluster, profile: StepProfile, positions: Sequence[int], zero_stage: int) -> float:
-  reduce = allreduce_seconds(cluster, positions, profile.param_bytes)
+  reduce = allreduce_seconds(cluster, positions, profile.param_count * GRAD_BYTES)
   # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
   return reduce * (1.5 if zero_stage >= 3 else 1.0)
 

@@ -339,3 +339,41 @@ def test_two_processes_match_single_device():
   for r in results:
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
     assert r["diff"] < 1e-4
+
+
+def _tiny_step(loss):
+  def train_step(state, batch):
+    value, grads = hs.value_and_grad(loss)(state, batch)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), {"loss": value}
+
+  return train_step
+
+
+def test_batch_arrays_changed_before_the_loss_are_refused():
+  cluster = _cluster()
+  state = {"w": jnp.ones((4, 2))}
+  plan = hs.plan_for(cluster, state, global_batch=16, microbatch=2, counts=(1, 1, 1, 1, 1, 1, 1, 1))
+  loss = lambda s, x: jnp.mean((x @ s["w"]) ** 2)
+
+  def train_step(state, batch):
+    value, grads = hs.value_and_grad(loss)(state, batch["x"] * 2.0)
+    return state, {"loss": value}
+
+  step = hs.parallelize(train_step, plan=plan, global_batch=16)
+  with pytest.raises(hs.HetSpmdError, match="computed from them; move that computation into the loss"):
+    step(step.shard_state(state), {"x": np.ones((16, 4), np.float32)})
+
+
+@pytest.mark.timeout(120)
+def test_python_float_parameters_with_uneven_counts():
+  cluster = _cluster()
+  state = {"w": jnp.full((4,), 0.5), "scale": 2.0}
+  loss = lambda s, b: jnp.mean((b["x"] @ s["w"] * s["scale"] - b["y"]) ** 2)
+  batch = {"x": np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32),
+           "y": np.ones((16,), np.float32)}
+  plan = hs.plan_for(cluster, {"w": state["w"]}, global_batch=16, microbatch=2, counts=(3, 2, 1, 1, 1, 0, 0, 0))
+  plan = plan.replace(state_specs=plan.state_specs + (("scale", ()),))
+  step = hs.parallelize(_tiny_step(loss), plan=plan, global_batch=16, donate_state=False)
+  _, metrics = step(state, batch)
+  want = jax.value_and_grad(loss)(state, batch)[0]
+  assert float(metrics["loss"]) == pytest.approx(float(want), rel=1e-5)

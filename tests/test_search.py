@@ -73,6 +73,9 @@ def test_allreduce_is_bounded_by_the_slowest_link():
   assert allreduce_seconds(fast, one_host, nbytes) == allreduce_seconds(slow, one_host, nbytes)
   assert allreduce_seconds(slow, both, nbytes) > 10 * allreduce_seconds(fast, both, nbytes) / 2
   assert allreduce_seconds(fast, [0], nbytes) == 0.0
+  lopsided = Cluster.parse("1x1xV100-32GB+1x8xV100-32GB")
+  balanced = Cluster.parse("1x1xV100-32GB+1x1xV100-32GB")
+  assert allreduce_seconds(lopsided, list(range(9)), nbytes) > allreduce_seconds(balanced, [0, 1], nbytes)
 
 
 @pytest.mark.parametrize("preset", ["amp-t4-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
