@@ -276,7 +276,7 @@ def format_trace_report(report: dict[str, Any]) -> str:
   lines = [
       f"model            {report['model']}",
       f"parameters       {report['params']:,} ({_si(report['params'])})",
-      f"batch            " + ", ".join(f"{k}{v}" for k, v in report["batch"].items()),
+      "batch            " + ", ".join(f"{k}{v}" for k, v in report["batch"].items()),
       f"FLOPs per step   {_si(report['flops_per_step'], 'FLOP')} (+ {_si(report['transcendentals_per_step'])} transcendentals)",
       f"graph            {report['nodes']:,} nodes, {len(report['layers'])} layers, traced in {report['trace_seconds']:.2f} s",
   ]

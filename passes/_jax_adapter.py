@@ -100,12 +100,8 @@ def primitive_name(eqn: Equation) -> str:
   return eqn.primitive.name
 
 
-def eqn_params(eqn: Equation) -> dict[str, Any]:
-  return eqn.params
 
 
-def has_side_effects(eqn: Equation) -> bool:
-  return bool(eqn.effects)
 
 
 def module_path(eqn: Equation, prefix: str = "") -> str:
@@ -153,9 +149,6 @@ def call_body(eqn: Equation) -> ClosedJaxpr | None:
   return as_closed(eqn.params[key])
 
 
-def nested_bodies(eqn: Equation) -> list[ClosedJaxpr]:
-  """Every jaxpr nested in the params of ``eqn`` (for unknown primitives)."""
-  return [as_closed(j) for j in jcore.jaxprs_in_params(eqn.params)]
 
 
 def as_closed(jaxpr: Any) -> ClosedJaxpr:
@@ -264,9 +257,6 @@ def jaxpr_outvars(jaxpr: ClosedJaxpr) -> list[Any]:
   return list(jaxpr.jaxpr.outvars)
 
 
-def dot_dimension_numbers(eqn: Equation) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
 
 
 def _plain(value: Any) -> Any:

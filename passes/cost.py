@@ -24,7 +24,7 @@ from typing import Mapping
 import numpy as np
 
 from hetspmd.devices import DeviceSpec
-from hetspmd.passes.ir import Graph, Node, Role, Source
+from hetspmd.passes.ir import Graph, Role, Source
 
 # Fraction of the datasheet peak reached in practice, per kind of work.
 EFFICIENCY: Mapping[str, float] = {"matmul": 0.6, "memory": 0.7}
@@ -35,21 +35,6 @@ _LOW_PRECISION = ("bfloat16", "float16")
 
 def _efficiency(spec: DeviceSpec, kind: str) -> float:
   return 1.0 if spec.measured else EFFICIENCY[kind]
-
-
-def node_seconds(node: Node, spec: DeviceSpec) -> float:
-  """Roofline time of one execution of ``node`` on ``spec``."""
-  memory = (node.bytes_read + node.bytes_written) / (spec.memory_bandwidth * _efficiency(spec, "memory"))
-  if node.primitive in MATMUL_PRIMITIVES:
-    low = all(t.dtype in _LOW_PRECISION for t in node.inputs[:2])
-    peak = spec.bf16_flops if low else spec.fp32_flops
-    return max(node.flops / (peak * _efficiency(spec, "matmul")), memory)
-  return memory
-
-
-def step_seconds(graph: Graph, spec: DeviceSpec) -> float:
-  """Compute time of the whole traced step on one device of kind ``spec``."""
-  return sum(node_seconds(n, spec) * n.count for n in graph.nodes)
 
 
 def peak_live_bytes(graph: Graph) -> int:
