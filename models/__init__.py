@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from hetspmd.errors import UnknownNameError
-from hetspmd.models import gpt2, mlp
+from hetspmd.models import bert, cnn, gpt2, gpt3, linen_lm, mlp, vit
 from hetspmd.models.workload import Workload as Workload
 
-_REGISTRY: dict[str, Workload] = {w.name: w for module in (mlp, gpt2) for w in module.workloads()}
+_REGISTRY: dict[str, Workload] = {w.name: w for module in (mlp, gpt2, gpt3, bert, vit, cnn, linen_lm) for w in module.workloads()}
 
 
 def names() -> list[str]:

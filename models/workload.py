@@ -50,6 +50,10 @@ class Workload:
     published_params: the parameter count published for this config, if any.
     source: where the config comes from (paper or model card).
     test_size: True for the small configs that tests compile and run.
+    synthetic: optional ``synthetic(config, rng, specs) -> {name: ndarray}``
+      for batches whose entries need more than the default rule (integers
+      below ``vocab_size`` / ``num_classes``, floats from a normal), e.g. a
+      0/1 token mask.
   """
 
   name: str
@@ -65,6 +69,7 @@ class Workload:
   published_params: int | None = None
   source: str = ""
   test_size: bool = False
+  synthetic: Callable[[Any, np.random.Generator, dict[str, jax.ShapeDtypeStruct]], dict[str, np.ndarray]] | None = None
 
   # --- state -----------------------------------------------------------------
 
@@ -108,8 +113,11 @@ class Workload:
   def synthetic_batch(self, seed: int = 0, batch: int | None = None, seq: int | None = None) -> dict[str, np.ndarray]:
     """Random host data with the layout of :meth:`example_batch`."""
     rng = np.random.default_rng(seed)
+    specs = self.example_batch(batch, seq)
+    if self.synthetic is not None:
+      return self.synthetic(self.config, rng, specs)
     out = {}
-    for key, spec in self.example_batch(batch, seq).items():
+    for key, spec in specs.items():
       if np.issubdtype(spec.dtype, np.integer):
         high = _integer_high(self.config, key)
         out[key] = rng.integers(0, high, size=spec.shape, dtype=spec.dtype)

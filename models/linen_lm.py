@@ -1,0 +1,5 @@
+"""A Flax Linen decoder LM (not yet written)."""
+
+
+def workloads():
+  return []
