@@ -129,7 +129,6 @@ def main(argv=None) -> list[dict]:
   ckpt_dir = os.path.abspath(args.ckpt) if args.ckpt else None
   resume_from = _latest(ckpt_dir) if args.resume else None
 
-  import jax
   import numpy as np
   import optax
   import orbax.checkpoint as ocp

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   explain = sub.add_parser("explain", help="show a plan file: devices, microbatch shares, predictions")
   explain.add_argument("plan", help="a plan JSON file written by hetspmd search --out")
+  explain.add_argument("--png", metavar="FILE", help="also draw the bars to FILE (needs matplotlib)")
+  explain.add_argument("--json", action="store_true", help="print the per-position figures as JSON")
   explain.set_defaults(run=_run_explain)
   return parser
 
@@ -216,24 +218,17 @@ def _counts_summary(kinds, counts) -> str:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-  from hetspmd.devices import DEVICE_PRESETS
+  from hetspmd import report
   from hetspmd.plan import Plan
 
   plan = Plan.load(args.plan)
-  print(plan.summary())
-  predicted = dict(plan.predicted)
-  if "memory_bytes_per_device" in predicted:
-    print("  memory per device (predicted / capacity):")
-    for kind in dict.fromkeys(plan.device_kinds):
-      capacity = DEVICE_PRESETS[kind].memory_bytes if kind in DEVICE_PRESETS else None
-      used = predicted["memory_bytes_per_device"]
-      bar = "#" * round(40 * used / capacity) if capacity else ""
-      print(f"    {kind:<12} {_si(used, 'B'):>9} / {_si(capacity, 'B') if capacity else '?':>9} {bar}")
-  if "compute_seconds" in predicted:
-    total = predicted["step_seconds"]
-    print(f"  step {total:.3f} s = compute {predicted['compute_seconds']:.3f} s "
-          f"{'#' * round(40 * predicted['compute_seconds'] / total)} + communication "
-          f"{predicted['communication_seconds']:.3f} s {'#' * round(40 * predicted['communication_seconds'] / total)}")
+  if args.json:
+    print(json.dumps({"plan": plan.to_json(), "positions": report.positions(plan)}, indent=2))
+  else:
+    print(report.explain_text(plan))
+  if args.png:
+    path = report.explain_png(plan, args.png)
+    print(f"wrote {path}", file=sys.stderr)
   return 0
 
 

@@ -53,6 +53,7 @@ class Plan:
   remat: str = "none"
   device_kinds: tuple[str, ...] = ()
   predicted: tuple[tuple[str, float], ...] = ()
+  predicted_per_position: tuple[tuple[str, tuple[float, ...]], ...] = ()
   version: str = __version__
   schema: int = SCHEMA_VERSION
 
@@ -77,6 +78,9 @@ class Plan:
       raise InvalidValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {self.zero_stage}")
     if self.remat not in REMAT_POLICIES:
       raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    for key, values in self.predicted_per_position:
+      if len(values) != self.mesh_shape[0]:
+        raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {self.mesh_shape[0]} data positions")
     if self.schema != SCHEMA_VERSION:
       raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schema {SCHEMA_VERSION}")
 
@@ -170,6 +174,7 @@ class Plan:
         "remat": self.remat,
         "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
         "predicted": dict(self.predicted),
+        "predicted_per_position": {k: list(v) for k, v in self.predicted_per_position},
     }
 
   @classmethod
@@ -187,6 +192,8 @@ class Plan:
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
           predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
+          predicted_per_position=tuple((k, tuple(map(float, v)))
+                                       for k, v in data.get("predicted_per_position", {}).items()),
           version=str(data.get("hetspmd_version", "")), schema=schema)
     except KeyError as e:
       raise InvalidValueError(f"plan JSON lacks the key {e.args[0]!r}") from None

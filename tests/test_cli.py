@@ -48,3 +48,54 @@ def test_non_positive_sizes_are_usage_errors(capsys):
     main(["trace", "--batch", "0"])
   assert exit_info.value.code == 2
   assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def _plan(per_position: bool):
+  from hetspmd.plan import Plan
+
+  extra = {}
+  if per_position:
+    extra["predicted_per_position"] = (("compute_seconds", (0.30, 0.28, 0.31)),
+                                       ("communication_seconds", (0.05, 0.05, 0.05)),
+                                       ("memory_bytes", (8e9, 8e9, 12e9)))
+  return Plan(axis_names=("data", "model"), mesh_shape=(3, 1), device_ids=(0, 1, 2), global_batch=24, microbatch=2,
+              microbatch_counts=(5, 5, 2), device_kinds=("V100-32GB", "V100-32GB", "P100-16GB"),
+              state_specs=(("params/w", ()),), predicted=(("step_seconds", 0.36), ("throughput", 66.7)), **extra)
+
+
+def test_explain_draws_per_position_bars(tmp_path, capsys):
+  path = tmp_path / "plan.json"
+  _plan(per_position=True).save(path)
+  assert main(["explain", str(path)]) == 0
+  out = capsys.readouterr().out
+  lines = out.splitlines()
+  work = [l for l in lines if "mb" in l and "data[" in l]
+  assert len(work) == 3 and work[0].count("#") == 30 and work[2].count("#") == 12  # 5 vs 2 microbatches
+  memory = [l for l in lines[lines.index("memory per device (predicted / capacity)"):] if "data[" in l]
+  assert "8.00 GB /" in memory[0] and "12.00 GB /" in memory[2]
+  assert memory[2].count("#") > memory[0].count("#")  # 12 GB of 16 GB vs 8 GB of 32 GB
+  assert "time per step" in out and "~" in out
+
+
+def test_explain_json_and_png(tmp_path, capsys):
+  path = tmp_path / "plan.json"
+  _plan(per_position=True).save(path)
+  assert main(["explain", str(path), "--json", "--png", str(tmp_path / "plan.png")]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert [r["microbatches"] for r in report["positions"]] == [5, 5, 2]
+  assert report["positions"][2]["memory_capacity_bytes"] == 16 * 2**30
+  png = (tmp_path / "plan.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_explain_without_predictions_shows_the_work_split(tmp_path, capsys):
+  path = tmp_path / "plan.json"
+  _plan(per_position=False).save(path)
+  assert main(["explain", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "work (share of the global batch)" in out and "time per step" not in out
+
+
+def test_explain_of_a_missing_file_says_so(tmp_path, capsys):
+  assert main(["explain", str(tmp_path / "nope.json")]) == 2
+  assert "does not exist" in capsys.readouterr().err

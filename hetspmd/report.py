@@ -1,0 +1,127 @@
+"""``hetspmd explain``: a plan's per-position work, time and memory, as text or PNG.
+
+Per data position of the plan: the device kind, its microbatch count, and,
+where the planner filled them in (``Plan.predicted_per_position``), the
+predicted compute and communication seconds and memory bytes against the
+device's capacity. Plans made without the planner (``plan_for``) show only
+the microbatch shares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetspmd.devices import DEVICE_PRESETS
+from hetspmd.errors import InvalidValueError
+from hetspmd.plan import Plan
+
+BAR = 30
+
+
+def _si(value: float, unit: str = "") -> str:
+  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(value) >= scale:
+      return f"{value / scale:.2f} {prefix}{unit}"
+  return f"{value:.3g} {unit}".rstrip()
+
+
+def _bar(value: float, full: float, char: str = "#") -> str:
+  return char * round(BAR * value / full) if full > 0 else ""
+
+
+def positions(plan: Plan) -> list[dict]:
+  """One row per data position: kind, devices, count, and any per-position predictions."""
+  per = dict(plan.predicted_per_position)
+  group = len(plan.device_ids) // plan.data_size
+  rows = []
+  for i, count in enumerate(plan.microbatch_counts):
+    kind = plan.device_kinds[i * group] if plan.device_kinds else "?"
+    row = {"position": i, "kind": kind, "devices": list(plan.device_ids[i * group:(i + 1) * group]),
+           "microbatches": count, "examples": count * plan.microbatch}
+    for key, values in per.items():
+      row[key] = values[i]
+    if "memory_capacity_bytes" not in row and kind in DEVICE_PRESETS:
+      row["memory_capacity_bytes"] = float(DEVICE_PRESETS[kind].memory_bytes)
+    rows.append(row)
+  return rows
+
+
+def explain_text(plan: Plan) -> str:
+  """The plan as text: header, then per-position bars for work, time and memory."""
+  rows = positions(plan)
+  predicted = dict(plan.predicted)
+  lines = [f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, global batch {plan.global_batch} = "
+           f"{sum(plan.microbatch_counts)} microbatches of {plan.microbatch}, ZeRO-{plan.zero_stage}, "
+           f"remat {plan.remat}"]
+  if predicted:
+    parts = [f"step {predicted['step_seconds']:.4g} s" if "step_seconds" in predicted else "",
+             f"{predicted['throughput']:.4g} samples/s" if "throughput" in predicted else "",
+             f"efficiency {predicted['efficiency']:.1%}" if "efficiency" in predicted else ""]
+    lines.append("predicted: " + ", ".join(p for p in parts if p))
+  total = sum(plan.microbatch_counts)
+  lines += ["", "work (share of the global batch)"]
+  for r in rows:
+    lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {r['microbatches']:>4} mb "
+                 f"{r['microbatches'] / total:>5.1%} {_bar(r['microbatches'], max(plan.microbatch_counts))}")
+  if all("compute_seconds" in r for r in rows):
+    longest = max(r["compute_seconds"] + r.get("communication_seconds", 0.0) for r in rows)
+    lines += ["", "time per step (# compute, ~ communication)"]
+    for r in rows:
+      comm = r.get("communication_seconds", 0.0)
+      lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {r['compute_seconds']:>9.4g} s + "
+                   f"{comm:<9.4g} s {_bar(r['compute_seconds'], longest)}{_bar(comm, longest, '~')}")
+  if all("memory_bytes" in r for r in rows):
+    lines += ["", "memory per device (predicted / capacity)"]
+    for r in rows:
+      cap = r.get("memory_capacity_bytes")
+      lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {_si(r['memory_bytes'], 'B'):>10} / "
+                   f"{_si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}")
+  elif "memory_bytes_per_device" in predicted:
+    lines += ["", f"memory per device (predicted): {_si(predicted['memory_bytes_per_device'], 'B')}"]
+  return "\n".join(lines)
+
+
+def explain_png(plan: Plan, path: str | Path) -> Path:
+  """Per-position time and memory bars as a PNG (needs matplotlib: ``pip install 'hetspmd[plot]'``)."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise InvalidValueError("--png needs matplotlib; install it with pip install 'hetspmd[plot]'") from None
+  rows = positions(plan)
+  labels = [f"{plan.data_axis}[{r['position']}] {r['kind']}" for r in rows]
+  ys = range(len(rows))
+  timed = all("compute_seconds" in r for r in rows)
+  sized = all("memory_bytes" in r for r in rows)
+  fig, axes = plt.subplots(1, 1 + timed + sized, figsize=(4 * (1 + timed + sized), 0.35 * len(rows) + 1.5),
+                           sharey=True, squeeze=False)
+  axes = list(axes[0])
+  ax = axes.pop(0)
+  ax.barh(ys, [r["examples"] for r in rows], color="tab:gray")
+  ax.set_yticks(list(ys), labels)
+  ax.invert_yaxis()
+  ax.set_xlabel("examples per step")
+  if timed:
+    ax = axes.pop(0)
+    compute = [r["compute_seconds"] for r in rows]
+    comm = [r.get("communication_seconds", 0.0) for r in rows]
+    ax.barh(ys, compute, color="tab:blue", label="compute")
+    ax.barh(ys, comm, left=compute, color="tab:orange", label="communication")
+    ax.set_xlabel("seconds per step (predicted)")
+    ax.legend(loc="lower right", fontsize="small")
+  if sized:
+    ax = axes.pop(0)
+    caps = [r.get("memory_capacity_bytes", 0.0) / 2**30 for r in rows]
+    ax.barh(ys, caps, color="none", edgecolor="black", label="capacity")
+    ax.barh(ys, [r["memory_bytes"] / 2**30 for r in rows], color="tab:green", label="predicted")
+    ax.set_xlabel("memory per device (GiB)")
+    ax.legend(loc="lower right", fontsize="small")
+  fig.suptitle(f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, batch {plan.global_batch}, "
+               f"microbatch {plan.microbatch}, ZeRO-{plan.zero_stage}", fontsize="medium")
+  fig.tight_layout()
+  path = Path(path)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
