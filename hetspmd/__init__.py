@@ -1,6 +1,7 @@
 """hetspmd: automatic, device-weighted SPMD sharding for JAX."""
 
 from hetspmd._version import __version__ as __version__
+from hetspmd.annotations import annotated_specs as annotated_specs
 from hetspmd.cluster import Cluster as Cluster
 from hetspmd.cluster import Host as Host
 from hetspmd.devices import DeviceSpec as DeviceSpec
@@ -28,7 +29,7 @@ from hetspmd.runtime import ShardedBatch as ShardedBatch
 from hetspmd.runtime import parallelize as parallelize
 
 __all__ = [
-    "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
+    "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
     "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "value_and_grad",
     "search", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "Role", "TraceError", "UnknownNameError",

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -257,39 +257,56 @@ def _role_of(path: str, dtype: Any) -> str:
   return infer_role(Leaf(tuple(path.split("/")), 0, str(dtype), None), num_args=2).value
 
 
-def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0
-                     ) -> tuple[tuple[str, Spec], ...]:
-  """PartitionSpecs by a simple rule, until the planner chooses per operation.
+def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0,
+                     specs: Mapping[str, Sequence[SpecEntry]] | None = None,
+                     model_specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> tuple[tuple[str, Spec], ...]:
+  """A PartitionSpec for every state leaf.
 
-  Along an unweighted (``model``) axis: the last dimension of every leaf of
-  rank ≥ 2 that divides evenly. Along ``data`` (ZeRO): with stage ≥ 1 the
-  first free, evenly dividing dimension of optimizer state; with stage 3 of
-  parameters too.
+  Along the unweighted (``model``) axes, in order of precedence: the user's
+  ``specs`` (e.g. :func:`hetspmd.annotated_specs` of the model's own
+  annotations), the planner's ``model_specs``, else the last dimension of
+  every leaf of rank ≥ 2 that divides evenly. Both map path suffixes to
+  specs (see :func:`hetspmd.annotations.match`). Along ``data`` (ZeRO), when
+  the spec does not already use it: with stage ≥ 1 the first free, evenly
+  dividing dimension of optimizer state; with stage 3 of parameters too.
   """
+  from hetspmd import annotations
+
   sizes = dict(zip(axis_names, mesh_shape))
   data, others = axis_names[0], [a for a in axis_names[1:] if sizes[a] > 1]
-  specs = []
+  if specs:
+    annotations.check_axes(specs, axis_names)
+  out = []
   for path, leaf in leaves_with_paths(state):
     shape = tuple(np.shape(leaf))
     spec: list[SpecEntry] = [None] * len(shape)
-    for axis in others:
-      if len(shape) >= 2 and spec[-1] is None and shape[-1] % sizes[axis] == 0:
-        spec[-1] = axis
+    chosen = annotations.match(path, len(shape), specs or {})
+    if chosen is None:
+      chosen = annotations.match(path, len(shape), model_specs or {})
+    if chosen is not None:
+      spec[:len(chosen)] = [tuple(e) if isinstance(e, list) else e for e in chosen]
+    else:
+      for axis in others:
+        if len(shape) >= 2 and spec[-1] is None and shape[-1] % sizes[axis] == 0:
+          spec[-1] = axis
+    used = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
     role = _role_of(path, getattr(leaf, "dtype", "float32"))
-    if sizes[data] > 1 and (zero_stage >= 1 and role == "opt_state" or zero_stage >= 3 and role == "param"):
+    if sizes[data] > 1 and data not in used and (
+        zero_stage >= 1 and role == "opt_state" or zero_stage >= 3 and role == "param"):
       for dim, entry in enumerate(spec):
         if entry is None and shape[dim] % sizes[data] == 0:
           spec[dim] = data
           break
     while spec and spec[-1] is None:
       spec.pop()
-    specs.append((path, tuple(spec)))
-  return tuple(specs)
+    out.append((path, tuple(spec)))
+  return tuple(out)
 
 
 def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh | tuple[int, ...] | None = None,
              microbatch: int | None = None, counts: Sequence[int] | None = None, zero_stage: int = 0,
-             remat: str = "none", dtype: str = "float32") -> Plan:
+             remat: str = "none", dtype: str = "float32",
+             specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> Plan:
   """A plan over ``cluster`` with microbatch counts proportional to device speed.
 
   Args:
@@ -301,6 +318,10 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
     microbatch: examples per microbatch; default :func:`default_microbatch`.
     counts: microbatches per data position; default proportional to each
       position's peak FLOP/s in ``dtype``.
+    specs: ``{path suffix: spec}`` kept as given for the leaves they match
+      (e.g. ``hetspmd.annotated_specs(params, rules)``: the model's own
+      ``nnx.with_partitioning`` / ``nn.with_logical_partitioning``
+      annotations); other leaves get hetspmd's choice.
   """
   if cluster.jax_device_ids is None:
     raise HetSpmdError("the cluster is not bound to JAX devices; use Cluster.from_devices(jax.devices()) or "
@@ -324,7 +345,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       global_batch=global_batch,
       microbatch=microbatch,
       microbatch_counts=tuple(int(c) for c in counts),
-      state_specs=auto_state_specs(state, mesh.axis_names, mesh.shape, zero_stage),
+      state_specs=auto_state_specs(state, mesh.axis_names, mesh.shape, zero_stage, specs),
       zero_stage=zero_stage,
       remat=remat,
       device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids),

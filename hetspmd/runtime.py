@@ -60,6 +60,7 @@ class ParallelStep:
   global_batch: int
   microbatch: int | None
   donate_state: bool
+  specs: Any = None
   _plan: Plan | None = None
   _mesh: Any = None
   _compiled: dict = dataclasses.field(default_factory=dict)
@@ -88,7 +89,8 @@ class ParallelStep:
         plan = requested
       elif requested == "auto":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
-        plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch)
+        plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
+                        specs=self.specs)
       else:
         raise InvalidValueError(f"plan must be 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
       if plan.global_batch != self.global_batch:
@@ -285,7 +287,8 @@ def _local_positions(mesh: Any, plan: Plan) -> list[int]:
 
 
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
-                global_batch: int, microbatch: int | None = None, donate_state: bool = True):
+                global_batch: int, microbatch: int | None = None, donate_state: bool = True,
+                specs: Any = None):
   """Runs ``train_step(state, batch) -> (state, metrics)`` on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``.
@@ -303,6 +306,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the output.
+    specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match
+      (``"auto"`` plans only), e.g. ``hetspmd.annotated_specs(params,
+      rules)`` to respect a model's own sharding annotations.
   """
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
@@ -313,6 +319,6 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state)
+    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs)
 
   return wrap if fn is None else wrap(fn)
