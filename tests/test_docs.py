@@ -1,0 +1,34 @@
+"""The tutorials' code runs as written, block after block."""
+
+import math
+import pathlib
+import re
+
+import pytest
+
+from conftest import require_devices
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+TUTORIALS = sorted(DOCS.glob("tutorial-*.md"))
+
+
+def python_blocks(text: str) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_there_are_tutorials():
+  assert {p.name for p in TUTORIALS} >= {"tutorial-nnx.md", "tutorial-linen.md"}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_runs(path, tmp_path, monkeypatch):
+  require_devices(8)
+  monkeypatch.chdir(tmp_path)
+  blocks = python_blocks(path.read_text())
+  assert len(blocks) >= 3
+  namespace = {"__name__": f"docs_{path.stem}"}
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"{path.name} block {i + 1}", "exec"), namespace)
+  losses = namespace["losses"]  # every tutorial trains a few steps on one fixed batch
+  assert len(losses) >= 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
