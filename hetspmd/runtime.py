@@ -32,7 +32,7 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.microbatch import _StepContext, step_context
-from hetspmd.plan import Plan, plan_for
+from hetspmd.plan import Plan, auto_state_specs, plan_for
 
 
 class ShardedBatch(NamedTuple):
@@ -61,6 +61,7 @@ class ParallelStep:
   microbatch: int | None
   donate_state: bool
   specs: Any = None
+  example_batch: Any = None
   _plan: Plan | None = None
   _mesh: Any = None
   _compiled: dict = dataclasses.field(default_factory=dict)
@@ -80,10 +81,10 @@ class ParallelStep:
 
   def _resolve(self, state: Any) -> Plan:
     if self._plan is None:
-      if state is None and self.requested_plan == "auto":
+      if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested = self.requested_plan
-      if isinstance(requested, str) and requested != "auto":
+      if isinstance(requested, str) and requested not in ("auto", "search"):
         requested = Plan.load(requested)
       if isinstance(requested, Plan):
         plan = requested
@@ -91,8 +92,11 @@ class ParallelStep:
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs)
+      elif requested == "search":
+        plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state)
       else:
-        raise InvalidValueError(f"plan must be 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
+        raise InvalidValueError(
+            f"plan must be 'search', 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
@@ -101,6 +105,17 @@ class ParallelStep:
     if state is not None:
       self._check_state(state, *jax.tree.flatten(state))
     return self._plan
+
+  def _search(self, cluster: Cluster, state: Any) -> Plan:
+    from hetspmd.search import plan_from, search_step
+
+    result = search_step(self.fn, state, self.example_batch, cluster, global_batch=self.global_batch, top=1)
+    plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
+    if self.specs:
+      chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
+                                model_specs=dict(plan.state_specs))
+      plan = plan.replace(state_specs=chosen)
+    return plan
 
   def _check_state(self, state: Any, leaves: list, treedef: Any) -> None:
     signature = (treedef, tuple(np.shape(x) for x in leaves))
@@ -288,7 +303,7 @@ def _local_positions(mesh: Any, plan: Plan) -> list[int]:
 
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
-                specs: Any = None):
+                specs: Any = None, example_batch: Any = None):
   """Runs ``train_step(state, batch) -> (state, metrics)`` on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``.
@@ -299,16 +314,19 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       batch to the loss function as an argument.
     cluster: the devices, bound to JAX (``Cluster.from_devices`` or
       ``Cluster.emulate``); default ``Cluster.from_devices(jax.devices())``.
-    plan: ``"auto"``, a :class:`Plan`, or a path to a plan JSON file. Until
-      the planner chooses plans, ``"auto"`` puts every device on the data
-      axis and gives each device a number of microbatches proportional to
-      its peak FLOP/s.
+    plan: ``"search"``, ``"auto"``, a :class:`Plan`, or a path to a plan
+      JSON file. ``"search"`` runs :func:`hetspmd.search` on the state and
+      ``example_batch`` when the state is first seen and takes the best plan.
+      ``"auto"`` skips the search: every device on the data axis, each with
+      a number of microbatches proportional to its peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the output.
     specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match
-      (``"auto"`` plans only), e.g. ``hetspmd.annotated_specs(params,
+      (``"auto"`` and ``"search"`` plans), e.g. ``hetspmd.annotated_specs(params,
       rules)`` to respect a model's own sharding annotations.
+    example_batch: for ``plan="search"``: the batch's structure, as arrays or
+      ``jax.ShapeDtypeStruct``s with any leading batch size.
   """
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
@@ -316,9 +334,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
                             f"got {microbatch!r}")
 
+  if plan == "search" and example_batch is None:
+    raise InvalidValueError("plan='search' needs example_batch=: the batch's structure (arrays or "
+                            "jax.ShapeDtypeStructs, any leading batch size)")
+
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs)
+    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch)
 
   return wrap if fn is None else wrap(fn)

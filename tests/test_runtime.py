@@ -98,6 +98,23 @@ def test_auto_plan_weights_by_device_speed():
   assert "per-device trip counts" in step.explain()
 
 
+def test_search_plan_is_found_on_first_use_and_matches_single_device():
+  workload = _workload("gpt2-tiny")
+  batches = [workload.synthetic_batch(seed=i, batch=32) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), global_batch=32,
+                        plan="search", example_batch=workload.example_batch(2))
+  state = step.shard_state(workload.init_state(0))
+  predicted = dict(step.plan.predicted)
+  assert predicted["step_seconds"] > 0 and 0 < predicted["efficiency"] <= 1
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_states_close(expected["params"], state["params"])
+
+
 def _masked_loss(model, batch):
   logits = model(batch["inputs"]).astype(jnp.float32)
   per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
@@ -250,6 +267,7 @@ def test_plan_for_other_state_is_refused():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(global_batch=0), "global_batch must be a positive integer, got 0"),
     (dict(global_batch=10, microbatch=3), "microbatch must be a positive divisor of the global batch 10, got 3"),
+    (dict(global_batch=8, plan="search"), "plan='search' needs example_batch="),
 ])
 def test_bad_parallelize_arguments(kwargs, match):
   with pytest.raises(hs.InvalidValueError, match=match):
