@@ -37,6 +37,7 @@ PRIMITIVE_CASES = [
     ("tanh_mlp", lambda x, w: jnp.sum(jnp.tanh(x @ w) * 3.0), (_X, _W)),
     ("softmax", lambda x: jax.nn.softmax(x, axis=-1), (_X,)),
     ("gelu", lambda x: jax.nn.gelu(x), (_X,)),
+    ("gelu_exact", lambda x: jax.nn.gelu(x, approximate=False), (_X,)),  # through erfc
     ("sigmoid", lambda x: jax.nn.sigmoid(x) * x, (_X,)),
     ("pow3", lambda x: x**3 + x**-1, (_X,)),
     ("reductions", lambda x: jnp.sum(x, 0) + jnp.max(x, 0), (_X,)),
