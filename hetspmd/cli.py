@@ -298,9 +298,10 @@ def _print_model_list(models, as_json: bool) -> int:
   if as_json:
     print(json.dumps(rows, indent=2))
   else:
-    print(f"{'model':<16} {'params':>10}  source")
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'model':<{width}} {'params':>10}  source")
     for r in rows:
-      print(f"{r['name']:<16} {_si(r['params']):>10}  {r['source']}")
+      print(f"{r['name']:<{width}} {_si(r['params']):>10}  {r['source']}")
   return 0
 
 

@@ -152,14 +152,28 @@ class Workload:
     return train_step
 
 
+def abstract_rngs(seed: int = 0) -> nnx.Rngs:
+  """``nnx.Rngs(seed)`` whose stream counters are NumPy, for building under ``eval_shape``.
+
+  Each draw from an ``nnx.Rngs`` increments a counter variable. Under
+  ``eval_shape`` the new count is a tracer, and Flax compares its
+  ``.sharding`` with the old one; a tracer's ``.sharding`` raises an error
+  whose message JAX builds from every equation traced so far, so building a
+  model costs time quadratic in its size (GPT-2 large: 8 s). With NumPy
+  counters the count stays concrete and the build is linear (1 s); the keys
+  drawn, and so the initial values, are the same.
+  """
+  rngs = nnx.Rngs(seed)
+  for stream in vars(rngs).values():
+    if isinstance(stream, nnx.RngStream):
+      stream.count.set_raw_value(np.zeros(stream.count.shape, np.uint32))
+  return rngs
+
+
 @functools.cache
 def _abstract_model(workload: Workload) -> tuple[nnx.GraphDef, nnx.State]:
-  """Graph definition and abstract parameters, built once per workload.
-
-  Building a model abstractly still runs its initialisers under
-  ``eval_shape`` (seconds for billion-parameter configs), so it is cached.
-  """
-  model = nnx.eval_shape(lambda: workload.build(workload.config, nnx.Rngs(0)))
+  """Graph definition and abstract parameters, built once per workload."""
+  model = nnx.eval_shape(lambda: workload.build(workload.config, abstract_rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)
   return graphdef, params
 
