@@ -282,7 +282,7 @@ class BatchNormWorkload(Workload):
 @functools.cache
 def _abstract_split(workload: BatchNormWorkload) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
   """Graph definition, abstract parameters and abstract batch statistics, built once."""
-  model = nnx.eval_shape(lambda: workload.build(workload.config, nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: workload.build(workload.config, abstract_rngs(0)))
   return nnx.split(model, nnx.Param, nnx.BatchStat)
 
 

@@ -178,6 +178,25 @@ def erfc_rule(inputs, outputs, params) -> Cost:
   return Cost(float(ERFC_FLOPS * n), float(n), r, w)
 
 
+@register("reduce_window_max", "reduce_window_min", "reduce_window_sum")
+def reduce_window_rule(inputs, outputs, params) -> Cost:
+  """Pooling: ``window - 1`` reductions per output element."""
+  r, w = _io_bytes(inputs, outputs)
+  return Cost(float(_out_elements(outputs) * (math.prod(params["window_dimensions"]) - 1)), 0.0, r, w)
+
+
+@register("select_and_scatter_add")
+def select_and_scatter_add_rule(inputs, outputs, params) -> Cost:
+  """Max-pooling's gradient: XLA counts ``11 × window - 10`` FLOPs per source element.
+
+  (Measured with ``cost_analysis`` for windows of 1 to 9 elements: the
+  window's comparisons and selects plus the scatter's adds.)
+  """
+  r, w = _io_bytes(inputs, outputs)
+  source = math.prod(inputs[0].shape)
+  return Cost(float(source * (11 * math.prod(params["window_dimensions"]) - 10)), 0.0, r, w)
+
+
 def integer_pow_multiplies(exponent: int) -> int:
   """Multiplies (and one divide if negative) of binary exponentiation."""
   e = abs(int(exponent))

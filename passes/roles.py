@@ -14,7 +14,8 @@ index. Without one, roles are inferred for the common
    an NNX ``OptState`` variable except the step counter: ``opt_state``;
 3. the step counter (``step``): ``other``;
 4. leaves under ``params`` or held in an ``nnx.Param``: ``param``;
-5. other NNX variables (batch statistics, caches): ``other``;
+5. other NNX variables (batch statistics, caches), and leaves under
+   ``batch_stats``/``cache`` (Linen's collections as plain arrays): ``other``;
 6. remaining floating leaves of the first argument of a multi-argument step:
    ``param``;
 7. leaves of later arguments and keyword arguments: ``batch``;
@@ -44,6 +45,7 @@ class Leaf:
     return "/".join(self.path)
 
 
+_COLLECTIONS = frozenset({"batch_stats", "cache"})  # Linen's non-parameter collections
 _RNG_NAMES = frozenset({"rng", "rngs", "key", "keys", "dropout_rng", "prng_key"})
 
 
@@ -99,7 +101,7 @@ def infer_role(leaf: Leaf, num_args: int) -> Role:
     return Role.OPT_STATE
   if "params" in names or vtype == "Param":
     return Role.PARAM
-  if vtype:
+  if vtype or names & _COLLECTIONS:
     return Role.OTHER
   floating = leaf.dtype.startswith(("float", "bfloat"))
   if leaf.argnum == 0 and num_args > 1 and floating:

@@ -45,6 +45,21 @@ def test_linen_train_state_roles_are_inferred():
   assert roles["batch/x"] is Role.BATCH
 
 
+def test_linen_batch_stats_as_plain_arrays_are_not_parameters():
+  model = linen.BatchNorm(use_running_average=False)
+  variables = model.init(jax.random.key(0), jnp.ones((4, 3)))
+  state = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
+
+  def train_step(state, batch):
+    out, updates = model.apply({"params": state["params"], "batch_stats": state["batch_stats"]}, batch,
+                               mutable=["batch_stats"])
+    return {"params": state["params"], "batch_stats": updates["batch_stats"]}, jnp.mean(out)
+
+  roles = _roles(hetspmd.trace(train_step, state, jnp.ones((4, 3))))
+  assert roles["state/params/scale"] is Role.PARAM
+  assert roles["state/batch_stats/mean"] is Role.OTHER and roles["state/batch_stats/var"] is Role.OTHER
+
+
 def test_nnx_optimizer_state_roles_are_inferred():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

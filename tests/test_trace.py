@@ -38,6 +38,11 @@ PRIMITIVE_CASES = [
     ("softmax", lambda x: jax.nn.softmax(x, axis=-1), (_X,)),
     ("gelu", lambda x: jax.nn.gelu(x), (_X,)),
     ("gelu_exact", lambda x: jax.nn.gelu(x, approximate=False), (_X,)),  # through erfc
+    ("max_pool_and_grad", lambda x: jax.value_and_grad(lambda x: jnp.sum(jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") ** 2))(x),
+     (jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32),)),
+    ("avg_pool", lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4,
+     (jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32),)),
     ("sigmoid", lambda x: jax.nn.sigmoid(x) * x, (_X,)),
     ("pow3", lambda x: x**3 + x**-1, (_X,)),
     ("reductions", lambda x: jnp.sum(x, 0) + jnp.max(x, 0), (_X,)),
