@@ -70,7 +70,7 @@ from flax import nnx
 
 from hetspmd.models.mlp import classification_loss
 from hetspmd.models.vit import image_batch_spec
-from hetspmd.models.workload import Workload
+from hetspmd.models.workload import Workload, abstract_rngs
 
 # torchvision's initialisers: kaiming normal (fan out, ReLU gain) for convolutions.
 _conv_init = jax.nn.initializers.variance_scaling(2.0, "fan_out", "normal")
