@@ -99,3 +99,21 @@ def test_explain_without_predictions_shows_the_work_split(tmp_path, capsys):
 def test_explain_of_a_missing_file_says_so(tmp_path, capsys):
   assert main(["explain", str(tmp_path / "nope.json")]) == 2
   assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", __import__("hetspmd.models").models.names())
+def test_trace_works_for_every_zoo_model(name, capsys):
+  from hetspmd import models
+
+  assert main(["trace", "--model", name, "--batch", "1", "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["params"] == models.get(name).param_count()
+  assert report["flops_per_step"] > 0 and report["unknown_primitives"] == []
+
+
+def test_list_names_sizes_and_papers(capsys):
+  assert main(["trace", "--list"]) == 0
+  out = capsys.readouterr().out
+  for needle in ("bert-large", "Devlin et al., 2019", "vit-b16", "Dosovitskiy", "resnet50", "He et al., 2016",
+                 "gpt3-13b", "Brown et al., 2020", "bert-moe-base", "linen-lm-350m", "12.85 G"):
+    assert needle in out
