@@ -194,6 +194,11 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   batch_positions = [i for i, b in enumerate(is_batch) if b]
   static = {i: x for i, x in enumerate(flat) if not is_batch[i] and not _is_array(flat[i])}
   axis = ctx.data_axis
+  # Over a data axis of one position the reduction is the identity; XLA's
+  # partitioner also rejects an all-reduce over a manual axis of size 1.
+  single = ctx.mesh.shape[axis] == 1
+  reduce = (lambda tree: tree) if single else (lambda tree: jax.lax.psum(tree, axis))
+  vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = jax.checkpoint(fun) if ctx.remat else fun
   objective = _objective(loss_fun, has_aux, ctx.microbatch)
   vg = jax.value_and_grad(objective, argnums, has_aux=True)
@@ -211,7 +216,7 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   def per_device(arrays, buffers, counts):
     # Replicated inputs become varying before the loop: otherwise their
     # gradients carry an implicit psum, which deadlocks when trip counts differ.
-    arrays = [jax.lax.pcast(x, (axis,), to="varying") for x in arrays]
+    arrays = [vary(x) for x in arrays]
 
     def one(i):
       microbatch = [jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in buffers]
@@ -220,9 +225,8 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
       return _widen((total, weight, aux_t, aux_w, grads))
 
     if ctx.uniform_count == 1:
-      return jax.lax.psum(one(0), axis)
-    zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), (axis,), to="varying"),
-                         jax.eval_shape(one, 0))
+      return reduce(one(0))
+    zeros = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype)), jax.eval_shape(one, 0))
     if ctx.uniform_count is not None:
       acc = jax.lax.fori_loop(0, ctx.uniform_count, lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
     elif ctx.lockstep:
@@ -235,9 +239,10 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
       acc = jax.lax.fori_loop(0, buffers[0].shape[0], body, zeros)
     else:
       acc = jax.lax.fori_loop(0, counts[0], lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
-    return jax.lax.psum(acc, axis)
+    return reduce(acc)
 
-  sharded = jax.shard_map(
+  # One data position needs no manual axis: the loop runs as it is, the model axis left to XLA.
+  sharded = per_device if single else jax.shard_map(
       per_device, mesh=ctx.mesh, in_specs=(P(), P(axis), P(axis)), out_specs=P(), axis_names={axis})
   arrays = [flat[i] for i in positions]
   buffers = [flat[i] for i in batch_positions]

@@ -86,6 +86,25 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
   assert kernel.sharding.mesh.shape == dict(zip(("data", "model"), shape))
 
 
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt2-tiny"])
+def test_single_data_position_with_a_model_axis_matches_single_device(name):
+  require_devices(4)
+  workload = _workload(name)
+  batches = [workload.synthetic_batch(seed=i, batch=6) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+  cluster = hs.Cluster.emulate(jax.devices()[:4], kinds=["V100-32GB"] * 4)
+  state = workload.init_state(0)
+  plan = hs.plan_for(cluster, state, global_batch=6, layout=(1, 4), microbatch=2, counts=(3,))
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=6)
+  state = step.shard_state(state)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_states_close(expected["params"], state["params"])
+
+
 def test_auto_plan_weights_by_device_speed():
   workload = _workload("mlp-tiny")
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), global_batch=64)
