@@ -32,3 +32,16 @@ def test_tutorial_runs(path, tmp_path, monkeypatch):
     exec(compile(block, f"{path.name} block {i + 1}", "exec"), namespace)
   losses = namespace["losses"]  # every tutorial trains a few steps on one fixed batch
   assert len(losses) >= 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(600)
+def test_readme_quickstart_runs(tmp_path, monkeypatch):
+  require_devices(8)
+  monkeypatch.chdir(tmp_path)
+  readme = (DOCS.parent / "README.md").read_text()
+  quickstart = readme[readme.index("## Quickstart"):]
+  namespace = {"__name__": "readme_quickstart"}
+  exec(compile(python_blocks(quickstart)[0], "README.md quickstart", "exec"), namespace)
+  loss = float(namespace["metrics"]["loss"])
+  assert math.isfinite(loss) and loss < 2.4  # from about 2.5 (10 classes) after 5 steps on one batch
+  assert namespace["train_step"].plan.predicted  # the plan came from the search
