@@ -1,41 +1,63 @@
-"""Plan search: device-weighted data parallelism under memory limits.
+"""Plan search: device-weighted data parallelism × tensor parallelism, under memory limits.
 
 For a model's :class:`~hetspmd.passes.cost.StepProfile` and a cluster, the
 search tries every candidate of
 
+* layout: every ``(data, model)`` shape of
+  :func:`~hetspmd.mesh.enumerate_layouts` (a model group is ``model``
+  consecutive devices of one kind in one host);
 * device set: every device, the devices of the fastest kinds only (the
-  slowest kinds left out, which wins on slow networks), and each single kind;
+  slowest kinds left out, which wins on slow networks), and each single
+  kind, in whole model groups;
+* tensor-parallel choice (``model > 1``): the per-operation strategies of
+  :mod:`hetspmd.passes.strategies`. Their ILP is solved once per (model
+  size, device kind), at a reference microbatch, as a small time/memory
+  Pareto frontier; every candidate tries the frontier choices of all its
+  kinds (one choice per plan: the state's PartitionSpecs are global) and
+  keeps the fastest that fits;
 * microbatch size: divisors of the global batch;
-* ZeRO stage 0, 1 or 3, and remat off or on;
+* ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
+  and remat off or on;
 
 prunes those that overflow a device's memory, and for the rest chooses the
-integer microbatch count of every data position by a small MILP (HiGHS via
-``scipy.optimize.milp``): minimise the slowest device's time subject to the
-counts covering the global batch. Devices of one kind are interchangeable,
-so the MILP has a handful of variables per kind whatever the device count.
+integer microbatch count of every data position: minimise the slowest
+position's time subject to the counts covering the global batch. Positions of
+one kind are interchangeable, so :func:`balanced_counts` finds the optimum by
+bisection on the makespan (the same optimum as the small MILP
+:func:`milp_counts`, kept as the reference).
+
+A data position is a model group; its speed is its kind's: a microbatch's
+compute with split operations at ``1/model``, plus the tensor-parallel
+collectives on its host's link. Step time = slowest position's (per-step
+optimizer work + per-microbatch time × count) + the gradient reduction
+across data positions (not overlapped): a ring all-reduce within a host,
+hierarchical (reduce-scatter in hosts, all-reduce between hosts, all-gather
+in hosts) across hosts, each stage at the slowest link it crosses. Each
+device reduces its own gradient bytes (split parameters ``1/model``); the
+``model`` rings of one host share its network link. ZeRO-3 also gathers the
+parameters (half an all-reduce more). Memory per device: parameters,
+float32 gradients and optimizer state after the split over ``model``, ZeRO
+over ``data``, and activations less their sharded share.
 
 Baselines are the same evaluation with choices pinned: ``dp_even`` (every
-device, equal counts), ``dp_proportional`` (counts by peak FLOP/s),
-``fastest_only`` and ``best_homogeneous`` (one kind, equal counts).
-
-Step time = slowest device's compute + the gradient reduction (not
-overlapped): a ring all-reduce within a host, hierarchical (reduce-scatter
-in hosts, all-reduce between hosts, all-gather in hosts) across hosts, each
-stage at the slowest link it crosses. Only the ``(data, 1)`` layouts are
-searched so far; tensor-parallel strategies are not costed yet.
+device on ``data``, equal counts), ``dp_proportional`` (counts by peak
+FLOP/s), ``fastest_only`` and ``best_homogeneous`` (one kind, equal counts,
+any layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from hetspmd.cluster import Cluster
-from hetspmd.devices import DeviceSpec
+from hetspmd.devices import Link
 from hetspmd.errors import HetSpmdError
+from hetspmd.passes import strategies
 from hetspmd.passes.cost import StepProfile
 
 ZERO_STAGES = (0, 1, 3)
@@ -43,6 +65,8 @@ REMAT_COMPUTE = 4.0 / 3.0     # one extra forward pass
 REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = 4                # gradients are accumulated and reduced in float32
+MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
+FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
 
 
 class PlanDoesNotFitError(HetSpmdError):
@@ -50,20 +74,41 @@ class PlanDoesNotFitError(HetSpmdError):
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorParallel:
+  """One tensor-parallel choice over a ``model`` axis of size ``m`` (``m == 1``: none)."""
+
+  m: int = 1
+  choice: tuple[int, ...] = ()
+  description: str = "none"
+  model_dims: tuple[tuple[str, int], ...] = ()   # parameter path -> dimension split over model
+  param_share: float = 1.0                       # parameter elements per device / all of them
+  activation_share: float = 1.0                  # activation bytes per device / unsplit
+
+
+NO_TENSOR_PARALLEL = TensorParallel()
+
+
+@dataclasses.dataclass(frozen=True)
 class Evaluated:
   """One costed candidate plan."""
 
   name: str
-  device_positions: tuple[int, ...]   # cluster device ids, host-major
-  kinds: tuple[str, ...]              # per device
+  device_positions: tuple[int, ...]   # cluster device ids in mesh order (data-major)
+  kinds: tuple[str, ...]              # per data position
   microbatch: int
-  counts: tuple[int, ...]             # per device
+  counts: tuple[int, ...]             # per data position
   zero_stage: int
   remat: bool
-  compute_seconds: float              # slowest device
-  comm_seconds: float
+  compute_seconds: float              # slowest position, tensor-parallel collectives included
+  comm_seconds: float                 # gradient reduction over data
   memory_bytes: tuple[int, ...]       # per device
   global_batch: int
+  tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
+  model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
+
+  @property
+  def model(self) -> int:
+    return self.tensor_parallel.m
 
   @property
   def step_seconds(self) -> float:
@@ -80,8 +125,10 @@ class Evaluated:
         "predicted_step_seconds": self.step_seconds,
         "compute_seconds": self.compute_seconds,
         "communication_seconds": self.comm_seconds,
+        "model_communication_seconds": self.model_comm_seconds,
         "efficiency": self.throughput / ideal,
-        "mesh": {"data": len(self.device_positions), "model": 1},
+        "mesh": {"data": len(self.counts), "model": self.model},
+        "tensor_parallel": self.tensor_parallel.description,
         "devices": list(self.device_positions),
         "kinds": list(self.kinds),
         "microbatch": self.microbatch,
@@ -104,34 +151,47 @@ class SearchResult:
 # --- cost pieces ----------------------------------------------------------------
 
 
-def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float) -> float:
-  """Gradient all-reduce over ``positions``: ring in a host, hierarchical across hosts."""
-  p = len(positions)
-  if p < 2 or nbytes <= 0:
-    return 0.0
+def _host_counts(cluster: Cluster, positions: Sequence[int]) -> dict[int, int]:
   devices = cluster.devices
   hosts: dict[int, int] = {}
   for i in positions:
     hosts[devices[i].host] = hosts.get(devices[i].host, 0) + 1
+  return hosts
+
+
+def _ring_seconds(p: int, nbytes: float, link: Link) -> float:
+  return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency if p > 1 else 0.0
+
+
+def _reduce_seconds(cluster: Cluster, hosts: dict[int, int], nbytes: float, concurrent: int = 1) -> float:
+  """All-reduce among ``hosts[h]`` participants per host; ``concurrent`` rings share each host's network link."""
+  p = sum(hosts.values())
+  if p < 2 or nbytes <= 0:
+    return 0.0
   intra = min((cluster.hosts[h].intra for h in hosts), key=lambda l: l.bandwidth)
   if len(hosts) == 1:
-    return 2 * (p - 1) / p * nbytes / intra.bandwidth + 2 * (p - 1) * intra.latency
-  k, n_hosts = max(hosts.values()), len(hosts)  # the busiest host bounds the in-host stages
-  local = 2 * (k - 1) / k * nbytes / intra.bandwidth + 2 * (k - 1) * intra.latency if k > 1 else 0.0
-  inter = cluster.inter
-  between = 2 * (n_hosts - 1) / n_hosts * nbytes / inter.bandwidth + 2 * (n_hosts - 1) * inter.latency
-  return local + between
+    return _ring_seconds(p, nbytes, intra)
+  k = max(hosts.values())  # the busiest host bounds the in-host stages
+  return _ring_seconds(k, nbytes, intra) + _ring_seconds(len(hosts), nbytes * concurrent, cluster.inter)
 
 
-def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: bool) -> int:
-  params = profile.param_bytes / (n if zero_stage >= 3 else 1)
-  grads = profile.param_count * GRAD_BYTES  # accumulated in full (float32) during the microbatch loop
-  optimizer = profile.opt_state_bytes / (n if zero_stage >= 1 else 1)
-  activations = profile.activation.at(microbatch) * (REMAT_ACTIVATIONS if remat else 1.0)
+def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+  """Gradient all-reduce over ``positions``: ring in a host, hierarchical across hosts."""
+  return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent)
+
+
+def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: bool,
+                      tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+  """Bytes on every device of a plan with ``n`` data positions."""
+  params = profile.param_bytes * tp.param_share / (n if zero_stage >= 3 else 1)
+  grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
+  optimizer = profile.opt_state_bytes * tp.param_share / (n if zero_stage >= 1 else 1)
+  activations = profile.activation.at(microbatch) * tp.activation_share * (REMAT_ACTIVATIONS if remat else 1.0)
   return int((params + grads + optimizer + activations) * WORKSPACE)
 
 
 def comm_seconds(cluster: Cluster, profile: StepProfile, positions: Sequence[int], zero_stage: int) -> float:
+  """Gradient reduction of a ``(data, 1)`` plan over ``positions``."""
   reduce = allreduce_seconds(cluster, positions, profile.param_count * GRAD_BYTES)
   # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
   return reduce * (1.5 if zero_stage >= 3 else 1.0)
@@ -141,23 +201,14 @@ def comm_seconds(cluster: Cluster, profile: StepProfile, positions: Sequence[int
 class _KindCost:
   micro: float  # seconds per microbatch
   fixed: float  # seconds per step
-
-
-def _kind_costs(profile: StepProfile, specs: dict[str, DeviceSpec], microbatch: int, remat: bool, zero: int,
-                n: int) -> dict[str, _KindCost]:
-  out = {}
-  for kind, spec in specs.items():
-    micro = profile.microbatch_seconds(spec, microbatch) * (REMAT_COMPUTE if remat else 1.0)
-    fixed = profile.step_fixed_seconds(spec) / (n if zero >= 1 else 1)
-    out[kind] = _KindCost(micro, fixed)
-  return out
+  model_comm: float = 0.0  # of micro: tensor-parallel collectives
 
 
 # --- counts -------------------------------------------------------------------------
 
 
 def milp_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -> tuple[int, ...]:
-  """Per-device counts minimising the slowest device's time; ``sum == total``.
+  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP).
 
   Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
   of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
@@ -204,6 +255,46 @@ def milp_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -
   return tuple(counts)
 
 
+def balanced_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -> tuple[int, ...]:
+  """Per-position counts minimising the slowest position's time; ``sum == total``.
+
+  Start from the continuous bound on the makespan ``T`` (every position busy
+  until ``T``, no one below its per-step work) and step through the
+  breakpoints ``fixed_k + micro_k c`` until the capacity ``sum_k n_k
+  floor((T - fixed_k) / micro_k)`` covers ``total``; then take the surplus,
+  one microbatch at a time, from the kind whose busiest position finishes
+  last. Counts within a kind differ by at most one, the first positions of a
+  kind taking the larger.
+  """
+  order = list(dict.fromkeys(kinds))
+  n = {k: kinds.count(k) for k in order}
+  micro = {k: max(costs[k].micro, 1e-300) for k in order}
+  fixed = {k: costs[k].fixed for k in order}
+  rate = sum(n[k] / micro[k] for k in order)
+  bound = max(max(fixed.values()), (total + sum(n[k] * fixed[k] / micro[k] for k in order)) / rate)
+  top = {k: max(0, math.floor((bound - fixed[k]) / micro[k] * (1 - 1e-12))) for k in order}
+  capacity = sum(n[k] * top[k] for k in order)
+  while capacity < total:
+    kind = min(order, key=lambda k: fixed[k] + micro[k] * (top[k] + 1))
+    top[kind] += 1
+    capacity += n[kind]
+  full = dict(n)  # positions of each kind at the top count; the rest hold one less
+  surplus = capacity - total
+  while surplus > 0:
+    kind = max((k for k in order if top[k] > 0), key=lambda k: fixed[k] + micro[k] * top[k])
+    take = min(surplus, full[kind])
+    full[kind] -= take
+    surplus -= take
+    if full[kind] == 0:
+      top[kind] -= 1
+      full[kind] = n[kind]
+  counts, seen = [], {k: 0 for k in order}
+  for kind in kinds:
+    counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
+    seen[kind] += 1
+  return tuple(counts)
+
+
 def even_counts(n: int, total: int) -> tuple[int, ...]:
   return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
 
@@ -214,24 +305,130 @@ def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
   return proportional_counts(weights, total)
 
 
+# --- layouts and tensor-parallel choices -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """A device set cut into model groups (data positions)."""
+
+  name: str
+  groups: tuple[tuple[int, ...], ...]
+  kinds: tuple[str, ...]        # per group
+  hosts: dict[int, int]         # host -> groups in it
+  memory: int                   # smallest device memory
+  devices: tuple[int, ...]      # the groups, flattened
+
+  @property
+  def m(self) -> int:
+    return len(self.groups[0])
+
+
+def _layout(cluster: Cluster, name: str, positions: Sequence[int], m: int) -> _Layout:
+  devices = cluster.devices
+  groups = tuple(tuple(positions[i:i + m]) for i in range(0, len(positions), m))
+  for g in groups:
+    if len(g) != m or len({devices[i].host for i in g}) != 1:
+      raise HetSpmdError(f"devices {list(g)} do not form a model group of {m} in one host")
+  hosts: dict[int, int] = {}
+  for g in groups:
+    hosts[devices[g[0]].host] = hosts.get(devices[g[0]].host, 0) + 1
+  return _Layout(name, groups, tuple(devices[g[0]].spec.name for g in groups), hosts,
+                 min(devices[i].spec.memory_bytes for i in positions), tuple(positions))
+
+
+class _Costing:
+  """Per-search caches: per-node seconds, strategy spaces, ILP frontiers, assessed choices."""
+
+  def __init__(self, cluster: Cluster, profile: StepProfile, reference_microbatch: int):
+    self.cluster, self.profile, self.reference = cluster, profile, reference_microbatch
+    self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
+    self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
+                  for k in cluster.kinds}
+    self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
+    self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
+    self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
+    self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
+    self._assessed: dict[tuple, strategies.Solution] = {}
+
+  def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
+    key = (kind, microbatch)
+    if key not in self._node_seconds:
+      self._node_seconds[key] = self.profile.node_seconds(self.specs[kind], microbatch) * ~self.profile.per_step
+    return self._node_seconds[key]
+
+  def space(self, m: int) -> strategies.StrategySpace:
+    """Prepared by :func:`profile_step` for :data:`MODEL_SIZES`; built here (once) for other sizes."""
+    if m not in self._spaces:
+      self._spaces[m] = strategies.strategy_space(self.profile, m)
+    return self._spaces[m]
+
+  def choices(self, m: int) -> tuple[TensorParallel, ...]:
+    """The union over kinds of each kind's time/memory frontier on a model axis of ``m``."""
+    if m == 1:
+      return (NO_TENSOR_PARALLEL,)
+    if m not in self._frontiers:
+      space, found = self.space(m), {}
+      for kind in self.cluster.kinds:
+        for solution in strategies.frontier(space, self.node_seconds(kind, self.reference), self.links[kind],
+                                            self.reference, FRONTIER_POINTS + 1):
+          found.setdefault(solution.choice, solution)
+      self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
+    return self._frontiers[m]
+
+  def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: bool, zero: int, n: int) -> _KindCost:
+    remat_factor = REMAT_COMPUTE if remat else 1.0
+    fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
+    if tp.m == 1:
+      return _KindCost(float(self.node_seconds(kind, microbatch).sum()) * remat_factor, fixed)
+    key = (tp.m, tp.choice, kind, microbatch)
+    if key not in self._assessed:
+      self._assessed[key] = strategies.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
+                                              self.links[kind], microbatch)
+    solution = self._assessed[key]
+    return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds, fixed, solution.comm_seconds)
+
+
+def _tensor_parallel(space: strategies.StrategySpace, solution: strategies.Solution) -> TensorParallel:
+  m = space.m
+  sharded = sum(d.options[o].activation_share for d, o in zip(space.decisions, solution.choice))
+  return TensorParallel(
+      m=m, choice=solution.choice, description=strategies.describe(space, solution.choice),
+      model_dims=tuple(sorted(strategies.param_dims(space, solution.choice).items())),
+      param_share=solution.param_elements / max(1, space.param_elements),
+      activation_share=max(1 / m, 1 - min(1.0, sharded) * (1 - 1 / m)))
+
+
 # --- evaluation ------------------------------------------------------------------------
 
 
-def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
-             remat: bool, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]],
-             name: str) -> Evaluated | None:
-  devices = cluster.devices
-  kinds = tuple(devices[i].spec.name for i in positions)
-  specs = {k: cluster.spec_of(k) for k in dict.fromkeys(kinds)}
+def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: bool,
+              global_batch: int, counts_rule: Any, name: str) -> Evaluated | None:
+  n = len(layout.groups)
   total = global_batch // microbatch
-  costs = _kind_costs(profile, specs, microbatch, remat, zero, len(positions))
-  counts = counts_rule(kinds, costs) if callable(counts_rule) else counts_rule
-  if sum(counts) != total:
+  costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
+  counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
+  if len(counts) != n or sum(counts) != total:
     return None
-  compute = max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, counts))
-  memory = memory_per_device(profile, len(positions), microbatch, zero, remat)
-  return Evaluated(name, tuple(positions), kinds, microbatch, tuple(counts), zero, remat, compute,
-                   comm_seconds(cluster, profile, positions, zero), (memory,) * len(positions), global_batch)
+  most: dict[str, int] = {}
+  for kind, count in zip(layout.kinds, counts):
+    most[kind] = max(count, most.get(kind, 0))
+  busiest = max(most.items(), key=lambda kc: costs[kc[0]].fixed + costs[kc[0]].micro * kc[1])
+  compute = costs[busiest[0]].fixed + costs[busiest[0]].micro * busiest[1]
+  grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
+  reduce = _reduce_seconds(costing.cluster, layout.hosts, grads, tp.m) * (1.5 if zero >= 3 else 1.0)
+  memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
+  return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, compute, reduce,
+                   (memory,) * len(layout.devices), global_batch, tp, costs[busiest[0]].model_comm * busiest[1])
+
+
+def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
+             remat: bool, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
+             name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL) -> Evaluated | None:
+  """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
+  costing = _Costing(cluster, profile, microbatch)
+  layout = _layout(cluster, name, positions, tensor_parallel.m)
+  return _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name)
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -262,24 +459,45 @@ def microbatch_sizes(global_batch: int, limit: int = 10) -> list[int]:
   return [divisors[i] for i in picks]
 
 
+def model_sizes(cluster: Cluster) -> tuple[int, ...]:
+  """Model-axis sizes of the cluster's layouts (:func:`~hetspmd.mesh.enumerate_layouts`)."""
+  from hetspmd.mesh import enumerate_layouts
+
+  return tuple(mesh.shape[1] for mesh in enumerate_layouts(cluster))
+
+
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
-  """Ranks device-weighted plans and evaluates the baselines (see module docstring)."""
+           progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None) -> SearchResult:
+  """Ranks device-weighted plans and evaluates the baselines (see module docstring).
+
+  ``models`` restricts the model-axis sizes tried (default: every layout's).
+  """
   start = time.perf_counter()
   specs = {k: cluster.spec_of(k) for k in cluster.kinds}
   peak = {k: s.fp32_flops for k, s in specs.items()}
   fastest_kind = min(cluster.kinds, key=lambda k: profile.microbatch_seconds(specs[k], 1))
+  sizes = microbatch_sizes(global_batch)
+  costing = _Costing(cluster, profile, sizes[len(sizes) // 2])
+  tensor_parallel = bool(profile.traces or profile.strategy_spaces)  # a hand-made profile has no graph to split
+  ms = tuple(m for m in model_sizes(cluster) if (models is None or m in models) and (m == 1 or tensor_parallel))
   plans: list[Evaluated] = []
   best: dict[str, Evaluated] = {}
   overflow: list[Evaluated] = []
   candidates = 0
 
-  def consider(e: Evaluated | None, bucket: str | None) -> None:
+  made: dict[tuple, _Layout] = {}
+
+  def layout_of(name: str, positions: tuple[int, ...], m: int) -> _Layout:
+    if (positions, m) not in made:
+      made[(positions, m)] = _layout(cluster, name, positions, m)
+    return dataclasses.replace(made[(positions, m)], name=name)
+
+  def consider(e: Evaluated | None, layout: _Layout, bucket: str | None) -> None:
     nonlocal candidates
     if e is None:
       return
     candidates += 1
-    if not fits(cluster, e):
+    if max(e.memory_bytes) > layout.memory:  # every device of a plan holds the same bytes
       overflow.append(e)
       return
     if bucket is None:
@@ -287,27 +505,37 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     elif bucket not in best or e.step_seconds < best[bucket].step_seconds:
       best[bucket] = e
 
-  sizes = microbatch_sizes(global_batch)
+  def fastest_fitting(layout: _Layout, microbatch: int, zero: int, remat: bool, rule: Any, name: str,
+                      bucket: str | None) -> None:
+    """The layout's candidates with every tensor-parallel choice that fits (the leanest if none does)."""
+    choices = costing.choices(layout.m)
+    fitting = [tp for tp in choices
+               if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
+    for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
+      consider(_evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name), layout, bucket)
+
   for n_done, microbatch in enumerate(sizes):
+    total = global_batch // microbatch
     sets = device_sets(cluster, profile, microbatch)
-    for zero in ZERO_STAGES:
-      for remat in (False, True):
-        milp = lambda kinds, costs: milp_counts(kinds, costs, global_batch // microbatch)
-        for set_name, positions in sets.items():
-          consider(evaluate(cluster, profile, positions, microbatch, zero, remat, global_batch, milp,
-                            f"weighted, {set_name}"), None)
-        everyone = sets["all"]
-        even = lambda kinds, costs: even_counts(len(kinds), global_batch // microbatch)
-        consider(evaluate(cluster, profile, everyone, microbatch, zero, remat, global_batch, even, "dp_even"),
-                 "dp_even")
-        prop = lambda kinds, costs: proportional([peak[k] for k in kinds], global_batch // microbatch)
-        consider(evaluate(cluster, profile, everyone, microbatch, zero, remat, global_batch, prop,
-                          "dp_proportional"), "dp_proportional")
-        consider(evaluate(cluster, profile, sets[f"only {fastest_kind}"], microbatch, zero, remat, global_batch,
-                          even, "fastest_only"), "fastest_only")
-        for kind in cluster.kinds:
-          consider(evaluate(cluster, profile, sets[f"only {kind}"], microbatch, zero, remat, global_batch, even,
-                            f"only {kind}"), "best_homogeneous")
+    weighted = lambda kinds, costs: balanced_counts(kinds, costs, total)
+    even = lambda kinds, costs: even_counts(len(kinds), total)
+    prop = lambda kinds, costs: proportional([peak[k] for k in kinds], total)
+    for m in ms:
+      layouts = {name: layout_of(name, positions, m) for name, positions in sets.items()}
+      suffix = "" if m == 1 else f", model {m}"
+      for zero in ZERO_STAGES:
+        for remat in (False, True):
+          for set_name, layout in layouts.items():
+            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
+          if m == 1:
+            for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
+              consider(_evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat, global_batch,
+                                 rule, bucket), layouts["all"], bucket)
+          fastest_fitting(layouts[f"only {fastest_kind}"], microbatch, zero, remat, even, "fastest_only" + suffix,
+                          "fastest_only")
+          for kind in cluster.kinds:
+            fastest_fitting(layouts[f"only {kind}"], microbatch, zero, remat, even, f"only {kind}{suffix}",
+                            "best_homogeneous")
     if progress:
       progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {candidates} candidates costed")
   if not plans:
@@ -315,23 +543,28 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   plans.sort(key=lambda e: e.step_seconds)
   unique: list[Evaluated] = []
   for e in plans:
-    if not any(e.device_positions == u.device_positions and e.counts == u.counts and
-               e.microbatch == u.microbatch for u in unique):
+    if not any(e.device_positions == u.device_positions and e.counts == u.counts and e.microbatch == u.microbatch
+               and e.tensor_parallel.choice == u.tensor_parallel.choice for u in unique):
       unique.append(e)
+    if len(unique) == top:
+      break
   share = max(1, global_batch // cluster.num_devices)
-  ideal = sum(share / profile.microbatch_seconds(d.spec, share) for d in cluster.devices)
-  return SearchResult(tuple(unique[:top]), best, ideal, time.perf_counter() - start, candidates)
+  per_kind = {k: share / profile.microbatch_seconds(s, share) for k, s in specs.items()}
+  ideal = sum(per_kind[d.spec.name] for d in cluster.devices)
+  return SearchResult(tuple(unique), best, ideal, time.perf_counter() - start, candidates)
 
 
 def _overflow_message(cluster: Cluster, overflow: Sequence[Evaluated]) -> str:
-  smallest = min(overflow, key=lambda e: max(m - cluster.devices[i].spec.memory_bytes
+  devices = cluster.devices
+  smallest = min(overflow, key=lambda e: max(m - devices[i].spec.memory_bytes
                                              for i, m in zip(e.device_positions, e.memory_bytes)))
   worst = max(zip(smallest.device_positions, smallest.memory_bytes),
-              key=lambda im: im[1] - cluster.devices[im[0]].spec.memory_bytes)
-  spec = cluster.devices[worst[0]].spec
+              key=lambda im: im[1] - devices[im[0]].spec.memory_bytes)
+  spec = devices[worst[0]].spec
   over = worst[1] - spec.memory_bytes
+  split = f", model axis {smallest.model}" if smallest.model > 1 else ""
   return (f"no plan fits: even the smallest candidate (microbatch {smallest.microbatch}, ZeRO-{smallest.zero_stage}, "
-          f"remat {'on' if smallest.remat else 'off'}) needs {worst[1] / 2**30:.2f} GiB on a {spec.name} with "
+          f"remat {'on' if smallest.remat else 'off'}{split}) needs {worst[1] / 2**30:.2f} GiB on a {spec.name} with "
           f"{spec.memory_bytes / 2**30:.2f} GiB, {over / 2**30:.2f} GiB ({over:,} bytes) too much. "
           "What would fit: more devices (ZeRO-3 splits parameters and optimizer state over them), "
           "a smaller global batch or sequence, or devices with more memory.")
@@ -358,35 +591,96 @@ def _with_batch(batch: Any, size: int) -> Any:
 
 
 def profile_step(fn: Callable[..., Any], state: Any, batch: Any) -> StepProfile:
-  """Traces ``fn(state, batch)`` at two batch sizes and fits the per-node costs."""
+  """Traces ``fn(state, batch)`` at two batch sizes, fits the per-node costs, prepares the strategy spaces."""
   from hetspmd.passes import cost, trace
 
   small, large = PROFILE_BATCHES
   graphs = [trace(fn, state, _with_batch(batch, b)) for b in PROFILE_BATCHES]
-  return cost.step_profile(graphs[0], graphs[1], small, large)
+  return with_strategy_spaces(cost.step_profile(graphs[0], graphs[1], small, large))
+
+
+def with_strategy_spaces(profile: StepProfile, sizes: Sequence[int] = MODEL_SIZES) -> StepProfile:
+  """``profile`` with the tensor-parallel strategy spaces of ``sizes`` built (the search reuses them)."""
+  spaces = {m: strategies.strategy_space(profile, m) for m in sizes}
+  return dataclasses.replace(profile, strategy_spaces={**profile.strategy_spaces, **spaces})
 
 
 def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float | None = None):
   """The runnable :class:`~hetspmd.plan.Plan` of one search result."""
-  from hetspmd.plan import Plan, auto_state_specs
+  from hetspmd.plan import Plan
 
   ids = cluster.jax_device_ids
   device_ids = tuple(ids[i] if ids is not None else i for i in evaluated.device_positions)
+  tp = evaluated.tensor_parallel
   predicted = {"step_seconds": evaluated.step_seconds, "throughput": evaluated.throughput,
                "compute_seconds": evaluated.compute_seconds, "communication_seconds": evaluated.comm_seconds,
                "memory_bytes_per_device": float(max(evaluated.memory_bytes))}
+  if tp.m > 1:
+    predicted["model_communication_seconds"] = evaluated.model_comm_seconds
   if ideal:
     predicted["efficiency"] = evaluated.throughput / ideal
-  axes, shape = ("data", "model"), (len(device_ids), 1)
+  axes, shape = ("data", "model"), (len(evaluated.counts), tp.m)
   return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
-              state_specs=auto_state_specs(state, axes, shape, evaluated.zero_stage),
+              state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims)),
               zero_stage=evaluated.zero_stage, remat="full" if evaluated.remat else "none",
-              device_kinds=evaluated.kinds, predicted=tuple(predicted.items()))
+              device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()))
+
+
+def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int,
+                model_dims: dict[str, int]) -> tuple[tuple[str, tuple], ...]:
+  """PartitionSpecs of every state leaf: the chosen model-axis splits, then ZeRO over data.
+
+  ``model_dims`` maps parameter paths to the dimension split over the model
+  axis; optimizer state leaves of a parameter's shape whose path ends with the
+  parameter's (``opt_state/0/mu/h/0/mlp/c_fc/kernel`` for
+  ``params/h/0/mlp/c_fc/kernel``) follow it. ZeRO as in
+  :func:`hetspmd.plan.auto_state_specs`: with stage >= 1 the first free,
+  evenly dividing dimension of optimizer state goes over data; with stage 3
+  of parameters too.
+  """
+  from hetspmd._pytree import leaves_with_paths
+  from hetspmd.passes.roles import Leaf, infer_role
+
+  data, model = axis_names[0], axis_names[1] if len(axis_names) > 1 else None
+  sizes = dict(zip(axis_names, mesh_shape))
+  leaves = leaves_with_paths(state)
+  shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves}
+  by_suffix = {(path.split("/", 1)[-1], shapes.get(path)): dim for path, dim in model_dims.items()}
+  specs = []
+  for path, leaf in leaves:
+    shape = shapes[path]
+    spec: list[Any] = [None] * len(shape)
+    dim = _model_dim(path, shape, model_dims, by_suffix)
+    if model is not None and sizes[model] > 1 and dim is not None and dim < len(shape) and (
+        shape[dim] % sizes[model] == 0):
+      spec[dim] = model
+    role = infer_role(Leaf(tuple(path.split("/")), 0, str(getattr(leaf, "dtype", "float32")), None), num_args=2)
+    if sizes[data] > 1 and (zero_stage >= 1 and role.value == "opt_state" or zero_stage >= 3 and role.value == "param"):
+      for d, entry in enumerate(spec):
+        if entry is None and shape[d] % sizes[data] == 0:
+          spec[d] = data
+          break
+    while spec and spec[-1] is None:
+      spec.pop()
+    specs.append((path, tuple(spec)))
+  return tuple(specs)
+
+
+def _model_dim(path: str, shape: tuple[int, ...], model_dims: dict[str, int], by_suffix: dict) -> int | None:
+  if path in model_dims:
+    return model_dims[path]
+  parts = path.split("/")
+  for i in range(1, len(parts)):
+    found = by_suffix.get(("/".join(parts[i:]), shape))
+    if found is not None:
+      return found
+  return None
 
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
-                top: int = 5, progress: Callable[[str], None] | None = None) -> SearchResult:
+                top: int = 5, progress: Callable[[str], None] | None = None,
+                models: Sequence[int] | None = None) -> SearchResult:
   """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``."""
   if not isinstance(global_batch, int) or global_batch < 1:
     from hetspmd.errors import InvalidValueError
@@ -394,4 +688,4 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if progress:
     progress("tracing the step at two batch sizes")
-  return search(cluster, profile_step(fn, state, batch), global_batch, top, progress)
+  return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models)

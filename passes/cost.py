@@ -13,7 +13,9 @@ by role (parameters, optimizer state, batch).
 
 A step is traced at two batch sizes and every node's FLOPs and bytes are
 fitted linearly in the batch (:class:`StepProfile`), so the search can cost
-any microbatch size without tracing again.
+any microbatch size without tracing again. The profile keeps both traces,
+so that :mod:`hetspmd.passes.strategies` can cost tensor-parallel choices
+per node with the same fits.
 """
 
 from __future__ import annotations
@@ -98,14 +100,22 @@ class StepProfile:
   matmul: np.ndarray           # bool per node
   low_precision: np.ndarray    # bool per node
   counts: np.ndarray           # executions per step
+  traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
+  trace_batches: tuple[int, ...] = ()
+  # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
+  strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-  def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
+  def node_seconds(self, spec: DeviceSpec, batch: float) -> np.ndarray:
+    """Seconds of every node (all its executions in one step) at ``batch``."""
     flops = self.flops_fit[:, 0] + self.flops_fit[:, 1] * batch
     nbytes = self.bytes_fit[:, 0] + self.bytes_fit[:, 1] * batch
     peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
     memory = nbytes / (spec.memory_bandwidth * _efficiency(spec, "memory"))
-    return float(np.sum(np.maximum(compute, memory) * self.counts * mask))
+    return np.maximum(compute, memory) * self.counts
+
+  def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
+    return float(np.sum(self.node_seconds(spec, batch) * mask))
 
   def microbatch_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
     """Forward and backward of one microbatch on one device of kind ``spec``."""
@@ -141,4 +151,6 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
       low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
       counts=np.array([n.count for n in small.nodes], float),
+      traces=(small, large),
+      trace_batches=(small_batch, large_batch),
   )

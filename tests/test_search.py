@@ -11,8 +11,8 @@ from hetspmd import Cluster, models
 from hetspmd.cli import main
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
-from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, allreduce_seconds, even_counts,
-                            milp_counts, plan_from, profile_step, search)
+from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, allreduce_seconds, balanced_counts,
+                            even_counts, milp_counts, plan_from, profile_step, search)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,21 @@ def test_milp_counts_minimise_the_makespan(micro, fixed, total, expected):
   brute = min(max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, cs))
               for cs in np.ndindex(*(total + 1,) * 4) if sum(cs) == total)
   assert makespan == pytest.approx(brute)
+
+
+def test_balanced_counts_match_the_milp():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    kinds = [f"k{i}" for i in rng.integers(0, 3, size=rng.integers(1, 7))]
+    costs = {k: _KindCost(float(rng.uniform(0.1, 5)), float(rng.choice([0.0, rng.uniform(0, 3)]))) for k in kinds}
+    total = int(rng.integers(1, 30))
+    counts = balanced_counts(kinds, costs, total)
+    assert sum(counts) == total and min(counts) >= 0
+    for kind in set(kinds):
+      mine = [c for k, c in zip(kinds, counts) if k == kind]
+      assert max(mine) - min(mine) <= 1
+    makespan = lambda cs: max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, cs))
+    assert makespan(counts) == pytest.approx(makespan(milp_counts(kinds, costs, total)), rel=1e-9, abs=1e-12)
 
 
 def test_even_counts():
@@ -146,3 +161,74 @@ def test_search_cli_errors(capsys, argv, message):
   import re
 
   assert re.search(message, capsys.readouterr().err)
+
+
+# --- tensor parallelism in the search ---------------------------------------------------
+
+SLOW_KINDS = {"SlowA": hs.DeviceSpec("SlowA", 2e9, 2e9, 2**30, 2e9),
+              "SlowB": hs.DeviceSpec("SlowB", 1e9, 1e9, 2**30, 1e9)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt2-tiny"])
+def test_tensor_parallel_plan_from_the_search_matches_single_device(name):
+  """A (4, 2) plan with split weights, searched for slow emulated devices (compute-bound, so splitting pays)."""
+  import dataclasses
+
+  import optax
+
+  from conftest import require_devices
+
+  require_devices(8)
+  w = dataclasses.replace(models.get(name), make_optimizer=lambda: optax.adam(1e-3, eps=1e-4))
+  cluster = Cluster.emulate(jax.devices()[:8], kinds=["SlowA"] * 4 + ["SlowB"] * 4, custom=SLOW_KINDS)
+  result = search(cluster, profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2)), 16,
+                  top=50, models=(2,))
+  best = next(p for p in result.plans if len(p.counts) == 4)
+  assert best.model == 2 and best.tensor_parallel.model_dims and best.model_comm_seconds > 0
+  plan = plan_from(best, cluster, w.abstract_state())
+  assert plan.mesh_shape == (4, 2) and any("model" in str(spec) for _, spec in plan.state_specs)
+  batches = [w.synthetic_batch(seed=i, batch=16) for i in range(3)]
+  ref_step, expected, expected_losses = jax.jit(w.make_train_step()), w.init_state(0), []
+  for batch in batches:
+    expected, metrics = ref_step(expected, batch)
+    expected_losses.append(float(metrics["loss"]))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=16)
+  state, losses = step.shard_state(w.init_state(0)), []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  got = jax.tree.map(np.asarray, jax.device_get(state))
+  for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+    scale = max(float(np.max(np.abs(e))), 1e-3)
+    assert float(np.max(np.abs(np.asarray(e) - a))) <= 1e-4 * scale
+  # the planner keeps collective-permutes (and with them lockstep execution) out of the loop
+  assert "per-device trip counts" in step.explain() and not step._lockstep
+
+
+@pytest.fixture(scope="module")
+def large_profile():
+  w = models.get("gpt2-large")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 256))
+
+
+def test_large_model_splits_over_model_when_data_parallelism_does_not_fit(large_profile):
+  small = {"V100-6GB": hs.DeviceSpec("V100-6GB", 15.7e12, 125e12, 6 * 2**30, 900e9)}
+  cluster = Cluster.parse("2x8xV100-6GB;inter=100Gbps", devices=small)
+  with pytest.raises(PlanDoesNotFitError):
+    search(cluster, large_profile, global_batch=32, models=(1,))
+  result = search(cluster, large_profile, global_batch=32)
+  best = result.plans[0]
+  assert best.model > 1 and max(best.memory_bytes) <= 6 * 2**30
+  assert best.tensor_parallel.param_share < 1 and "mlp/c_fc/kernel x36" in best.tensor_parallel.description
+
+
+def test_large_model_splits_over_model_when_the_batch_is_smaller_than_the_cluster(large_profile):
+  cluster = Cluster.parse("1x8xV100-32GB")
+  data_only = search(cluster, large_profile, global_batch=4, models=(1,)).plans[0]
+  best = search(cluster, large_profile, global_batch=4).plans[0]
+  assert sum(1 for c in data_only.counts if c) == 4  # half the devices idle
+  assert best.model > 1 and len(best.device_positions) == 8 and all(best.counts)
+  assert best.step_seconds < 0.8 * data_only.step_seconds
+  assert best.to_json(1.0)["mesh"] == {"data": len(best.counts), "model": best.model}

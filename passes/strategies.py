@@ -1,0 +1,928 @@
+"""Tensor-parallel strategies per operation on the ``model`` axis, chosen by an ILP.
+
+What it computes. For a step profiled at two batch sizes
+(:class:`~hetspmd.passes.cost.StepProfile`, which keeps both traces) and a
+model-axis size ``m``, :func:`strategy_space` finds the **sites**: the
+per-microbatch ``dot_general`` and ``gather`` nodes that read a parameter
+(directly or through a transpose or dtype conversion). Each parameter read
+at a site is one **decision**: which of its dimensions, if any, is split
+over ``model``. :data:`SITE_RULES`, keyed by primitive, lists the options
+and what each does at a site:
+
+* ``replicated`` (every primitive; the **default** for a parameter read by
+  anything else, which is then not a decision at all);
+* ``dot_general``: ``column``, a non-contracting (output feature)
+  dimension: the output is feature-sharded and the input must be whole;
+  ``row``, a contracting dimension: the input must be sharded the same way,
+  the output is a partial sum that is all-reduced over ``model``;
+* ``gather``: ``vocab``, the indexed table dimension: every device looks up
+  the rows it holds and an all-reduce adds the masked results; ``column``, a
+  sliced dimension kept whole by the lookup: the output is feature-sharded.
+
+Attention-head splitting is ``column`` on the q/k/v projections and ``row``
+on the output projection. A tied embedding is one decision with several
+sites (the lookup, the logits matmul and its backward), named by its first.
+
+Each option is costed per microbatch from the same per-node fits as the
+data-parallel cost model:
+
+* a split parameter's sites do ``1/m`` of their work;
+* a site whose output is sharded owns a **region**: the nodes reached from
+  it before the next sites (a node reached from several sites belongs to the
+  latest). :data:`PROPAGATION_RULES`, keyed by primitive, carries the
+  sharded dimension through it: elementwise ops keep it, transposes,
+  broadcasts and reshapes move it, reductions and ``dot_general`` over it
+  all-reduce their result, lookups along it are masked and all-reduced; the
+  **default** for any other primitive all-gathers the operand and goes on
+  replicated. Sharded region nodes take ``1/m`` of their time. Splitting,
+  slicing, padding or concatenating along the sharded dimension marks the
+  option as needing a ``collective-permute``. A parameter of the site's own
+  module applied elementwise along the sharded dimension (a bias) is split
+  with it;
+* collectives are α–β on the model group's link (one host): all-reduce
+  ``2(m-1)/m · B/bw + 2(m-1)α``, all-gather ``(m-1)/m · B/bw + (m-1)α``;
+* **resharding** between decisions: a region that brings a sharded value to
+  a site that needs it whole (or sharded along another dimension) pays an
+  all-gather of it; a whole value needed sharded is sliced for free;
+* **conflicts** between decisions: an option whose sharded value is added
+  into another region's stream (a residual) lets XLA shard that stream in
+  both passes; a lookup on the stream then has its table gradient scattered
+  feature-sharded, which meets a vocabulary split of the table only through
+  an all-to-all. Such pairs are excluded like permutes (seen on GPT-2 with
+  a tied embedding split by vocabulary).
+
+The backward pass needs no rules of its own: a weight's input-gradient
+matmul reads the weight, so it is a site (``column`` gives a partial input
+gradient, all-reduced; ``row`` a sharded one), and the weight-gradient matmul
+lies in the region of the cotangent it reads.
+
+:func:`choose` solves the ILP with HiGHS (``scipy.optimize.milp``): a binary
+per (decision, option), shared by the decisions of layers that are
+``repeat_of`` another; a continuous ``y >= x_a + x_b - 1`` per resharding
+pair with a cost and ``x_a + x_b <= 1`` per conflict; optionally a bound on
+parameter elements per device. It minimises the microbatch's compute plus
+communication. :func:`frontier` returns the time/memory Pareto choices that
+a search picks from; :func:`param_dims` the split dimension per parameter
+path, i.e. the ``model`` entry of its PartitionSpec.
+
+Assumptions: a weight whose gradient is computed sharded while the weight is
+whole (or the reverse) costs nothing extra; activation memory shrinks by the
+sharded share of intermediate bytes; options that need a collective-permute
+are left out unless asked for, because inside the weighted microbatch loop a
+permute forces lockstep execution (:mod:`hetspmd.runtime`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from hetspmd.devices import Link
+from hetspmd.passes.cost import LinearCost, StepProfile
+from hetspmd.passes.ir import Graph, Node, Role, Source, ValueRef
+
+Dim = int | None  # a sharded dimension, or None for whole
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Strategy:
+  """Split parameter dimension ``dim`` over ``model`` (``None``: replicated)."""
+
+  name: str
+  dim: int | None = None
+
+
+REPLICATED = Strategy("replicated")
+
+
+# --- traffic -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Traffic:
+  """Collectives over ``model`` in one microbatch: counts and total bytes (fixed + per example)."""
+
+  all_reduces: float = 0.0
+  all_reduce_bytes: LinearCost = LinearCost(0.0, 0.0)
+  all_gathers: float = 0.0
+  all_gather_bytes: LinearCost = LinearCost(0.0, 0.0)
+
+  def __add__(self, other: "Traffic") -> "Traffic":
+    add = lambda a, b: LinearCost(a.fixed + b.fixed, a.per_example + b.per_example)
+    return Traffic(self.all_reduces + other.all_reduces, add(self.all_reduce_bytes, other.all_reduce_bytes),
+                   self.all_gathers + other.all_gathers, add(self.all_gather_bytes, other.all_gather_bytes))
+
+  def seconds(self, link: Link, m: int, batch: float) -> float:
+    if m < 2:
+      return 0.0
+    share = (m - 1) / m
+    reduce = (2 * share * self.all_reduce_bytes.at(batch) / link.bandwidth
+              + 2 * (m - 1) * link.latency * self.all_reduces)
+    gather = share * self.all_gather_bytes.at(batch) / link.bandwidth + (m - 1) * link.latency * self.all_gathers
+    return reduce + gather
+
+
+NO_TRAFFIC = Traffic()
+
+
+def _traffic(op: str, nbytes: LinearCost, count: float) -> Traffic:
+  scaled = LinearCost(nbytes.fixed * count, nbytes.per_example * count)
+  return Traffic(all_reduces=count, all_reduce_bytes=scaled) if op == "all-reduce" else Traffic(
+      all_gathers=count, all_gather_bytes=scaled)
+
+
+# --- the strategy space ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One strategy of one decision, costed over all its sites (repeats included)."""
+
+  strategy: Strategy
+  scaled: np.ndarray                      # node ids whose time divides by m
+  traffic: Traffic
+  splits: tuple[tuple[int, int], ...]     # (graph input index, dim) split over model
+  split_elements: int                     # parameter elements those splits cover
+  activation_share: float                 # share of intermediate bytes made sharded
+  permute: bool                           # needs a collective-permute
+  spreads: bool = False                   # its sharded value joins another region's stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  name: str                    # path of the representative parameter
+  options: tuple[Option, ...]  # options[0] is replicated
+  sites: tuple[int, ...]       # site node ids, repeats included
+  params: tuple[int, ...]      # graph inputs it decides for (one per repeat)
+
+
+class Pair(NamedTuple):
+  """A pair of options of two decisions that costs ``traffic`` (or is excluded: ``permute``)."""
+
+  src: int           # option of the source decision
+  dst: int           # option of the destination decision
+  traffic: Traffic
+  permute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Resharding:
+  """Costs between two decisions' options."""
+
+  src: int
+  dst: int
+  pairs: tuple[Pair, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpace:
+  m: int
+  decisions: tuple[Decision, ...]
+  reshardings: tuple[Resharding, ...]
+  param_paths: dict[int, str]      # graph input index -> path inside the step's first argument
+  param_elements: int              # all parameter elements
+
+
+# --- site rules ------------------------------------------------------------------------
+
+
+class SiteEffect(NamedTuple):
+  """What a split of the parameter's operand dimension does at one site."""
+
+  out: Dim                          # output dimension that comes out sharded
+  partial: bool                     # output is a partial sum: all-reduce it
+  need: tuple[int, int] | None      # (operand, dim) that must arrive sharded
+
+
+class SiteRule(NamedTuple):
+  options: Callable[[Node, int, int], Strategy | None]      # (node, operand, operand dim) -> named option
+  effect: Callable[[Node, int, int], SiteEffect | None]     # None: this split is not possible here
+
+
+def _dot_parts(node: Node, operand: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+  """(contracting dims, batch dims, free dims) of ``operand``, and the output offset of its free dims."""
+  (lc, rc), (lb, rb) = node.param("dimension_numbers")
+  contracting, batch = (tuple(lc), tuple(lb)) if operand == 0 else (tuple(rc), tuple(rb))
+  rank = len(node.inputs[operand].shape)
+  free = tuple(d for d in range(rank) if d not in contracting and d not in batch)
+  offset = len(lb) + (0 if operand == 0 else len(node.inputs[0].shape) - len(lc) - len(lb))
+  return contracting, batch, free, offset
+
+
+def _dot_option(node: Node, operand: int, dim: int) -> Strategy | None:
+  contracting, batch, _, _ = _dot_parts(node, operand)
+  return None if dim in batch else Strategy("row" if dim in contracting else "column", dim)
+
+
+def _dot_effect(node: Node, operand: int, dim: int) -> SiteEffect | None:
+  contracting, batch, free, offset = _dot_parts(node, operand)
+  if dim in batch:
+    return None
+  if dim in contracting:
+    other = 1 - operand
+    other_contracting = _dot_parts(node, other)[0]
+    return SiteEffect(None, True, (other, other_contracting[contracting.index(dim)]))
+  return SiteEffect(offset + free.index(dim), False, None)
+
+
+def _gather_parts(node: Node) -> tuple[tuple[int, ...], ...]:
+  offset_dims, collapsed, start_index_map, operand_batching, _ = node.param("dimension_numbers")
+  return tuple(offset_dims), tuple(collapsed), tuple(start_index_map), tuple(operand_batching)
+
+
+def _gather_option(node: Node, operand: int, dim: int) -> Strategy | None:
+  effect = _gather_effect(node, operand, dim)
+  if effect is None:
+    return None
+  return Strategy("vocab" if effect.partial else "column", dim)
+
+
+def _gather_effect(node: Node, operand: int, dim: int) -> SiteEffect | None:
+  if operand != 0:
+    return None
+  offset_dims, collapsed, start_index_map, batching = _gather_parts(node)
+  if dim in start_index_map:
+    return SiteEffect(None, True, None)
+  if dim in batching or dim in collapsed or node.param("slice_sizes")[dim] != node.inputs[0].shape[dim]:
+    return None
+  kept = [d for d in range(len(node.inputs[0].shape)) if d not in collapsed and d not in batching]
+  return SiteEffect(offset_dims[kept.index(dim)], False, None)
+
+
+# Primitives at which a parameter read is a decision. Default: not a site.
+SITE_RULES: dict[str, SiteRule] = {
+    "dot_general": SiteRule(_dot_option, _dot_effect),
+    "gather": SiteRule(_gather_option, _gather_effect),
+}
+
+
+# --- propagation rules ---------------------------------------------------------------------
+
+
+class Flow(NamedTuple):
+  """How a node passes on sharded operands."""
+
+  out: tuple[Dim, ...]              # per output
+  reduce: bool = False              # output 0 is a partial result: all-reduce it
+  gather: tuple[int, ...] = ()      # operands all-gathered first
+  permute: bool = False             # needs a collective-permute
+
+
+PropagationRule = Callable[[Node, Sequence[Dim], int], Flow]
+
+
+def _sharded(in_dims: Sequence[Dim]) -> tuple[int, ...]:
+  return tuple(i for i, d in enumerate(in_dims) if d is not None)
+
+
+def _replicate(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  """Default: all-gather every sharded operand and compute whole."""
+  return Flow((None,) * len(node.outputs), gather=_sharded(in_dims))
+
+
+def _permuting(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  return Flow((None,) * len(node.outputs), gather=_sharded(in_dims), permute=True)
+
+
+def _elementwise(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  rank = len(node.outputs[0].shape)
+  dims = {d for d in in_dims if d is not None}
+  if len(dims) != 1 or any(len(node.inputs[i].shape) != rank for i in _sharded(in_dims)):
+    return _replicate(node, in_dims, m)
+  return Flow((dims.pop(),) * len(node.outputs))
+
+
+def _reduction(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  (dim,) = [d for d in in_dims if d is not None][:1] or [None]
+  axes = tuple(node.param("axes", ()))
+  if dim in axes:
+    return Flow((None,) * len(node.outputs), reduce=True)
+  return Flow((dim - sum(1 for a in axes if a < dim),) * len(node.outputs))
+
+
+def _transpose(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  return Flow((tuple(node.param("permutation")).index(in_dims[0]),))
+
+
+def _broadcast(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  dims = tuple(node.param("broadcast_dimensions"))
+  out = dims[in_dims[0]]
+  if node.outputs[0].shape[out] != node.inputs[0].shape[in_dims[0]]:
+    return _replicate(node, in_dims, m)
+  return Flow((out,))
+
+
+def reshape_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, m: int) -> Dim:
+  """Where a contiguous ``m``-way split of ``in_shape[dim]`` lands after a reshape, if anywhere."""
+  before, size, acc = math.prod(in_shape[:dim]), in_shape[dim], 1
+  for j, s in enumerate(out_shape):
+    if acc == before and s != 1:
+      split_major = size % s == 0 and s % m == 0
+      merge_major = s % size == 0 and size % m == 0
+      return j if s == size or split_major or merge_major else None
+    acc *= s
+    if acc > before:
+      return None
+  return None
+
+
+def _reshape(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  out = reshape_dim(node.inputs[0].shape, node.outputs[0].shape, in_dims[0], m)
+  return _replicate(node, in_dims, m) if out is None else Flow((out,))
+
+
+def _squeeze(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  dims = tuple(node.param("dimensions", ()))
+  return Flow((in_dims[0] - sum(1 for d in dims if d < in_dims[0]),))
+
+
+def _dot(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  """A dot_general between activations (attention, weight gradients)."""
+  out: Dim = None
+  reduce = False
+  for operand, dim in enumerate(in_dims[:2]):
+    if dim is None:
+      continue
+    contracting, batch, free, offset = _dot_parts(node, operand)
+    other_dim = in_dims[1 - operand]
+    other_contracting, other_batch, _, _ = _dot_parts(node, 1 - operand)
+    if dim in contracting:
+      paired = other_contracting[contracting.index(dim)]
+      if other_dim not in (None, paired):
+        return _replicate(node, in_dims, m)
+      reduce = True
+    elif dim in batch:
+      paired = other_batch[batch.index(dim)]
+      if other_dim not in (None, paired):
+        return _replicate(node, in_dims, m)
+      out = batch.index(dim)
+    else:
+      if other_dim is not None and other_dim not in other_contracting and other_dim not in other_batch:
+        return _replicate(node, in_dims, m)  # both free: the output would be sharded twice
+      out = offset + free.index(dim)
+  if reduce and out is not None:
+    return _replicate(node, in_dims, m)
+  return Flow((out,), reduce=reduce)
+
+
+def _gather(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  dim = in_dims[0]
+  if dim is None or any(d is not None for d in in_dims[1:]):
+    return _replicate(node, in_dims, m)
+  effect = _gather_effect(node, 0, dim)
+  if effect is None:
+    offset_dims, collapsed, start_index_map, batching = _gather_parts(node)
+    if dim not in batching:
+      return _replicate(node, in_dims, m)
+    # an operand batching dimension comes out where its indices batching dimension does
+    indices_batching = node.param("dimension_numbers")[4]
+    non_offset = [d for d in range(len(node.outputs[0].shape)) if d not in offset_dims]
+    return Flow((non_offset[indices_batching[batching.index(dim)]],))
+  return Flow((effect.out,), reduce=effect.partial)
+
+
+def _scatter(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+  """Updates scattered into a sharded operand land on the device that holds them."""
+  if in_dims[0] is None or any(d is not None for d in in_dims[1:]):
+    return _replicate(node, in_dims, m)
+  return Flow((in_dims[0],))
+
+
+def _along(axes_of: Callable[[Node], Iterable[int]]) -> PropagationRule:
+  """A rule for ops that keep every dimension but rearrange some (``axes_of``)."""
+
+  def rule(node: Node, in_dims: Sequence[Dim], m: int) -> Flow:
+    dims = {d for d in in_dims if d is not None}
+    if len(dims) != 1 or dims & set(axes_of(node)):
+      return _permuting(node, in_dims, m)
+    return Flow((dims.pop(),) * len(node.outputs))
+
+  return rule
+
+
+def _sliced_axes(node: Node) -> list[int]:
+  shape = node.inputs[0].shape
+  starts, limits = node.param("start_indices"), node.param("limit_indices")
+  strides = node.param("strides") or (1,) * len(shape)
+  return [d for d in range(len(shape)) if starts[d] != 0 or limits[d] != shape[d] or strides[d] != 1]
+
+
+ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp",
+    "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square",
+    "stop_gradient", "sub", "tan", "tanh", "xor", "optimization_barrier",
+})
+
+# How a sharded operand flows through a node. Default (_replicate): all-gather, go on whole.
+PROPAGATION_RULES: dict[str, PropagationRule] = {
+    **{p: _elementwise for p in ELEMENTWISE},
+    **{p: _reduction for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                               "argmax", "argmin")},
+    "transpose": _transpose,
+    "broadcast_in_dim": _broadcast,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "dot_general": _dot,
+    "gather": _gather,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "split": _along(lambda n: (n.param("axis"),)),
+    "concatenate": _along(lambda n: (n.param("dimension"),)),
+    "slice": _along(_sliced_axes),
+    "pad": _along(lambda n: [d for d, (lo, hi, mid) in enumerate(n.param("padding_config")) if lo or hi or mid]),
+    "dynamic_slice": _along(lambda n: [d for d, s in enumerate(n.param("slice_sizes")) if s != n.inputs[0].shape[d]]),
+    "cumsum": _along(lambda n: (n.param("axis"),)),
+    "cumlogsumexp": _along(lambda n: (n.param("axis"),)),
+    "cummax": _along(lambda n: (n.param("axis"),)),
+}
+
+_VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reshape", "broadcast_in_dim"})
+
+
+# --- building the space ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+  """What a site's sharded output does downstream (one site, one output dimension)."""
+
+  scaled: tuple[int, ...]
+  traffic: Traffic
+  arrivals: dict[tuple[int, int], int]     # (site, operand) -> sharded dim it arrives with
+  followers: tuple[tuple[int, int], ...]   # (graph input, dim)
+  permute: bool
+  sharded_bytes: int
+  spreads: bool
+
+
+class _Analysis:
+  """Graph facts shared by every region walk (built once per space)."""
+
+  def __init__(self, profile: StepProfile, m: int):
+    small, large = profile.traces
+    self.graph, self.large, self.m = small, large, m
+    self.batches, self.per_step = profile.trace_batches, profile.per_step
+    self.params = {i.index for i in small.inputs if i.role is Role.PARAM}
+    self.param_views = _param_views(small, self.params)
+    self.sites = {n.id: hit for n in small.nodes if not self.per_step[n.id]
+                  for hit in [_site_param(n, self.param_views, self.params)] if hit is not None}
+    self.owner = _owners(small, self.sites, self.per_step)
+    self.owned: dict[int, list[int]] = {}
+    for node in small.nodes:
+      if self.owner[node.id] >= 0 and node.id not in self.sites:
+        self.owned.setdefault(int(self.owner[node.id]), []).append(node.id)
+    self.fed: dict[int, list[tuple[int, int, ValueRef]]] = {}
+    for site in self.sites:
+      for j, ref in enumerate(small.nodes[site].operands):
+        if ref.source is Source.NODE and self.owner[ref.index] >= 0:
+          self.fed.setdefault(int(self.owner[ref.index]), []).append((site, j, ref))
+    self.intermediate_bytes = sum(n.outputs[0].nbytes * n.count for n in small.nodes
+                                  if n.outputs and not self.per_step[n.id]) or 1
+
+  def param_view(self, ref: ValueRef, rank: int) -> tuple[int, tuple[Dim, ...]] | None:
+    if ref.source is Source.INPUT and ref.index in self.params:
+      return ref.index, tuple(range(rank))
+    return self.param_views.get((ref.index, ref.output)) if ref.source is Source.NODE else None
+
+  def tensor_bytes(self, node: int, output: int = 0) -> LinearCost:
+    from hetspmd.passes.cost import fit_linear
+
+    small, large = self.graph.nodes[node].outputs[output].nbytes, self.large.nodes[node].outputs[output].nbytes
+    return fit_linear(small, large, *self.batches)
+
+  def region(self, site: int, dim: int) -> _Region:
+    nodes = self.graph.nodes
+    layout: dict[tuple[int, int], int] = {(site, 0): dim}
+    scaled, followers = [], []
+    traffic, permute, spreads, sharded_bytes = NO_TRAFFIC, False, False, 0
+    for n in self.owned.get(site, ()):
+      node = nodes[n]
+      in_dims = [layout.get((r.index, r.output)) if r.source is Source.NODE else None for r in node.operands]
+      if all(d is None for d in in_dims):
+        continue
+      flow = PROPAGATION_RULES.get(node.primitive, _replicate)(node, in_dims, self.m)
+      for j in flow.gather:
+        ref = node.operands[j]
+        traffic += _traffic("all-gather", self.tensor_bytes(ref.index, ref.output), node.count)
+      if flow.reduce:
+        traffic += _traffic("all-reduce", self.tensor_bytes(n), node.count)
+      permute |= flow.permute
+      if any(d is not None for d in flow.out) or (flow.reduce and not flow.gather):
+        scaled.append(n)
+        sharded_bytes += node.outputs[0].nbytes * node.count
+      for k, d in enumerate(flow.out):
+        if d is not None:
+          layout[(n, k)] = d
+      if node.primitive in ELEMENTWISE and flow.out and flow.out[0] is not None:
+        if node.module_path == nodes[site].module_path:
+          followers += self._followers(node, in_dims, flow.out[0])
+        spreads |= self._joins_stream(node, in_dims, flow.out[0], site)
+    arrivals = {(s, j): layout[(r.index, r.output)] for s, j, r in self.fed.get(site, ())
+                if (r.index, r.output) in layout}
+    return _Region(tuple(scaled), traffic, arrivals, tuple(followers), permute, sharded_bytes, spreads)
+
+  def _joins_stream(self, node: Node, in_dims: Sequence[Dim], dim: int, site: int) -> bool:
+    """Whether a sharded value is added to a whole one of the same shape from another region."""
+    for j, ref in enumerate(node.operands):
+      if (in_dims[j] is None and ref.source is Source.NODE and self.owner[ref.index] not in (-1, site)
+          and node.inputs[j].shape == node.outputs[0].shape):
+        return True
+    return False
+
+  def _followers(self, node: Node, in_dims: Sequence[Dim], dim: int) -> list[tuple[int, int]]:
+    """Parameters added elementwise along the sharded dimension (biases) split with it."""
+    out = []
+    shape_out = node.outputs[0].shape
+    for j, ref in enumerate(node.operands):
+      shape = node.inputs[j].shape
+      view = self.param_view(ref, len(shape))
+      if in_dims[j] is None and view is not None and len(shape) == len(shape_out) and shape[dim] == shape_out[dim]:
+        param, dims = view
+        if dims[dim] is not None:
+          out.append((param, dims[dim]))
+    return out
+
+
+def _param_views(graph: Graph, params: set[int]) -> dict[tuple[int, int], tuple[int, tuple[Dim, ...]]]:
+  """(node, output) -> (parameter input, parameter dim of each view dim) for views of parameters."""
+  views: dict[tuple[int, int], tuple[int, tuple[Dim, ...]]] = {}
+  for node in graph.nodes:
+    if node.primitive not in _VIEWS or len(node.operands) != 1:
+      continue
+    ref = node.operands[0]
+    if ref.source is Source.INPUT and ref.index in params:
+      source = (ref.index, tuple(range(len(node.inputs[0].shape))))
+    elif ref.source is Source.NODE and (ref.index, ref.output) in views:
+      source = views[(ref.index, ref.output)]
+    else:
+      continue
+    mapped = _view_dims(node, source[1])
+    if mapped is not None:
+      views[(node.id, 0)] = (source[0], mapped)
+  return views
+
+
+def _view_dims(node: Node, dims: tuple[Dim, ...]) -> tuple[Dim, ...] | None:
+  """Parameter dims of a view's output dims, given those of its input."""
+  if node.primitive == "transpose":
+    return tuple(dims[p] for p in node.param("permutation"))
+  if node.primitive == "broadcast_in_dim":
+    out: list[Dim] = [None] * len(node.outputs[0].shape)
+    for k, d in enumerate(node.param("broadcast_dimensions")):
+      out[d] = dims[k] if node.inputs[0].shape[k] == node.outputs[0].shape[d] else None
+    return tuple(out)
+  if node.primitive == "reshape":  # only size-1 dims added or removed
+    in_shape, out_shape = node.inputs[0].shape, node.outputs[0].shape
+    if [s for s in in_shape if s != 1] != [s for s in out_shape if s != 1]:
+      return None
+    real = iter(d for s, d in zip(in_shape, dims) if s != 1)
+    return tuple(next(real) if s != 1 else None for s in out_shape)
+  return dims
+
+
+def _site_param(node: Node, views: dict, params: set[int]) -> tuple[int, int, tuple[Dim, ...]] | None:
+  """(operand, parameter input, parameter dim of each operand dim) when ``node`` is a site."""
+  if node.primitive not in SITE_RULES:
+    return None
+  for j, ref in enumerate(node.operands):
+    if ref.source is Source.INPUT and ref.index in params:
+      return j, ref.index, tuple(range(len(node.inputs[j].shape)))
+    if ref.source is Source.NODE and (ref.index, ref.output) in views:
+      param, dims = views[(ref.index, ref.output)]
+      if sorted(d for d in dims if d is not None) == list(range(len(dims))):
+        return j, param, dims
+  return None
+
+
+def _owners(graph: Graph, sites: dict, per_step: np.ndarray) -> np.ndarray:
+  """The site whose region each node is in (-1: none); the latest site wins."""
+  owner = np.full(len(graph.nodes), -1, dtype=np.int64)
+  for node in graph.nodes:
+    if node.id in sites:
+      owner[node.id] = node.id
+    elif not per_step[node.id]:
+      best = -1
+      for ref in node.operands:
+        if ref.source is Source.NODE and owner[ref.index] > best:
+          best = owner[ref.index]
+      owner[node.id] = best
+  return owner
+
+
+def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
+  """Every decision, its options and the resharding costs between them, for ``m`` devices per group."""
+  if not profile.traces:
+    raise ValueError("the profile keeps no traces; build it with hetspmd.passes.cost.step_profile")
+  analysis = _Analysis(profile, m)
+  graph = analysis.graph
+  keys = _decision_keys(analysis)
+  order = sorted(set(keys.values()), key=lambda p: min(s for s, k in keys.items() if k == p))
+  decision_of = {p: i for i, p in enumerate(order)}
+  sizes = {i.index: i.type for i in graph.inputs}
+  regions: dict[tuple[int, int], _Region] = {}
+
+  def region(site: int, dim: int) -> _Region:
+    if (site, dim) not in regions:
+      regions[(site, dim)] = analysis.region(site, dim)
+    return regions[(site, dim)]
+
+  decisions, strategies_of = [], []
+  for key in order:
+    sites = sorted(s for s, k in keys.items() if k == key)
+    strategies = _strategies(analysis, sites, sizes, m)
+    strategies_of.append(strategies)
+    options = tuple(_option(analysis, sites, t, region, sizes) for t in strategies)
+    params = tuple(sorted({analysis.sites[s][1] for s in sites}))
+    decisions.append(Decision(graph.inputs[key].path, options, tuple(sites), params))
+  reshardings = _reshardings(analysis, keys, decision_of, strategies_of, region)
+  decisions = [_fold_self_pairs(d, i, reshardings) for i, d in enumerate(decisions)]
+  reshardings += _lookup_conflicts(analysis, decisions)
+  paths = {i.index: i.path.split("/", 1)[-1] for i in graph.inputs if i.role is Role.PARAM}
+  return StrategySpace(m, tuple(decisions), tuple(r for r in reshardings if r.src != r.dst), paths,
+                       graph.elements_with_role(Role.PARAM))
+
+
+def _decision_keys(analysis: _Analysis) -> dict[int, int]:
+  """Site -> its decision: the parameter read at the same place of the layer it repeats.
+
+  Sites that read one parameter (a tied embedding) share a decision too.
+  """
+  representative = _representatives(analysis.graph)
+  keys: dict[int, int] = {}
+  for site, (_, param, _) in analysis.sites.items():
+    rep = representative.get(site, site)
+    keys[site] = analysis.sites[rep][1] if rep in analysis.sites else param
+  merged: dict[int, int] = {}   # parameter -> smallest key of any site reading it
+  for site, key in keys.items():
+    param = analysis.sites[site][1]
+    merged[param] = min(merged.get(param, key), key, merged.get(key, key))
+  return {site: merged.get(key, key) for site, key in keys.items()}
+
+
+def _representatives(graph: Graph) -> dict[int, int]:
+  """Node -> the node at the same place in the layer it repeats."""
+  by_name = {layer.name: layer for layer in graph.layers}
+  out = {}
+  for layer in graph.layers:
+    if layer.repeat_of is not None:
+      out.update(zip(layer.node_ids, by_name[layer.repeat_of].node_ids))
+  return out
+
+
+def _effect(analysis: _Analysis, site: int, param_dim: int) -> SiteEffect | None:
+  operand, _, dims = analysis.sites[site]
+  node = analysis.graph.nodes[site]
+  return SITE_RULES[node.primitive].effect(node, operand, dims.index(param_dim))
+
+
+def _strategies(analysis: _Analysis, sites: Sequence[int], sizes: dict, m: int) -> tuple[Strategy, ...]:
+  """Replicated, and every split of the parameter that each of its sites can take, named by the first site."""
+  operand, param, dims = analysis.sites[sites[0]]
+  node = analysis.graph.nodes[sites[0]]
+  out = [REPLICATED]
+  for param_dim, size in enumerate(sizes[param].shape):
+    named = None if size % m else SITE_RULES[node.primitive].options(node, operand, dims.index(param_dim))
+    if named is not None and all(_splits_evenly(analysis, s, param_dim, m) for s in sites):
+      out.append(named)
+  return tuple(out)
+
+
+def _splits_evenly(analysis: _Analysis, site: int, param_dim: int, m: int) -> bool:
+  if param_dim not in analysis.sites[site][2]:
+    return False
+  effect = _effect(analysis, site, param_dim)
+  return effect is not None and (effect.out is None or analysis.graph.nodes[site].outputs[0].shape[effect.out] % m == 0)
+
+
+def _option(analysis: _Analysis, sites: Sequence[int], strategy: Strategy, region, sizes: dict) -> Option:
+  if strategy.dim is None:
+    return Option(strategy, np.zeros(0, np.int64), NO_TRAFFIC, (), 0, 0.0, False)
+  scaled, splits = [], {}
+  traffic, permute, spreads, sharded = NO_TRAFFIC, False, False, 0
+  for site in sites:
+    node = analysis.graph.nodes[site]
+    param = analysis.sites[site][1]
+    splits.setdefault(param, strategy.dim)
+    effect = _effect(analysis, site, strategy.dim)
+    scaled.append(site)
+    if effect.partial:
+      traffic += _traffic("all-reduce", analysis.tensor_bytes(site), node.count)
+    if effect.out is not None:
+      r = region(site, effect.out)
+      scaled += r.scaled
+      traffic += r.traffic
+      permute |= r.permute
+      spreads |= r.spreads
+      sharded += r.sharded_bytes + node.outputs[0].nbytes * node.count
+      for p, d in r.followers:
+        splits.setdefault(p, d)
+  elements = sum(sizes[p].size for p in splits)
+  return Option(strategy, np.array(sorted(set(scaled)), np.int64), traffic, tuple(sorted(splits.items())), elements,
+                sharded / analysis.intermediate_bytes, permute, spreads)
+
+
+def _reshardings(analysis: _Analysis, keys: dict, decision_of: dict, strategies_of: list, region
+                 ) -> list[Resharding]:
+  pairs: dict[tuple[int, int], dict[tuple[int, int], Traffic]] = {}
+  for site, key in keys.items():
+    src = decision_of[key]
+    for s, strategy in enumerate(strategies_of[src]):
+      if strategy.dim is None:
+        continue
+      effect = _effect(analysis, site, strategy.dim)
+      if effect.out is None:
+        continue
+      for (dst_site, operand), arrived in region(site, effect.out).arrivals.items():
+        dst = decision_of[keys[dst_site]]
+        node = analysis.graph.nodes[dst_site]
+        ref = node.operands[operand]
+        moved = _traffic("all-gather", analysis.tensor_bytes(ref.index, ref.output), node.count)
+        for t, wanted in enumerate(strategies_of[dst]):
+          need = None if wanted.dim is None else _effect(analysis, dst_site, wanted.dim).need
+          if need != (operand, arrived):
+            table = pairs.setdefault((src, dst), {})
+            table[(s, t)] = table.get((s, t), NO_TRAFFIC) + moved
+  return [Resharding(src, dst, tuple(Pair(s, t, tr) for (s, t), tr in sorted(table.items())))
+          for (src, dst), table in sorted(pairs.items())]
+
+
+def _lookup_conflicts(analysis: _Analysis, decisions: Sequence[Decision]) -> list[Resharding]:
+  """Options that spread a feature sharding along a stream, against table splits of a lookup on it.
+
+  A sharded value added into another region's stream (a residual) lets
+  XLA's propagation shard that stream, in both passes. A lookup feeding the
+  stream then gets its table gradient scattered feature-sharded, and a table
+  split along its indexed (vocabulary) dimension must meet it through an
+  all-to-all: a collective-permute-like exchange that forces lockstep.
+  """
+  lookups = {}
+  for d, decision in enumerate(decisions):
+    for o, option in enumerate(decision.options):
+      if option.strategy.dim is not None and any(
+          analysis.graph.nodes[s].primitive == "gather" and _effect(analysis, s, option.strategy.dim).partial
+          for s in decision.sites):
+        lookups.setdefault(d, []).append(o)
+  out = []
+  for u, decision in enumerate(decisions):
+    spreading = [o for o, option in enumerate(decision.options) if option.spreads]
+    for v, options in lookups.items():
+      if v != u and spreading:
+        out.append(Resharding(u, v, tuple(Pair(s, t, NO_TRAFFIC, True) for s in spreading for t in options)))
+  return out
+
+
+def _fold_self_pairs(decision: Decision, index: int, reshardings: Sequence[Resharding]) -> Decision:
+  """A decision resharding into itself pays only when an option meets itself."""
+  extra: dict[int, Traffic] = {}
+  for r in reshardings:
+    if r.src == index and r.dst == index:
+      for pair in r.pairs:
+        if pair.src == pair.dst:
+          extra[pair.src] = extra.get(pair.src, NO_TRAFFIC) + pair.traffic
+  if not extra:
+    return decision
+  options = tuple(dataclasses.replace(o, traffic=o.traffic + extra[i]) if i in extra else o
+                  for i, o in enumerate(decision.options))
+  return dataclasses.replace(decision, options=options)
+
+
+# --- the ILP --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+  """One option per decision and what it costs per microbatch."""
+
+  choice: tuple[int, ...]
+  compute_seconds: float     # the microbatch's compute with these splits
+  comm_seconds: float        # collectives over model per microbatch
+  param_elements: int        # parameter elements per device
+  permute: bool = False      # needs a collective-permute or all-to-all (lockstep execution)
+
+  @property
+  def seconds(self) -> float:
+    return self.compute_seconds + self.comm_seconds
+
+
+def assess(space: StrategySpace, choice: Sequence[int], node_seconds: np.ndarray, link: Link, batch: float
+           ) -> Solution:
+  """Cost of ``choice`` given per-node seconds of one microbatch (per-step nodes zeroed)."""
+  m = space.m
+  saved, traffic, split, permute = 0.0, NO_TRAFFIC, 0, False
+  for decision, o in zip(space.decisions, choice):
+    option = decision.options[o]
+    saved += float(node_seconds[option.scaled].sum()) * (1 - 1 / m)
+    traffic += option.traffic
+    split += option.split_elements
+    permute |= option.permute
+  for r in space.reshardings:
+    for pair in r.pairs:
+      if choice[r.src] == pair.src and choice[r.dst] == pair.dst:
+        traffic += pair.traffic
+        permute |= pair.permute
+  compute = float(node_seconds.sum()) - saved
+  elements = space.param_elements - split + math.ceil(split / m)
+  return Solution(tuple(choice), compute, traffic.seconds(link, m, batch), elements, permute)
+
+
+def choose(space: StrategySpace, node_seconds: np.ndarray, link: Link, batch: float,
+           max_param_elements: float | None = None, allow_permutes: bool = False) -> Solution | None:
+  """The fastest choice (ILP); ``None`` when no choice fits ``max_param_elements``."""
+  from scipy.optimize import Bounds, LinearConstraint, milp
+
+  m = space.m
+  columns: dict[tuple[int, int], int] = {}
+  cost: list[float] = []
+  memory: list[float] = []
+  for d, decision in enumerate(space.decisions):
+    for o, option in enumerate(decision.options):
+      if option.permute and not allow_permutes:
+        continue
+      columns[(d, o)] = len(cost)
+      cost.append(option.traffic.seconds(link, m, batch) - float(node_seconds[option.scaled].sum()) * (1 - 1 / m))
+      memory.append(-option.split_elements * (1 - 1 / m))
+  pair_columns, exclusions = [], []
+  for r in space.reshardings:
+    for pair in r.pairs:
+      a, b = columns.get((r.src, pair.src)), columns.get((r.dst, pair.dst))
+      if a is None or b is None:
+        continue
+      if pair.permute and not allow_permutes:
+        exclusions.append((a, b))
+      elif pair.traffic != NO_TRAFFIC:
+        pair_columns.append((a, b))
+        cost.append(pair.traffic.seconds(link, m, batch))
+        memory.append(0.0)
+  n = len(cost)
+  if n == 0:
+    return assess(space, (), node_seconds, link, batch) if max_param_elements is None or (
+        space.param_elements <= max_param_elements) else None
+  rows, lower, upper = [], [], []
+  for d in range(len(space.decisions)):
+    row = np.zeros(n)
+    for (dd, o), c in columns.items():
+      if dd == d:
+        row[c] = 1
+    rows.append(row), lower.append(1), upper.append(1)
+  for k, (a, b) in enumerate(pair_columns):
+    row = np.zeros(n)
+    row[len(columns) + k], row[a], row[b] = 1, -1, -1
+    rows.append(row), lower.append(-1), upper.append(np.inf)
+  for a, b in exclusions:
+    row = np.zeros(n)
+    row[a], row[b] = 1, 1
+    rows.append(row), lower.append(-np.inf), upper.append(1)
+  if max_param_elements is not None:
+    rows.append(np.array(memory)), lower.append(-np.inf), upper.append(max_param_elements - space.param_elements)
+  scale = max(1e-12, max(abs(c) for c in cost))
+  integrality = np.array([1] * len(columns) + [0] * len(pair_columns))
+  result = milp(np.array(cost) / scale, constraints=LinearConstraint(np.array(rows), lower, upper),
+                integrality=integrality, bounds=Bounds(np.zeros(n), np.ones(n)))
+  if result.x is None:
+    return None
+  chosen = [0] * len(space.decisions)
+  for (d, o), c in columns.items():
+    if result.x[c] > 0.5:
+      chosen[d] = o
+  return assess(space, chosen, node_seconds, link, batch)
+
+
+def frontier(space: StrategySpace, node_seconds: np.ndarray, link: Link, batch: float, points: int = 4,
+             allow_permutes: bool = False) -> tuple[Solution, ...]:
+  """Fastest choices under shrinking parameter budgets, from unconstrained to the fewest elements per device."""
+  fastest = choose(space, node_seconds, link, batch, allow_permutes=allow_permutes)
+  fewest = space.param_elements - sum(
+      max((o.split_elements for o in d.options if allow_permutes or not o.permute), default=0)
+      for d in space.decisions) * (1 - 1 / space.m)
+  out = [fastest]
+  top = fastest.param_elements
+  for k in range(points - 1, -1, -1):
+    budget = fewest + (top - fewest) * k / points
+    if budget >= out[-1].param_elements:
+      continue
+    found = choose(space, node_seconds, link, batch, budget + 0.5, allow_permutes)
+    if found is not None and found.choice not in [s.choice for s in out]:
+      out.append(found)
+  return tuple(out)
+
+
+def param_dims(space: StrategySpace, choice: Sequence[int]) -> dict[str, int]:
+  """Parameter path (inside the step's first argument) -> dimension split over ``model``."""
+  dims: dict[str, int] = {}
+  for decision, o in zip(space.decisions, choice):
+    for param, dim in decision.options[o].splits:
+      dims.setdefault(space.param_paths[param], dim)
+  return dims
+
+
+def describe(space: StrategySpace, choice: Sequence[int]) -> str:
+  """``params/h/0/mlp/c_fc/kernel x24 column, ...`` for the decisions that are not replicated."""
+  parts = [f"{d.name.split('/', 1)[-1]}{f' x{len(d.params)}' if len(d.params) > 1 else ''} "
+           f"{d.options[o].strategy.name}" for d, o in zip(space.decisions, choice) if o]
+  return ", ".join(parts) or "all replicated"
