@@ -3,7 +3,7 @@
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
     hetspmd search [--model gpt2-small] [--cluster amp-t4-v100] [--global-batch 64] [--out plan.json] [--json]
-    hetspmd explain plan.json
+    hetspmd explain plan.json [--png plan.png] [--json]
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
 """
@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
   search = sub.add_parser(
       "search", help="rank device-weighted plans for a zoo model on a cluster",
       description="Trace the model's train step, cost it on every device kind of the cluster, and rank "
-      "data-parallel plans whose per-device microbatch counts are chosen by a MILP, against the baselines "
-      "dp_even, dp_proportional, fastest_only and best_homogeneous.",
+      "plans over (data, model) layouts: per-operation tensor-parallel splits along model (an ILP), microbatch "
+      "counts per data position weighted by device speed (balanced to the slowest position), microbatch size, "
+      "ZeRO stage, remat, and which device kinds take part; against the baselines dp_even, dp_proportional, "
+      "fastest_only and best_homogeneous.",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
   search.add_argument("--cluster", default="amp-t4-v100",

@@ -257,6 +257,10 @@ def _role_of(path: str, dtype: Any) -> str:
   return infer_role(Leaf(tuple(path.split("/")), 0, str(dtype), None), num_args=2).value
 
 
+def _parts(entry: SpecEntry, sizes: Mapping[str, int]) -> int:
+  return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
 def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0,
                      specs: Mapping[str, Sequence[SpecEntry]] | None = None,
                      model_specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> tuple[tuple[str, Spec], ...]:
@@ -264,11 +268,14 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
 
   Along the unweighted (``model``) axes, in order of precedence: the user's
   ``specs`` (e.g. :func:`hetspmd.annotated_specs` of the model's own
-  annotations), the planner's ``model_specs``, else the last dimension of
-  every leaf of rank ≥ 2 that divides evenly. Both map path suffixes to
-  specs (see :func:`hetspmd.annotations.match`). Along ``data`` (ZeRO), when
-  the spec does not already use it: with stage ≥ 1 the first free, evenly
-  dividing dimension of optimizer state; with stage 3 of parameters too.
+  annotations), kept as given; the planner's ``model_specs``, where an entry
+  that does not divide the leaf evenly is dropped and leaves they do not
+  match stay whole; without ``model_specs``, the last dimension of every leaf
+  of rank ≥ 2 that divides evenly. Both map path suffixes to specs (see
+  :func:`hetspmd.annotations.match`), so a parameter's spec also applies to
+  the optimizer state that mirrors it. Along ``data`` (ZeRO), when the spec
+  does not already use it: with stage ≥ 1 the first free, evenly dividing
+  dimension of optimizer state; with stage 3 of parameters too.
   """
   from hetspmd import annotations
 
@@ -281,8 +288,9 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
     shape = tuple(np.shape(leaf))
     spec: list[SpecEntry] = [None] * len(shape)
     chosen = annotations.match(path, len(shape), specs or {})
-    if chosen is None:
-      chosen = annotations.match(path, len(shape), model_specs or {})
+    if chosen is None and model_specs is not None:
+      planned = annotations.match(path, len(shape), model_specs) or ()
+      chosen = tuple(e if e is None or shape[d] % _parts(e, sizes) == 0 else None for d, e in enumerate(planned))
     if chosen is not None:
       spec[:len(chosen)] = [tuple(e) if isinstance(e, list) else e for e in chosen]
     else:

@@ -46,9 +46,27 @@ def positions(plan: Plan) -> list[dict]:
   return rows
 
 
+def _runs(plan: Plan, rows: list[dict]) -> list[tuple[str, dict]]:
+  """Consecutive positions with the same figures, as (label, first row): ``data[0-11]``."""
+  keys = [tuple((k, v) for k, v in r.items() if k not in ("position", "devices")) for r in rows]
+  out: list[tuple[str, dict]] = []
+  start = 0
+  for i in range(1, len(rows) + 1):
+    if i == len(rows) or keys[i] != keys[start]:
+      label = f"{plan.data_axis}[{start}]" if i - start == 1 else f"{plan.data_axis}[{start}-{i - 1}]"
+      out.append((label, rows[start]))
+      start = i
+  return out
+
+
 def explain_text(plan: Plan) -> str:
-  """The plan as text: header, then per-position bars for work, time and memory."""
+  """The plan as text: header, then per-position bars for work, time and memory.
+
+  Consecutive positions with the same figures share one line.
+  """
   rows = positions(plan)
+  runs = _runs(plan, rows)
+  width = max(len(label) for label, _ in runs)
   predicted = dict(plan.predicted)
   lines = [f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, global batch {plan.global_batch} = "
            f"{sum(plan.microbatch_counts)} microbatches of {plan.microbatch}, ZeRO-{plan.zero_stage}, "
@@ -60,21 +78,21 @@ def explain_text(plan: Plan) -> str:
     lines.append("predicted: " + ", ".join(p for p in parts if p))
   total = sum(plan.microbatch_counts)
   lines += ["", "work (share of the global batch)"]
-  for r in rows:
-    lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {r['microbatches']:>4} mb "
+  for label, r in runs:
+    lines.append(f"  {label:<{width}} {r['kind']:<12} {r['microbatches']:>4} mb "
                  f"{r['microbatches'] / total:>5.1%} {_bar(r['microbatches'], max(plan.microbatch_counts))}")
   if all("compute_seconds" in r for r in rows):
     longest = max(r["compute_seconds"] + r.get("communication_seconds", 0.0) for r in rows)
     lines += ["", "time per step (# compute, ~ communication)"]
-    for r in rows:
+    for label, r in runs:
       comm = r.get("communication_seconds", 0.0)
-      lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {r['compute_seconds']:>9.4g} s + "
-                   f"{comm:<9.4g} s {_bar(r['compute_seconds'], longest)}{_bar(comm, longest, '~')}")
+      lines.append(f"  {label:<{width}} {r['kind']:<12} {r['compute_seconds']:>8.4g} s + {comm:<8.4g} s "
+                   f"{_bar(r['compute_seconds'], longest)}{_bar(comm, longest, '~')}")
   if all("memory_bytes" in r for r in rows):
     lines += ["", "memory per device (predicted / capacity)"]
-    for r in rows:
+    for label, r in runs:
       cap = r.get("memory_capacity_bytes")
-      lines.append(f"  {plan.data_axis}[{r['position']}] {r['kind']:<12} {_si(r['memory_bytes'], 'B'):>10} / "
+      lines.append(f"  {label:<{width}} {r['kind']:<12} {_si(r['memory_bytes'], 'B'):>10} / "
                    f"{_si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}")
   elif "memory_bytes_per_device" in predicted:
     lines += ["", f"memory per device (predicted): {_si(predicted['memory_bytes_per_device'], 'B')}"]

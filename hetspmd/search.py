@@ -105,6 +105,7 @@ class Evaluated:
   global_batch: int
   tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
   model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
+  position_seconds: tuple[float, ...] = ()  # per data position: its microbatches' time
 
   @property
   def model(self) -> int:
@@ -418,8 +419,10 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
   reduce = _reduce_seconds(costing.cluster, layout.hosts, grads, tp.m) * (1.5 if zero >= 3 else 1.0)
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
+  per_position = tuple(costs[k].fixed + costs[k].micro * c for k, c in zip(layout.kinds, counts))
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, compute, reduce,
-                   (memory,) * len(layout.devices), global_batch, tp, costs[busiest[0]].model_comm * busiest[1])
+                   (memory,) * len(layout.devices), global_batch, tp, costs[busiest[0]].model_comm * busiest[1],
+                   per_position)
 
 
 def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
@@ -620,62 +623,41 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
   if ideal:
     predicted["efficiency"] = evaluated.throughput / ideal
   axes, shape = ("data", "model"), (len(evaluated.counts), tp.m)
+  firsts = evaluated.device_positions[::tp.m]
+  per_position = (("memory_bytes", tuple(float(evaluated.memory_bytes[i * tp.m]) for i in range(len(firsts)))),
+                  ("memory_capacity_bytes", tuple(float(cluster.devices[d].spec.memory_bytes) for d in firsts)),
+                  ("communication_seconds", (evaluated.comm_seconds,) * len(firsts)))
+  if evaluated.position_seconds:
+    per_position = (("compute_seconds", evaluated.position_seconds),) + per_position
   return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
               state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims)),
               zero_stage=evaluated.zero_stage, remat="full" if evaluated.remat else "none",
-              device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()))
+              device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
+              predicted_per_position=per_position)
 
 
 def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int,
                 model_dims: dict[str, int]) -> tuple[tuple[str, tuple], ...]:
   """PartitionSpecs of every state leaf: the chosen model-axis splits, then ZeRO over data.
 
-  ``model_dims`` maps parameter paths to the dimension split over the model
-  axis; optimizer state leaves of a parameter's shape whose path ends with the
-  parameter's (``opt_state/0/mu/h/0/mlp/c_fc/kernel`` for
-  ``params/h/0/mlp/c_fc/kernel``) follow it. ZeRO as in
-  :func:`hetspmd.plan.auto_state_specs`: with stage >= 1 the first free,
-  evenly dividing dimension of optimizer state goes over data; with stage 3
-  of parameters too.
+  ``model_dims`` maps parameter paths (``params/h/0/mlp/c_fc/kernel``) to the
+  dimension split over the model axis; the optimizer state that mirrors a
+  parameter follows it, and ZeRO is added as in
+  :func:`hetspmd.plan.auto_state_specs`.
   """
   from hetspmd._pytree import leaves_with_paths
-  from hetspmd.passes.roles import Leaf, infer_role
+  from hetspmd.plan import _role_of, auto_state_specs
 
-  data, model = axis_names[0], axis_names[1] if len(axis_names) > 1 else None
-  sizes = dict(zip(axis_names, mesh_shape))
-  leaves = leaves_with_paths(state)
-  shapes = {path: tuple(np.shape(leaf)) for path, leaf in leaves}
-  by_suffix = {(path.split("/", 1)[-1], shapes.get(path)): dim for path, dim in model_dims.items()}
-  specs = []
-  for path, leaf in leaves:
-    shape = shapes[path]
-    spec: list[Any] = [None] * len(shape)
-    dim = _model_dim(path, shape, model_dims, by_suffix)
-    if model is not None and sizes[model] > 1 and dim is not None and dim < len(shape) and (
-        shape[dim] % sizes[model] == 0):
-      spec[dim] = model
-    role = infer_role(Leaf(tuple(path.split("/")), 0, str(getattr(leaf, "dtype", "float32")), None), num_args=2)
-    if sizes[data] > 1 and (zero_stage >= 1 and role.value == "opt_state" or zero_stage >= 3 and role.value == "param"):
-      for d, entry in enumerate(spec):
-        if entry is None and shape[d] % sizes[data] == 0:
-          spec[d] = data
-          break
-    while spec and spec[-1] is None:
-      spec.pop()
-    specs.append((path, tuple(spec)))
-  return tuple(specs)
-
-
-def _model_dim(path: str, shape: tuple[int, ...], model_dims: dict[str, int], by_suffix: dict) -> int | None:
-  if path in model_dims:
-    return model_dims[path]
-  parts = path.split("/")
-  for i in range(1, len(parts)):
-    found = by_suffix.get(("/".join(parts[i:]), shape))
-    if found is not None:
-      return found
-  return None
+  model = axis_names[1] if len(axis_names) > 1 else None
+  # Every parameter gets an entry (whole ones too), keyed by its path below the
+  # state's top level, so the longest-suffix match never borrows another's.
+  model_specs = {}
+  for path, leaf in leaves_with_paths(state):
+    if path in model_dims or _role_of(path, getattr(leaf, "dtype", "float32")) == "param":
+      dim = model_dims.get(path)
+      model_specs[path.split("/", 1)[-1]] = () if dim is None or model is None else (None,) * dim + (model,)
+  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs)
 
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,

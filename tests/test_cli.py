@@ -117,3 +117,27 @@ def test_list_names_sizes_and_papers(capsys):
   for needle in ("bert-large", "Devlin et al., 2019", "vit-b16", "Dosovitskiy", "resnet50", "He et al., 2016",
                  "gpt3-13b", "Brown et al., 2020", "bert-moe-base", "linen-lm-350m", "12.85 G"):
     assert needle in out
+
+
+def test_explain_collapses_runs_of_identical_positions(tmp_path, capsys):
+  from hetspmd.plan import Plan
+
+  plan = Plan(axis_names=("data", "model"), mesh_shape=(5, 1), device_ids=tuple(range(5)), global_batch=18,
+              microbatch=2, microbatch_counts=(2, 2, 2, 2, 1), device_kinds=("V100-32GB",) * 4 + ("P100-16GB",),
+              state_specs=(("params/w", ()),))
+  plan.save(tmp_path / "plan.json")
+  assert main(["explain", str(tmp_path / "plan.json")]) == 0
+  work = [l.split() for l in capsys.readouterr().out.splitlines() if l.startswith("  data[")]
+  assert [w[:3] for w in work] == [["data[0-3]", "V100-32GB", "2"], ["data[4]", "P100-16GB", "1"]]
+
+
+def test_search_plan_explains_time_and_memory_per_position(tmp_path, capsys):
+  plan_path = tmp_path / "plan.json"
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", "2xV100-32GB+2xP100-16GB", "--global-batch", "16",
+               "--out", str(plan_path), "--json"]) == 0
+  capsys.readouterr()
+  assert main(["explain", str(plan_path), "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["positions"]
+  for key in ("compute_seconds", "communication_seconds", "memory_bytes", "memory_capacity_bytes"):
+    assert all(row[key] > 0 for row in rows), key
+  assert max(r["compute_seconds"] for r in rows) <= json.load(open(plan_path))["predicted"]["compute_seconds"] + 1e-12
