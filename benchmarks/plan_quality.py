@@ -9,8 +9,9 @@ communication), its speedup over dp_even, dp_proportional, fastest_only
 and best_homogeneous, all under the same cost model, and over the best plan
 with data parallelism only (``model`` axis 1, what the search did before it
 costed tensor parallelism), then the best plan's layout and tensor-parallel
-choice. The HAP models (BERT, ViT, VGG19, BERT-MoE) and GPT 1.3B join the
-table when they join the zoo.
+choice. Models and clusters follow the reference experiments: HAP's BERT-base,
+ViT-B/16, VGG19 and BERT-MoE on 16 V100 + 48 P100, AMP's GPT-2 medium on
+T4 + V100, GPT-2 XL and GPT 1.3B on mixed A100/V100 and H100/A100/L4 pools.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from __future__ import annotations
 import time
 
 CASES = [
-    # (cluster, model, global batch, sequence)
-    ("amp-t4-v100", "gpt2-medium", 128, 1024),    # AMP: GPT-2, 24 layers, hidden 1024
-    ("a100-v100-mix", "gpt2-xl", 256, 1024),
-    ("h100-a100-l4-mix", "gpt2-xl", 256, 1024),
+    # (cluster, model, global batch, sequence or None)
+    ("hap-v100-p100", "bert-base", 1024, 128),      # HAP: BERT-base, ViT-B/16, VGG19, BERT-MoE on 16 V100 + 48 P100
+    ("hap-v100-p100", "vit-b16", 1024, None),
+    ("hap-v100-p100", "vgg19", 1024, None),
+    ("hap-v100-p100", "bert-moe-base", 1024, 128),
     ("hap-v100-p100", "gpt2-small", 512, 1024),
-    ("v100x16", "gpt2-medium", 128, 1024),       # homogeneous: must equal the best uniform plan
-    # fewer examples than devices: a model axis puts idle devices to work
-    ("a100-v100-mix", "gpt2-xl", 16, 1024),
+    ("amp-t4-v100", "gpt2-medium", 128, 1024),      # AMP: GPT-2, 24 layers, hidden 1024
+    ("a100-v100-mix", "gpt2-xl", 256, 1024),
+    ("a100-v100-mix", "gpt3-1.3b", 256, 1024),
+    ("h100-a100-l4-mix", "gpt2-xl", 256, 1024),
+    ("h100-a100-l4-mix", "gpt3-1.3b", 256, 1024),
+    ("v100x16", "gpt2-medium", 128, 1024),          # homogeneous: must equal the best uniform plan
+    ("a100-v100-mix", "gpt2-xl", 16, 1024),         # small batches: the model axis puts every device to work
     ("v100x16", "gpt2-xl", 8, 1024),
 ]
 
@@ -41,6 +47,7 @@ def main() -> None:
     if name not in profiles:
       w = models.get(name)
       profiles[name] = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, seq))
+      print(f"# traced {name}", flush=True)
     cluster = Cluster.preset(preset)
     start = time.perf_counter()
     result = search(cluster, profiles[name], batch)
