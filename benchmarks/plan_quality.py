@@ -9,9 +9,12 @@ communication), its speedup over dp_even, dp_proportional, fastest_only
 and best_homogeneous, all under the same cost model, and over the best plan
 with data parallelism only (``model`` axis 1, what the search did before it
 costed tensor parallelism), then the best plan's layout and tensor-parallel
-choice. Models and clusters follow the reference experiments: HAP's BERT-base,
-ViT-B/16, VGG19 and BERT-MoE on 16 V100 + 48 P100, AMP's GPT-2 medium on
-T4 + V100, GPT-2 XL and GPT 1.3B on mixed A100/V100 and H100/A100/L4 pools.
+choice, and the share of the best plan's step spent reducing gradients over
+``data`` (communication is not overlapped with compute, so where it is
+large no plan can approach the ideal). Models and clusters follow the
+reference experiments: HAP's BERT-base, ViT-B/16, VGG19 and BERT-MoE on 16
+V100 + 48 P100, AMP's GPT-2 medium on T4 + V100, GPT-2 XL and GPT 1.3B on
+mixed A100/V100 and H100/A100/L4 pools.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def main() -> None:
 
   profiles = {}
   print(f"{'cluster':<17} {'model':<12} {'batch':>5} {'efficiency':>10} "
-        + " ".join(f"{'vs ' + b:>20}" for b in BASELINES) + f" {'vs data only':>12} {'search s':>9}  best plan")
+        + " ".join(f"{'vs ' + b:>20}" for b in BASELINES) + f" {'vs data only':>12} {'comm':>6} {'search s':>9}  best plan")
   for preset, name, batch, seq in CASES:
     if name not in profiles:
       w = models.get(name)
@@ -56,7 +59,8 @@ def main() -> None:
     data_only = search(cluster, profiles[name], batch, models=(1,)).plans[0]
     speedups = " ".join(f"{best.throughput / result.baselines[b].throughput:20.2f}" for b in BASELINES)
     print(f"{preset:<17} {name:<12} {batch:>5} {best.throughput / result.ideal_throughput:10.1%} {speedups} "
-          f"{best.throughput / data_only.throughput:12.2f} {seconds:9.2f}  {best.name}, mb {best.microbatch}, "
+          f"{best.throughput / data_only.throughput:12.2f} {best.comm_seconds / best.step_seconds:6.0%} "
+          f"{seconds:9.2f}  {best.name}, mb {best.microbatch}, "
           f"ZeRO-{best.zero_stage}, remat {'on' if best.remat else 'off'}; tensor parallel: "
           f"{best.tensor_parallel.description}")
 
