@@ -38,70 +38,18 @@ The 13B width. Table 2.1 prints ``d_model = 5140``, which is not
 for 5120, and 5120 is used; with it every size has ``d_model = n_head *
 d_head`` and the GPT-2 modules need no separate head width.
 
-Abstract construction. Building a billion-parameter NNX model under
-``nnx.eval_shape`` costs time quadratic in the number of variables (each RNG
-draw reads ``.sharding`` on a tracer, and JAX formats an error message by
-scanning every equation traced so far): 18 s for 13B on a busy 2-core
-machine. :class:`GPT3Workload` therefore traces one block and an empty-stack
-shell and clones the abstract block ``n_layer`` times, which gives the same
-graph definition and parameter shapes in under a second.
+Abstract construction uses the zoo's linear-time build
+(:func:`hetspmd.models.workload.abstract_rngs`): 13B in under a second.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any
-
-import jax
-import numpy as np
 import optax
-from flax import nnx
 
-from hetspmd.models.gpt2 import GPT2, Block, GPT2Config, lm_batch_spec, lm_loss
+from hetspmd.models.gpt2 import GPT2, GPT2Config, lm_batch_spec, lm_loss
 from hetspmd.models.workload import Workload
 
 _SOURCE = "GPT-3 (Brown et al., 2020), Table 2.1 sizes, Table D.1 parameter counts"
-
-
-@dataclasses.dataclass(frozen=True)
-class GPT3Workload(Workload):
-  """A :class:`Workload` whose abstract model is assembled from one block.
-
-  ``init_state`` (real weights) builds the model as the base class does;
-  ``abstract_state``, ``graphdef`` and ``param_count`` use
-  :func:`abstract_gpt` instead of tracing every layer's initialisers.
-  """
-
-  def abstract_state(self) -> dict[str, Any]:
-    _, params = _abstract_model(self)
-    return jax.eval_shape(self._state_from_params, params)
-
-  def graphdef(self) -> nnx.GraphDef:
-    return _abstract_model(self)[0]
-
-  def param_count(self) -> int:
-    _, params = _abstract_model(self)
-    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
-
-
-def abstract_gpt(cfg: GPT2Config) -> GPT2:
-  """A :class:`GPT2` with ``ShapeDtypeStruct`` parameters, traced in O(1 block).
-
-  Traces the embeddings and final LayerNorm with an empty block stack, traces
-  one :class:`Block`, and fills the stack with ``n_layer`` clones of it. The
-  result splits into the same graph definition and parameter shapes as
-  ``nnx.eval_shape(lambda: GPT2(cfg, rngs))``.
-  """
-  shell = nnx.eval_shape(lambda: GPT2(dataclasses.replace(cfg, n_layer=0), nnx.Rngs(0)))
-  block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
-  shell.h = nnx.List([nnx.clone(block) for _ in range(cfg.n_layer)])
-  return shell
-
-
-@functools.cache
-def _abstract_model(workload: GPT3Workload) -> tuple[nnx.GraphDef, nnx.State]:
-  return nnx.split(abstract_gpt(workload.config), nnx.Param)
 
 
 def _config(n_layer: int, d_model: int, n_head: int) -> GPT2Config:
@@ -119,7 +67,7 @@ CONFIGS = {
 
 def workloads() -> list[Workload]:
   return [
-      GPT3Workload(
+      Workload(
           name=name,
           family="gpt3",
           config=cfg,

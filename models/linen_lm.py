@@ -278,25 +278,10 @@ class LinenWorkload(Workload):
 
   # --- the step --------------------------------------------------------------
 
-  def make_train_step(self, value_and_grad: Callable[..., Any] = jax.value_and_grad
-                      ) -> Callable[[dict[str, Any], Any], tuple[dict[str, Any], dict[str, jax.Array]]]:
-    """The single-device ``train_step(state, batch) -> (state, metrics)``, as the base class's."""
+  def binder(self) -> Callable[[Any], Any]:
+    """``bind(params)``: the module applied with ``params`` (what ``loss`` receives)."""
     module = self.module()
-    tx = self.make_optimizer()
-    loss = self.loss
-
-    def train_step(state, batch):
-      def loss_fn(params, batch):
-        return loss(functools.partial(module.apply, {"params": params}), batch)
-
-      (value, aux), grads = value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
-      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-      params = optax.apply_updates(state["params"], updates)
-      new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-      return new_state, {"loss": value, **aux}
-
-    train_step.__name__ = f"{self.name.replace('-', '_')}_train_step"
-    return train_step
+    return lambda params: functools.partial(module.apply, {"params": params})
 
 
 @functools.cache

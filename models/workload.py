@@ -127,6 +127,11 @@ class Workload:
 
   # --- the step --------------------------------------------------------------
 
+  def binder(self) -> Callable[[Any], Any]:
+    """``bind(params) -> model``: what ``loss`` receives for a given parameter tree."""
+    graphdef = self.graphdef()
+    return lambda params: nnx.merge(graphdef, params)
+
   def make_train_step(self, value_and_grad: Callable[..., Any] = jax.value_and_grad
                       ) -> Callable[[dict[str, Any], Batch], tuple[dict[str, Any], dict[str, jax.Array]]]:
     """The single-device ``train_step(state, batch) -> (state, metrics)``.
@@ -134,13 +139,13 @@ class Workload:
     ``value_and_grad=hetspmd.value_and_grad`` gives the same step ready for
     ``hetspmd.parallelize`` (on one device it computes the same values).
     """
-    graphdef = self.graphdef()
+    bind = self.binder()
     tx = self.make_optimizer()
     loss = self.loss
 
     def train_step(state, batch):
       def loss_fn(params, batch):
-        return loss(nnx.merge(graphdef, params), batch)
+        return loss(bind(params), batch)
 
       (value, aux), grads = value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
       updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

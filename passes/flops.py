@@ -7,8 +7,8 @@ input and output types and the equation's plain params, and returns a
 ``compiled.cost_analysis()``:
 
 * ``dot_general``: ``2 * output elements * contracted elements``.
-* ``conv_general_dilated``: ``2 * output elements * kernel elements per
-  output feature`` (padding taken as computed).
+* ``conv_general_dilated``: ``2 * batch * output features * input
+  features per group * valid taps``, taps on padding not counted.
 * elementwise arithmetic, comparisons, selects and dtype conversions: one FLOP
   per output element; data movement (reshape, transpose, slice, gather, pad,
   broadcast, ...) none.
@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from hetspmd.passes.ir import TensorType
 
@@ -265,14 +267,36 @@ def dot_general_rule(inputs, outputs, params) -> Cost:
   return Cost(2.0 * outputs[0].size * contracted, 0.0, r, w)
 
 
+def _valid_taps(in_size: int, kernel: int, out_size: int, stride: int, pad_lo: int, lhs_dilation: int,
+                rhs_dilation: int) -> int:
+  """(output position, kernel tap) pairs of one spatial dimension that read real input, not padding."""
+  pos = (np.arange(out_size)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dilation - pad_lo)
+  dilated = (in_size - 1) * lhs_dilation + 1
+  return int(np.count_nonzero((pos >= 0) & (pos < dilated) & (pos % lhs_dilation == 0)))
+
+
 @register("conv_general_dilated")
 def conv_rule(inputs, outputs, params) -> Cost:
-  rhs = inputs[1]
-  _, rhs_spec, _ = params["dimension_numbers"]
-  out_features = rhs.shape[rhs_spec[0]]
-  per_output = rhs.size // max(out_features, 1)
+  """``2 × batch × output features × input features per group × valid taps``.
+
+  As XLA counts it: taps that fall on padding (or on the holes of a dilated
+  input, as in the input gradient of a strided convolution) are not counted.
+  """
+  lhs, rhs = inputs[0], inputs[1]
+  lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+  out = outputs[0]
+  spatial = len(rhs_spec) - 2
+  strides = params.get("window_strides") or (1,) * spatial
+  padding = params.get("padding") or ((0, 0),) * spatial
+  lhs_dil = params.get("lhs_dilation") or (1,) * spatial
+  rhs_dil = params.get("rhs_dilation") or (1,) * spatial
+  taps = 1
+  for i in range(spatial):
+    taps *= _valid_taps(lhs.shape[lhs_spec[2 + i]], rhs.shape[rhs_spec[2 + i]], out.shape[out_spec[2 + i]],
+                        strides[i], padding[i][0], lhs_dil[i], rhs_dil[i])
+  flops = 2.0 * out.shape[out_spec[0]] * out.shape[out_spec[1]] * rhs.shape[rhs_spec[1]] * taps
   r, w = _io_bytes(inputs, outputs)
-  return Cost(2.0 * outputs[0].size * per_output, 0.0, r, w)
+  return Cost(flops, 0.0, r, w)
 
 
 # --- random numbers ---------------------------------------------------------------
