@@ -57,7 +57,7 @@ import numpy as np
 from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.errors import HetSpmdError
-from hetspmd.passes import strategies
+from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import StepProfile
 
 ZERO_STAGES = (0, 1, 3)
@@ -350,7 +350,7 @@ class _Costing:
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
-    self._assessed: dict[tuple, strategies.Solution] = {}
+    self._assessed: dict[tuple, strategy_ilp.Solution] = {}
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
     key = (kind, microbatch)
@@ -371,7 +371,7 @@ class _Costing:
     if m not in self._frontiers:
       space, found = self.space(m), {}
       for kind in self.cluster.kinds:
-        for solution in strategies.frontier(space, self.node_seconds(kind, self.reference), self.links[kind],
+        for solution in strategy_ilp.frontier(space, self.node_seconds(kind, self.reference), self.links[kind],
                                             self.reference, FRONTIER_POINTS + 1):
           found.setdefault(solution.choice, solution)
       self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
@@ -384,18 +384,18 @@ class _Costing:
       return _KindCost(float(self.node_seconds(kind, microbatch).sum()) * remat_factor, fixed)
     key = (tp.m, tp.choice, kind, microbatch)
     if key not in self._assessed:
-      self._assessed[key] = strategies.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
+      self._assessed[key] = strategy_ilp.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
                                               self.links[kind], microbatch)
     solution = self._assessed[key]
     return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds, fixed, solution.comm_seconds)
 
 
-def _tensor_parallel(space: strategies.StrategySpace, solution: strategies.Solution) -> TensorParallel:
+def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
   m = space.m
   sharded = sum(d.options[o].activation_share for d, o in zip(space.decisions, solution.choice))
   return TensorParallel(
-      m=m, choice=solution.choice, description=strategies.describe(space, solution.choice),
-      model_dims=tuple(sorted(strategies.param_dims(space, solution.choice).items())),
+      m=m, choice=solution.choice, description=strategy_ilp.describe(space, solution.choice),
+      model_dims=tuple(sorted(strategy_ilp.param_dims(space, solution.choice).items())),
       param_share=solution.param_elements / max(1, space.param_elements),
       activation_share=max(1 / m, 1 - min(1.0, sharded) * (1 - 1 / m)))
 

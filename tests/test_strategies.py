@@ -5,7 +5,7 @@ import pytest
 
 from hetspmd import Cluster, models
 from hetspmd.devices import Link
-from hetspmd.passes import strategies
+from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import LinearCost
 from hetspmd.search import profile_step, state_specs
 
@@ -29,7 +29,7 @@ def _solve(profile, spec, m=2, microbatch=64, **kwargs):
   cluster = Cluster.parse(spec)
   space = profile.strategy_spaces[m]
   seconds = profile.node_seconds(cluster.hosts[0].device, microbatch) * ~profile.per_step
-  solution = strategies.choose(space, seconds, cluster.hosts[0].intra, microbatch, **kwargs)
+  solution = strategy_ilp.choose(space, seconds, cluster.hosts[0].intra, microbatch, **kwargs)
   return space, solution, seconds
 
 
@@ -43,7 +43,7 @@ def test_mlp_pair_is_column_then_row_when_communication_is_cheap(mlp_profile):
   assert chosen["params/layers/0/kernel"] == "column"
   assert chosen["params/layers/1/kernel"] == "row"
   assert solution.seconds < 0.7 * seconds.sum()
-  dims = strategies.param_dims(space, solution.choice)
+  dims = strategy_ilp.param_dims(space, solution.choice)
   assert dims["params/layers/0/kernel"] == 1 and dims["params/layers/0/bias"] == 0  # the bias follows the column
   assert dims["params/layers/1/kernel"] == 0 and "params/layers/1/bias" not in dims
 
@@ -54,7 +54,7 @@ def test_everything_replicated_when_the_link_is_very_slow(mlp_profile, gpt_profi
   space, solution, seconds = _solve(profile, SLOW)
   assert set(solution.choice) == {0}
   assert solution.comm_seconds == 0 and solution.compute_seconds == pytest.approx(seconds.sum())
-  assert strategies.param_dims(space, solution.choice) == {}
+  assert strategy_ilp.param_dims(space, solution.choice) == {}
 
 
 def test_repeated_layers_share_one_choice(gpt_profile):
@@ -62,7 +62,7 @@ def test_repeated_layers_share_one_choice(gpt_profile):
   assert not any("/h/1/" in d.name for d in space.decisions)  # h_1 repeats h_0: one decision each
   attn = next(d for d in space.decisions if d.name.endswith("h/0/attn/c_attn/kernel"))
   assert len(attn.params) == 2 and len(attn.sites) == 4   # forward and input-gradient matmuls of both blocks
-  dims = strategies.param_dims(space, solution.choice)
+  dims = strategy_ilp.param_dims(space, solution.choice)
   assert any(p.startswith("params/h/0/") for p in dims)
   for path, dim in dims.items():
     assert "/ln_" not in path  # only a site's own module follows it
@@ -79,7 +79,7 @@ def test_memory_bound_forces_splits(gpt_profile):
   assert bound.seconds > free.seconds  # splitting on this link costs time; only memory makes it worth it
   _, impossible, _ = _solve(gpt_profile, SLOW, max_param_elements=0.1 * space.param_elements)
   assert impossible is None
-  points = strategies.frontier(space, gpt_profile.node_seconds(Cluster.parse(SLOW).hosts[0].device, 64),
+  points = strategy_ilp.frontier(space, gpt_profile.node_seconds(Cluster.parse(SLOW).hosts[0].device, 64),
                                Cluster.parse(SLOW).hosts[0].intra, 64)
   elements = [p.param_elements for p in points]
   assert elements[0] == space.param_elements and elements == sorted(elements, reverse=True) and len(points) > 1
@@ -103,9 +103,9 @@ def test_vocab_split_conflicts_with_a_choice_that_shards_the_residual_stream(gpt
   choice[index["h/0/attn/c_proj/kernel"]] = [o.strategy.name for o in proj.options].index("column")
   assert proj.options[choice[index["h/0/attn/c_proj/kernel"]]].spreads
   seconds = np.ones(len(gpt_profile.counts))
-  assert strategies.assess(space, choice, seconds, Link("l", 1e9, 0), 1).permute
+  assert strategy_ilp.assess(space, choice, seconds, Link("l", 1e9, 0), 1).permute
   choice[index["h/0/attn/c_proj/kernel"]] = 0
-  assert not strategies.assess(space, choice, seconds, Link("l", 1e9, 0), 1).permute
+  assert not strategy_ilp.assess(space, choice, seconds, Link("l", 1e9, 0), 1).permute
 
 
 def test_split_region_divides_elementwise_work(mlp_profile):
@@ -151,7 +151,7 @@ def test_state_specs_follow_the_choice_and_add_zero_over_data(mlp_profile):
   space, solution, _ = _solve(mlp_profile, FAST)
   w = models.get("mlp")
   specs = dict(state_specs(w.abstract_state(), ("data", "model"), (4, 2), 1,
-                           strategies.param_dims(space, solution.choice)))
+                           strategy_ilp.param_dims(space, solution.choice)))
   assert specs["params/layers/0/kernel"] == (None, "model")
   assert specs["params/layers/0/bias"] == ("model",)
   assert specs["params/layers/1/kernel"] == ("model",)
