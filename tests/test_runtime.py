@@ -32,8 +32,11 @@ def _cluster():
 
 
 def _reference(workload, batches):
-  step = jax.jit(workload.make_train_step())
-  state = workload.init_state(0)
+  return _train(jax.jit(workload.make_train_step()), workload.init_state(0), batches)
+
+
+def _train(step, state, batches):
+  """Runs ``step`` over ``batches``; the final state and every step's loss."""
   losses = []
   for batch in batches:
     state, metrics = step(state, batch)
@@ -74,11 +77,7 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
   plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=microbatch, counts=counts)
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
                         global_batch=global_batch)
-  state = step.shard_state(state)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = _train(step, step.shard_state(state), batches)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_states_close(expected, _gathered(state))
   assert int(state["step"]) == STEPS
@@ -96,11 +95,7 @@ def test_single_data_position_with_a_model_axis_matches_single_device(name):
   state = workload.init_state(0)
   plan = hs.plan_for(cluster, state, global_batch=6, layout=(1, 4), microbatch=2, counts=(3,))
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=6)
-  state = step.shard_state(state)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = _train(step, step.shard_state(state), batches)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_states_close(expected["params"], state["params"])
 
@@ -126,10 +121,7 @@ def test_search_plan_is_found_on_first_use_and_matches_single_device():
   state = step.shard_state(workload.init_state(0))
   predicted = dict(step.plan.predicted)
   assert predicted["step_seconds"] > 0 and 0 < predicted["efficiency"] <= 1
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = _train(step, state, batches)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_states_close(expected["params"], state["params"])
 
