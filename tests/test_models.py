@@ -75,3 +75,16 @@ def test_abstract_trace_of_gpt2_xl_allocates_no_weights(tmp_path):
   params, max_rss_kib = map(int, out.stdout.split())
   assert params == models.get("gpt2-xl").published_params
   assert max_rss_kib * 1024 < 2 * 2**30
+
+
+def test_abstract_rngs_draw_the_same_keys_as_nnx_rngs():
+  from flax import nnx
+
+  from hetspmd.models.gpt2 import GPT2
+  from hetspmd.models.workload import abstract_rngs
+
+  cfg = models.get("gpt2-tiny").config
+  fast = nnx.state(GPT2(cfg, abstract_rngs(3)), nnx.Param)
+  plain = nnx.state(GPT2(cfg, nnx.Rngs(3)), nnx.Param)
+  for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
