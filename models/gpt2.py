@@ -36,6 +36,10 @@ class GPT2Config:
     if self.d_model % self.n_head:
       raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
 
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_head
+
 
 class Attention(nnx.Module):
   def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):

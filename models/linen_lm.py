@@ -53,7 +53,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from hetspmd.errors import InvalidValueError
-from hetspmd.models.gpt2 import lm_batch_spec, lm_loss
+from hetspmd.models.gpt2 import GPT2Config, lm_batch_spec, lm_loss
 from hetspmd.models.workload import Workload
 
 LogicalRules = tuple[tuple[str, str | None], ...]
@@ -69,24 +69,6 @@ LOGICAL_AXIS_RULES: LogicalRules = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class LinenLMConfig:
-  n_layer: int
-  n_head: int
-  d_model: int
-  vocab_size: int = 50257
-  n_ctx: int = 1024
-  dtype: str = "float32"
-
-  def __post_init__(self):
-    if self.d_model % self.n_head:
-      raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.n_head
-
-
 def _weight(names: tuple[str | None, ...]):
   return nn.with_logical_partitioning(nn.initializers.normal(0.02), names)
 
@@ -95,7 +77,7 @@ def _zeros(names: tuple[str | None, ...]):
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
 
 
-def _layer_norm(cfg: LinenLMConfig, name: str) -> nn.LayerNorm:
+def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name,
                       scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
                       bias_init=_zeros(("embed",)))
@@ -128,7 +110,7 @@ class Einsum(nn.Module):
 
 
 class Attention(nn.Module):
-  cfg: LinenLMConfig
+  cfg: GPT2Config
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -153,7 +135,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  cfg: LinenLMConfig
+  cfg: GPT2Config
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -167,7 +149,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  cfg: LinenLMConfig
+  cfg: GPT2Config
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -185,7 +167,7 @@ class Block(nn.Module):
 class LinenLM(nn.Module):
   """Token ids ``(batch, length)`` to logits ``(batch, length, vocab)``."""
 
-  cfg: LinenLMConfig
+  cfg: GPT2Config
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -296,8 +278,8 @@ def _to_mesh(logical: Any, rules: LogicalRules) -> Any:
 
 CONFIGS = {
     # name: (config, published parameter count or None)
-    "linen-lm-tiny": (LinenLMConfig(n_layer=2, n_head=4, d_model=64, vocab_size=512, n_ctx=128), None),
-    "linen-lm-350m": (LinenLMConfig(n_layer=24, n_head=16, d_model=1024), 354_823_168),
+    "linen-lm-tiny": (GPT2Config(n_layer=2, n_head=4, d_model=64, vocab_size=512, n_ctx=128), None),
+    "linen-lm-350m": (GPT2Config(n_layer=24, n_head=16, d_model=1024), 354_823_168),
 }
 
 
