@@ -62,13 +62,26 @@ CLUSTER_PRESETS: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Host:
+  """``count`` devices of one kind joined by ``intra``.
+
+  ``alone_speedup``: how many times faster one device runs while the
+  host's other devices are idle. 1 for devices with their own compute
+  (GPUs, TPUs); CPU devices of one process share its cores, so one device
+  alone runs up to ``count`` times faster (``hetspmd profile`` measures
+  it), and devices that finish early leave their share to the others.
+  """
+
   device: DeviceSpec
   count: int
   intra: Link
+  alone_speedup: float = 1.0
 
   def __post_init__(self):
     if not isinstance(self.count, int) or self.count < 1:
       raise InvalidValueError(f"a host needs a positive device count, got {self.count!r} x {self.device.name}")
+    if not 1.0 <= self.alone_speedup <= self.count:
+      raise InvalidValueError(f"a host's alone_speedup must be between 1 and its device count ({self.count}), "
+                              f"got {self.alone_speedup!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -343,7 +356,10 @@ def to_toml(cluster: Cluster) -> str:
   lines += _table(top)
   lines += ["", "[inter]"] + _table(dataclasses.asdict(cluster.inter))
   for host in cluster.hosts:
-    lines += ["", "[[hosts]]"] + _table({"device": host.device.name, "count": host.count})
+    fields = {"device": host.device.name, "count": host.count}
+    if host.alone_speedup != 1.0:
+      fields["alone_speedup"] = host.alone_speedup
+    lines += ["", "[[hosts]]"] + _table(fields)
     lines += ["[hosts.intra]"] + _table(dataclasses.asdict(host.intra))
   for kind in cluster.kinds:
     spec = dataclasses.asdict(cluster.spec_of(kind))
@@ -381,7 +397,8 @@ def from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
     kind = _need(table, "device", f"{where} hosts[{i}]")
     device = device_spec(kind, custom)
     intra = _link_from(table["intra"], f"{where} hosts[{i}].intra") if "intra" in table else _default_intra(kind)
-    hosts.append(Host(device, _need(table, "count", f"{where} hosts[{i}]"), intra))
+    hosts.append(Host(device, _need(table, "count", f"{where} hosts[{i}]"), intra,
+                      float(table.get("alone_speedup", 1.0))))
   inter = _link_from(data["inter"], f"{where} [inter]") if "inter" in data else link(DEFAULT_INTER)
   ids = data.get("jax_device_ids")
   return Cluster(tuple(hosts), inter, str(data.get("name", "")), tuple(ids) if ids is not None else None)

@@ -5,15 +5,19 @@
 * per device, matmul throughput at several sizes in float32 and bfloat16,
   once with the device alone and once with every device busy at once (as
   in a training step);
-* per device, memory copy bandwidth (read + write of one large array);
+* per device, memory copy bandwidth (read + write of one large array),
+  alone and with every device copying at once (the busy figure is the
+  spec's bandwidth: on CPU emulation the devices share one memory bus);
 * over the devices as one mesh axis (or each axis of a given ``HetMesh``),
   all-reduce, all-gather and reduce-scatter time over message sizes, fitted
   to ``time = alpha + bytes * beta`` (non-negative least squares) next to a
   piecewise-linear table made monotone in size.
 
 ``Profile.cluster()`` turns the numbers into a :class:`Cluster` whose
-``DeviceSpec``s are ``measured=True`` (peak = best busy throughput) and
-whose links come from the all-reduce fit. With ``jax.distributed``
+``DeviceSpec``s are ``measured=True`` (peak = best busy throughput), whose
+hosts record how much faster a device runs alone (``Host.alone_speedup``:
+CPU devices of one process share its cores) and whose links come from the
+all-reduce fit. With ``jax.distributed``
 initialised, every process measures its own devices and the results are
 gathered, so every process returns the same profile.
 """
@@ -21,6 +25,7 @@ gathered, so every process returns the same profile.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -45,8 +50,14 @@ class DeviceMeasurement:
   process: int
   alone_flops: dict[str, tuple[tuple[int, float], ...]]  # dtype → ((size, FLOP/s), ...)
   busy_flops: dict[str, tuple[tuple[int, float], ...]]
-  copy_bandwidth: float  # bytes/s
+  copy_bandwidth: float  # bytes/s, alone
   memory_bytes: int
+  busy_copy_bandwidth: float = 0.0  # bytes/s per device, every device copying at once (0: not measured)
+
+  @property
+  def bandwidth(self) -> float:
+    """Memory bandwidth as in a training step: every device busy at once."""
+    return self.busy_copy_bandwidth or self.copy_bandwidth
 
   def peak(self, dtype: str, busy: bool = True) -> float:
     table = (self.busy_flops if busy else self.alone_flops)[dtype]
@@ -93,7 +104,7 @@ class Profile:
         fp32_flops=min(d.peak("float32") for d in members),
         bf16_flops=min(d.peak("bfloat16") for d in members),
         memory_bytes=min(d.memory_bytes for d in members),
-        memory_bandwidth=min(d.copy_bandwidth for d in members),
+        memory_bandwidth=min(d.bandwidth for d in members),
         measured=True,
     )
 
@@ -114,15 +125,11 @@ class Profile:
 
     specs = {k: self.device_spec(k) for k in dict.fromkeys(d.kind for d in self.devices)}
     measured = self.link("measured")
-    hosts: list[Host] = []
-    previous = None
-    for d in sorted(self.devices, key=lambda d: (d.process, d.id)):
-      key = (d.process, d.kind)
-      if key == previous:
-        hosts[-1] = dataclasses.replace(hosts[-1], count=hosts[-1].count + 1)
-      else:
-        hosts.append(Host(specs[d.kind], 1, measured or _default_intra(d.kind)))
-      previous = key
+    ordered = sorted(self.devices, key=lambda d: (d.process, d.id))
+    hosts = []
+    for (_, kind), group in itertools.groupby(ordered, key=lambda d: (d.process, d.kind)):
+      ds = list(group)
+      hosts.append(Host(specs[kind], len(ds), measured or _default_intra(kind), _alone_speedup(ds)))
     ids = tuple(d.id for d in sorted(self.devices, key=lambda d: (d.process, d.id)))
     if self.process_count > 1 and measured is not None:
       return Cluster(tuple(hosts), measured, "profiled", ids)
@@ -136,6 +143,17 @@ class Profile:
         "devices": [dataclasses.asdict(d) for d in self.devices],
         "collectives": [dataclasses.asdict(c) for c in self.collectives],
     }
+
+
+# Below this ratio of alone to busy matmul throughput, devices are taken as
+# independent (measurement noise); above it they share compute.
+SHARED_COMPUTE_RATIO = 1.5
+
+
+def _alone_speedup(devices: Sequence[DeviceMeasurement]) -> float:
+  """How much faster one of ``devices`` runs alone than with all of them busy (1: independent)."""
+  ratio = min(d.peak("float32", busy=False) / d.peak("float32") for d in devices)
+  return 1.0 if ratio < SHARED_COMPUTE_RATIO else float(min(ratio, len(devices)))
 
 
 # --- progress ---------------------------------------------------------------
@@ -234,6 +252,18 @@ def copy_bandwidth(device: Any, nbytes: int) -> float:
   return 2.0 * nbytes / _median_seconds(lambda: f(x))
 
 
+def busy_copy_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
+  """Per-device copy bandwidth with every device copying its own array at once."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
+  x = jax.device_put(jnp.ones((len(devices) * (nbytes // 4),), jnp.float32), NamedSharding(mesh, P("d")))
+  f = jax.jit(jax.shard_map(lambda v: v + 1.0, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+  return 2.0 * nbytes / _median_seconds(lambda: f(x))
+
+
 def measure_device_spec(device: Any, name: str) -> DeviceSpec:
   """A quick spec of one device alone (for kinds without a preset)."""
   key = _platform_key(device)
@@ -325,7 +355,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
   key = _platform_key(local[0])
   sizes = _MATMUL_SIZES[key]
   groups = _axis_groups(devices, mesh)
-  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local)
+  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local) + 1
   total += len(groups) * len(COLLECTIVES) * len(message_bytes)
   bar = _Progress(total, progress)
 
@@ -334,6 +364,8 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
     for size in sizes:
       busy[dtype].append((size, busy_matmul_flops(local, size, dtype)))
       bar.step(f"matmul {dtype} {size} on {len(local)} devices at once")
+  busy_bandwidth = busy_copy_bandwidth(local, _COPY_BYTES[key])
+  bar.step(f"memory copy on {len(local)} devices at once")
   measurements = []
   for d in local:
     alone = {}
@@ -346,7 +378,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
     bar.step(f"memory copy on device {d.id}")
     measurements.append(DeviceMeasurement(
         d.id, _kind_name(d), d.process_index, {k: tuple(v) for k, v in alone.items()},
-        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d)))
+        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth))
   fits = tuple(_fit_collective(g, op, axis, tuple(message_bytes), bar) for axis, g in groups for op in COLLECTIVES)
   measurements = _gather_across_processes(measurements)
   return Profile(tuple(measurements), fits, local[0].platform, jax.process_count(), time.perf_counter() - start)

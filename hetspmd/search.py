@@ -28,7 +28,8 @@ bisection on the makespan (the same optimum as the small MILP
 
 A data position is a model group; its speed is its kind's: a microbatch's
 compute with split operations at ``1/model``, plus the tensor-parallel
-collectives on its host's link. Step time = slowest position's (per-step
+collectives on its host's link, plus adding its gradients into the float32
+accumulator. Step time = slowest position's (per-step
 optimizer work + per-microbatch time × count) + the gradient reduction
 across data positions (not overlapped): a ring all-reduce within a host,
 hierarchical (reduce-scatter in hosts, all-reduce between hosts, all-gather
@@ -58,13 +59,13 @@ from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import strategies, strategy_ilp
-from hetspmd.passes.cost import StepProfile
+from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
 
 ZERO_STAGES = (0, 1, 3)
 REMAT_COMPUTE = 4.0 / 3.0     # one extra forward pass
 REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
-GRAD_BYTES = 4                # gradients are accumulated and reduced in float32
+GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
 FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
 
@@ -380,14 +381,16 @@ class _Costing:
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: bool, zero: int, n: int) -> _KindCost:
     remat_factor = REMAT_COMPUTE if remat else 1.0
     fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
+    accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
     if tp.m == 1:
-      return _KindCost(float(self.node_seconds(kind, microbatch).sum()) * remat_factor, fixed)
+      return _KindCost(float(self.node_seconds(kind, microbatch).sum()) * remat_factor + accumulate, fixed)
     key = (tp.m, tp.choice, kind, microbatch)
     if key not in self._assessed:
       self._assessed[key] = strategy_ilp.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
                                               self.links[kind], microbatch)
     solution = self._assessed[key]
-    return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds, fixed, solution.comm_seconds)
+    return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds + accumulate, fixed,
+                     solution.comm_seconds)
 
 
 def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
@@ -411,18 +414,44 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
   if len(counts) != n or sum(counts) != total:
     return None
-  most: dict[str, int] = {}
-  for kind, count in zip(layout.kinds, counts):
-    most[kind] = max(count, most.get(kind, 0))
-  busiest = max(most.items(), key=lambda kc: costs[kc[0]].fixed + costs[kc[0]].micro * kc[1])
-  compute = costs[busiest[0]].fixed + costs[busiest[0]].micro * busiest[1]
+  work = [costs[k].micro * c for k, c in zip(layout.kinds, counts)]
+  cluster = costing.cluster
+  for h in layout.hosts:
+    host = cluster.hosts[h]
+    if host.alone_speedup > 1.0:
+      mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
+      finish = shared_finish_times([work[i] for i in mine], layout.m, host.count, host.alone_speedup)
+      for i, f in zip(mine, finish):
+        work[i] = f
+  per_position = tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
+  busiest = max(range(n), key=lambda i: per_position[i])
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
-  reduce = _reduce_seconds(costing.cluster, layout.hosts, grads, tp.m) * (1.5 if zero >= 3 else 1.0)
+  reduce = _reduce_seconds(cluster, layout.hosts, grads, tp.m) * (1.5 if zero >= 3 else 1.0)
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
-  per_position = tuple(costs[k].fixed + costs[k].micro * c for k, c in zip(layout.kinds, counts))
-  return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, compute, reduce,
-                   (memory,) * len(layout.devices), global_batch, tp, costs[busiest[0]].model_comm * busiest[1],
-                   per_position)
+  return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
+                   reduce, (memory,) * len(layout.devices), global_batch, tp,
+                   costs[layout.kinds[busiest]].model_comm * counts[busiest], per_position)
+
+
+def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, speedup: float) -> tuple[float, ...]:
+  """When each position finishes its work on a host whose devices share compute.
+
+  ``seconds[i]``: position ``i``'s work at the rate of one device while all
+  ``capacity`` devices of the host are busy; a position occupies ``group``
+  devices. Processor sharing: while ``k`` positions are unfinished each runs
+  ``min(speedup, capacity / (k × group))`` times that rate, so positions that
+  finish early leave their share to the rest.
+  """
+  order = sorted(range(len(seconds)), key=lambda i: seconds[i])
+  finish = [0.0] * len(seconds)
+  now = done = 0.0
+  for rank, i in enumerate(order):
+    active = len(order) - rank
+    rate = min(speedup, capacity / (active * group))
+    now += (seconds[i] - done) / max(rate, 1e-12)
+    done = seconds[i]
+    finish[i] = now
+  return tuple(finish)
 
 
 def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,

@@ -1,7 +1,8 @@
 """Cost model: per-device compute time and live memory of a traced step.
 
 Compute is a roofline per node: ``max(FLOPs / (peak × efficiency),
-bytes / (bandwidth × efficiency))``, with the peak for the node's dtype
+bytes / (bandwidth × efficiency))``, bytes counted after XLA-style loop
+fusion (:mod:`hetspmd.passes.fusion`), with the peak for the node's dtype
 (bf16/fp16 peaks for low-precision contractions) and efficiencies from
 :data:`EFFICIENCY` for datasheet specs; measured specs (``hetspmd
 profile``) already hold achieved rates, so their efficiency is 1.
@@ -26,11 +27,13 @@ from typing import Mapping
 import numpy as np
 
 from hetspmd.devices import DeviceSpec
+from hetspmd.passes.fusion import fused_bytes
 from hetspmd.passes.ir import Graph, Role, Source
 
 # Fraction of the datasheet peak reached in practice, per kind of work.
 EFFICIENCY: Mapping[str, float] = {"matmul": 0.6, "memory": 0.7}
 
+ACCUMULATOR_BYTES = 4  # gradients are accumulated over microbatches in float32
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 _LOW_PRECISION = ("bfloat16", "float16")
 
@@ -121,6 +124,14 @@ class StepProfile:
     """Forward and backward of one microbatch on one device of kind ``spec``."""
     return self._seconds(spec, microbatch, ~self.per_step)
 
+  def accumulate_seconds(self, spec: DeviceSpec) -> float:
+    """Adding one microbatch's gradients into the float32 accumulator.
+
+    XLA fuses the add into the gradient's producer (a GEMM that adds into
+    its output), so the extra traffic is one read of the accumulator.
+    """
+    return ACCUMULATOR_BYTES * self.param_count / (spec.memory_bandwidth * _efficiency(spec, "memory"))
+
   def step_fixed_seconds(self, spec: DeviceSpec) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""
     return self._seconds(spec, 0, self.per_step)
@@ -137,8 +148,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
     return np.stack([a - slope * small_batch, slope], axis=1)
 
   flops_fit = fit([n.flops for n in small.nodes], [n.flops for n in large.nodes])
-  bytes_fit = fit([n.bytes_read + n.bytes_written for n in small.nodes],
-                  [n.bytes_read + n.bytes_written for n in large.nodes])
+  bytes_fit = fit(fused_bytes(small), fused_bytes(large))
   return StepProfile(
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),

@@ -437,6 +437,41 @@ PROPAGATION_RULES: dict[str, PropagationRule] = {
     "cummax": _along(lambda n: (n.param("axis"),)),
 }
 
+# Ops that keep every dimension but rearrange some: a sharding along those needs a permute.
+_REARRANGED_AXES: dict[str, Callable[[Node], Iterable[int]]] = {
+    "split": lambda n: (n.param("axis"),),
+    "concatenate": lambda n: (n.param("dimension"),),
+    "slice": _sliced_axes,
+    "pad": lambda n: [d for d, (lo, hi, mid) in enumerate(n.param("padding_config")) if lo or hi or mid],
+}
+
+
+def _upstream_dims(node: Node, dim: int, m: int) -> list[tuple[int, int]]:
+  """(operand, dimension) that output dimension ``dim`` of ``node`` comes from, for a backward walk."""
+  p = node.primitive
+  if p in ELEMENTWISE:
+    rank = len(node.outputs[0].shape)
+    return [(j, dim) for j, t in enumerate(node.inputs) if len(t.shape) == rank and t.shape[dim] > 1]
+  if p == "transpose":
+    return [(0, tuple(node.param("permutation"))[dim])]
+  if p == "reshape":
+    d = reshape_dim(node.outputs[0].shape, node.inputs[0].shape, dim, m)
+    return [] if d is None else [(0, d)]
+  if p == "broadcast_in_dim":
+    dims = tuple(node.param("broadcast_dimensions"))
+    return [(0, dims.index(dim))] if dim in dims and node.inputs[0].shape[dims.index(dim)] > 1 else []
+  if p == "dot_general":
+    out = []
+    for operand in (0, 1):
+      contracting, batch, free, offset = _dot_parts(node, operand)
+      if dim < len(batch):
+        out.append((operand, batch[dim]))
+      elif offset <= dim < offset + len(free):
+        out.append((operand, free[dim - offset]))
+    return out
+  return []
+
+
 _VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reshape", "broadcast_in_dim"})
 
 
@@ -521,6 +556,36 @@ class _Analysis:
     arrivals = {(s, j): layout[(r.index, r.output)] for s, j, r in self.fed.get(site, ())
                 if (r.index, r.output) in layout}
     return _Region(tuple(scaled), traffic, arrivals, tuple(followers), permute, sharded_bytes, spreads)
+
+  def upstream_permutes(self, site: int, operand: int, dim: int) -> bool:
+    """Whether sharding ``site``'s ``operand`` along ``dim`` reaches, upstream, a split along it.
+
+    XLA propagates a sharding backwards too: an operand that must arrive
+    sharded (a ``row`` split's activation) makes its producers sharded,
+    through elementwise ops, views and activation ``dot_general`` s, up to
+    the previous sites. A split, slice or concatenate along the sharded
+    dimension on the way (GPT-2's fused query/key/value projection, split
+    into heads) then needs a collective-permute.
+    """
+    nodes = self.graph.nodes
+    todo = [(nodes[site].operands[operand], dim)]
+    seen: set[tuple[int, int, int]] = set()
+    while todo:
+      ref, d = todo.pop()
+      if ref.source is not Source.NODE or d is None or (ref.index, ref.output, d) in seen:
+        continue
+      seen.add((ref.index, ref.output, d))
+      node = nodes[ref.index]
+      if node.id in self.sites or self.per_step[node.id]:
+        continue
+      axes = _REARRANGED_AXES.get(node.primitive)
+      if axes is not None:
+        if d in axes(node):
+          return True
+        todo += [(r, d) for r, t in zip(node.operands, node.inputs) if len(t.shape) == len(node.outputs[0].shape)]
+      else:
+        todo += [(node.operands[j], dj) for j, dj in _upstream_dims(node, d, self.m)]
+    return False
 
   def _joins_stream(self, node: Node, in_dims: Sequence[Dim], dim: int, site: int) -> bool:
     """Whether a sharded value is added to a whole one of the same shape from another region."""
@@ -706,6 +771,8 @@ def _option(analysis: _Analysis, sites: Sequence[int], strategy: Strategy, regio
     splits.setdefault(param, strategy.dim)
     effect = _effect(analysis, site, strategy.dim)
     scaled.append(site)
+    if effect.need is not None:
+      permute |= analysis.upstream_permutes(site, *effect.need)
     if effect.partial:
       traffic += _traffic("all-reduce", analysis.tensor_bytes(site), node.count)
     if effect.out is not None:

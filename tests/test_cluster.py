@@ -169,6 +169,21 @@ def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path):
   assert Cluster.load(tmp_path / "c.toml") == cluster
 
 
+def test_toml_round_trip_keeps_shared_compute(tmp_path):
+  cluster = Cluster.parse("1x8xT4")
+  shared = cluster.replace(hosts=(dataclasses.replace(cluster.hosts[0], alone_speedup=6.5),))
+  shared.save(tmp_path / "c.toml")
+  assert Cluster.load(tmp_path / "c.toml") == shared and "alone_speedup = 6.5" in (tmp_path / "c.toml").read_text()
+  cluster.save(tmp_path / "plain.toml")
+  assert "alone_speedup" not in (tmp_path / "plain.toml").read_text()
+
+
+@pytest.mark.parametrize("speedup", [0.5, 9.0])
+def test_alone_speedup_is_between_one_and_the_device_count(speedup):
+  with pytest.raises(hetspmd.InvalidValueError, match=f"between 1 and its device count \\(8\\), got {speedup}"):
+    dataclasses.replace(Cluster.parse("1x8xT4").hosts[0], alone_speedup=speedup)
+
+
 @pytest.mark.parametrize("text,match", [
     ("[[hosts]]\ncount = 2\n", "missing key 'device'"),
     ("name = 'x'\n", "missing key 'hosts'"),

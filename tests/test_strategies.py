@@ -94,6 +94,16 @@ def test_fused_qkv_column_split_needs_a_permute_and_is_left_out(gpt_profile):
   assert not any(d.options[o].permute for d, o in zip(space.decisions, solution.choice))
 
 
+def test_row_split_after_the_fused_qkv_split_needs_a_permute(gpt_profile):
+  """c_proj ``row`` needs the attention output sharded by head; XLA carries that back to jnp.split(qkv, 3)."""
+  space = gpt_profile.strategy_spaces[2]
+  by_name = {d.name.split("/", 2)[2]: d for d in space.decisions}
+  option = lambda name, strategy: next(o for o in by_name[name].options if o.strategy.name == strategy)
+  assert option("h/0/attn/c_proj/kernel", "row").permute
+  # a row split whose activation comes from an unsplit producer chain (the MLP's input) is fine
+  assert not option("h/0/mlp/c_fc/kernel", "row").permute and not option("h/0/mlp/c_proj/kernel", "row").permute
+
+
 def test_vocab_split_conflicts_with_a_choice_that_shards_the_residual_stream(gpt_profile):
   space = gpt_profile.strategy_spaces[2]
   index = {d.name.split("/", 2)[2]: i for i, d in enumerate(space.decisions)}

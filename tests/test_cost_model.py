@@ -1,0 +1,120 @@
+"""Cost-model pieces: memory traffic after fusion, gradient accumulation, devices that share compute."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hetspmd as hs
+from hetspmd import Cluster, models
+from hetspmd.devices import DeviceSpec
+from hetspmd.passes.fusion import fused_bytes, kernels
+from hetspmd.search import evaluate, profile_step, shared_finish_times
+
+N = 1024  # float32 elements: 4 KiB per vector
+KIB4 = 4 * N
+
+
+def _unfused(graph):
+  return np.array([n.bytes_read + n.bytes_written for n in graph.nodes])
+
+
+def test_an_elementwise_chain_reads_its_inputs_once_and_writes_its_result():
+  graph = hs.trace(lambda p, g: p - 0.1 * (g * g + jnp.sqrt(g * g + 1.0)), *[jax.ShapeDtypeStruct((N,), jnp.float32)] * 2)
+  assert len(set(kernels(graph))) == 1
+  assert fused_bytes(graph).sum() == 3 * KIB4  # read p and g, write the result
+  assert _unfused(graph).sum() > 3 * fused_bytes(graph).sum()
+
+
+def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
+  # the dot cannot fuse: its input x * 2 is written, read by the dot, and the dot's output read by the tanh kernel
+  graph = hs.trace(lambda x, w: jnp.tanh((x * 2.0) @ w), jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                   jax.ShapeDtypeStruct((128, 128), jnp.float32))
+  by_primitive = dict(zip((n.primitive for n in graph.nodes), fused_bytes(graph)))
+  x, w, y = 8 * 128 * 4, 128 * 128 * 4, 8 * 128 * 4
+  assert by_primitive["mul"] == x + x          # read x, write x * 2
+  assert by_primitive["dot_general"] == x + w + y
+  assert by_primitive["tanh"] == y + y         # read the dot's output, write the result
+
+
+def test_a_reduction_ends_its_kernel():
+  graph = hs.trace(lambda x: jnp.exp(x) / jnp.sum(jnp.exp(x)), jax.ShapeDtypeStruct((N,), jnp.float32))
+  groups = kernels(graph)
+  reduce = next(n.id for n in graph.nodes if n.primitive == "reduce_sum")
+  div = next(n.id for n in graph.nodes if n.primitive == "div")
+  assert groups[reduce] != groups[div]
+  # the sum's kernel reads x; the division's kernel reads x and the sum and writes the result
+  assert fused_bytes(graph).sum() == KIB4 + 4 + KIB4 + 4 + KIB4
+
+
+def test_adam_update_is_one_pass_over_its_state():
+  params = {"w": jnp.zeros((N,), jnp.float32)}
+  opt = optax.adam(1e-3)
+
+  def update(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  graph = hs.trace(update, params, opt.init(params), params)
+  # reads: params, grads, mu, nu (and the step count); writes: params, mu, nu (and the count)
+  assert 7 * KIB4 <= fused_bytes(graph).sum() <= 7 * KIB4 + 64
+  assert _unfused(graph).sum() > 2 * fused_bytes(graph).sum()
+
+
+def test_accumulating_gradients_costs_one_read_of_the_accumulator_per_microbatch():
+  w = models.get("mlp-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  spec = DeviceSpec("x", 1e12, 1e12, 2**34, 1e9, measured=True)
+  assert profile.accumulate_seconds(spec) == pytest.approx(4 * profile.param_count / 1e9)
+
+
+@pytest.mark.parametrize("seconds,capacity,speedup,expected", [
+    ((1.0, 1.0, 1.0, 1.0), 4, 4.0, (1.0, 1.0, 1.0, 1.0)),            # all busy: the measured rate
+    ((2.0, 2.0, 1.0, 1.0), 4, 4.0, (1.5, 1.5, 1.0, 1.0)),            # the light ones leave their share
+    ((4.0, 0.0, 0.0, 0.0), 4, 4.0, (1.0, 0.0, 0.0, 0.0)),            # one device alone: 4x faster
+    ((4.0, 0.0, 0.0, 0.0), 4, 2.0, (2.0, 0.0, 0.0, 0.0)),            # ...up to its alone speedup
+    ((3.0, 2.0, 1.0), 3, 1.0, (3.0, 2.0, 1.0)),                      # independent devices
+])
+def test_shared_finish_times(seconds, capacity, speedup, expected):
+  assert shared_finish_times(seconds, 1, capacity, speedup) == pytest.approx(expected)
+
+
+def test_shared_finish_times_keep_the_total_work():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    seconds = rng.uniform(0, 1, size=int(rng.integers(1, 8)))
+    finish = shared_finish_times(seconds, 1, 8, 8.0)
+    # with the host's whole capacity available to any one device, it never idles until the last finishes
+    assert max(finish) == pytest.approx(seconds.sum() / 8 if len(seconds) > 1 else seconds[0] / 8)
+    assert all(f <= s + 1e-12 for f, s in zip(finish, seconds))
+
+
+def test_uneven_counts_on_a_shared_host_cost_the_same_total_work():
+  w = models.get("mlp-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  spec = DeviceSpec("cpu", 1e10, 1e10, 2**34, 1e9, measured=True)
+  plain = Cluster.parse("1x8xcpu", devices={"cpu": spec})
+  shared = plain.replace(hosts=(dataclasses.replace(plain.hosts[0], alone_speedup=8.0),))
+  positions = tuple(range(8))
+  uneven = (8, 8, 4, 4, 2, 2, 2, 2)
+  compute = lambda c, counts: evaluate(c, profile, positions, 2, 0, False, 64, counts, "x").compute_seconds
+  assert compute(shared, uneven) == pytest.approx(compute(shared, (4,) * 8))
+  # independent devices: the two devices with 8 microbatches set the pace
+  assert compute(plain, uneven) > 1.5 * compute(plain, (4,) * 8)
+
+
+@pytest.mark.timeout(300)
+def test_a_profiled_cpu_host_records_how_much_faster_a_device_runs_alone():
+  from conftest import require_devices
+
+  require_devices(2)
+  profile = hs.profile(jax.devices()[:2], message_bytes=(1024,), progress=False)
+  host = profile.cluster().hosts[0]
+  device = profile.devices[0]
+  ratio = device.peak("float32", busy=False) / device.peak("float32")
+  assert 1.0 <= host.alone_speedup <= host.count
+  assert host.alone_speedup == (1.0 if ratio < 1.5 else pytest.approx(min(ratio, 2.0)))
+  assert 0 < device.busy_copy_bandwidth and device.bandwidth == device.busy_copy_bandwidth
