@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -184,15 +185,27 @@ class _Progress:
 # --- timing -----------------------------------------------------------------
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
+# Shortest time one sample runs: a single call of a small kernel can fit in one
+# scheduler time slice and miss that the device is shared (another process on
+# the same core, a GPU under MPS), so a sample repeats the call until it lasts
+# this long and the rate is averaged over the window.
+MIN_SAMPLE_SECONDS = 0.01
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int = 5, min_seconds: float = MIN_SAMPLE_SECONDS) -> float:
+  """Median seconds per call, each sample averaging back-to-back calls over at least ``min_seconds``."""
   import jax
 
   jax.block_until_ready(fn())  # compile and warm up
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  calls = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
+    for _ in range(calls):  # one at a time: several collectives in flight can deadlock XLA's CPU rendezvous
+      jax.block_until_ready(fn())
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times)
 
 
