@@ -308,7 +308,9 @@ def collective_seconds(devices: Sequence[Any], op: str, nbytes: int) -> float:
   }[op]
   out_spec = P() if op == "all_gather" else P("x")
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_spec, check_vma=False))
-  return _median_seconds(lambda: f(x), repeats=5)
+  # One call per sample: every process must run the same number of collectives
+  # (a window sized by each process's own timing would not agree).
+  return _median_seconds(lambda: f(x), repeats=5, min_seconds=0.0)
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
