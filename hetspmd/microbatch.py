@@ -67,6 +67,7 @@ class _StepContext:
   lockstep: bool  # every position runs max_count microbatches, padding masked
   uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
   calls: list  # appended to on every use, so the runtime can tell it happened
+  global_examples: int = 0  # examples per step over all positions (0: unknown)
 
 
 _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("hetspmd_step", default=None)
@@ -84,14 +85,26 @@ def step_context(ctx: _StepContext):
 # --- the objective: (numerator, normaliser, metric sums) -------------------------
 
 
-def _objective(fun: Callable[..., Any], has_aux: bool, examples: int) -> Callable[..., Any]:
-  """``fun`` → ``args -> (total, (weight, aux_totals, aux_weights))``."""
+def _objective(fun: Callable[..., Any], has_aux: bool, examples: int, share: float | None = None,
+               kinds: list | None = None) -> Callable[..., Any]:
+  """``fun`` → ``args -> (total, (weight, aux_totals, aux_weights))``.
+
+  A plain (mean) loss counts ``examples``; with ``share`` (the microbatch's
+  share of the step's examples, known when tracing) it is scaled by it
+  instead, so that the summed gradients are already the step's mean and need
+  no division pass. Whether the loss was ``weighted`` is appended to
+  ``kinds`` while tracing.
+  """
 
   def objective(*args, **kwargs):
     out = fun(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
+    if kinds is not None:
+      kinds.append(_is_weighted(loss))
     if _is_weighted(loss):
       total, weight = _wide(loss.total), _wide(loss.weight)
+    elif share is not None:
+      total, weight = _wide(loss) * share, jnp.float32(share)
     else:  # float32 at least, so that loss × examples cannot overflow float16
       total, weight = _wide(loss) * examples, jnp.float32(examples)
     aux_totals, aux_weights = _split_aux(aux, examples)
@@ -115,9 +128,13 @@ def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:
   return (jax.tree.map(totals, aux, is_leaf=_is_weighted), jax.tree.map(weights, aux, is_leaf=_is_weighted))
 
 
-def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, grad_dtypes=None):
-  loss = total / weight
-  grads = jax.tree.map(lambda g: g / weight, grads)  # divide in the accumulation dtype, then narrow
+def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, grad_dtypes=None, normalised=False):
+  """The step's loss, gradients (and aux); ``normalised``: total and gradients are already means."""
+  if normalised:
+    loss = total
+  else:
+    loss = total / weight
+    grads = jax.tree.map(lambda g: g / weight, grads)  # divide in the accumulation dtype, then narrow
   if grad_dtypes is not None:
     grads = _narrow(grads, grad_dtypes)
   if has_aux:
@@ -200,7 +217,9 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   reduce = (lambda tree: tree) if single else (lambda tree: jax.lax.psum(tree, axis))
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = jax.checkpoint(fun) if ctx.remat else fun
-  objective = _objective(loss_fun, has_aux, ctx.microbatch)
+  share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
+  kinds: list[bool] = []
+  objective = _objective(loss_fun, has_aux, ctx.microbatch, share, kinds)
   vg = jax.value_and_grad(objective, argnums, has_aux=True)
 
   def rebuild(arrays, microbatch):
@@ -247,7 +266,8 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   arrays = [flat[i] for i in positions]
   buffers = [flat[i] for i in batch_positions]
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
-  return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums))
+  normalised = share is not None and not any(kinds)
+  return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums), normalised)
 
 
 def _widen(tree: Any) -> Any:

@@ -245,7 +245,7 @@ class ParallelStep:
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
                          plan.microbatch, plan.remat == "full", (plan.data_size * plan.max_count, plan.microbatch),
                          lockstep,
-                         plan.max_count if plan.is_uniform else None, calls)
+                         plan.max_count if plan.is_uniform else None, calls, plan.global_batch)
       with step_context(ctx):
         new_state, metrics = fn(state, data)
       if not calls:
