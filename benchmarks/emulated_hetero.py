@@ -94,7 +94,7 @@ WORKER = textwrap.dedent("""
                                        counts=(total_microbatches // 2, total_microbatches - total_microbatches // 2)),
         "hetspmd (weighted)": plan_from(evaluate(
             cluster, profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2)),
-            (0, 1), microbatch, 0, False, global_batch, lambda kinds, costs: balanced_counts(kinds, costs, total_microbatches),
+            (0, 1), microbatch, 0, "none", global_batch, lambda kinds, costs: balanced_counts(kinds, costs, total_microbatches),
             "weighted"), cluster, state),
         "hetspmd (by step rate)": hs.plan_for(cluster, state, global_batch=global_batch, microbatch=microbatch,
                                               counts=hs.plan.proportional_counts([float(s[1]) for s in speeds],

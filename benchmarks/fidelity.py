@@ -59,7 +59,7 @@ def main() -> None:
     if name not in profiles:
       profiles[name] = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2))
     positions = tuple(range(cluster.num_devices))
-    predicted = evaluate(cluster, profiles[name], positions, microbatch, 0, False, batch, counts, "fidelity")
+    predicted = evaluate(cluster, profiles[name], positions, microbatch, 0, "none", batch, counts, "fidelity")
     plan = plan_from(predicted, cluster, workload.abstract_state())
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
     state = step.shard_state(workload.init_state(0))

@@ -61,7 +61,7 @@ def main() -> None:
     print(f"{preset:<17} {name:<12} {batch:>5} {best.throughput / result.ideal_throughput:10.1%} {speedups} "
           f"{best.throughput / data_only.throughput:12.2f} {best.comm_seconds / best.step_seconds:6.0%} "
           f"{seconds:9.2f}  {best.name}, mb {best.microbatch}, "
-          f"ZeRO-{best.zero_stage}, remat {'on' if best.remat else 'off'}; tensor parallel: "
+          f"ZeRO-{best.zero_stage}, remat {best.remat}; tensor parallel: "
           f"{best.tensor_parallel.description}")
 
 

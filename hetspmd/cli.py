@@ -207,7 +207,7 @@ def _run_search(args: argparse.Namespace) -> int:
 
 def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
   counts = _counts_summary(p.kinds, p.counts)
-  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {'on' if p.remat else 'off':>5} "
+  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>5} "
           f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
           f"{_si(max(p.memory_bytes), 'B'):>9}  {counts}{suffix}")
 

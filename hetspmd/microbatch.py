@@ -62,7 +62,7 @@ class _StepContext:
   batch_leaf_ids: frozenset[int]
   counts: Any  # int32[data positions], sharded over the data axis
   microbatch: int
-  remat: bool
+  remat: str  # plan remat policy: "none", "dots" or "full"
   buffer_dims: tuple[int, int]  # leading dims of every batch buffer: (positions * max_count, microbatch)
   lockstep: bool  # every position runs max_count microbatches, padding masked
   uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
@@ -216,7 +216,7 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   single = ctx.mesh.shape[axis] == 1
   reduce = (lambda tree: tree) if single else (lambda tree: jax.lax.psum(tree, axis))
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
-  loss_fun = jax.checkpoint(fun) if ctx.remat else fun
+  loss_fun = _rematted(fun, ctx.remat)
   share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
   kinds: list[bool] = []
   objective = _objective(loss_fun, has_aux, ctx.microbatch, share, kinds)
@@ -268,6 +268,15 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
   normalised = share is not None and not any(kinds)
   return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums), normalised)
+
+
+def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:
+  """``fun`` under the plan's remat policy (see :data:`hetspmd.plan.REMAT_POLICIES`)."""
+  if policy == "full":
+    return jax.checkpoint(fun)
+  if policy == "dots":
+    return jax.checkpoint(fun, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return fun
 
 
 def _widen(tree: Any) -> Any:

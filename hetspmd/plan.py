@@ -32,7 +32,9 @@ from hetspmd.mesh import HetMesh, enumerate_layouts
 
 SCHEMA_VERSION = 1
 ZERO_STAGES = (0, 1, 3)
-REMAT_POLICIES = ("none", "full")
+# none; dots: save the outputs of matmuls without batch dimensions, recompute
+# the rest of the forward pass; full: recompute the whole forward pass.
+REMAT_POLICIES = ("none", "dots", "full")
 
 SpecEntry = None | str | tuple[str, ...]
 Spec = tuple[SpecEntry, ...]

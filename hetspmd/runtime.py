@@ -243,7 +243,7 @@ class ParallelStep:
     def step(state, data, counts):
       calls: list = []
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
-                         plan.microbatch, plan.remat == "full", (plan.data_size * plan.max_count, plan.microbatch),
+                         plan.microbatch, plan.remat, (plan.data_size * plan.max_count, plan.microbatch),
                          lockstep,
                          plan.max_count if plan.is_uniform else None, calls, plan.global_batch)
       with step_context(ctx):

@@ -17,7 +17,8 @@ search tries every candidate of
   keeps the fastest that fits;
 * microbatch size: divisors of the global batch;
 * ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
-  and remat off or on;
+  and remat: none, ``dots`` (weight-matmul outputs saved, the rest of the
+  forward pass recomputed) or ``full``;
 
 prunes those that overflow a device's memory, and for the rest chooses the
 integer microbatch count of every data position: minimise the slowest
@@ -60,10 +61,10 @@ from hetspmd.devices import Link
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
+from hetspmd.plan import REMAT_POLICIES
 
 ZERO_STAGES = (0, 1, 3)
-REMAT_COMPUTE = 4.0 / 3.0     # one extra forward pass
-REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat
+REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat (layer inputs, workspace)
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
@@ -99,7 +100,7 @@ class Evaluated:
   microbatch: int
   counts: tuple[int, ...]             # per data position
   zero_stage: int
-  remat: bool
+  remat: str                          # a plan remat policy: "none", "dots" or "full"
   compute_seconds: float              # slowest position, tensor-parallel collectives included
   comm_seconds: float                 # gradient reduction over data
   memory_bytes: tuple[int, ...]       # per device
@@ -182,13 +183,23 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float,
   return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent)
 
 
-def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: bool,
+def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
+  """Share of a microbatch's activation bytes a remat policy keeps."""
+  if remat == "none":
+    return 1.0
+  if remat == "full":
+    return REMAT_ACTIVATIONS
+  whole = profile.activation.at(microbatch)
+  return min(1.0, REMAT_ACTIVATIONS + profile.saved.at(microbatch) / whole) if whole > 0 else 1.0
+
+
+def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
                       tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """Bytes on every device of a plan with ``n`` data positions."""
   params = profile.param_bytes * tp.param_share / (n if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share / (n if zero_stage >= 1 else 1)
-  activations = profile.activation.at(microbatch) * tp.activation_share * (REMAT_ACTIVATIONS if remat else 1.0)
+  activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)
   return int((params + grads + optimizer + activations) * WORKSPACE)
 
 
@@ -352,6 +363,7 @@ class _Costing:
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
     self._assessed: dict[tuple, strategy_ilp.Solution] = {}
+    self._remat: dict[tuple[str, int, str], float] = {}
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
     key = (kind, microbatch)
@@ -378,8 +390,17 @@ class _Costing:
       self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
     return self._frontiers[m]
 
-  def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: bool, zero: int, n: int) -> _KindCost:
-    remat_factor = REMAT_COMPUTE if remat else 1.0
+  def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:
+    """Compute with the policy's recomputation over compute without."""
+    key = (kind, microbatch, remat)
+    if key not in self._remat:
+      plain = float(self.node_seconds(kind, microbatch).sum())
+      again = self.profile.recompute_seconds(self.specs[kind], microbatch, remat)
+      self._remat[key] = 1.0 + again / plain if plain > 0 else 1.0
+    return self._remat[key]
+
+  def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
+    remat_factor = self.remat_factor(kind, microbatch, remat)
     fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
     if tp.m == 1:
@@ -406,7 +427,7 @@ def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Sol
 # --- evaluation ------------------------------------------------------------------------
 
 
-def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: bool,
+def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
               global_batch: int, counts_rule: Any, name: str) -> Evaluated | None:
   n = len(layout.groups)
   total = global_batch // microbatch
@@ -455,7 +476,7 @@ def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, spe
 
 
 def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
-             remat: bool, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
+             remat: str, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
              name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL) -> Evaluated | None:
   """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
   costing = _Costing(cluster, profile, microbatch)
@@ -537,7 +558,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     elif bucket not in best or e.step_seconds < best[bucket].step_seconds:
       best[bucket] = e
 
-  def fastest_fitting(layout: _Layout, microbatch: int, zero: int, remat: bool, rule: Any, name: str,
+  def fastest_fitting(layout: _Layout, microbatch: int, zero: int, remat: str, rule: Any, name: str,
                       bucket: str | None) -> None:
     """The layout's candidates with every tensor-parallel choice that fits (the leanest if none does)."""
     choices = costing.choices(layout.m)
@@ -556,7 +577,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       layouts = {name: layout_of(name, positions, m) for name, positions in sets.items()}
       suffix = "" if m == 1 else f", model {m}"
       for zero in ZERO_STAGES:
-        for remat in (False, True):
+        for remat in REMAT_POLICIES:
           for set_name, layout in layouts.items():
             fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
           if m == 1:
@@ -596,7 +617,7 @@ def _overflow_message(cluster: Cluster, overflow: Sequence[Evaluated]) -> str:
   over = worst[1] - spec.memory_bytes
   split = f", model axis {smallest.model}" if smallest.model > 1 else ""
   return (f"no plan fits: even the smallest candidate (microbatch {smallest.microbatch}, ZeRO-{smallest.zero_stage}, "
-          f"remat {'on' if smallest.remat else 'off'}{split}) needs {worst[1] / 2**30:.2f} GiB on a {spec.name} with "
+          f"remat {smallest.remat}{split}) needs {worst[1] / 2**30:.2f} GiB on a {spec.name} with "
           f"{spec.memory_bytes / 2**30:.2f} GiB, {over / 2**30:.2f} GiB ({over:,} bytes) too much. "
           "What would fit: more devices (ZeRO-3 splits parameters and optimizer state over them), "
           "a smaller global batch or sequence, or devices with more memory.")
@@ -661,7 +682,7 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
   return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
               state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims)),
-              zero_stage=evaluated.zero_stage, remat="full" if evaluated.remat else "none",
+              zero_stage=evaluated.zero_stage, remat=evaluated.remat,
               device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
               predicted_per_position=per_position)
 

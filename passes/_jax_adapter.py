@@ -114,6 +114,15 @@ def module_path(eqn: Equation, prefix: str = "") -> str:
   return join_paths(prefix, normalise_name_stack(str(eqn.source_info.name_stack)))
 
 
+def phase(eqn: Equation) -> str:
+  """``"backward"`` for an equation of a transposed (gradient) pass, ``"forward"`` for one of a
+  differentiated function's forward pass, ``""`` when the name stack says neither."""
+  text = str(eqn.source_info.name_stack)
+  if "transpose(" in text:
+    return "backward"
+  return "forward" if "jvp(" in text else ""
+
+
 def normalise_name_stack(text: str) -> str:
   text = _TRANSFORM_WRAPPER.sub("", text).replace(")", "")
   # jnp.einsum names its call after the subscripts ("bqhd,bkhd->bhqk").

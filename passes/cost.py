@@ -103,6 +103,9 @@ class StepProfile:
   matmul: np.ndarray           # bool per node
   low_precision: np.ndarray    # bool per node
   counts: np.ndarray           # executions per step
+  forward: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))   # bool per node
+  saveable: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # forward matmuls without batch dims
+  saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
   # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
@@ -123,6 +126,19 @@ class StepProfile:
   def microbatch_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
     """Forward and backward of one microbatch on one device of kind ``spec``."""
     return self._seconds(spec, microbatch, ~self.per_step)
+
+  def recompute_seconds(self, spec: DeviceSpec, batch: float, policy: str) -> float:
+    """Forward work a remat policy runs again in the backward pass of one microbatch.
+
+    ``full`` recomputes the whole forward pass; ``dots`` saves the outputs
+    of matmuls without batch dimensions (the weight matmuls, as
+    ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and
+    recomputes the rest (attention's batched matmuls, elementwise work).
+    """
+    if policy == "none" or not self.forward.size:
+      return 0.0
+    mask = self.forward & ~self.per_step & (~self.saveable if policy == "dots" else True)
+    return self._seconds(spec, batch, mask)
 
   def accumulate_seconds(self, spec: DeviceSpec) -> float:
     """Adding one microbatch's gradients into the float32 accumulator.
@@ -148,6 +164,10 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
     return np.stack([a - slope * small_batch, slope], axis=1)
 
   flops_fit = fit([n.flops for n in small.nodes], [n.flops for n in large.nodes])
+  forward = np.array([n.phase == "forward" for n in small.nodes], bool)
+  saveable = forward & np.array([n.primitive == "dot_general" and not n.param("dimension_numbers")[1][0]
+                                 for n in small.nodes], bool)
+  saved = [sum(g.nodes[i].outputs[0].nbytes * g.nodes[i].count for i in np.flatnonzero(saveable)) for g in (small, large)]
   bytes_fit = fit(fused_bytes(small), fused_bytes(large))
   return StepProfile(
       param_bytes=small.bytes_with_role(Role.PARAM),
@@ -161,6 +181,9 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
       low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
       counts=np.array([n.count for n in small.nodes], float),
+      forward=forward,
+      saveable=saveable,
+      saved=fit_linear(saved[0], saved[1], small_batch, large_batch),
       traces=(small, large),
       trace_batches=(small_batch, large_batch),
   )

@@ -84,6 +84,7 @@ class Node:
   location: str
   count: int = 1
   loops: tuple[int, ...] = ()
+  phase: str = ""  # "forward" / "backward" of a differentiated function, "" otherwise
 
   def replace(self, **changes: Any) -> "Node":
     return dataclasses.replace(self, **changes)

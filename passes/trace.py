@@ -88,6 +88,7 @@ class _Builder:
     self.loops: list[Loop] = []
     self.unknown: set[str] = set()
     self.num_consts = 0
+    self.phase = ""  # of the enclosing call: its body's equations may not say it themselves
 
   def graph(self, inputs: tuple[GraphInput, ...], outputs: tuple[GraphOutput, ...]) -> Graph:
     nodes = tuple(self.nodes)
@@ -128,13 +129,18 @@ class _Builder:
       raise UnpartitionableError(
           f"{name} in module {path or '(top level)'} at {jx.user_location(eqn)}: host callbacks and debug "
           "prints cannot be partitioned across devices; remove it from the step or move it outside")
-    body = jx.call_body(eqn)
-    if body is not None:
-      return self.run(body, ins, prefix=path, count=count, loops=loops)
-    structured = _STRUCTURED.get(name)
-    if structured is not None:
-      return structured(self, eqn, ins, path, count, loops)
-    return self.leaf(eqn, ins, path, count, loops)
+    enclosing = self.phase
+    self.phase = jx.phase(eqn) or enclosing
+    try:
+      body = jx.call_body(eqn)
+      if body is not None:
+        return self.run(body, ins, prefix=path, count=count, loops=loops)
+      structured = _STRUCTURED.get(name)
+      if structured is not None:
+        return structured(self, eqn, ins, path, count, loops)
+      return self.leaf(eqn, ins, path, count, loops)
+    finally:
+      self.phase = enclosing
 
   def leaf(self, eqn, ins: list[ValueRef], path: str, count: int, loops: tuple[int, ...]) -> list[ValueRef]:
     name = jx.primitive_name(eqn)
@@ -148,7 +154,7 @@ class _Builder:
         id=len(self.nodes), primitive=name, inputs=in_types, outputs=out_types, operands=tuple(ins),
         params=params, flops=cost.flops, transcendentals=cost.transcendentals, bytes_read=cost.bytes_read,
         bytes_written=cost.bytes_written, module_path=path, location=jx.user_location(eqn), count=count,
-        loops=loops)
+        loops=loops, phase=self.phase)
     self.nodes.append(node)
     return [ValueRef(Source.NODE, node.id, k) for k in range(len(out_types))]
 

@@ -100,7 +100,7 @@ def test_uneven_counts_on_a_shared_host_cost_the_same_total_work():
   shared = plain.replace(hosts=(dataclasses.replace(plain.hosts[0], alone_speedup=8.0),))
   positions = tuple(range(8))
   uneven = (8, 8, 4, 4, 2, 2, 2, 2)
-  compute = lambda c, counts: evaluate(c, profile, positions, 2, 0, False, 64, counts, "x").compute_seconds
+  compute = lambda c, counts: evaluate(c, profile, positions, 2, 0, "none", 64, counts, "x").compute_seconds
   assert compute(shared, uneven) == pytest.approx(compute(shared, (4,) * 8))
   # independent devices: the two devices with 8 microbatches set the pace
   assert compute(plain, uneven) > 1.5 * compute(plain, (4,) * 8)
@@ -118,3 +118,36 @@ def test_a_profiled_cpu_host_records_how_much_faster_a_device_runs_alone():
   assert host.alone_speedup == (1.0 if ratio < 1.5 else pytest.approx(min(ratio, 2.0)))
   for device in profile.devices:
     assert 0 < device.busy_copy_bandwidth and device.bandwidth == device.busy_copy_bandwidth
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+  w = models.get("gpt2-tiny")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+
+
+def test_trace_tells_forward_from_backward(gpt_profile):
+  graph = gpt_profile.traces[0]
+  dots = [n for n in graph.nodes if n.primitive == "dot_general"]
+  forward = [n for n in dots if n.phase == "forward"]
+  backward = [n for n in dots if n.phase == "backward"]
+  # every forward matmul has two in the backward pass (input and weight gradients)
+  assert len(forward) == 13 and len(backward) == 2 * len(forward)
+  # the optimizer update is outside the differentiated function: Adam's sqrt(nu), one per parameter
+  params = [i for i in graph.inputs if i.role is hs.Role.PARAM]
+  assert sum(n.primitive == "sqrt" and n.phase == "" for n in graph.nodes) == len(params)
+
+
+def test_remat_policies_trade_compute_for_activations(gpt_profile):
+  from hetspmd.search import activation_share
+
+  spec = DeviceSpec("x", 1e13, 1e13, 2**34, 1e11, measured=True)
+  mb = 8
+  whole = gpt_profile.microbatch_seconds(spec, mb)
+  dots, full = (gpt_profile.recompute_seconds(spec, mb, p) for p in ("dots", "full"))
+  assert gpt_profile.recompute_seconds(spec, mb, "none") == 0.0
+  assert 0 < dots < full < whole / 2  # the forward pass is about a third of forward + backward
+  shares = [activation_share(gpt_profile, mb, p) for p in ("full", "dots", "none")]
+  assert shares[0] < shares[1] < shares[2] == 1.0
+  # the saved weight-matmul outputs: (query/key/value, projection, two MLP) per layer and the logits
+  assert gpt_profile.saved.at(mb) > 0

@@ -85,6 +85,26 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
   assert kernel.sharding.mesh.shape == dict(zip(("data", "model"), shape))
 
 
+@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("shape,counts", [((8, 1), (3, 2, 2, 1, 1, 1, 1, 1)), ((4, 2), (3, 2, 2, 1))])
+def test_remat_policies_match_single_device(remat, shape, counts):
+  workload = _workload("gpt2-tiny")
+  global_batch = sum(counts) * 2
+  batches = [workload.synthetic_batch(seed=i, batch=global_batch) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+  state = workload.init_state(0)
+  plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=2, counts=counts,
+                     remat=remat)
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+                        global_batch=global_batch)
+  state, losses = _train(step, step.shard_state(state), batches)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_states_close(expected, _gathered(state))
+  assert f"remat {remat}" in step.explain()
+  # the policy reached the program: jax.checkpoint lowers its recomputation behind an optimization barrier
+  assert "optimization_barrier" in step.lower(step.shard_state(workload.init_state(0)), batches[0]).as_text()
+
+
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt2-tiny"])
 def test_single_data_position_with_a_model_axis_matches_single_device(name):
   require_devices(4)
