@@ -187,7 +187,8 @@ class ParallelStep:
       self._resolve(state)
     self._check_state(state, leaves, treedef)
     sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(treedef, state)(state, sharded.data, sharded.counts)
+    # The program takes the state's leaves: flattening a Flax state is costly and jit would do it again.
+    return self._executable(treedef, state)(leaves, sharded.data, sharded.counts)
 
   def lower(self, state: Any, batch: Any):
     """The ``jax.stages.Lowered`` program for ``state`` and ``batch``."""
@@ -214,9 +215,11 @@ class ParallelStep:
   def _build(self, state: Any):
     plan, mesh = self.plan, self._mesh
     shardings = plan.state_shardings(mesh, state)
+    treedef = jax.tree.structure(state)
     donate = (0,) if self.donate_state else ()
-    weighted = {mode: jax.jit(self._weighted_step(shardings, mode), donate_argnums=donate) for mode in (False, True)}
-    plain = jax.jit(self._plain_step(shardings), donate_argnums=donate)
+    weighted = {mode: jax.jit(_on_leaves(self._weighted_step(shardings, mode), treedef), donate_argnums=donate)
+                for mode in (False, True)}
+    plain = jax.jit(_on_leaves(self._plain_step(shardings), treedef), donate_argnums=donate)
 
     def run(*args):
       if not self._plain_grad:
@@ -231,8 +234,9 @@ class ParallelStep:
                         "(no per-device weighting, no microbatch accumulation)", stacklevel=3)
       return plain(*args)
 
-    def lower(*args):
-      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(*args)
+    def lower(state, data, counts):
+      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(jax.tree.leaves(state), data,
+                                                                                  counts)
 
     run.lower = lower
     return run
@@ -273,6 +277,15 @@ class ParallelStep:
       return jax.lax.with_sharding_constraint(new_state, shardings), metrics
 
     return step
+
+
+def _on_leaves(step: Callable[..., Any], treedef: Any) -> Callable[..., Any]:
+  """``step(state, data, counts)`` taking the state as its list of leaves."""
+
+  def on_leaves(leaves, data, counts):
+    return step(jax.tree.unflatten(treedef, leaves), data, counts)
+
+  return on_leaves
 
 
 # Collectives whose CPU/GPU rendezvous can span every device of the program,
