@@ -1,6 +1,6 @@
 """hetspmd's runtime overhead: one uniform plan vs hand-written jax.jit.
 
-    python benchmarks/overhead.py [--model gpt2-tiny] [--batch 64] [--layout 8,1] [--steps 21]
+    python benchmarks/overhead.py [--model gpt2-tiny] [--batch 64] [--layout 8,1] [--steps 41]
 
 Both run the same train step with the same state shardings and the batch
 split evenly over the data axis (one microbatch per position for hetspmd).
@@ -23,7 +23,7 @@ def main() -> None:
   parser.add_argument("--model", default="gpt2-tiny")
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--layout", default="8,1", help="data,model mesh shape")
-  parser.add_argument("--steps", type=int, default=21)
+  parser.add_argument("--steps", type=int, default=41)
   args = parser.parse_args()
 
   import jax
