@@ -5,7 +5,7 @@ import pytest
 
 from hetspmd import Cluster, models
 from hetspmd.devices import Link
-from hetspmd.passes import strategies, strategy_ilp
+from hetspmd.passes import propagation, strategies, strategy_ilp
 from hetspmd.passes.cost import LinearCost
 from hetspmd.search import profile_step, state_specs
 
@@ -148,13 +148,13 @@ def test_traffic_is_alpha_beta():
     ((2, 32, 64), (2, 2048), 2, 2, None),       # features the minor part of a merge: not contiguous
 ])
 def test_reshape_carries_a_split_where_it_can(in_shape, out_shape, dim, m, expected):
-  assert strategies.reshape_dim(in_shape, out_shape, dim, m) == expected
+  assert propagation.reshape_dim(in_shape, out_shape, dim, m) == expected
 
 
 def test_rule_tables_have_documented_defaults():
   assert set(strategies.SITE_RULES) == {"dot_general", "gather"}
-  assert strategies.PROPAGATION_RULES["add"] is strategies.PROPAGATION_RULES["mul"]
-  assert "sort" not in strategies.PROPAGATION_RULES  # default: all-gather and go on whole
+  assert propagation.PROPAGATION_RULES["add"] is propagation.PROPAGATION_RULES["mul"]
+  assert "sort" not in propagation.PROPAGATION_RULES  # default: all-gather and go on whole
 
 
 def test_state_specs_follow_the_choice_and_add_zero_over_data(mlp_profile):
