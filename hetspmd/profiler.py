@@ -244,16 +244,21 @@ def matmul_flops(device: Any, size: int, dtype: str) -> float:
   return 2.0 * size**3 / _median_seconds(lambda: f(a))
 
 
-def busy_matmul_flops(devices: Sequence[Any], size: int, dtype: str) -> float:
-  """Per-device FLOP/s with every device running its own matmul at once."""
+def _busy_seconds(devices: Sequence[Any], fn: Callable[[Any], Any], shape: tuple[int, ...], dtype: str) -> float:
+  """Median seconds of ``fn`` run by every device at once on its own ``shape`` array of ones."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
-  x = jax.device_put(jnp.ones((len(devices) * size, size), dtype), NamedSharding(mesh, P("d", None)))
-  f = jax.jit(jax.shard_map(lambda b: b @ b[:size].T, mesh=mesh, in_specs=P("d", None), out_specs=P("d", None)))
-  return 2.0 * size**3 / _median_seconds(lambda: f(x))
+  x = jax.device_put(jnp.ones((len(devices) * shape[0],) + shape[1:], dtype), NamedSharding(mesh, P("d")))
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+  return _median_seconds(lambda: f(x))
+
+
+def busy_matmul_flops(devices: Sequence[Any], size: int, dtype: str) -> float:
+  """Per-device FLOP/s with every device running its own matmul at once."""
+  return 2.0 * size**3 / _busy_seconds(devices, lambda b: b @ b.T, (size, size), dtype)
 
 
 def copy_bandwidth(device: Any, nbytes: int) -> float:
@@ -267,14 +272,7 @@ def copy_bandwidth(device: Any, nbytes: int) -> float:
 
 def busy_copy_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
   """Per-device copy bandwidth with every device copying its own array at once."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
-  x = jax.device_put(jnp.ones((len(devices) * (nbytes // 4),), jnp.float32), NamedSharding(mesh, P("d")))
-  f = jax.jit(jax.shard_map(lambda v: v + 1.0, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-  return 2.0 * nbytes / _median_seconds(lambda: f(x))
+  return 2.0 * nbytes / _busy_seconds(devices, lambda v: v + 1.0, (nbytes // 4,), "float32")
 
 
 def measure_device_spec(device: Any, name: str) -> DeviceSpec:

@@ -394,8 +394,9 @@ class _Costing:
     """Compute with the policy's recomputation over compute without."""
     key = (kind, microbatch, remat)
     if key not in self._remat:
-      plain = float(self.node_seconds(kind, microbatch).sum())
-      again = self.profile.recompute_seconds(self.specs[kind], microbatch, remat)
+      seconds = self.node_seconds(kind, microbatch)
+      plain = float(seconds.sum())
+      again = float(seconds[self.profile.recomputed(remat)].sum())
       self._remat[key] = 1.0 + again / plain if plain > 0 else 1.0
     return self._remat[key]
 

@@ -127,8 +127,8 @@ class StepProfile:
     """Forward and backward of one microbatch on one device of kind ``spec``."""
     return self._seconds(spec, microbatch, ~self.per_step)
 
-  def recompute_seconds(self, spec: DeviceSpec, batch: float, policy: str) -> float:
-    """Forward work a remat policy runs again in the backward pass of one microbatch.
+  def recomputed(self, policy: str) -> np.ndarray:
+    """Per node: whether a remat policy runs it again in the backward pass of a microbatch.
 
     ``full`` recomputes the whole forward pass; ``dots`` saves the outputs
     of matmuls without batch dimensions (the weight matmuls, as
@@ -136,9 +136,12 @@ class StepProfile:
     recomputes the rest (attention's batched matmuls, elementwise work).
     """
     if policy == "none" or not self.forward.size:
-      return 0.0
-    mask = self.forward & ~self.per_step & (~self.saveable if policy == "dots" else True)
-    return self._seconds(spec, batch, mask)
+      return np.zeros(len(self.per_step), bool)
+    return self.forward & ~self.per_step & (~self.saveable if policy == "dots" else True)
+
+  def recompute_seconds(self, spec: DeviceSpec, batch: float, policy: str) -> float:
+    """Seconds of the forward work ``policy`` runs again for one microbatch."""
+    return self._seconds(spec, batch, self.recomputed(policy))
 
   def accumulate_seconds(self, spec: DeviceSpec) -> float:
     """Adding one microbatch's gradients into the float32 accumulator.

@@ -168,6 +168,9 @@ def logistic_rule(inputs, outputs, params) -> Cost:
   return Cost(3.0 * n, float(n), r, w)
 
 
+# Every primitive costed here as elementwise (one result element per input element).
+ELEMENTWISE_PRIMITIVES = frozenset(_ELEMENTWISE + _TRANSCENDENTAL + ("logistic", "erfc", "integer_pow"))
+
 # XLA expands erfc (jax.nn.gelu(approximate=False) computes through it) into a
 # rational approximation: 60 FLOPs and one exp per element in cost_analysis.
 ERFC_FLOPS = 60

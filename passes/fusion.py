@@ -25,17 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetspmd.passes.flops import ELEMENTWISE_PRIMITIVES
 from hetspmd.passes.ir import Graph, Source
 
-_ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign",
-    "floor", "ceil", "round", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
-    "not", "xor", "select_n", "convert_element_type", "clamp", "square", "nextafter",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
-    "clz", "real", "imag", "conj", "complex", "copysign", "reciprocal", "integer_pow",
-    "exp", "exp2", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "sqrt", "rsqrt",
-    "cbrt", "pow", "atan2", "erf", "erfc", "erf_inv", "logistic",
-})
 _SHAPE = frozenset({
     "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "concatenate",
     "pad", "rev", "iota", "copy", "copy_p", "stop_gradient", "pvary", "reduce_precision",
@@ -43,7 +35,7 @@ _SHAPE = frozenset({
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
 # Primitives a loop fusion can contain. Reductions fuse their producers but
 # end a kernel: their result is always materialized.
-FUSIBLE = _ELEMENTWISE | _SHAPE | REDUCTIONS
+FUSIBLE = ELEMENTWISE_PRIMITIVES | _SHAPE | REDUCTIONS
 
 
 def _joins(producer, consumer) -> bool:
