@@ -64,10 +64,9 @@ class ParallelStep:
   example_batch: Any = None
   _plan: Plan | None = None
   _mesh: Any = None
-  _compiled: dict = dataclasses.field(default_factory=dict)
+  _run: Callable[..., Any] | None = None  # the jitted step, built once the plan exists
   _plain_grad: bool = False
   _lockstep: bool | None = None  # decided from the first compiled program
-  _checked: set = dataclasses.field(default_factory=set)  # state signatures already validated
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -103,7 +102,7 @@ class ParallelStep:
       self._mesh = plan.mesh()
       self._plan = plan
     if state is not None:
-      self._check_state(state, *jax.tree.flatten(state))
+      self._plan.check_state(state)
     return self._plan
 
   def _search(self, cluster: Cluster, state: Any) -> Plan:
@@ -116,12 +115,6 @@ class ParallelStep:
                                 model_specs=dict(plan.state_specs))
       plan = plan.replace(state_specs=chosen)
     return plan
-
-  def _check_state(self, state: Any, leaves: list, treedef: Any) -> None:
-    signature = (treedef, tuple(np.shape(x) for x in leaves))
-    if signature not in self._checked:
-      self._plan.check_state(state)
-      self._checked.add(signature)
 
   # --- placing data ----------------------------------------------------------------
 
@@ -182,19 +175,15 @@ class ParallelStep:
   # --- running -------------------------------------------------------------------
 
   def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-    leaves, treedef = jax.tree.flatten(state)
-    if self._plan is None:
-      self._resolve(state)
-    self._check_state(state, leaves, treedef)
+    # The hot path is jit's own: the state is checked against the plan when jit traces it, once per
+    # structure and shapes, so a call adds no Python work over calling jax.jit directly.
     sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    # The program takes the state's leaves: flattening a Flax state is costly and jit would do it again.
-    return self._executable(treedef, state)(leaves, sharded.data, sharded.counts)
+    return self._executable(state)(state, sharded.data, sharded.counts)
 
   def lower(self, state: Any, batch: Any):
     """The ``jax.stages.Lowered`` program for ``state`` and ``batch``."""
-    self._resolve(state)
     sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(jax.tree.structure(state), state).lower(state, sharded.data, sharded.counts)
+    return self._executable(state).lower(state, sharded.data, sharded.counts)
 
   def explain(self) -> str:
     if self._plain_grad:
@@ -206,20 +195,17 @@ class ParallelStep:
       mode = "weighted microbatch accumulation (per-device trip counts)"
     return f"{self.plan.summary()}\n  execution: {mode}"
 
-  def _executable(self, treedef: Any, state: Any):
-    # Shapes were checked against the plan; jit itself keys on them.
-    if treedef not in self._compiled:
-      self._compiled[treedef] = self._build(state)
-    return self._compiled[treedef]
+  def _executable(self, state: Any):
+    if self._run is None:
+      self._resolve(state)
+      self._run = self._build()
+    return self._run
 
-  def _build(self, state: Any):
-    plan, mesh = self.plan, self._mesh
-    shardings = plan.state_shardings(mesh, state)
-    treedef = jax.tree.structure(state)
+  def _build(self):
+    plan = self.plan
     donate = (0,) if self.donate_state else ()
-    weighted = {mode: jax.jit(_on_leaves(self._weighted_step(shardings, mode), treedef), donate_argnums=donate)
-                for mode in (False, True)}
-    plain = jax.jit(_on_leaves(self._plain_step(shardings), treedef), donate_argnums=donate)
+    weighted = {mode: jax.jit(self._weighted_step(mode), donate_argnums=donate) for mode in (False, True)}
+    plain = jax.jit(self._plain_step(), donate_argnums=donate)
 
     def run(*args):
       if not self._plain_grad:
@@ -235,16 +221,16 @@ class ParallelStep:
       return plain(*args)
 
     def lower(state, data, counts):
-      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(jax.tree.leaves(state), data,
-                                                                                  counts)
+      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(state, data, counts)
 
     run.lower = lower
     return run
 
-  def _weighted_step(self, shardings: Any, lockstep: bool):
+  def _weighted_step(self, lockstep: bool):
     plan, mesh, fn = self.plan, self._mesh, self.fn
 
     def step(state, data, counts):
+      shardings = plan.state_shardings(mesh, state)  # checks the state against the plan, at trace time
       calls: list = []
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
                          plan.microbatch, plan.remat, (plan.data_size * plan.max_count, plan.microbatch),
@@ -258,13 +244,14 @@ class ParallelStep:
 
     return step
 
-  def _plain_step(self, shardings: Any):
+  def _plain_step(self):
     plan, mesh, fn = self.plan, self._mesh, self.fn
     valid = _valid_rows(plan)
     divisible = plan.global_batch % plan.data_size == 0
 
     def step(state, data, counts):
       del counts
+      shardings = plan.state_shardings(mesh, state)
 
       def flatten(x):
         x = x.reshape((-1,) + x.shape[2:])
@@ -277,15 +264,6 @@ class ParallelStep:
       return jax.lax.with_sharding_constraint(new_state, shardings), metrics
 
     return step
-
-
-def _on_leaves(step: Callable[..., Any], treedef: Any) -> Callable[..., Any]:
-  """``step(state, data, counts)`` taking the state as its list of leaves."""
-
-  def on_leaves(leaves, data, counts):
-    return step(jax.tree.unflatten(treedef, leaves), data, counts)
-
-  return on_leaves
 
 
 # Collectives whose CPU/GPU rendezvous can span every device of the program,

@@ -1,6 +1,8 @@
 """The weighted runtime against single-device training, over meshes and uneven counts."""
 
+import collections
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -63,6 +65,9 @@ CASES = [
     ("gpt2-tiny", (8, 1), (2, 2, 1, 1, 1, 1, 0, 0), 2),
     ("gpt2-tiny", (4, 2), (3, 3, 1, 1), 2),
     ("gpt2-tiny", (2, 4), (5, 3), 2),
+    # one microbatch per position: lowered as plain SPMD over the global batch
+    ("mlp-tiny", (8, 1), (1,) * 8, 2),
+    ("gpt2-tiny", (4, 2), (1, 1, 1, 1), 2),
 ]
 
 
@@ -86,7 +91,8 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
 
 
 @pytest.mark.parametrize("remat", ["dots", "full"])
-@pytest.mark.parametrize("shape,counts", [((8, 1), (3, 2, 2, 1, 1, 1, 1, 1)), ((4, 2), (3, 2, 2, 1))])
+@pytest.mark.parametrize("shape,counts", [((8, 1), (3, 2, 2, 1, 1, 1, 1, 1)), ((4, 2), (3, 2, 2, 1)),
+                                          ((4, 2), (1, 1, 1, 1))])
 def test_remat_policies_match_single_device(remat, shape, counts):
   workload = _workload("gpt2-tiny")
   global_batch = sum(counts) * 2
@@ -155,9 +161,10 @@ def _masked_loss(model, batch):
           {"masked_accuracy": hs.weighted(jnp.sum(correct * mask), jnp.sum(mask)), "mean_logit": jnp.mean(logits)})
 
 
-def test_token_masked_weighted_loss_is_exact():
+@pytest.mark.parametrize("counts", [(3, 2, 2, 1), (1, 1, 1, 1)])
+def test_token_masked_weighted_loss_is_exact(counts):
   workload = dataclasses.replace(_workload("gpt2-tiny"), loss=_masked_loss)
-  counts, microbatch = (3, 2, 2, 1), 2
+  microbatch = 2
   global_batch = sum(counts) * microbatch
   rng = np.random.default_rng(0)
   batches = []
@@ -201,10 +208,17 @@ def test_token_masked_weighted_loss_is_exact():
   assert_states_close(expected, _gathered(state))
 
 
-def test_uniform_plan_matches_plain_jit_with_same_shardings():
+def _ops(compiled) -> collections.Counter:
+  """HLO opcodes of a compiled program's entry computation."""
+  entry = compiled.as_text().split("\nENTRY")[1]
+  return collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", entry))
+
+
+@pytest.mark.parametrize("layout,counts", [((4, 2), (2, 2, 2, 2)), ((8, 1), (1,) * 8)])
+def test_uniform_plan_matches_plain_jit_with_same_shardings(layout, counts):
   workload = _workload("gpt2-tiny")
   state0 = workload.init_state(0)
-  plan = hs.plan_for(_cluster(), state0, global_batch=16, layout=(4, 2), microbatch=2, counts=(2, 2, 2, 2))
+  plan = hs.plan_for(_cluster(), state0, global_batch=16, layout=layout, microbatch=2, counts=counts)
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
                         global_batch=16, donate_state=False)
   state = step.shard_state(state0)
@@ -220,6 +234,10 @@ def test_uniform_plan_matches_plain_jit_with_same_shardings():
     plain_state, plain_metrics = plain(plain_state, jax.device_put(batch, batch_sharding))
     assert float(metrics["loss"]) == pytest.approx(float(plain_metrics["loss"]), rel=1e-5)
   assert_states_close(_gathered(plain_state), _gathered(state))
+  if counts[0] == 1:  # nothing to accumulate: the very program jax.jit makes
+    batch = workload.synthetic_batch(seed=0, batch=16)
+    assert _ops(step.lower(state, batch).compile()) == _ops(
+        plain.lower(plain_state, jax.device_put(batch, batch_sharding)).compile())
 
 
 def test_plain_jax_grad_still_runs_correctly_and_warns_once():
