@@ -235,6 +235,7 @@ def test_uniform_plan_matches_plain_jit_with_same_shardings(layout, counts):
     assert float(metrics["loss"]) == pytest.approx(float(plain_metrics["loss"]), rel=1e-5)
   assert_states_close(_gathered(plain_state), _gathered(state))
   if counts[0] == 1:  # nothing to accumulate: the very program jax.jit makes
+    assert "plain SPMD over the global batch" in step.explain()
     batch = workload.synthetic_batch(seed=0, batch=16)
     assert _ops(step.lower(state, batch).compile()) == _ops(
         plain.lower(plain_state, jax.device_put(batch, batch_sharding)).compile())
