@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
 
@@ -217,8 +217,6 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   reduce = (lambda tree: tree) if single else (lambda tree: jax.lax.psum(tree, axis))
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = _rematted(fun, ctx.remat)
-  if ctx.uniform_count == 1 and not ctx.lockstep:
-    return _global_batch(ctx, loss_fun, argnums, has_aux, flat, treedef, is_batch)
   share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
   kinds: list[bool] = []
   objective = _objective(loss_fun, has_aux, ctx.microbatch, share, kinds)
@@ -270,25 +268,6 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
   normalised = share is not None and not any(kinds)
   return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums), normalised)
-
-
-def _global_batch(ctx: _StepContext, loss_fun, argnums, has_aux, flat, treedef, is_batch):
-  """One microbatch on every position: nothing to weight or accumulate.
-
-  The step is plain SPMD data parallelism over the global batch, lowered by
-  XLA's partitioner alone, so the program is the one ``jax.jit`` makes: the
-  partitioner reduces each weight gradient where its dot is computed,
-  before autodiff's transpose, which a reduction after a ``shard_map`` cannot.
-  """
-  rows = NamedSharding(ctx.mesh, P(ctx.data_axis))
-  flat = [jax.lax.with_sharding_constraint(x.reshape((-1,) + x.shape[2:]), rows) if batch else x
-          for x, batch in zip(flat, is_batch)]
-  kinds: list[bool] = []
-  objective = _objective(loss_fun, has_aux, ctx.buffer_dims[0] * ctx.buffer_dims[1], 1.0, kinds)
-  args, kwargs = jax.tree.unflatten(treedef, flat)
-  (total, (weight, aux_t, aux_w)), grads = jax.value_and_grad(objective, argnums, has_aux=True)(*args, **kwargs)
-  return _finish(total, weight, aux_t, aux_w, _widen(grads), has_aux, _grad_dtypes(flat, treedef, argnums),
-                 normalised=not any(kinds))
 
 
 def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:

@@ -191,8 +191,6 @@ class ParallelStep:
     elif self._lockstep:
       mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
               "(XLA placed a collective-permute or all-to-all inside the loop)")
-    elif self.plan.is_uniform and self.plan.max_count == 1:
-      mode = "one microbatch per position: plain SPMD over the global batch, as jax.jit would run it"
     else:
       mode = "weighted microbatch accumulation (per-device trip counts)"
     return f"{self.plan.summary()}\n  execution: {mode}"
