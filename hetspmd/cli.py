@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
   profile = sub.add_parser(
       "profile", help="measure this machine's devices and links and write a cluster file",
       description="Measure every visible JAX device (matmul FLOP/s in float32 and bfloat16, alone and with "
-      "all devices busy; memory copy bandwidth) and the collectives between them (all-reduce, all-gather, "
+      "all devices busy; memory copy bandwidth alone and busy, read bandwidth busy) and the collectives between them (all-reduce, all-gather, "
       "reduce-scatter over message sizes, fitted to alpha + beta * bytes). With jax.distributed initialised "
       "every process measures its own devices.",
       epilog="Cluster spec grammar used by --cluster elsewhere: " + _GRAMMAR)
@@ -139,11 +139,12 @@ def _run_profile(args: argparse.Namespace) -> int:
     print(json.dumps({**result.to_json(), "cluster": cluster.describe()}, indent=2))
     return 0
   print(f"measured {len(result.devices)} {result.backend} device(s) in {result.seconds:.1f} s")
-  print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy alone':>11} {'copy busy':>11} {'memory':>9}")
+  print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy alone':>11} {'copy busy':>11} {'read busy':>11} {'memory':>9}")
   for d in result.devices:
     print(f"{d.id:>6} {d.kind:<10} {_si(d.peak('float32', busy=False), 'FLOP/s'):>15} "
           f"{_si(d.peak('float32'), 'FLOP/s'):>15} {_si(d.peak('bfloat16'), 'FLOP/s'):>15} "
-          f"{_si(d.copy_bandwidth, 'B/s'):>11} {_si(d.bandwidth, 'B/s'):>11} {_si(d.memory_bytes, 'B'):>9}")
+          f"{_si(d.copy_bandwidth, 'B/s'):>11} {_si(d.bandwidth, 'B/s'):>11} {_si(d.busy_read_bandwidth, 'B/s'):>11} "
+          f"{_si(d.memory_bytes, 'B'):>9}")
   for fit in result.collectives:
     print(f"{fit.op:<15} over {fit.group_size} ({fit.axis}): alpha {fit.alpha * 1e6:.1f} us, "
           f"{_si(1 / fit.beta if fit.beta else float('inf'), 'B/s')} asymptotic")

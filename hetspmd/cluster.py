@@ -362,7 +362,7 @@ def to_toml(cluster: Cluster) -> str:
     lines += ["", "[[hosts]]"] + _table(fields)
     lines += ["[hosts.intra]"] + _table(dataclasses.asdict(host.intra))
   for kind in cluster.kinds:
-    spec = dataclasses.asdict(cluster.spec_of(kind))
+    spec = {k: v for k, v in dataclasses.asdict(cluster.spec_of(kind)).items() if v is not None}
     del spec["name"]
     lines += ["", f"[devices.{_toml_value(kind)}]"] + _table(spec)
   return "\n".join(lines) + "\n"

@@ -34,7 +34,13 @@ class DeviceSpec:
     fp32_flops: dense fp32 peak, FLOP/s.
     bf16_flops: dense bf16/fp16 peak (tensor cores), FLOP/s.
     memory_bytes: device memory, bytes.
-    memory_bandwidth: device memory bandwidth, bytes/s.
+    memory_bandwidth: device memory bandwidth, bytes/s, as a copy counts it
+      (bytes read plus bytes written, per second).
+    read_bandwidth: bytes/s a read-only pass (a reduction) reaches; ``None``:
+      the same as ``memory_bandwidth``. Where writes cost more than reads
+      (write-allocate caches), a copy's rate understates reads; the cost
+      model then times reads at this rate and writes at
+      :attr:`write_bandwidth`.
     measured: True when the numbers come from :func:`hetspmd.profile`.
   """
 
@@ -44,6 +50,7 @@ class DeviceSpec:
   memory_bytes: int
   memory_bandwidth: float
   measured: bool = False
+  read_bandwidth: float | None = None
 
   def __post_init__(self):
     if not self.name or not isinstance(self.name, str):
@@ -52,9 +59,24 @@ class DeviceSpec:
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
+    read = self.read_bandwidth
+    if read is not None and (not isinstance(read, (int, float)) or not math.isfinite(read)
+                             or read <= self.memory_bandwidth / 2):
+      raise InvalidValueError(
+          f"DeviceSpec {self.name!r}: read_bandwidth must be a number above half the copy bandwidth "
+          f"({self.memory_bandwidth / 2:.4g} bytes/s: a copy reads and writes every byte), got {read!r}")
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def reads_per_second(self) -> float:
+    return self.read_bandwidth or self.memory_bandwidth
+
+  @property
+  def write_bandwidth(self) -> float:
+    """Bytes/s written, from a copy's rate less its reads: ``2/copy = 1/read + 1/write``."""
+    return 1.0 / (2.0 / self.memory_bandwidth - 1.0 / self.reads_per_second)
 
   def peak_flops(self, dtype: str = "float32") -> float:
     """Dense peak for ``dtype`` (``float32``; ``bfloat16``/``float16``)."""

@@ -54,6 +54,7 @@ class DeviceMeasurement:
   copy_bandwidth: float  # bytes/s, alone
   memory_bytes: int
   busy_copy_bandwidth: float = 0.0  # bytes/s per device, every device copying at once (0: not measured)
+  busy_read_bandwidth: float = 0.0  # bytes/s per device, every device summing an array at once (0: not measured)
 
   @property
   def bandwidth(self) -> float:
@@ -107,6 +108,7 @@ class Profile:
         memory_bytes=min(d.memory_bytes for d in members),
         memory_bandwidth=min(d.bandwidth for d in members),
         measured=True,
+        read_bandwidth=_read_bandwidth(members),
     )
 
   def link(self, name: str) -> Link | None:
@@ -275,6 +277,21 @@ def busy_copy_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
   return 2.0 * nbytes / _busy_seconds(devices, lambda v: v + 1.0, (nbytes // 4,), "float32")
 
 
+def busy_read_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
+  """Per-device read bandwidth with every device summing its own array at once."""
+  import jax.numpy as jnp
+
+  return nbytes / _busy_seconds(devices, lambda v: jnp.sum(v, keepdims=True), (nbytes // 4,), "float32")
+
+
+def _read_bandwidth(members: Sequence[DeviceMeasurement]) -> float | None:
+  """The kind's read bandwidth for :class:`DeviceSpec`; ``None`` when unmeasured or not above the copy rate."""
+  if not all(d.busy_read_bandwidth for d in members):
+    return None
+  read = min(d.busy_read_bandwidth for d in members)
+  return read if read > min(d.bandwidth for d in members) else None
+
+
 def measure_device_spec(device: Any, name: str) -> DeviceSpec:
   """A quick spec of one device alone (for kinds without a preset)."""
   key = _platform_key(device)
@@ -368,7 +385,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
   key = _platform_key(local[0])
   sizes = _MATMUL_SIZES[key]
   groups = _axis_groups(devices, mesh)
-  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local) + 1
+  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local) + 2
   total += len(groups) * len(COLLECTIVES) * len(message_bytes)
   bar = _Progress(total, progress)
 
@@ -379,6 +396,8 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
       bar.step(f"matmul {dtype} {size} on {len(local)} devices at once")
   busy_bandwidth = busy_copy_bandwidth(local, _COPY_BYTES[key])
   bar.step(f"memory copy on {len(local)} devices at once")
+  busy_read = busy_read_bandwidth(local, _COPY_BYTES[key])
+  bar.step(f"memory read on {len(local)} devices at once")
   measurements = []
   for d in local:
     alone = {}
@@ -391,7 +410,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
     bar.step(f"memory copy on device {d.id}")
     measurements.append(DeviceMeasurement(
         d.id, _kind_name(d), d.process_index, {k: tuple(v) for k, v in alone.items()},
-        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth))
+        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth, busy_read))
   fits = tuple(_fit_collective(g, op, axis, tuple(message_bytes), bar) for axis, g in groups for op in COLLECTIVES)
   measurements = _gather_across_processes(measurements)
   return Profile(tuple(measurements), fits, local[0].platform, jax.process_count(), time.perf_counter() - start)

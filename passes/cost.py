@@ -1,8 +1,10 @@
 """Cost model: per-device compute time and live memory of a traced step.
 
 Compute is a roofline per node: ``max(FLOPs / (peak × efficiency),
-bytes / (bandwidth × efficiency))``, bytes counted after XLA-style loop
-fusion (:mod:`hetspmd.passes.fusion`), with the peak for the node's dtype
+(bytes read / read bandwidth + bytes written / write bandwidth) /
+efficiency)``, bytes counted after XLA-style loop fusion
+(:mod:`hetspmd.passes.fusion`; the two bandwidths are
+:class:`~hetspmd.devices.DeviceSpec`'s, equal unless profiled), with the peak for the node's dtype
 (bf16/fp16 peaks for low-precision contractions) and efficiencies from
 :data:`EFFICIENCY` for datasheet specs; measured specs (``hetspmd
 profile``) already hold achieved rates, so their efficiency is 1.
@@ -27,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from hetspmd.devices import DeviceSpec
-from hetspmd.passes.fusion import fused_bytes
+from hetspmd.passes.fusion import fused_traffic
 from hetspmd.passes.ir import Graph, Role, Source
 
 # Fraction of the datasheet peak reached in practice, per kind of work.
@@ -99,7 +101,8 @@ class StepProfile:
   flops: LinearCost            # FLOPs per step at a given batch
   per_step: np.ndarray         # bool per node
   flops_fit: np.ndarray        # [nodes, 2]: a, b
-  bytes_fit: np.ndarray        # [nodes, 2]
+  reads_fit: np.ndarray        # [nodes, 2]: bytes read, after fusion
+  writes_fit: np.ndarray       # [nodes, 2]: bytes written
   matmul: np.ndarray           # bool per node
   low_precision: np.ndarray    # bool per node
   counts: np.ndarray           # executions per step
@@ -114,10 +117,11 @@ class StepProfile:
   def node_seconds(self, spec: DeviceSpec, batch: float) -> np.ndarray:
     """Seconds of every node (all its executions in one step) at ``batch``."""
     flops = self.flops_fit[:, 0] + self.flops_fit[:, 1] * batch
-    nbytes = self.bytes_fit[:, 0] + self.bytes_fit[:, 1] * batch
+    reads = self.reads_fit[:, 0] + self.reads_fit[:, 1] * batch
+    writes = self.writes_fit[:, 0] + self.writes_fit[:, 1] * batch
     peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
-    memory = nbytes / (spec.memory_bandwidth * _efficiency(spec, "memory"))
+    memory = (reads / spec.reads_per_second + writes / spec.write_bandwidth) / _efficiency(spec, "memory")
     return np.maximum(compute, memory) * self.counts
 
   def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
@@ -149,7 +153,7 @@ class StepProfile:
     XLA fuses the add into the gradient's producer (a GEMM that adds into
     its output), so the extra traffic is one read of the accumulator.
     """
-    return ACCUMULATOR_BYTES * self.param_count / (spec.memory_bandwidth * _efficiency(spec, "memory"))
+    return ACCUMULATOR_BYTES * self.param_count / (spec.reads_per_second * _efficiency(spec, "memory"))
 
   def step_fixed_seconds(self, spec: DeviceSpec) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""
@@ -171,16 +175,18 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
   saveable = forward & np.array([n.primitive == "dot_general" and not n.param("dimension_numbers")[1][0]
                                  for n in small.nodes], bool)
   saved = [sum(g.nodes[i].outputs[0].nbytes * g.nodes[i].count for i in np.flatnonzero(saveable)) for g in (small, large)]
-  bytes_fit = fit(fused_bytes(small), fused_bytes(large))
+  (reads_small, writes_small), (reads_large, writes_large) = fused_traffic(small), fused_traffic(large)
+  reads_fit, writes_fit = fit(reads_small, reads_large), fit(writes_small, writes_large)
   return StepProfile(
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
       param_count=small.elements_with_role(Role.PARAM),
       activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
-      per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(bytes_fit[:, 1]) < 1e-12),
+      per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12),
       flops_fit=flops_fit,
-      bytes_fit=bytes_fit,
+      reads_fit=reads_fit,
+      writes_fit=writes_fit,
       matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
       low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
       counts=np.array([n.count for n in small.nodes], float),

@@ -78,8 +78,8 @@ def kernels(graph: Graph) -> list[int]:
   return [_find(parent, i) for i in range(len(nodes))]
 
 
-def fused_bytes(graph: Graph) -> np.ndarray:
-  """Bytes each node moves per execution once fusible nodes are fused into kernels.
+def fused_traffic(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
+  """Bytes each node reads and writes per execution once fusible nodes are fused into kernels.
 
   A kernel reads each value made outside it (or a step input) once,
   attributed to the first of its nodes that reads it; it writes the
@@ -90,20 +90,24 @@ def fused_bytes(graph: Graph) -> np.ndarray:
   kept = materialized(graph)
   kernel = kernels(graph)
   read: set[tuple[int, Source, int, int]] = set()
-  out = np.zeros(len(nodes))
+  reads, writes = np.zeros(len(nodes)), np.zeros(len(nodes))
   for node in nodes:
     if node.primitive not in FUSIBLE:
-      out[node.id] = node.bytes_read + node.bytes_written
+      reads[node.id], writes[node.id] = node.bytes_read, node.bytes_written
       continue
     k = kernel[node.id]
-    nbytes = 0
     for ref, t in zip(node.operands, node.inputs):
       if ref.source is Source.LITERAL or (ref.source is Source.NODE and kernel[ref.index] == k):
         continue
       key = (k, ref.source, ref.index, ref.output)
       if key not in read:
         read.add(key)
-        nbytes += t.nbytes
-    nbytes += sum(t.nbytes for j, t in enumerate(node.outputs) if (node.id, j) in kept)
-    out[node.id] = nbytes
-  return out
+        reads[node.id] += t.nbytes
+    writes[node.id] = sum(t.nbytes for j, t in enumerate(node.outputs) if (node.id, j) in kept)
+  return reads, writes
+
+
+def fused_bytes(graph: Graph) -> np.ndarray:
+  """Bytes each node moves (reads and writes) per execution after fusion; see :func:`fused_traffic`."""
+  reads, writes = fused_traffic(graph)
+  return reads + writes

@@ -161,12 +161,15 @@ def test_toml_round_trip_is_exact(tmp_path, name):
   assert Cluster.load(path) == cluster
 
 
-def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path):
-  mine = DeviceSpec("Odd", 1.2345678901234e13, 3.3e13, 12345678901, 7.77e11, measured=True)
+@pytest.mark.parametrize("read_bandwidth", [None, 2.345e12])
+def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path, read_bandwidth):
+  mine = DeviceSpec("Odd", 1.2345678901234e13, 3.3e13, 12345678901, 7.77e11, measured=True,
+                    read_bandwidth=read_bandwidth)
   cluster = Cluster.parse("2x2xOdd+2xT4;inter=3.3Gbps", devices={"Odd": mine}).replace(
       jax_device_ids=(5, 4, 3, 2, 1, 0))
   cluster.save(tmp_path / "c.toml")
   assert Cluster.load(tmp_path / "c.toml") == cluster
+  assert ("read_bandwidth" in (tmp_path / "c.toml").read_text()) == (read_bandwidth is not None)
 
 
 def test_toml_round_trip_keeps_shared_compute(tmp_path):

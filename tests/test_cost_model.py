@@ -11,7 +11,8 @@ import pytest
 import hetspmd as hs
 from hetspmd import Cluster, models
 from hetspmd.devices import DeviceSpec
-from hetspmd.passes.fusion import fused_bytes, kernels
+from hetspmd.passes.fusion import fused_bytes, fused_traffic, kernels
+from hetspmd.passes.cost import step_profile
 from hetspmd.search import evaluate, profile_step, shared_finish_times
 
 N = 1024  # float32 elements: 4 KiB per vector
@@ -27,6 +28,32 @@ def test_an_elementwise_chain_reads_its_inputs_once_and_writes_its_result():
   assert len(set(kernels(graph))) == 1
   assert fused_bytes(graph).sum() == 3 * KIB4  # read p and g, write the result
   assert _unfused(graph).sum() > 3 * fused_bytes(graph).sum()
+
+
+def test_fused_traffic_splits_reads_from_writes():
+  graph = hs.trace(lambda p, g: p - 0.1 * (g * g + jnp.sqrt(g * g + 1.0)), *[jax.ShapeDtypeStruct((N,), jnp.float32)] * 2)
+  reads, writes = fused_traffic(graph)
+  assert (reads.sum(), writes.sum()) == (2 * KIB4, KIB4)
+  np.testing.assert_array_equal(reads + writes, fused_bytes(graph))
+
+
+@pytest.mark.parametrize("read_ratio", [1.0, 1.5, 3.0, 10.0])
+def test_reads_and_writes_are_timed_at_their_own_rates(read_ratio):
+  copy = 1e9
+  spec = DeviceSpec("x", 1e15, 1e15, 2**34, copy, measured=True,
+                    read_bandwidth=None if read_ratio == 1.0 else read_ratio * copy)
+  # a copy of n bytes (n read, n written) takes 2n / copy, whatever the split
+  assert 1 / spec.reads_per_second + 1 / spec.write_bandwidth == pytest.approx(2 / copy)
+  assert spec.write_bandwidth <= copy <= spec.reads_per_second
+  # a sum over a batch of vectors reads the batch and writes one float
+  small, large = (hs.trace(jnp.sum, jax.ShapeDtypeStruct((b, N), jnp.float32)) for b in (2, 4))
+  profile = step_profile(small, large, 2, 4)
+  assert profile.node_seconds(spec, 8).sum() == pytest.approx(8 * KIB4 / spec.reads_per_second + 4 / spec.write_bandwidth)
+
+
+def test_a_read_bandwidth_below_half_the_copy_rate_is_refused():
+  with pytest.raises(hs.InvalidValueError, match="read_bandwidth must be a number above half the copy bandwidth"):
+    DeviceSpec("x", 1e12, 1e12, 2**34, 1e9, read_bandwidth=4e8)
 
 
 def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
@@ -118,6 +145,11 @@ def test_a_profiled_cpu_host_records_how_much_faster_a_device_runs_alone():
   assert host.alone_speedup == (1.0 if ratio < 1.5 else pytest.approx(min(ratio, 2.0)))
   for device in profile.devices:
     assert 0 < device.busy_copy_bandwidth and device.bandwidth == device.busy_copy_bandwidth
+    assert device.busy_read_bandwidth > 0
+  spec = profile.device_spec(profile.devices[0].kind)
+  # a read-only pass faster than a copy's rate is kept; otherwise reads and writes share the copy's rate
+  fastest_read = min(d.busy_read_bandwidth for d in profile.devices)
+  assert spec.read_bandwidth == (fastest_read if fastest_read > spec.memory_bandwidth else None)
 
 
 @pytest.fixture(scope="module")
