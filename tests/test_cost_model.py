@@ -183,3 +183,14 @@ def test_remat_policies_trade_compute_for_activations(gpt_profile):
   assert shares[0] < shares[1] < shares[2] == 1.0
   # the saved weight-matmul outputs: (query/key/value, projection, two MLP) per layer and the logits
   assert gpt_profile.saved.at(mb) > 0
+
+
+def test_remat_counts_recomputed_matmuls_and_reductions_not_fused_elementwise_work(gpt_profile):
+  nodes = gpt_profile.traces[0].nodes
+  full, dots = gpt_profile.recomputed("full"), gpt_profile.recomputed("dots")
+  forward_dots = [n.id for n in nodes if n.primitive == "dot_general" and n.phase == "forward"]
+  batched = [i for i in forward_dots if nodes[i].param("dimension_numbers")[1][0]]  # attention's two per layer
+  assert len(batched) == 4 and all(full[i] for i in forward_dots) and [i for i in forward_dots if dots[i]] == batched
+  assert any(full[n.id] for n in nodes if n.primitive == "reduce_max")  # softmax and loss maxima: own kernels
+  elementwise = [n.id for n in nodes if n.phase == "forward" and n.primitive in ("add", "mul", "tanh", "exp")]
+  assert elementwise and not any(full[i] or dots[i] for i in elementwise)
