@@ -6,7 +6,7 @@ Two processes with one CPU device each, pinned to separate cores with
 ``taskset`` and joined by ``jax.distributed`` (gloo on 127.0.0.1). A busy
 loop pinned to the second core (it stops by itself after
 ``--slowdown-seconds``) makes that device slower. Each process measures its
-own device with the profiler (matmul FLOP/s and copy bandwidth); the
+own device with the profiler (matmul FLOP/s, copy and read bandwidth); the
 weighted plan splits microbatches by the cost model's time on those specs.
 Printed side by side, from one run:
 
@@ -58,7 +58,7 @@ WORKER = textwrap.dedent("""
     device = jax.local_devices()[0]
 
     # This device's speed, measured under whatever load it has.
-    spec = profiler.measure_device_spec(device, f"cpu{rank}")  # matmul FLOP/s and copy bandwidth
+    spec = profiler.measure_device_spec(device, f"cpu{rank}")  # matmul FLOP/s, copy and read bandwidth
     # Its own throughput (examples/s) on the step's gradient work, for the ideal bound.
     from flax import nnx
     graphdef = workload.graphdef()
@@ -82,10 +82,11 @@ WORKER = textwrap.dedent("""
       t = time.perf_counter(); st, m = alone(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
     alone_rate = batch / statistics.median(times)
     del st, sb
-    speeds = multihost_utils.process_allgather(np.array([spec.fp32_flops, rate, alone_rate, spec.memory_bandwidth]))
+    speeds = multihost_utils.process_allgather(np.array([spec.fp32_flops, rate, alone_rate, spec.memory_bandwidth,
+                                                         spec.read_bandwidth or 0.0]))
 
     custom = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", float(speeds[i][0]), float(speeds[i][0]), 2**30, float(speeds[i][3]),
-                                       measured=True) for i in range(2)}
+                                       measured=True, read_bandwidth=float(speeds[i][4]) or None) for i in range(2)}
     cluster = hs.Cluster.emulate(jax.devices(), kinds=["cpu0", "cpu1"], custom=custom)
     global_batch = batch
     total_microbatches = global_batch // microbatch
@@ -103,7 +104,7 @@ WORKER = textwrap.dedent("""
     host_batch = workload.synthetic_batch(7, batch=global_batch)
     mine = lambda plan: slice(0, plan.examples_per_position()[0]) if rank == 0 else slice(plan.examples_per_position()[0], None)
     result = {"speeds_flops": [float(s[0]) for s in speeds], "rates": [float(s[1]) for s in speeds],
-              "bandwidths": [float(s[3]) for s in speeds],
+              "bandwidths": [float(s[3]) for s in speeds], "read_bandwidths": [float(s[4]) for s in speeds],
               "alone_rates": [float(s[2]) for s in speeds]}
     for name, plan in plans.items():
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=global_batch)
@@ -159,7 +160,8 @@ def main() -> None:
         f"microbatch {args.microbatch}")
   print(f"measured matmul speed: device 0 {result['speeds_flops'][0] / 1e9:.1f} GFLOP/s, "
         f"device 1 {result['speeds_flops'][1] / 1e9:.1f} GFLOP/s (ratio {result['speeds_flops'][1] / result['speeds_flops'][0]:.2f}); "
-        f"copy bandwidth {result['bandwidths'][0] / 1e9:.1f} and {result['bandwidths'][1] / 1e9:.1f} GB/s")
+        f"copy bandwidth {result['bandwidths'][0] / 1e9:.1f} and {result['bandwidths'][1] / 1e9:.1f} GB/s, "
+        f"read {result['read_bandwidths'][0] / 1e9:.1f} and {result['read_bandwidths'][1] / 1e9:.1f} GB/s (0: not above copy)")
   print(f"measured gradient throughput alone: {rates[0]:.0f} and {rates[1]:.0f} examples/s; "
         f"whole step alone: {alone_rates[0]:.0f} and {alone_rates[1]:.0f} examples/s")
   print(f"{'plan':22} {'counts':>10} {'median step s':>14} {'of ideal':>9} {'of step ideal':>14} {'speedup vs DP-EV':>17}")

@@ -272,6 +272,16 @@ def copy_bandwidth(device: Any, nbytes: int) -> float:
   return 2.0 * nbytes / _median_seconds(lambda: f(x))
 
 
+def read_bandwidth(device: Any, nbytes: int) -> float:
+  """Bytes/s of a read-only pass (a sum) over ``nbytes`` on ``device`` alone."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+  f = jax.jit(jnp.sum)
+  return nbytes / _median_seconds(lambda: f(x))
+
+
 def busy_copy_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
   """Per-device copy bandwidth with every device copying its own array at once."""
   return 2.0 * nbytes / _busy_seconds(devices, lambda v: v + 1.0, (nbytes // 4,), "float32")
@@ -296,13 +306,15 @@ def measure_device_spec(device: Any, name: str) -> DeviceSpec:
   """A quick spec of one device alone (for kinds without a preset)."""
   key = _platform_key(device)
   size = _MATMUL_SIZES[key][-1]
+  copy, read = copy_bandwidth(device, _COPY_BYTES[key]), read_bandwidth(device, _COPY_BYTES[key])
   return DeviceSpec(
       name=name,
       fp32_flops=matmul_flops(device, size, "float32"),
       bf16_flops=matmul_flops(device, size, "bfloat16"),
       memory_bytes=_memory_bytes(device),
-      memory_bandwidth=copy_bandwidth(device, _COPY_BYTES[key]),
+      memory_bandwidth=copy,
       measured=True,
+      read_bandwidth=read if read > copy else None,
   )
 
 
