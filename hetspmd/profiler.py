@@ -108,7 +108,7 @@ class Profile:
         memory_bytes=min(d.memory_bytes for d in members),
         memory_bandwidth=min(d.bandwidth for d in members),
         measured=True,
-        read_bandwidth=_read_bandwidth(members),
+        read_bandwidth=_kind_read_bandwidth(members),
     )
 
   def link(self, name: str) -> Link | None:
@@ -294,7 +294,7 @@ def busy_read_bandwidth(devices: Sequence[Any], nbytes: int) -> float:
   return nbytes / _busy_seconds(devices, lambda v: jnp.sum(v, keepdims=True), (nbytes // 4,), "float32")
 
 
-def _read_bandwidth(members: Sequence[DeviceMeasurement]) -> float | None:
+def _kind_read_bandwidth(members: Sequence[DeviceMeasurement]) -> float | None:
   """The kind's read bandwidth for :class:`DeviceSpec`; ``None`` when unmeasured or not above the copy rate."""
   if not all(d.busy_read_bandwidth for d in members):
     return None
