@@ -171,8 +171,22 @@ def abstract_rngs(seed: int = 0) -> nnx.Rngs:
   rngs = nnx.Rngs(seed)
   for stream in vars(rngs).values():
     if isinstance(stream, nnx.RngStream):
-      stream.count.set_raw_value(np.zeros(stream.count.shape, np.uint32))
+      stream.count.set_raw_value(np.zeros(stream.count.shape, np.uint32).view(_CopiedOnRead))
   return rngs
+
+
+class _CopiedOnRead(np.ndarray):
+  """A NumPy counter whose reads are copies.
+
+  An ``RngStream`` draw reads its counter, hands the value to ``fold_in``,
+  then increments the counter in place. JAX may read a NumPy argument
+  without copying it, after the call has returned (dispatch is
+  asynchronous), so with a plain array an eager draw could fold in the
+  incremented count.
+  """
+
+  def __getitem__(self, index):
+    return np.array(np.asarray(self)[index])
 
 
 @functools.cache
