@@ -38,9 +38,9 @@ class DeviceSpec:
       (bytes read plus bytes written, per second).
     read_bandwidth: bytes/s a read-only pass (a reduction) reaches; ``None``:
       the same as ``memory_bandwidth``. Where writes cost more than reads
-      (write-allocate caches), a copy's rate understates reads; the cost
-      model then times reads at this rate and writes at
-      :attr:`write_bandwidth`.
+      (on CPUs, a program's fresh output pages fault in on first write), a
+      copy's rate understates reads; the cost model then times reads at
+      :attr:`read_rate` and writes at :attr:`write_rate`.
     measured: True when the numbers come from :func:`hetspmd.profile`.
   """
 
@@ -70,13 +70,14 @@ class DeviceSpec:
     return dataclasses.replace(self, **changes)
 
   @property
-  def reads_per_second(self) -> float:
+  def read_rate(self) -> float:
+    """Bytes/s read: ``read_bandwidth``, else the copy rate."""
     return self.read_bandwidth or self.memory_bandwidth
 
   @property
-  def write_bandwidth(self) -> float:
+  def write_rate(self) -> float:
     """Bytes/s written, from a copy's rate less its reads: ``2/copy = 1/read + 1/write``."""
-    return 1.0 / (2.0 / self.memory_bandwidth - 1.0 / self.reads_per_second)
+    return 1.0 / (2.0 / self.memory_bandwidth - 1.0 / self.read_rate)
 
   def peak_flops(self, dtype: str = "float32") -> float:
     """Dense peak for ``dtype`` (``float32``; ``bfloat16``/``float16``)."""

@@ -122,7 +122,7 @@ class StepProfile:
     writes = self.writes_fit[:, 0] + self.writes_fit[:, 1] * batch
     peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
-    memory = (reads / spec.reads_per_second + writes / spec.write_bandwidth) / _efficiency(spec, "memory")
+    memory = (reads / spec.read_rate + writes / spec.write_rate) / _efficiency(spec, "memory")
     return np.maximum(compute, memory) * self.counts
 
   def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
@@ -161,7 +161,7 @@ class StepProfile:
     XLA fuses the add into the gradient's producer (a GEMM that adds into
     its output), so the extra traffic is one read of the accumulator.
     """
-    return ACCUMULATOR_BYTES * self.param_count / (spec.reads_per_second * _efficiency(spec, "memory"))
+    return ACCUMULATOR_BYTES * self.param_count / (spec.read_rate * _efficiency(spec, "memory"))
 
   def step_fixed_seconds(self, spec: DeviceSpec) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""

@@ -43,12 +43,12 @@ def test_reads_and_writes_are_timed_at_their_own_rates(read_ratio):
   spec = DeviceSpec("x", 1e15, 1e15, 2**34, copy, measured=True,
                     read_bandwidth=None if read_ratio == 1.0 else read_ratio * copy)
   # a copy of n bytes (n read, n written) takes 2n / copy, whatever the split
-  assert 1 / spec.reads_per_second + 1 / spec.write_bandwidth == pytest.approx(2 / copy)
-  assert spec.write_bandwidth <= copy <= spec.reads_per_second
+  assert 1 / spec.read_rate + 1 / spec.write_rate == pytest.approx(2 / copy)
+  assert spec.write_rate <= copy <= spec.read_rate
   # a sum over a batch of vectors reads the batch and writes one float
   small, large = (hs.trace(jnp.sum, jax.ShapeDtypeStruct((b, N), jnp.float32)) for b in (2, 4))
   profile = step_profile(small, large, 2, 4)
-  assert profile.node_seconds(spec, 8).sum() == pytest.approx(8 * KIB4 / spec.reads_per_second + 4 / spec.write_bandwidth)
+  assert profile.node_seconds(spec, 8).sum() == pytest.approx(8 * KIB4 / spec.read_rate + 4 / spec.write_rate)
 
 
 def test_a_read_bandwidth_below_half_the_copy_rate_is_refused():
