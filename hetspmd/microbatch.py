@@ -214,7 +214,12 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   # Over a data axis of one position the reduction is the identity; XLA's
   # partitioner also rejects an all-reduce over a manual axis of size 1.
   single = ctx.mesh.shape[axis] == 1
-  reduce = (lambda tree: tree) if single else (lambda tree: jax.lax.psum(tree, axis))
+  if single:
+    reduce = lambda tree: tree  # noqa: E731
+  elif ctx.mesh.size == ctx.mesh.shape[axis]:  # data parallel only: every leaf is whole on each device
+    reduce = lambda tree: bucketed_psum(tree, axis)  # noqa: E731
+  else:  # leaves split over the model axis would be gathered to be concatenated
+    reduce = lambda tree: jax.lax.psum(tree, axis)  # noqa: E731
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = _rematted(fun, ctx.remat)
   share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
@@ -268,6 +273,55 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
   normalised = share is not None and not any(kinds)
   return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums), normalised)
+
+
+# Small leaves are reduced together, concatenated into buckets of at most
+# BUCKET_BYTES: one all-reduce per bucket instead of one per leaf, as each
+# all-reduce pays a fixed latency (about 0.25 ms on 8 CPU devices, tens of
+# microseconds on GPUs) and a model has hundreds of small leaves (biases,
+# norms). Leaves above SMALL_LEAF_BYTES are reduced on their own: copying them
+# into and out of a bucket costs more than the latency it saves.
+SMALL_LEAF_BYTES = 2**20
+BUCKET_BYTES = 32 * 2**20
+
+
+def bucketed_psum(tree: Any, axis: str, small: int = SMALL_LEAF_BYTES, bucket_bytes: int = BUCKET_BYTES) -> Any:
+  """``jax.lax.psum(tree, axis)``, with small leaves of one dtype concatenated into buckets."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out: list[Any] = [None] * len(leaves)
+  sizes = [(jnp.result_type(x), int(np.size(x)) * jnp.result_type(x).itemsize) for x in leaves]
+  for bucket in buckets(sizes, small, bucket_bytes):
+    if len(bucket) == 1:
+      out[bucket[0]] = jax.lax.psum(leaves[bucket[0]], axis)
+      continue
+    flat = jax.lax.psum(jnp.concatenate([jnp.ravel(leaves[i]) for i in bucket]), axis)
+    offset = 0
+    for i in bucket:
+      size = int(np.size(leaves[i]))
+      out[i] = flat[offset:offset + size].reshape(np.shape(leaves[i]))
+      offset += size
+  return jax.tree.unflatten(treedef, out)
+
+
+def buckets(sizes: Sequence[tuple[Any, int]], small: int = SMALL_LEAF_BYTES, bucket_bytes: int = BUCKET_BYTES
+            ) -> list[list[int]]:
+  """How :func:`bucketed_psum` reduces leaves of ``(dtype, bytes)``: lists of leaf indices, one all-reduce each.
+
+  A large leaf is reduced alone; small ones are grouped by dtype, in order,
+  into runs of at most ``bucket_bytes``.
+  """
+  open_buckets: dict[Any, tuple[list[int], int]] = {}
+  done: list[list[int]] = []
+  for i, (dtype, nbytes) in enumerate(sizes):
+    if nbytes > small:
+      done.append([i])
+      continue
+    bucket, used = open_buckets.get(dtype, ([], 0))
+    if bucket and used + nbytes > bucket_bytes:
+      done.append(bucket)
+      bucket, used = [], 0
+    open_buckets[dtype] = (bucket + [i], used + nbytes)
+  return done + [bucket for bucket, _ in open_buckets.values()]
 
 
 def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:

@@ -59,6 +59,7 @@ import numpy as np
 from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.errors import HetSpmdError
+from hetspmd.microbatch import buckets
 from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
 from hetspmd.plan import REMAT_POLICIES
@@ -162,25 +163,45 @@ def _host_counts(cluster: Cluster, positions: Sequence[int]) -> dict[int, int]:
   return hosts
 
 
-def _ring_seconds(p: int, nbytes: float, link: Link) -> float:
-  return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency if p > 1 else 0.0
+def _ring_seconds(p: int, nbytes: float, link: Link, reductions: int = 1) -> float:
+  return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency * reductions if p > 1 else 0.0
 
 
-def _reduce_seconds(cluster: Cluster, hosts: dict[int, int], nbytes: float, concurrent: int = 1) -> float:
-  """All-reduce among ``hosts[h]`` participants per host; ``concurrent`` rings share each host's network link."""
+def _reduce_seconds(cluster: Cluster, hosts: dict[int, int], nbytes: float, concurrent: int = 1,
+                    reductions: int = 1) -> float:
+  """``reductions`` all-reduces of ``nbytes`` in all among ``hosts[h]`` participants per host.
+
+  ``concurrent`` rings share each host's network link; every all-reduce pays the links' latency.
+  """
   p = sum(hosts.values())
   if p < 2 or nbytes <= 0:
     return 0.0
   intra = min((cluster.hosts[h].intra for h in hosts), key=lambda l: l.bandwidth)
   if len(hosts) == 1:
-    return _ring_seconds(p, nbytes, intra)
+    return _ring_seconds(p, nbytes, intra, reductions)
   k = max(hosts.values())  # the busiest host bounds the in-host stages
-  return _ring_seconds(k, nbytes, intra) + _ring_seconds(len(hosts), nbytes * concurrent, cluster.inter)
+  return (_ring_seconds(k, nbytes, intra, reductions)
+          + _ring_seconds(len(hosts), nbytes * concurrent, cluster.inter, reductions))
 
 
-def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float, concurrent: int = 1,
+                      reductions: int = 1) -> float:
   """Gradient all-reduce over ``positions``: ring in a host, hierarchical across hosts."""
-  return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent)
+  return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent, reductions)
+
+
+def gradient_reductions(profile: StepProfile, model: int) -> int:
+  """All-reduces the runtime issues for the gradients (and the loss's sum and weight), per step.
+
+  Data parallel only, small leaves share buckets (:func:`hetspmd.microbatch.bucketed_psum`);
+  with a model axis every leaf is reduced on its own.
+  """
+  if not profile.param_leaf_sizes:
+    return 1
+  if model > 1:
+    return len(profile.param_leaf_sizes) + 2
+  sizes = [(np.float32, n * GRAD_BYTES) for n in profile.param_leaf_sizes] + [(np.float32, GRAD_BYTES)] * 2
+  return len(buckets(sizes))
 
 
 def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
@@ -201,13 +222,6 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   optimizer = profile.opt_state_bytes * tp.param_share / (n if zero_stage >= 1 else 1)
   activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)
   return int((params + grads + optimizer + activations) * WORKSPACE)
-
-
-def comm_seconds(cluster: Cluster, profile: StepProfile, positions: Sequence[int], zero_stage: int) -> float:
-  """Gradient reduction of a ``(data, 1)`` plan over ``positions``."""
-  reduce = allreduce_seconds(cluster, positions, profile.param_count * GRAD_BYTES)
-  # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
-  return reduce * (1.5 if zero_stage >= 3 else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +373,7 @@ class _Costing:
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
     self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
+    self.reductions = (gradient_reductions(profile, 1), gradient_reductions(profile, 2))  # by model > 1
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
@@ -448,7 +463,9 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   per_position = tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
   busiest = max(range(n), key=lambda i: per_position[i])
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
-  reduce = _reduce_seconds(cluster, layout.hosts, grads, tp.m) * (1.5 if zero >= 3 else 1.0)
+  # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
+  reduce = (_reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions[tp.m > 1])
+            * (1.5 if zero >= 3 else 1.0))
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
                    reduce, (memory,) * len(layout.devices), global_batch, tp,

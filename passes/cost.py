@@ -110,6 +110,7 @@ class StepProfile:
   saveable: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # forward matmuls without batch dims
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
+  param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
   # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
@@ -189,6 +190,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
       param_count=small.elements_with_role(Role.PARAM),
+      param_leaf_sizes=tuple(i.type.size for i in small.inputs_with_role(Role.PARAM)),
       activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
       per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12),
