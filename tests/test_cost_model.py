@@ -194,3 +194,15 @@ def test_remat_counts_recomputed_matmuls_and_reductions_not_fused_elementwise_wo
   assert any(full[n.id] for n in nodes if n.primitive == "reduce_max")  # softmax and loss maxima: own kernels
   elementwise = [n.id for n in nodes if n.phase == "forward" and n.primitive in ("add", "mul", "tanh", "exp")]
   assert elementwise and not any(full[i] or dots[i] for i in elementwise)
+
+
+def test_gradient_all_reduces_are_counted_as_the_runtime_issues_them(gpt_profile):
+  from hetspmd.search import allreduce_seconds, gradient_reductions
+
+  leaves = len(gpt_profile.param_leaf_sizes)
+  assert leaves == 28 and max(gpt_profile.param_leaf_sizes) * 4 <= 2**20
+  assert gradient_reductions(gpt_profile, 1) == 1            # every leaf is small: one bucket
+  assert gradient_reductions(gpt_profile, 2) == leaves + 2   # with a model axis: one per leaf, loss and weight
+  cluster = Cluster.parse("8xV100-32GB")
+  one, many = (allreduce_seconds(cluster, range(8), 1e6, reductions=r) for r in (1, 30))
+  assert many - one == pytest.approx(29 * 2 * 7 * cluster.hosts[0].intra.latency)
