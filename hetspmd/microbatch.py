@@ -215,12 +215,13 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   # Over a data axis of one position the reduction is the identity; XLA's
   # partitioner also rejects an all-reduce over a manual axis of size 1.
   single = ctx.mesh.shape[axis] == 1
-  if single:
-    reduce = lambda tree: tree  # noqa: E731
-  elif ctx.mesh.size == ctx.mesh.shape[axis]:  # data parallel only: every leaf is whole on each device
-    reduce = lambda tree: bucketed_psum(tree, axis)  # noqa: E731
-  else:  # leaves split over the model axis would be gathered to be concatenated
-    reduce = lambda tree: jax.lax.psum(tree, axis)  # noqa: E731
+
+  def reduce(tree):
+    if single:
+      return tree
+    if ctx.mesh.size == ctx.mesh.shape[axis]:  # data parallel only: every leaf is whole on each device
+      return bucketed_psum(tree, axis)
+    return jax.lax.psum(tree, axis)  # leaves split over the model axis would be gathered to be concatenated
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = _rematted(fun, ctx.remat)
   share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None

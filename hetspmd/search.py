@@ -373,12 +373,19 @@ class _Costing:
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
     self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
-    self.reductions = (gradient_reductions(profile, 1), gradient_reductions(profile, 2))  # by model > 1
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
     self._assessed: dict[tuple, strategy_ilp.Solution] = {}
     self._remat: dict[tuple[str, int, str], float] = {}
+    self._reductions: dict[bool, int] = {}
+
+  def reductions(self, model: int) -> int:
+    """All-reduces per step for the gradients (:func:`gradient_reductions`), by whether ``model > 1``."""
+    key = model > 1
+    if key not in self._reductions:
+      self._reductions[key] = gradient_reductions(self.profile, model)
+    return self._reductions[key]
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
     key = (kind, microbatch)
@@ -464,7 +471,7 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   busiest = max(range(n), key=lambda i: per_position[i])
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
   # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
-  reduce = (_reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions[tp.m > 1])
+  reduce = (_reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions(tp.m))
             * (1.5 if zero >= 3 else 1.0))
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
