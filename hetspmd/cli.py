@@ -139,12 +139,12 @@ def _run_profile(args: argparse.Namespace) -> int:
     print(json.dumps({**result.to_json(), "cluster": cluster.describe()}, indent=2))
     return 0
   print(f"measured {len(result.devices)} {result.backend} device(s) in {result.seconds:.1f} s")
-  print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy alone':>11} {'copy busy':>11} {'read busy':>11} {'memory':>9}")
+  print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy alone':>11} {'copy busy':>11} {'read busy':>11} {'cache write':>11} {'cache':>9} {'memory':>9}")
   for d in result.devices:
     print(f"{d.id:>6} {d.kind:<10} {_si(d.peak('float32', busy=False), 'FLOP/s'):>15} "
           f"{_si(d.peak('float32'), 'FLOP/s'):>15} {_si(d.peak('bfloat16'), 'FLOP/s'):>15} "
           f"{_si(d.copy_bandwidth, 'B/s'):>11} {_si(d.bandwidth, 'B/s'):>11} {_si(d.busy_read_bandwidth, 'B/s'):>11} "
-          f"{_si(d.memory_bytes, 'B'):>9}")
+          f"{_si(d.busy_cache_write_bandwidth, 'B/s'):>11} {_si(d.cache_bytes, 'B'):>9} {_si(d.memory_bytes, 'B'):>9}")
   for fit in result.collectives:
     print(f"{fit.op:<15} over {fit.group_size} ({fit.axis}): alpha {fit.alpha * 1e6:.1f} us, "
           f"{_si(1 / fit.beta if fit.beta else float('inf'), 'B/s')} asymptotic")

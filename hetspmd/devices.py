@@ -42,6 +42,12 @@ class DeviceSpec:
       copy's rate understates reads; the cost model then times reads at
       :attr:`read_rate` and writes at :attr:`write_rate`.
     measured: True when the numbers come from :func:`hetspmd.profile`.
+    cache_bytes: the largest value a kernel writes into cache rather than
+      memory (a core's private cache on CPUs); ``None``: no cache modelled.
+    cache_write_bandwidth: bytes/s written into a value of at most
+      ``cache_bytes`` whose memory the step has already touched (a
+      microbatch after the first reuses the first one's buffers). Set with
+      ``cache_bytes`` or not at all.
   """
 
   name: str
@@ -51,6 +57,8 @@ class DeviceSpec:
   memory_bandwidth: float
   measured: bool = False
   read_bandwidth: float | None = None
+  cache_bytes: int | None = None
+  cache_write_bandwidth: float | None = None
 
   def __post_init__(self):
     if not self.name or not isinstance(self.name, str):
@@ -65,6 +73,13 @@ class DeviceSpec:
       raise InvalidValueError(
           f"DeviceSpec {self.name!r}: read_bandwidth must be a number above half the copy bandwidth "
           f"({self.memory_bandwidth / 2:.4g} bytes/s: a copy reads and writes every byte), got {read!r}")
+    cache = (self.cache_bytes, self.cache_write_bandwidth)
+    if (cache[0] is None) != (cache[1] is None):
+      raise InvalidValueError(f"DeviceSpec {self.name!r}: give cache_bytes and cache_write_bandwidth together "
+                              f"(or neither), got cache_bytes={cache[0]!r}, cache_write_bandwidth={cache[1]!r}")
+    for field, value in zip(("cache_bytes", "cache_write_bandwidth"), cache):
+      if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+        raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     return dataclasses.replace(self, **changes)
@@ -78,6 +93,11 @@ class DeviceSpec:
   def write_rate(self) -> float:
     """Bytes/s written, from a copy's rate less its reads: ``2/copy = 1/read + 1/write``."""
     return 1.0 / (2.0 / self.memory_bandwidth - 1.0 / self.read_rate)
+
+  @property
+  def cached_write_rate(self) -> float:
+    """Bytes/s written into a touched value of at most :attr:`cache_bytes`; :attr:`write_rate` without a cache."""
+    return self.cache_write_bandwidth or self.write_rate
 
   def peak_flops(self, dtype: str = "float32") -> float:
     """Dense peak for ``dtype`` (``float32``; ``bfloat16``/``float16``)."""

@@ -39,6 +39,7 @@ from hetspmd.devices import DeviceSpec, Link
 
 _MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
 _COPY_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
+_CACHE_PROBE_BYTES = 2**20  # at most; half the private cache when that is smaller
 _MESSAGE_BYTES = tuple(4**k * 1024 for k in range(0, 7))  # 1 KiB .. 4 MiB per device
 _DTYPES = ("float32", "bfloat16")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -55,6 +56,8 @@ class DeviceMeasurement:
   memory_bytes: int
   busy_copy_bandwidth: float = 0.0  # bytes/s per device, every device copying at once (0: not measured)
   busy_read_bandwidth: float = 0.0  # bytes/s per device, every device summing an array at once (0: not measured)
+  cache_bytes: int = 0  # a core's private cache (CPU; 0: not known)
+  busy_cache_write_bandwidth: float = 0.0  # bytes/s per device into a cache-sized value in a loop (0: not measured)
 
   @property
   def bandwidth(self) -> float:
@@ -109,6 +112,7 @@ class Profile:
         memory_bandwidth=min(d.bandwidth for d in members),
         measured=True,
         read_bandwidth=_kind_read_bandwidth(members),
+        **_kind_cache(members),
     )
 
   def link(self, name: str) -> Link | None:
@@ -302,6 +306,77 @@ def _kind_read_bandwidth(members: Sequence[DeviceMeasurement]) -> float | None:
   return read if read > min(d.bandwidth for d in members) else None
 
 
+def _kind_cache(members: Sequence[DeviceMeasurement]) -> dict[str, Any]:
+  """``cache_bytes`` and ``cache_write_bandwidth`` for :class:`DeviceSpec`; empty unless measured on every member."""
+  if not all(d.cache_bytes and d.busy_cache_write_bandwidth for d in members):
+    return {}
+  return {"cache_bytes": min(d.cache_bytes for d in members),
+          "cache_write_bandwidth": min(d.busy_cache_write_bandwidth for d in members)}
+
+
+def private_cache_bytes(cpu: str = "/sys/devices/system/cpu/cpu0") -> int:
+  """Bytes of the largest data cache that one core of this CPU has to itself (Linux sysfs); 0 when unknown.
+
+  A cache is private when the CPUs sharing it are the core's own hardware
+  threads (``topology/thread_siblings_list``).
+  """
+  def read(*parts: str) -> str:
+    with open(os.path.join(cpu, *parts)) as f:
+      return f.read().strip()
+
+  try:
+    siblings = read("topology", "thread_siblings_list")
+    entries = sorted(os.listdir(os.path.join(cpu, "cache")))
+  except OSError:
+    return 0
+  best = 0
+  for entry in entries:
+    try:
+      kind, size, shared = read("cache", entry, "type"), read("cache", entry, "size"), read("cache", entry, "shared_cpu_list")
+    except OSError:
+      continue
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+    digits = size[:-1] if scale > 1 else size
+    if kind != "Instruction" and shared == siblings and digits.isdigit():
+      best = max(best, int(digits) * scale)
+  return best
+
+
+# Rows of the rank-k update that probes the cache write rate, and its k.
+_CACHE_PROBE_COLUMNS, _CACHE_PROBE_RANK = 512, 4
+
+
+def busy_cache_write_bandwidth(devices: Sequence[Any], nbytes: int, iterations: int = 8) -> float:
+  """Per-device bytes/s written into an ``nbytes`` value that stays in cache, every device at once.
+
+  Each device runs a loop of rank-4 updates of one float32 matrix (the
+  shape of a weight gradient at a small microbatch) that it carries from
+  one iteration to the next, so the matrix's memory is touched before the
+  timed iterations: the output's bytes over the time of one iteration
+  (the difference between ``2 × iterations`` and ``iterations``).
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  columns = _CACHE_PROBE_COLUMNS
+  rows = max(1, nbytes // 4 // columns)
+  mesh = Mesh(np.asarray(devices, dtype=object), ("d",))
+  acc = jax.device_put(jnp.zeros((len(devices) * rows, columns), jnp.float32), NamedSharding(mesh, P("d")))
+  a = jnp.full((_CACHE_PROBE_RANK, rows), 1e-3, jnp.float32)
+  b = jnp.ones((_CACHE_PROBE_RANK, columns), jnp.float32)
+
+  def program(count):
+    def body(i, m):
+      return m + jax.lax.dot_general(a * i.astype(jnp.float32), b, (((0,), (0,)), ((), ())))
+    return jax.jit(jax.shard_map(lambda m: jax.lax.fori_loop(0, count, body, m), mesh=mesh, in_specs=P("d"),
+                                 out_specs=P("d")))
+
+  short, long = program(iterations), program(2 * iterations)
+  seconds = (_median_seconds(lambda: long(acc)) - _median_seconds(lambda: short(acc))) / iterations
+  return rows * columns * 4 / seconds if seconds > 0 else 0.0
+
+
 def measure_device_spec(device: Any, name: str) -> DeviceSpec:
   """A quick spec of one device alone (for kinds without a preset)."""
   key = _platform_key(device)
@@ -397,7 +472,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
   key = _platform_key(local[0])
   sizes = _MATMUL_SIZES[key]
   groups = _axis_groups(devices, mesh)
-  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local) + 2
+  total = len(local) * len(sizes) * len(_DTYPES) + len(sizes) * len(_DTYPES) + len(local) + 3
   total += len(groups) * len(COLLECTIVES) * len(message_bytes)
   bar = _Progress(total, progress)
 
@@ -410,6 +485,9 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
   bar.step(f"memory copy on {len(local)} devices at once")
   busy_read = busy_read_bandwidth(local, _COPY_BYTES[key])
   bar.step(f"memory read on {len(local)} devices at once")
+  cache = private_cache_bytes() if key == "cpu" else 0
+  cache_write = busy_cache_write_bandwidth(local, min(cache // 2, _CACHE_PROBE_BYTES)) if cache else 0.0
+  bar.step(f"cache writes on {len(local)} devices at once")
   measurements = []
   for d in local:
     alone = {}
@@ -422,7 +500,8 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
     bar.step(f"memory copy on device {d.id}")
     measurements.append(DeviceMeasurement(
         d.id, _kind_name(d), d.process_index, {k: tuple(v) for k, v in alone.items()},
-        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth, busy_read))
+        {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth, busy_read, cache,
+        cache_write))
   fits = tuple(_fit_collective(g, op, axis, tuple(message_bytes), bar) for axis, g in groups for op in COLLECTIVES)
   measurements = _gather_across_processes(measurements)
   return Profile(tuple(measurements), fits, local[0].platform, jax.process_count(), time.perf_counter() - start)

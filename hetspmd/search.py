@@ -229,6 +229,11 @@ class _KindCost:
   micro: float  # seconds per microbatch
   fixed: float  # seconds per step
   model_comm: float = 0.0  # of micro: tensor-parallel collectives
+  first: float = 0.0  # seconds the first microbatch costs over a later one
+
+  def at(self, count: int) -> float:
+    """Seconds of a position with ``count`` microbatches."""
+    return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)
 
 
 # --- counts -------------------------------------------------------------------------
@@ -239,7 +244,8 @@ def milp_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -
 
   Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
   of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
-  ``z_k``; and the makespan ``T >= fixed_k + micro_k (c_k + z_k)``.
+  ``z_k``; and the makespan ``T >= fixed_k + micro_k (c_k + z_k)``, where
+  ``fixed_k`` includes the first microbatch's extra (:attr:`_KindCost.first`).
   """
   from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -260,7 +266,7 @@ def milp_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -
     rows.append(link), lower.append(-np.inf), upper.append(0)
     makespan = np.zeros(size)
     makespan[t_idx], makespan[c_idx(i)], makespan[z_idx(i)] = 1, -costs[k].micro, -costs[k].micro
-    rows.append(makespan), lower.append(costs[k].fixed), upper.append(np.inf)
+    rows.append(makespan), lower.append(costs[k].fixed + costs[k].first), upper.append(np.inf)
   objective = np.zeros(size)
   objective[t_idx] = 1
   integrality = np.ones(size)
@@ -291,12 +297,12 @@ def balanced_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: in
   floor((T - fixed_k) / micro_k)`` covers ``total``; then take the surplus,
   one microbatch at a time, from the kind whose busiest position finishes
   last. Counts within a kind differ by at most one, the first positions of a
-  kind taking the larger.
+  kind taking the larger. ``fixed_k`` includes the first microbatch's extra.
   """
   order = list(dict.fromkeys(kinds))
   n = {k: kinds.count(k) for k in order}
   micro = {k: max(costs[k].micro, 1e-300) for k in order}
-  fixed = {k: costs[k].fixed for k in order}
+  fixed = {k: costs[k].fixed + costs[k].first for k in order}
   rate = sum(n[k] / micro[k] for k in order)
   bound = max(max(fixed.values()), (total + sum(n[k] * fixed[k] / micro[k] for k in order)) / rate)
   top = {k: max(0, math.floor((bound - fixed[k]) / micro[k] * (1 - 1e-12))) for k in order}
@@ -379,6 +385,7 @@ class _Costing:
     self._assessed: dict[tuple, strategy_ilp.Solution] = {}
     self._remat: dict[tuple[str, int, str], float] = {}
     self._reductions: dict[bool, int] = {}
+    self._first: dict[tuple[str, int], float] = {}
 
   def reductions(self, model: int) -> int:
     """All-reduces per step for the gradients (:func:`gradient_reductions`), by whether ``model > 1``."""
@@ -412,6 +419,13 @@ class _Costing:
       self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
     return self._frontiers[m]
 
+  def first_extra(self, kind: str, microbatch: int) -> float:
+    """The first microbatch's extra seconds over a later one (writes to fresh memory), without tensor parallelism."""
+    key = (kind, microbatch)
+    if key not in self._first:
+      self._first[key] = self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch)
+    return self._first[key]
+
   def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:
     """Compute with the policy's recomputation over compute without."""
     key = (kind, microbatch, remat)
@@ -426,15 +440,18 @@ class _Costing:
     remat_factor = self.remat_factor(kind, microbatch, remat)
     fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
+    plain = float(self.node_seconds(kind, microbatch).sum())
+    first = self.first_extra(kind, microbatch) * remat_factor
     if tp.m == 1:
-      return _KindCost(float(self.node_seconds(kind, microbatch).sum()) * remat_factor + accumulate, fixed)
+      return _KindCost(plain * remat_factor + accumulate, fixed, first=first)
     key = (tp.m, tp.choice, kind, microbatch)
     if key not in self._assessed:
       self._assessed[key] = strategy_ilp.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
                                               self.links[kind], microbatch)
     solution = self._assessed[key]
+    share = solution.compute_seconds / plain if plain > 0 else 1.0
     return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds + accumulate, fixed,
-                     solution.comm_seconds)
+                     solution.comm_seconds, first * share)
 
 
 def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
@@ -458,7 +475,7 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
   if len(counts) != n or sum(counts) != total:
     return None
-  work = [costs[k].micro * c for k, c in zip(layout.kinds, counts)]
+  work = [costs[k].at(c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
   cluster = costing.cluster
   for h in layout.hosts:
     host = cluster.hosts[h]

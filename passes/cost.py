@@ -4,7 +4,12 @@ Compute is a roofline per node: ``max(FLOPs / (peak × efficiency),
 (bytes read / read bandwidth + bytes written / write bandwidth) /
 efficiency)``, bytes counted after XLA-style loop fusion
 (:mod:`hetspmd.passes.fusion`; the two bandwidths are
-:class:`~hetspmd.devices.DeviceSpec`'s, equal unless profiled), with the peak for the node's dtype
+:class:`~hetspmd.devices.DeviceSpec`'s, equal unless profiled). A
+microbatch after the first writes its values of at most the spec's
+``cache_bytes`` at its ``cache_write_bandwidth``: they land in cache, in
+memory the step has already touched; the first microbatch writes every value
+at the memory rate (on CPUs, a program's fresh pages fault in on first
+write). Each node uses the peak for its dtype
 (bf16/fp16 peaks for low-precision contractions) and efficiencies from
 :data:`EFFICIENCY` for datasheet specs; measured specs (``hetspmd
 profile``) already hold achieved rates, so their efficiency is 1.
@@ -29,7 +34,7 @@ from typing import Mapping
 import numpy as np
 
 from hetspmd.devices import DeviceSpec
-from hetspmd.passes.fusion import FUSIBLE, REDUCTIONS, fused_traffic
+from hetspmd.passes.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
 
 # Fraction of the datasheet peak reached in practice, per kind of work.
@@ -111,27 +116,45 @@ class StepProfile:
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
+  write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
   # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
   strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-  def node_seconds(self, spec: DeviceSpec, batch: float) -> np.ndarray:
-    """Seconds of every node (all its executions in one step) at ``batch``."""
+  def node_seconds(self, spec: DeviceSpec, batch: float, first: bool = False) -> np.ndarray:
+    """Seconds of every node (all its executions in one step) at ``batch``.
+
+    Per-microbatch nodes are costed as in a microbatch after the first
+    (values of at most ``spec.cache_bytes`` written at the cache rate);
+    ``first=True`` costs them as the step's first microbatch, whose every
+    write goes to memory. Per-step nodes (the optimizer update) always
+    write to memory.
+    """
     flops = self.flops_fit[:, 0] + self.flops_fit[:, 1] * batch
     reads = self.reads_fit[:, 0] + self.reads_fit[:, 1] * batch
     writes = self.writes_fit[:, 0] + self.writes_fit[:, 1] * batch
     peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
-    memory = (reads / spec.read_rate + writes / spec.write_rate) / _efficiency(spec, "memory")
+    write_rate = spec.write_rate
+    if not first and spec.cache_bytes is not None and len(self.write_sizes_fit):
+      largest = self.write_sizes_fit[:, 0] + self.write_sizes_fit[:, 1] * batch
+      write_rate = np.where(~self.per_step & (largest <= spec.cache_bytes), spec.cached_write_rate, spec.write_rate)
+    memory = (reads / spec.read_rate + writes / write_rate) / _efficiency(spec, "memory")
     return np.maximum(compute, memory) * self.counts
 
   def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
     return float(np.sum(self.node_seconds(spec, batch) * mask))
 
   def microbatch_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
-    """Forward and backward of one microbatch on one device of kind ``spec``."""
+    """Forward and backward of one microbatch (after the step's first) on one device of kind ``spec``."""
     return self._seconds(spec, microbatch, ~self.per_step)
+
+  def first_microbatch_extra_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
+    """What the step's first microbatch costs over a later one: its values are written to fresh memory."""
+    micro = ~self.per_step
+    first = float(np.sum(self.node_seconds(spec, microbatch, first=True) * micro))
+    return max(0.0, first - self.microbatch_seconds(spec, microbatch))
 
   def recomputed(self, policy: str) -> np.ndarray:
     """Per node: whether a remat policy runs it again in the backward pass of a microbatch.
@@ -186,11 +209,13 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
   saved = [sum(g.nodes[i].outputs[0].nbytes * g.nodes[i].count for i in np.flatnonzero(saveable)) for g in (small, large)]
   (reads_small, writes_small), (reads_large, writes_large) = fused_traffic(small), fused_traffic(large)
   reads_fit, writes_fit = fit(reads_small, reads_large), fit(writes_small, writes_large)
+  write_sizes_fit = fit(largest_written(small), largest_written(large))
   return StepProfile(
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
       param_count=small.elements_with_role(Role.PARAM),
       param_leaf_sizes=tuple(i.type.size for i in small.inputs_with_role(Role.PARAM)),
+      write_sizes_fit=write_sizes_fit,
       activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
       per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12),

@@ -107,6 +107,13 @@ def fused_traffic(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
   return reads, writes
 
 
+def largest_written(graph: Graph) -> np.ndarray:
+  """Per node, the bytes of the largest value it writes to memory per execution (0 when it writes none)."""
+  kept = materialized(graph)
+  return np.array([max((t.nbytes for j, t in enumerate(node.outputs) if (node.id, j) in kept), default=0)
+                   for node in graph.nodes], float)
+
+
 def fused_bytes(graph: Graph) -> np.ndarray:
   """Bytes each node moves (reads and writes) per execution after fusion; see :func:`fused_traffic`."""
   reads, writes = fused_traffic(graph)

@@ -163,15 +163,17 @@ def test_toml_round_trip_is_exact(tmp_path, name):
   assert Cluster.load(path) == cluster
 
 
-@pytest.mark.parametrize("read_bandwidth", [None, 2.345e12])
-def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path, read_bandwidth):
+@pytest.mark.parametrize("read_bandwidth,cache", [(None, None), (2.345e12, None), (2.345e12, (2097152, 1.8765e9))])
+def test_toml_round_trip_keeps_measured_and_custom_specs(tmp_path, read_bandwidth, cache):
   mine = DeviceSpec("Odd", 1.2345678901234e13, 3.3e13, 12345678901, 7.77e11, measured=True,
-                    read_bandwidth=read_bandwidth)
+                    read_bandwidth=read_bandwidth, cache_bytes=cache and cache[0], cache_write_bandwidth=cache and cache[1])
   cluster = Cluster.parse("2x2xOdd+2xT4;inter=3.3Gbps", devices={"Odd": mine}).replace(
       jax_device_ids=(5, 4, 3, 2, 1, 0))
   cluster.save(tmp_path / "c.toml")
   assert Cluster.load(tmp_path / "c.toml") == cluster
-  assert ("read_bandwidth" in (tmp_path / "c.toml").read_text()) == (read_bandwidth is not None)
+  text = (tmp_path / "c.toml").read_text()
+  assert ("read_bandwidth" in text) == (read_bandwidth is not None)
+  assert ("cache_bytes" in text) == ("cache_write_bandwidth" in text) == (cache is not None)
 
 
 def test_toml_round_trip_keeps_shared_compute(tmp_path):

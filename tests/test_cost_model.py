@@ -56,6 +56,70 @@ def test_a_read_bandwidth_below_half_the_copy_rate_is_refused():
     DeviceSpec("x", 1e12, 1e12, 2**34, 1e9, read_bandwidth=4e8)
 
 
+@pytest.mark.parametrize("fields,match", [
+    ({"cache_bytes": 2**20}, "give cache_bytes and cache_write_bandwidth together"),
+    ({"cache_write_bandwidth": 1e9}, "give cache_bytes and cache_write_bandwidth together"),
+    ({"cache_bytes": 0, "cache_write_bandwidth": 1e9}, "cache_bytes must be a positive number"),
+    ({"cache_bytes": 2**20, "cache_write_bandwidth": float("nan")}, "cache_write_bandwidth must be a positive number"),
+])
+def test_a_cache_needs_both_a_size_and_a_positive_rate(fields, match):
+  with pytest.raises(hs.InvalidValueError, match=match):
+    DeviceSpec("x", 1e12, 1e12, 2**34, 1e9, **fields)
+
+
+def _two_layer_profile(width: int):
+  """A dense layer pair traced at batches 2 and 4: its weight gradients are ``width × width`` float32 values."""
+  def step(w1, w2, x):
+    loss = lambda w1, w2: jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2))
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+  w = jax.ShapeDtypeStruct((width, width), jnp.float32)
+  small, large = (hs.trace(step, w, w, jax.ShapeDtypeStruct((b, width), jnp.float32)) for b in (2, 4))
+  return step_profile(small, large, 2, 4)
+
+
+@pytest.mark.parametrize("cache_bytes,width,cached", [
+    (None, 64, False),        # no cache modelled
+    (2**20, 64, True),        # 16 KiB weight gradients fit a 1 MiB cache
+    (2**20, 1024, False),     # 4 MiB ones do not
+    (2**24, 1024, True),      # ...but fit 16 MiB
+])
+def test_later_microbatches_write_cache_sized_values_at_the_cache_rate(cache_bytes, width, cached):
+  profile = _two_layer_profile(width)
+  memory_only = dict(fp32_flops=1e18, bf16_flops=1e18, memory_bytes=2**34, memory_bandwidth=1e9, measured=True)
+  cache = {} if cache_bytes is None else {"cache_bytes": cache_bytes, "cache_write_bandwidth": 1e11}
+  spec = DeviceSpec("x", **memory_only, **cache)
+  plain = DeviceSpec("x", **memory_only)
+  micro = ~profile.per_step
+  first = float(np.sum(profile.node_seconds(spec, 8, first=True) * micro))
+  # the first microbatch writes everything to memory, as without a cache
+  assert first == pytest.approx(float(np.sum(profile.node_seconds(plain, 8) * micro)))
+  later = profile.microbatch_seconds(spec, 8)
+  assert profile.first_microbatch_extra_seconds(spec, 8) == pytest.approx(first - later)
+  if cache_bytes is None:
+    assert later == pytest.approx(first) and profile.first_microbatch_extra_seconds(spec, 8) == 0.0
+    return
+  # the weight gradients (two width² float32 values) are written at the cache rate after the first
+  # microbatch when they fit; the activations (8 × width floats) fit in every case here
+  gradient_saving = 2 * width * width * 4 * (1 / spec.write_rate - 1 / 1e11)
+  assert (first - later >= gradient_saving * (1 - 1e-9)) == cached
+  assert first > later
+
+
+def test_the_first_microbatch_extra_is_paid_once_per_step():
+  profile = _two_layer_profile(64)
+  spec = DeviceSpec("cpu", 1e18, 1e18, 2**34, 1e9, measured=True, cache_bytes=2**20, cache_write_bandwidth=1e11)
+  cluster = Cluster.parse("1x2xcpu", devices={"cpu": spec})
+  step = lambda counts: evaluate(cluster, profile, (0, 1), 2, 0, "none", 2 * sum(counts), counts, "x").compute_seconds
+  micro = profile.microbatch_seconds(spec, 2) + profile.accumulate_seconds(spec)
+  first = profile.first_microbatch_extra_seconds(spec, 2)
+  assert first > 0 and micro > 0
+  assert step((1, 1)) == pytest.approx(profile.step_fixed_seconds(spec) + first + micro)
+  assert step((3, 3)) - step((1, 1)) == pytest.approx(2 * micro)
+  # a position without microbatches pays neither
+  assert step((2, 0)) == pytest.approx(profile.step_fixed_seconds(spec) + first + 2 * micro)
+
+
 def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
   # the dot cannot fuse: its input x * 2 is written, read by the dot, and the dot's output read by the tanh kernel
   graph = hs.trace(lambda x, w: jnp.tanh((x * 2.0) @ w), jax.ShapeDtypeStruct((8, 128), jnp.float32),
@@ -150,6 +214,46 @@ def test_a_profiled_cpu_host_records_how_much_faster_a_device_runs_alone():
   # a read-only pass faster than a copy's rate is kept; otherwise reads and writes share the copy's rate
   fastest_read = min(d.busy_read_bandwidth for d in profile.devices)
   assert spec.read_bandwidth == (fastest_read if fastest_read > spec.memory_bandwidth else None)
+  # a CPU's private cache, and the rate at which a loop rewrites a value that fits it
+  from hetspmd.profiler import private_cache_bytes
+
+  assert all(d.cache_bytes == private_cache_bytes() for d in profile.devices)
+  if private_cache_bytes():
+    assert all(d.busy_cache_write_bandwidth > 0 for d in profile.devices)
+    assert spec.cache_bytes == private_cache_bytes()
+    assert spec.cache_write_bandwidth == min(d.busy_cache_write_bandwidth for d in profile.devices)
+  else:
+    assert spec.cache_bytes is None and spec.cache_write_bandwidth is None
+
+
+def _sysfs_cpu(root, siblings, caches):
+  (root / "topology").mkdir(parents=True)
+  (root / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+  for i, (kind, size, shared) in enumerate(caches):
+    entry = root / "cache" / f"index{i}"
+    entry.mkdir(parents=True)
+    for name, value in (("type", kind), ("size", size), ("shared_cpu_list", shared)):
+      (entry / name).write_text(value + "\n")
+  return str(root)
+
+
+@pytest.mark.parametrize("siblings,caches,expected", [
+    ("0", [("Data", "48K", "0"), ("Instruction", "64K", "0"), ("Unified", "2048K", "0"), ("Unified", "491520K", "0-1")],
+     2 * 2**20),                                                          # L2 per core, L3 shared by two cores
+    ("0,4", [("Data", "32K", "0,4"), ("Unified", "1024K", "0,4"), ("Unified", "32M", "0-7")], 2**20),  # hyperthreads
+    ("0", [("Data", "32K", "0"), ("Instruction", "32K", "0")], 32 * 2**10),   # only L1
+    ("0", [("Unified", "8M", "0-3")], 0),                                  # nothing private
+])
+def test_private_cache_bytes_reads_the_largest_cache_a_core_has_to_itself(tmp_path, siblings, caches, expected):
+  from hetspmd.profiler import private_cache_bytes
+
+  assert private_cache_bytes(_sysfs_cpu(tmp_path / "cpu0", siblings, caches)) == expected
+
+
+def test_private_cache_bytes_is_zero_without_sysfs(tmp_path):
+  from hetspmd.profiler import private_cache_bytes
+
+  assert private_cache_bytes(str(tmp_path / "missing")) == 0
 
 
 @pytest.fixture(scope="module")
