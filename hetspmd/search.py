@@ -190,6 +190,18 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float,
   return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent, reductions)
 
 
+def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel) -> float:
+  """ZeRO's all-gather of the parameters over ``data``, once per step: one per parameter leaf.
+
+  With ZeRO-1 each position updates its shard of the parameters and the
+  updated shards are gathered; with ZeRO-3 the stored shards are gathered
+  for the forward pass. A ring all-gather moves half an all-reduce's bytes
+  and pays half its latency.
+  """
+  leaves = max(1, len(profile.param_leaf_sizes))
+  return _reduce_seconds(cluster, hosts, profile.param_bytes * tp.param_share, tp.m, leaves) / 2
+
+
 def gradient_reductions(profile: StepProfile, model: int) -> int:
   """All-reduces the runtime issues for the gradients (and the loss's sum and weight), per step.
 
@@ -439,6 +451,8 @@ class _Costing:
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
     fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
+    if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
+      fixed += self.profile.param_bytes * tp.param_share / self.specs[kind].write_rate
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
     plain = float(self.node_seconds(kind, microbatch).sum())
     first = self.first_extra(kind, microbatch) * remat_factor
@@ -487,9 +501,9 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   per_position = tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
   busiest = max(range(n), key=lambda i: per_position[i])
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
-  # ZeRO-3 also gathers the parameters once per step (half an all-reduce's volume).
-  reduce = (_reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions(tp.m))
-            * (1.5 if zero >= 3 else 1.0))
+  reduce = _reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions(tp.m))
+  if zero >= 1:
+    reduce += gather_seconds(cluster, layout.hosts, costing.profile, tp)
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
                    reduce, (memory,) * len(layout.devices), global_batch, tp,

@@ -11,8 +11,9 @@ from hetspmd import Cluster, models
 from hetspmd.cli import main
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
-from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, allreduce_seconds, balanced_counts,
-                            even_counts, milp_counts, plan_from, profile_step, search)
+from hetspmd.search import (BASELINES, NO_TENSOR_PARALLEL, PlanDoesNotFitError, _host_counts, _KindCost,
+                            allreduce_seconds, balanced_counts, evaluate, even_counts, gather_seconds, milp_counts,
+                            plan_from, profile_step, search)
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +233,24 @@ def test_large_model_splits_over_model_when_the_batch_is_smaller_than_the_cluste
   assert best.model > 1 and len(best.device_positions) == 8 and all(best.counts)
   assert best.step_seconds < 0.8 * data_only.step_seconds
   assert best.to_json(1.0)["mesh"] == {"data": len(best.counts), "model": best.model}
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_pays_one_all_gather_per_parameter_leaf_and_writes_the_gathered_parameters(zero):
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  cluster = Cluster.parse("1x8xV100-32GB")
+  positions = tuple(range(8))
+  plain = evaluate(cluster, profile, positions, 2, 0, "none", 64, (4,) * 8, "x")
+  sharded = evaluate(cluster, profile, positions, 2, zero, "none", 64, (4,) * 8, "x")
+  gather = gather_seconds(cluster, _host_counts(cluster, positions), profile, NO_TENSOR_PARALLEL)
+  link = cluster.hosts[0].intra
+  leaves = len(profile.param_leaf_sizes)
+  assert leaves == 28
+  # a ring all-gather: 7/8 of the parameter bytes over the link and 7 latencies, per leaf
+  assert gather == pytest.approx(7 / 8 * profile.param_bytes / link.bandwidth + 7 * link.latency * leaves)
+  assert sharded.comm_seconds == pytest.approx(plain.comm_seconds + gather)
+  spec = cluster.spec_of("V100-32GB")
+  update = profile.step_fixed_seconds(spec)
+  write = profile.param_bytes / spec.write_rate
+  assert sharded.compute_seconds - plain.compute_seconds == pytest.approx(update / 8 - update + write)
