@@ -4,7 +4,7 @@
 
 Profiles the 8 emulated CPU devices (``hetspmd.profile``), then runs several
 plans of the MLP and GPT-tiny (different microbatch sizes, uniform and
-uneven counts, remat policies) through ``hetspmd.parallelize`` and prints
+uneven counts, remat policies, ZeRO stages) through ``hetspmd.parallelize`` and prints
 each plan's predicted step time next to the measured median. Goals: Spearman rank
 correlation >= 0.8, median absolute error <= 25%.
 """
@@ -18,18 +18,21 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-# (model, global batch, microbatch, counts per device, remat policy)
+# (model, global batch, microbatch, counts per device, remat policy, ZeRO stage)
 PLANS = [
-    ("mlp", 256, 32, (1,) * 8, "none"),
-    ("mlp", 256, 8, (4,) * 8, "none"),
-    ("mlp", 256, 8, (8, 8, 4, 4, 2, 2, 2, 2), "none"),
-    ("mlp", 512, 16, (4,) * 8, "none"),
-    ("gpt2-tiny", 64, 8, (1,) * 8, "none"),
-    ("gpt2-tiny", 64, 2, (4,) * 8, "none"),
-    ("gpt2-tiny", 64, 2, (8, 8, 4, 4, 2, 2, 2, 2), "none"),
-    ("gpt2-tiny", 128, 4, (4,) * 8, "none"),
-    ("gpt2-tiny", 128, 4, (4,) * 8, "dots"),
-    ("gpt2-tiny", 128, 4, (4,) * 8, "full"),
+    ("mlp", 256, 32, (1,) * 8, "none", 0),
+    ("mlp", 256, 8, (4,) * 8, "none", 0),
+    ("mlp", 256, 8, (8, 8, 4, 4, 2, 2, 2, 2), "none", 0),
+    ("mlp", 512, 16, (4,) * 8, "none", 0),
+    ("mlp", 256, 32, (1,) * 8, "none", 1),
+    ("mlp", 256, 8, (8, 8, 4, 4, 2, 2, 2, 2), "none", 3),
+    ("gpt2-tiny", 64, 8, (1,) * 8, "none", 0),
+    ("gpt2-tiny", 64, 2, (4,) * 8, "none", 0),
+    ("gpt2-tiny", 64, 2, (8, 8, 4, 4, 2, 2, 2, 2), "none", 0),
+    ("gpt2-tiny", 128, 4, (4,) * 8, "none", 0),
+    ("gpt2-tiny", 128, 4, (4,) * 8, "dots", 0),
+    ("gpt2-tiny", 128, 4, (4,) * 8, "full", 0),
+    ("gpt2-tiny", 64, 2, (4,) * 8, "none", 1),
 ]
 
 
@@ -56,12 +59,12 @@ def main() -> None:
         f"busy, link {cluster.hosts[0].intra.bandwidth / 1e9:.2f} GB/s")
   profiles = {}
   rows = []
-  for name, batch, microbatch, counts, remat in PLANS:
+  for name, batch, microbatch, counts, remat, zero in PLANS:
     workload = models.get(name)
     if name not in profiles:
       profiles[name] = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2))
     positions = tuple(range(cluster.num_devices))
-    predicted = evaluate(cluster, profiles[name], positions, microbatch, 0, remat, batch, counts, "fidelity")
+    predicted = evaluate(cluster, profiles[name], positions, microbatch, zero, remat, batch, counts, "fidelity")
     plan = plan_from(predicted, cluster, workload.abstract_state())
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
     state = step.shard_state(workload.init_state(0))
@@ -74,17 +77,17 @@ def main() -> None:
       state, metrics = step(state, sharded)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - start)
-    rows.append((name, batch, microbatch, counts, remat, predicted.step_seconds, statistics.median(times)))
+    rows.append((name, batch, microbatch, counts, remat, zero, predicted.step_seconds, statistics.median(times)))
 
-  print(f"{'model':<10} {'batch':>5} {'mb':>3} {'counts':<26} {'remat':<5} {'predicted s':>11} {'measured s':>10} "
-        f"{'error':>7}")
+  print(f"{'model':<10} {'batch':>5} {'mb':>3} {'counts':<26} {'remat':<5} {'ZeRO':>4} {'predicted s':>11} "
+        f"{'measured s':>10} {'error':>7}")
   errors = []
-  for name, batch, microbatch, counts, remat, predicted, measured in rows:
+  for name, batch, microbatch, counts, remat, zero, predicted, measured in rows:
     error = (predicted - measured) / measured
     errors.append(abs(error))
-    print(f"{name:<10} {batch:>5} {microbatch:>3} {str(counts):<26} {remat:<5} {predicted:11.4f} {measured:10.4f} "
-          f"{error:+7.0%}")
-  rho = _spearman([r[5] for r in rows], [r[6] for r in rows])
+    print(f"{name:<10} {batch:>5} {microbatch:>3} {str(counts):<26} {remat:<5} {zero:>4} {predicted:11.4f} "
+          f"{measured:10.4f} {error:+7.0%}")
+  rho = _spearman([r[6] for r in rows], [r[7] for r in rows])
   median_error = statistics.median(errors)
   print(f"Spearman rank correlation {rho:.2f} (goal >= 0.8: {'met' if rho >= 0.8 else 'NOT met'}); "
         f"median absolute error {median_error:.0%} (goal <= 25%: {'met' if median_error <= 0.25 else 'NOT met'})")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError
 
 
@@ -69,6 +71,8 @@ class _StepContext:
   uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
   calls: list  # appended to on every use, so the runtime can tell it happened
   global_examples: int = 0  # examples per step over all positions (0: unknown)
+  # (path, shape, dim) of the state leaves split along data (ZeRO): gradients that mirror one are reduce-scattered
+  data_split: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
 
 _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("hetspmd_step", default=None)
@@ -216,12 +220,31 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
   # partitioner also rejects an all-reduce over a manual axis of size 1.
   single = ctx.mesh.shape[axis] == 1
 
-  def reduce(tree):
+  data_only = ctx.mesh.size == ctx.mesh.shape[axis]  # every leaf is whole on each device
+  # Data parallel only, a gradient whose optimizer state (ZeRO-1) or parameter (ZeRO-3) is split
+  # along data leaves the loop reduce-scattered onto that split, so the update runs on shards
+  # without a full all-reduce first: ZeRO then moves one all-reduce's bytes per step
+  # (reduce-scatter and the parameters' all-gather), not one and a half. With a model axis XLA
+  # would gather each model-split gradient before scattering it, so there it is all-reduced.
+  dims = [scatter_dim(path, shape, ctx.data_split) if data_only and not single else None
+          for path, shape in _grad_leaves(flat, treedef, argnums)]
+
+  def reduce(acc):
     if single:
-      return tree
-    if ctx.mesh.size == ctx.mesh.shape[axis]:  # data parallel only: every leaf is whole on each device
-      return bucketed_psum(tree, axis)
-    return jax.lax.psum(tree, axis)  # leaves split over the model axis would be gathered to be concatenated
+      return acc
+    leaves, tree = jax.tree.flatten(acc)
+    split = dict(zip(range(len(leaves) - len(dims), len(leaves)), dims))  # gradients flatten last
+    whole = [i for i in range(len(leaves)) if split.get(i) is None]
+    scattered = [i for i in range(len(leaves)) if split.get(i) is not None]
+    out = [None] * len(leaves)
+    if data_only:
+      summed = bucketed_psum([leaves[i] for i in whole], axis)
+    else:  # leaves split over the model axis would be gathered to be concatenated
+      summed = jax.lax.psum([leaves[i] for i in whole], axis)
+    parts = bucketed_psum_scatter([leaves[i] for i in scattered], [split[i] for i in scattered], axis)
+    for i, x in zip(whole + scattered, list(summed) + list(parts)):
+      out[i] = x
+    return jax.tree.unflatten(tree, out)
   vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
   loss_fun = _rematted(fun, ctx.remat)
   share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
@@ -268,8 +291,11 @@ def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
     return reduce(acc)
 
   # One data position needs no manual axis: the loop runs as it is, the model axis left to XLA.
+  grad_specs = jax.tree.unflatten(_grad_treedef(flat, treedef, argnums),
+                                  [P() if d is None else P(*([None] * d), axis) for d in dims])
   sharded = per_device if single else jax.shard_map(
-      per_device, mesh=ctx.mesh, in_specs=(P(), P(axis), P(axis)), out_specs=P(), axis_names={axis})
+      per_device, mesh=ctx.mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P(), P(), P(), grad_specs),
+      axis_names={axis})
   arrays = [flat[i] for i in positions]
   buffers = [flat[i] for i in batch_positions]
   total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
@@ -303,6 +329,63 @@ def bucketed_psum(tree: Any, axis: str, small: int = SMALL_LEAF_BYTES, bucket_by
       out[i] = flat[offset:offset + size].reshape(np.shape(leaves[i]))
       offset += size
   return jax.tree.unflatten(treedef, out)
+
+
+def bucketed_psum_scatter(leaves: Sequence[Any], dims: Sequence[int], axis: str, small: int = SMALL_LEAF_BYTES,
+                          bucket_bytes: int = BUCKET_BYTES) -> list[Any]:
+  """``jax.lax.psum_scatter(leaf, axis, scatter_dimension=dim, tiled=True)`` for every leaf, small ones bucketed.
+
+  A bucket lays each leaf out as ``[axis size, rest]`` (its scattered
+  dimension first), concatenates the rows and scatters dimension 0 once;
+  every position's block of a leaf is then a contiguous run of its row.
+  """
+  n = jax.lax.axis_size(axis)
+  out: list[Any] = [None] * len(leaves)
+  sizes = [(jnp.result_type(x), int(np.size(x)) * jnp.result_type(x).itemsize) for x in leaves]
+  for bucket in buckets(sizes, small, bucket_bytes):
+    if len(bucket) == 1:
+      i = bucket[0]
+      out[i] = jax.lax.psum_scatter(leaves[i], axis, scatter_dimension=dims[i], tiled=True)
+      continue
+    moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in bucket]
+    rows = jax.lax.psum_scatter(jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1), axis,
+                                scatter_dimension=0, tiled=True)[0]
+    offset = 0
+    for i, m in zip(bucket, moved):
+      block = (m.shape[0] // n,) + m.shape[1:]
+      width = math.prod(block)
+      out[i] = jnp.moveaxis(rows[offset:offset + width].reshape(block), 0, dims[i])
+      offset += width
+  return out
+
+
+def scatter_dim(path: str, shape: tuple[int, ...], data_split: Sequence[tuple[str, tuple[int, ...], int]]
+                ) -> int | None:
+  """The dimension along which the gradient at ``path`` (relative to the differentiated argument) is scattered.
+
+  That of the state leaf of the same shape whose path ends with ``path``
+  and which is split along ``data`` (the optimizer state mirroring the
+  parameter, or the parameter itself under ZeRO-3); ``None`` if there is
+  none: the gradient is all-reduced whole.
+  """
+  for state_path, state_shape, dim in data_split:
+    if state_shape == tuple(shape) and path and (state_path == path or state_path.endswith("/" + path)):
+      return dim
+  return None
+
+
+def _differentiated(flat, treedef, argnums):
+  args, _ = jax.tree.unflatten(treedef, flat)
+  return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+
+def _grad_leaves(flat, treedef, argnums) -> list[tuple[str, tuple[int, ...]]]:
+  """``(path, shape)`` of every gradient leaf, in flattening order."""
+  return [(path, tuple(np.shape(x))) for path, x in leaves_with_paths(_differentiated(flat, treedef, argnums))]
+
+
+def _grad_treedef(flat, treedef, argnums):
+  return jax.tree.structure(_differentiated(flat, treedef, argnums))
 
 
 def buckets(sizes: Sequence[tuple[Any, int]], small: int = SMALL_LEAF_BYTES, bucket_bytes: int = BUCKET_BYTES
@@ -342,8 +425,7 @@ def _widen(tree: Any) -> Any:
 
 
 def _grad_dtypes(flat, treedef, argnums):
-  args, _ = jax.tree.unflatten(treedef, [getattr(x, "dtype", None) for x in flat])
-  return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+  return _differentiated([getattr(x, "dtype", None) for x in flat], treedef, argnums)
 
 
 def _narrow(grads: Any, dtypes: Any) -> Any:

@@ -155,6 +155,15 @@ class Plan:
           raise HetSpmdError(f"state leaf {path!r} dimension {dim} of size {shape[dim]} does not split "
                              f"evenly over {axes} ({parts} parts)")
 
+  def data_split_leaves(self, state: Any) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """``(path, shape, dim)`` of every state leaf split along ``data`` alone, at ``dim`` (ZeRO's shards)."""
+    out = []
+    for path, leaf in leaves_with_paths(state):
+      spec = self.spec_for(path)
+      if self.data_axis in spec:
+        out.append((path, tuple(np.shape(leaf)), tuple(spec).index(self.data_axis)))
+    return tuple(out)
+
   def state_shardings(self, mesh: Mesh, state: Any) -> Any:
     """A pytree of ``NamedSharding`` matching ``state``."""
     self.check_state(state)

@@ -235,7 +235,8 @@ class ParallelStep:
       ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
                          plan.microbatch, plan.remat, (plan.data_size * plan.max_count, plan.microbatch),
                          lockstep,
-                         plan.max_count if plan.is_uniform else None, calls, plan.global_batch)
+                         plan.max_count if plan.is_uniform else None, calls, plan.global_batch,
+                         plan.data_split_leaves(state))
       with step_context(ctx):
         new_state, metrics = fn(state, data)
       if not calls:

@@ -503,6 +503,8 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
   grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
   reduce = _reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions(tp.m))
   if zero >= 1:
+    if tp.m == 1:  # reduce-scattered onto the ZeRO shards: half a ring all-reduce (microbatch.bucketed_psum_scatter)
+      reduce /= 2
     reduce += gather_seconds(cluster, layout.hosts, costing.profile, tp)
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],

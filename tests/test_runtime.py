@@ -482,9 +482,15 @@ def test_data_parallel_step_reduces_its_small_gradients_in_one_all_reduce():
   assert len(reduces) == 1 and reduces[0].count("f32[") == 1
 
 
+def _collectives(text, op):
+  entry = text.split("\nENTRY")[1]
+  return [line for line in entry.splitlines() if f" {op}(" in line or f" {op}-start(" in line]
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
-def test_zero_gathers_every_parameter_leaf_once_per_step(zero_stage):
-  # what hetspmd.search.gather_seconds costs: ZeRO-1 and ZeRO-3 all-gather each parameter leaf once
+def test_zero_reduce_scatters_gradients_and_gathers_every_parameter_leaf_once_per_step(zero_stage):
+  # what hetspmd.search costs: ZeRO-1 and ZeRO-3 reduce-scatter the gradients (GPT-tiny's 28 small
+  # leaves in one bucket) and all-gather each parameter leaf once; ZeRO-0 all-reduces them
   require_devices(8)
   workload = _workload("gpt2-tiny")
   state = workload.init_state(0)
@@ -492,5 +498,85 @@ def test_zero_gathers_every_parameter_leaf_once_per_step(zero_stage):
                      zero_stage=zero_stage)
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan, global_batch=32)
   text = step.lower(step.shard_state(state), workload.synthetic_batch(0, batch=32)).compile().as_text()
-  gathers = [line for line in text.splitlines() if " all-gather(" in line or " all-gather-start(" in line]
-  assert len(gathers) == (0 if zero_stage == 0 else len(jax.tree.leaves(state["params"])))
+  gathers, scatters = _collectives(text, "all-gather"), _collectives(text, "reduce-scatter")
+  reduces = _collectives(text, "all-reduce")
+  leaves = jax.tree.leaves(state["params"])
+  assert len(gathers) == (0 if zero_stage == 0 else len(leaves))
+  assert len(scatters) == (0 if zero_stage == 0 else 1)
+  elements = sum(int(np.size(x)) for x in leaves)
+  if zero_stage:  # one bucket, 1/8 of every gradient per device; the all-reduce keeps only the loss and weight
+    assert f"f32[1,{elements // 8}]" in scatters[0].split("=")[1].split("reduce-scatter")[0]
+    assert len(reduces) == 1 and "f32[2]" in reduces[0].split("all-reduce")[0]
+  else:
+    assert len(reduces) == 1 and f"f32[{elements + 2}]" in reduces[0].split("all-reduce")[0]
+
+
+# (model, (data, model) mesh, counts, ZeRO stage): ZeRO's sharded update against one device
+ZERO_CASES = [
+    ("gpt2-tiny", (8, 1), (2, 2, 1, 1, 1, 1, 0, 0), 1),
+    ("gpt2-tiny", (8, 1), (3, 1, 1, 1, 1, 1, 1, 1), 3),
+    ("mlp-tiny", (8, 1), (1,) * 8, 1),
+    ("mlp-tiny", (4, 2), (3, 3, 2, 1), 1),
+    ("gpt2-tiny", (4, 2), (3, 3, 1, 1), 3),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,shape,counts,zero_stage", ZERO_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-zero{c[3]}" for c in ZERO_CASES])
+def test_zero_stages_match_single_device(name, shape, counts, zero_stage):
+  workload = _workload(name)
+  global_batch = sum(counts) * 2
+  batches = [workload.synthetic_batch(seed=i, batch=global_batch) for i in range(STEPS)]
+  expected, expected_losses = _reference(workload, batches)
+  state = workload.init_state(0)
+  plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=2, counts=counts,
+                     zero_stage=zero_stage)
+  assert any("data" in spec for _, spec in plan.state_specs)
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+                        global_batch=global_batch)
+  state, losses = _train(step, step.shard_state(state), batches)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_states_close(expected, _gathered(state))
+
+
+def test_scatter_dim_follows_the_state_leaf_that_mirrors_the_gradient():
+  from hetspmd.microbatch import scatter_dim
+
+  split = (("opt_state/0/mu/params/dense/kernel", (8, 4), 1), ("opt_state/0/mu/params/dense/bias", (8,), 0),
+           ("params/head/kernel", (16, 8), 0))
+  assert scatter_dim("dense/kernel", (8, 4), split) == 1
+  assert scatter_dim("params/dense/bias", (8,), split) == 0
+  assert scatter_dim("head/kernel", (16, 8), split) == 0  # ZeRO-3: the parameter itself is split
+  assert scatter_dim("kernel", (4, 8), split) is None  # no split leaf of that shape
+  assert scatter_dim("ense/kernel", (8, 4), split) is None  # suffixes are whole components
+  assert scatter_dim("", (8,), split) is None
+
+
+@pytest.mark.timeout(120)
+def test_bucketed_psum_scatter_matches_psum_scatter():
+  from hetspmd.microbatch import bucketed_psum_scatter
+
+  require_devices(2)
+  n = min(jax.device_count(), 8)
+  mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+  rng = np.random.default_rng(0)
+  # leaves with their scattered dimension: first, middle and last; small and large; two dtypes
+  leaves = [rng.integers(-8, 8, (n, 2 * n, 3)).astype(np.float32), rng.integers(-8, 8, (n, 5, n, 2)).astype(np.float32),
+            rng.integers(-8, 8, (n, 4, 2, 3 * n)).astype(np.float32), rng.integers(-8, 8, (n, n)).astype(jnp.bfloat16),
+            rng.integers(-8, 8, (n, 64 * n)).astype(np.float32)]
+  dims = [0, 1, 2, 0, 0]
+
+  def scatter(fn):
+    per_device = lambda xs: fn([x[0] for x in xs])  # noqa: E731
+    sharded = jax.device_put(leaves, NamedSharding(mesh, P("data")))
+    specs = [P(*([None] * d), "data") for d in dims]
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=specs))(sharded)
+
+  # a 200-byte threshold: the last leaf is scattered alone, the rest in buckets by dtype
+  got = scatter(lambda xs: bucketed_psum_scatter(xs, dims, "data", small=200, bucket_bytes=400))
+  want = scatter(lambda xs: [jax.lax.psum_scatter(x, "data", scatter_dimension=d, tiled=True) for x, d in zip(xs, dims)])
+  for g, w, x in zip(got, want, leaves):
+    assert g.dtype == w.dtype and g.shape == w.shape == x.shape[1:]
+    np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(x, np.float64).sum(0))

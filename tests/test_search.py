@@ -236,7 +236,7 @@ def test_large_model_splits_over_model_when_the_batch_is_smaller_than_the_cluste
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_pays_one_all_gather_per_parameter_leaf_and_writes_the_gathered_parameters(zero):
+def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gathered_parameters(zero):
   w = models.get("gpt2-tiny")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
   cluster = Cluster.parse("1x8xV100-32GB")
@@ -249,7 +249,8 @@ def test_zero_pays_one_all_gather_per_parameter_leaf_and_writes_the_gathered_par
   assert leaves == 28
   # a ring all-gather: 7/8 of the parameter bytes over the link and 7 latencies, per leaf
   assert gather == pytest.approx(7 / 8 * profile.param_bytes / link.bandwidth + 7 * link.latency * leaves)
-  assert sharded.comm_seconds == pytest.approx(plain.comm_seconds + gather)
+  # without a model axis the gradients are reduce-scattered onto the shards: half the all-reduce
+  assert sharded.comm_seconds == pytest.approx(plain.comm_seconds / 2 + gather)
   spec = cluster.spec_of("V100-32GB")
   update = profile.step_fixed_seconds(spec)
   write = profile.param_bytes / spec.write_rate
