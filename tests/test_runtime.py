@@ -359,11 +359,14 @@ def test_proportional_counts():
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_match_single_device():
-  """2 processes x 4 CPU devices over jax.distributed; each feeds only its own examples."""
+@pytest.mark.parametrize("layout,counts,zero_stage", [((4, 2), (3, 3, 2, 1), 0), ((8, 1), (2, 2, 1, 1, 1, 1, 1, 0), 1)])
+def test_two_processes_match_single_device(layout, counts, zero_stage):
+  """2 processes x 4 CPU devices over jax.distributed (gloo); each feeds only its own examples."""
   from multiprocess import run_processes
 
-  results = run_processes("""
+  batch = sum(counts) * 2
+  mine = sum(counts[:layout[0] // 2]) * 2  # process 0 hosts the first half of the data positions
+  results = run_processes(f"""
       import dataclasses, json
       import numpy as np, optax, jax
       import hetspmd as hs
@@ -371,25 +374,24 @@ def test_two_processes_match_single_device():
       from jax.experimental import multihost_utils
 
       w = dataclasses.replace(models.get("gpt2-tiny"), make_optimizer=lambda: optax.adam(1e-3, eps=1e-4))
-      counts, microbatch = (3, 3, 2, 1), 2
-      batches = [w.synthetic_batch(seed=i, batch=18) for i in range(3)]
+      counts, microbatch = {counts}, 2
+      batches = [w.synthetic_batch(seed=i, batch={batch}) for i in range(3)]
       ref_step, ref = jax.jit(w.make_train_step(), device=jax.local_devices()[0]), w.init_state(0)
       for b in batches:
         ref, ref_metrics = ref_step(ref, b)
 
       cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
-      plan = hs.plan_for(cluster, w.init_state(0), global_batch=18, layout=(4, 2), microbatch=microbatch,
-                         counts=counts)
-      step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=18)
+      plan = hs.plan_for(cluster, w.init_state(0), global_batch={batch}, layout={layout}, microbatch=microbatch,
+                         counts=counts, zero_stage={zero_stage})
+      step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch={batch})
       state = step.shard_state(w.init_state(0))
-      me = jax.process_index()
-      mine = slice(0, 12) if me == 0 else slice(12, 18)   # positions 0,1 live on process 0; 2,3 on process 1
+      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
       for b in batches:
-        state, metrics = step(state, {k: v[mine] for k, v in b.items()})
+        state, metrics = step(state, {{k: v[mine] for k, v in b.items()}})
       got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state["params"])
       diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
                  for a, b in zip(jax.tree.leaves(ref["params"]), jax.tree.leaves(got)))
-      print(json.dumps({"loss": float(metrics["loss"]), "ref_loss": float(ref_metrics["loss"]), "diff": diff}))
+      print(json.dumps({{"loss": float(metrics["loss"]), "ref_loss": float(ref_metrics["loss"]), "diff": diff}}))
   """, num_processes=2, devices_per_process=4, timeout=240)
   for r in results:
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
