@@ -346,14 +346,16 @@ def private_cache_bytes(cpu: str = "/sys/devices/system/cpu/cpu0") -> int:
 _CACHE_PROBE_COLUMNS, _CACHE_PROBE_RANK = 512, 4
 
 
-def busy_cache_write_bandwidth(devices: Sequence[Any], nbytes: int, iterations: int = 8) -> float:
+def busy_cache_write_bandwidth(devices: Sequence[Any], nbytes: int, iterations: int = 8, rounds: int = 3) -> float:
   """Per-device bytes/s written into an ``nbytes`` value that stays in cache, every device at once.
 
   Each device runs a loop of rank-4 updates of one float32 matrix (the
   shape of a weight gradient at a small microbatch) that it carries from
   one iteration to the next, so the matrix's memory is touched before the
   timed iterations: the output's bytes over the time of one iteration
-  (the difference between ``2 × iterations`` and ``iterations``).
+  (the difference between ``2 × iterations`` and ``iterations``), the
+  median over ``rounds`` such differences (one alone varied by nearly 2x
+  between runs on a busy 2-core machine).
   """
   import jax
   import jax.numpy as jnp
@@ -373,7 +375,8 @@ def busy_cache_write_bandwidth(devices: Sequence[Any], nbytes: int, iterations: 
                                  out_specs=P("d")))
 
   short, long = program(iterations), program(2 * iterations)
-  seconds = (_median_seconds(lambda: long(acc)) - _median_seconds(lambda: short(acc))) / iterations
+  seconds = statistics.median(_median_seconds(lambda: long(acc)) - _median_seconds(lambda: short(acc))
+                              for _ in range(rounds)) / iterations
   return rows * columns * 4 / seconds if seconds > 0 else 0.0
 
 
