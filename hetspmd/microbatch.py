@@ -380,8 +380,10 @@ def _differentiated(flat, treedef, argnums):
 
 
 def _grad_leaves(flat, treedef, argnums) -> list[tuple[str, tuple[int, ...]]]:
-  """``(path, shape)`` of every gradient leaf, in flattening order."""
-  return [(path, tuple(np.shape(x))) for path, x in leaves_with_paths(_differentiated(flat, treedef, argnums))]
+  """``(path, shape)`` of every gradient leaf, in flattening order; paths within each differentiated argument."""
+  differentiated = _differentiated(flat, treedef, argnums)
+  parts = [differentiated] if isinstance(argnums, int) else list(differentiated)
+  return [(path, tuple(np.shape(x))) for part in parts for path, x in leaves_with_paths(part)]
 
 
 def _grad_treedef(flat, treedef, argnums):

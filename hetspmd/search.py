@@ -50,6 +50,7 @@ any layout).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -190,20 +191,76 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float,
   return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent, reductions)
 
 
+@functools.lru_cache(maxsize=4096)
+def _zero_split(shapes: tuple[tuple[int, ...], ...], n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Elements of the parameter leaves ZeRO splits over ``n`` data positions, and of those it leaves whole.
+
+  A leaf is split where one of its dimensions divides by ``n``
+  (:func:`hetspmd.plan.auto_state_specs`).
+  """
+  split: list[int] = []
+  whole: list[int] = []
+  for shape in shapes:
+    (split if n > 1 and any(d % n == 0 for d in shape) else whole).append(math.prod(shape))
+  return tuple(split), tuple(whole)
+
+
+def zero_split(profile: StepProfile, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """:func:`_zero_split` of the profile's parameter leaves (all split when their shapes are unknown)."""
+  if not profile.param_leaf_shapes:
+    return tuple(profile.param_leaf_sizes) or (profile.param_count,), ()
+  return _zero_split(tuple(profile.param_leaf_shapes), n)
+
+
+def split_share(profile: StepProfile, n: int) -> float:
+  """Share of the parameters' elements that ZeRO splits over ``n`` data positions."""
+  split, whole = zero_split(profile, n)
+  total = sum(split) + sum(whole)
+  return sum(split) / total if total else 1.0
+
+
 def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel) -> float:
-  """ZeRO's all-gather of the parameters over ``data``, once per step: one per parameter leaf.
+  """ZeRO's all-gather of the parameters over ``data``, once per step: one per split parameter leaf.
 
   With ZeRO-1 each position updates its shard of the parameters and the
   updated shards are gathered; with ZeRO-3 the stored shards are gathered
   for the forward pass. A ring all-gather moves half an all-reduce's bytes
   and pays half its latency.
   """
-  leaves = max(1, len(profile.param_leaf_sizes))
-  return _reduce_seconds(cluster, hosts, profile.param_bytes * tp.param_share, tp.m, leaves) / 2
+  split, _ = zero_split(profile, sum(hosts.values()))
+  share = split_share(profile, sum(hosts.values()))
+  return _reduce_seconds(cluster, hosts, profile.param_bytes * share * tp.param_share, tp.m, max(1, len(split))) / 2
+
+
+def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel,
+                     zero: int) -> float:
+  """Reducing the gradients over ``data`` once per step, as the runtime does.
+
+  Data parallel only (``tp.m == 1``), small leaves share buckets
+  (:func:`hetspmd.microbatch.bucketed_psum`); with ZeRO-1/3 the leaves that
+  ZeRO splits are reduce-scattered onto their shards (half a ring
+  all-reduce, in buckets of their own) and the rest, with the loss's sum
+  and weight, all-reduced. With a model axis every leaf is all-reduced on
+  its own, whatever the ZeRO stage.
+  """
+  n = sum(hosts.values())
+  grads = profile.param_count * tp.param_share * GRAD_BYTES
+  if tp.m > 1 or not profile.param_leaf_sizes:
+    return _reduce_seconds(cluster, hosts, grads, tp.m, gradient_reductions(profile, tp.m))
+  split, whole = zero_split(profile, n) if zero >= 1 else ((), tuple(profile.param_leaf_sizes))
+  scattered = sum(split) * GRAD_BYTES
+  reduced = sum(whole) * GRAD_BYTES + 2 * GRAD_BYTES
+  return (_reduce_seconds(cluster, hosts, scattered, 1, _bucket_count(split)) / 2
+          + _reduce_seconds(cluster, hosts, reduced, 1, _bucket_count(whole + (1, 1))))
+
+
+def _bucket_count(sizes: tuple[int, ...]) -> int:
+  """Collectives :func:`hetspmd.microbatch.buckets` makes of float32 leaves of ``sizes`` elements."""
+  return len(buckets([(np.float32, n * GRAD_BYTES) for n in sizes]))
 
 
 def gradient_reductions(profile: StepProfile, model: int) -> int:
-  """All-reduces the runtime issues for the gradients (and the loss's sum and weight), per step.
+  """All-reduces the runtime issues for the gradients (and the loss's sum and weight) without ZeRO, per step.
 
   Data parallel only, small leaves share buckets (:func:`hetspmd.microbatch.bucketed_psum`);
   with a model axis every leaf is reduced on its own.
@@ -212,8 +269,7 @@ def gradient_reductions(profile: StepProfile, model: int) -> int:
     return 1
   if model > 1:
     return len(profile.param_leaf_sizes) + 2
-  sizes = [(np.float32, n * GRAD_BYTES) for n in profile.param_leaf_sizes] + [(np.float32, GRAD_BYTES)] * 2
-  return len(buckets(sizes))
+  return _bucket_count(tuple(profile.param_leaf_sizes) + (1, 1))
 
 
 def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
@@ -229,9 +285,10 @@ def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
                       tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """Bytes on every device of a plan with ``n`` data positions."""
-  params = profile.param_bytes * tp.param_share / (n if zero_stage >= 3 else 1)
+  sharded = split_share(profile, n) / n + 1 - split_share(profile, n)  # what ZeRO keeps of a split state
+  params = profile.param_bytes * tp.param_share * (sharded if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
-  optimizer = profile.opt_state_bytes * tp.param_share / (n if zero_stage >= 1 else 1)
+  optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
   activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)
   return int((params + grads + optimizer + activations) * WORKSPACE)
 
@@ -396,14 +453,17 @@ class _Costing:
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
     self._assessed: dict[tuple, strategy_ilp.Solution] = {}
     self._remat: dict[tuple[str, int, str], float] = {}
-    self._reductions: dict[bool, int] = {}
+    self._reductions: dict[tuple, float] = {}
     self._first: dict[tuple[str, int], float] = {}
 
-  def reductions(self, model: int) -> int:
-    """All-reduces per step for the gradients (:func:`gradient_reductions`), by whether ``model > 1``."""
-    key = model > 1
+  def gradient_seconds(self, layout: "_Layout", tp: TensorParallel, zero: int) -> float:
+    """:func:`gradient_seconds`, plus ZeRO's parameter gather (:func:`gather_seconds`)."""
+    key = (tuple(sorted(layout.hosts.items())), tp.m, tp.param_share, min(zero, 1))
     if key not in self._reductions:
-      self._reductions[key] = gradient_reductions(self.profile, model)
+      seconds = gradient_seconds(self.cluster, layout.hosts, self.profile, tp, zero)
+      if zero >= 1:
+        seconds += gather_seconds(self.cluster, layout.hosts, self.profile, tp)
+      self._reductions[key] = seconds
     return self._reductions[key]
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
@@ -450,9 +510,10 @@ class _Costing:
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
-    fixed = self.fixed[kind] * tp.param_share / (n if zero >= 1 else 1)
+    share = split_share(self.profile, n) if zero >= 1 else 0.0
+    fixed = self.fixed[kind] * tp.param_share * (share / n + 1 - share)  # the update runs on ZeRO's shards
     if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
-      fixed += self.profile.param_bytes * tp.param_share / self.specs[kind].write_rate
+      fixed += self.profile.param_bytes * share * tp.param_share / self.specs[kind].write_rate
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
     plain = float(self.node_seconds(kind, microbatch).sum())
     first = self.first_extra(kind, microbatch) * remat_factor
@@ -500,12 +561,7 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
         work[i] = f
   per_position = tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
   busiest = max(range(n), key=lambda i: per_position[i])
-  grads = costing.profile.param_count * tp.param_share * GRAD_BYTES
-  reduce = _reduce_seconds(cluster, layout.hosts, grads, tp.m, costing.reductions(tp.m))
-  if zero >= 1:
-    if tp.m == 1:  # reduce-scattered onto the ZeRO shards: half a ring all-reduce (microbatch.bucketed_psum_scatter)
-      reduce /= 2
-    reduce += gather_seconds(cluster, layout.hosts, costing.profile, tp)
+  reduce = costing.gradient_seconds(layout, tp, zero)
   memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
   return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
                    reduce, (memory,) * len(layout.devices), global_batch, tp,

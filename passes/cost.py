@@ -116,6 +116,7 @@ class StepProfile:
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
+  param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
@@ -215,6 +216,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
       param_count=small.elements_with_role(Role.PARAM),
       param_leaf_sizes=tuple(i.type.size for i in small.inputs_with_role(Role.PARAM)),
+      param_leaf_shapes=tuple(tuple(i.type.shape) for i in small.inputs_with_role(Role.PARAM)),
       write_sizes_fit=write_sizes_fit,
       activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),

@@ -13,7 +13,7 @@ from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
 from hetspmd.search import (BASELINES, NO_TENSOR_PARALLEL, PlanDoesNotFitError, _host_counts, _KindCost,
                             allreduce_seconds, balanced_counts, evaluate, even_counts, gather_seconds, milp_counts,
-                            plan_from, profile_step, search)
+                            plan_from, profile_step, search, zero_split)
 
 
 @pytest.fixture(scope="module")
@@ -246,12 +246,41 @@ def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gather
   gather = gather_seconds(cluster, _host_counts(cluster, positions), profile, NO_TENSOR_PARALLEL)
   link = cluster.hosts[0].intra
   leaves = len(profile.param_leaf_sizes)
-  assert leaves == 28
+  assert leaves == 28 and zero_split(profile, 8) == (profile.param_leaf_sizes, ())  # every leaf splits over 8
   # a ring all-gather: 7/8 of the parameter bytes over the link and 7 latencies, per leaf
   assert gather == pytest.approx(7 / 8 * profile.param_bytes / link.bandwidth + 7 * link.latency * leaves)
-  # without a model axis the gradients are reduce-scattered onto the shards: half the all-reduce
-  assert sharded.comm_seconds == pytest.approx(plain.comm_seconds / 2 + gather)
+  grads = profile.param_count * 4
+  ring = lambda nbytes: 2 * 7 / 8 * nbytes / link.bandwidth + 2 * 7 * link.latency  # noqa: E731  one bucket
+  # ZeRO-0: one all-reduce bucket (gradients, loss and weight); ZeRO-1/3: the gradients reduce-scattered in
+  # one bucket (half a ring), the loss and weight all-reduced on their own
+  assert plain.comm_seconds == pytest.approx(ring(grads + 8))
+  assert sharded.comm_seconds == pytest.approx(ring(grads) / 2 + ring(8) + gather)
   spec = cluster.spec_of("V100-32GB")
   update = profile.step_fixed_seconds(spec)
   write = profile.param_bytes / spec.write_rate
   assert sharded.compute_seconds - plain.compute_seconds == pytest.approx(update / 8 - update + write)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero):
+  # GPT-tiny has no dimension divisible by 7: ZeRO keeps every leaf whole, so nothing is scattered,
+  # gathered or saved (the runtime then all-reduces every gradient, as without ZeRO)
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  cluster = Cluster.parse("1x7xV100-32GB")
+  positions = tuple(range(7))
+  assert zero_split(profile, 7) == ((), profile.param_leaf_sizes)
+  plain = evaluate(cluster, profile, positions, 2, 0, "none", 28, (2,) * 7, "x")
+  sharded = evaluate(cluster, profile, positions, 2, zero, "none", 28, (2,) * 7, "x")
+  assert sharded.comm_seconds == pytest.approx(plain.comm_seconds)
+  assert sharded.compute_seconds == pytest.approx(plain.compute_seconds)
+  assert sharded.memory_bytes == plain.memory_bytes
+
+
+def test_zero_split_follows_divisibility():
+  from hetspmd.search import _zero_split
+
+  shapes = ((16, 3), (5, 8), (7,), (12,))
+  assert _zero_split(shapes, 4) == ((48, 40, 12), (7,))
+  assert _zero_split(shapes, 8) == ((48, 40), (7, 12))
+  assert _zero_split(shapes, 1) == ((), (48, 40, 7, 12))
