@@ -10,8 +10,9 @@ index. Without one, roles are inferred for the common
 ``train_step(state, batch)``:
 
 1. key-typed arrays, or ``uint32`` leaves under ``rng``/``key``: ``rng``;
-2. anything under ``opt_state`` (optax state, Flax ``TrainState``) or held in
-   an NNX ``OptState`` variable except the step counter: ``opt_state``;
+2. anything under ``opt_state`` (optax state, Flax ``TrainState``; also
+   ``opt``, ``optimizer_state``, ``optim_state``) or held in an NNX
+   ``OptState`` variable except the step counter: ``opt_state``;
 3. the step counter (``step``): ``other``;
 4. leaves under ``params`` or held in an ``nnx.Param``: ``param``;
 5. other NNX variables (batch statistics, caches), and leaves under
@@ -46,6 +47,7 @@ class Leaf:
 
 
 _COLLECTIONS = frozenset({"batch_stats", "cache"})  # Linen's non-parameter collections
+_OPT_STATE_NAMES = frozenset({"opt_state", "opt", "optimizer_state", "optim_state"})
 _RNG_NAMES = frozenset({"rng", "rngs", "key", "keys", "dropout_rng", "prng_key"})
 
 
@@ -95,9 +97,9 @@ def infer_role(leaf: Leaf, num_args: int) -> Role:
   vtype = leaf.variable_type or ""
   if leaf.dtype.startswith("key<") or (leaf.dtype == "uint32" and names & _RNG_NAMES):
     return Role.RNG
-  if leaf.path and leaf.path[-1] == "step" and "opt_state" not in names:
+  if leaf.path and leaf.path[-1] == "step" and not names & _OPT_STATE_NAMES:
     return Role.OTHER
-  if "opt_state" in names or vtype in ("OptState", "OptArray", "OptVariable"):
+  if names & _OPT_STATE_NAMES or vtype in ("OptState", "OptArray", "OptVariable"):
     return Role.OPT_STATE
   if "params" in names or vtype == "Param":
     return Role.PARAM

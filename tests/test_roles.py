@@ -15,6 +15,16 @@ def _roles(graph):
   return {i.path: i.role for i in graph.inputs}
 
 
+@pytest.mark.parametrize("key", ["opt_state", "opt", "optimizer_state", "optim_state"])
+def test_optimizer_state_under_its_common_names(key):
+  from hetspmd.passes.roles import Leaf, infer_role
+
+  assert infer_role(Leaf(("state", key, "0", "mu", "params", "w"), 0, "float32", None), 2) is Role.OPT_STATE
+  assert infer_role(Leaf(("state", key, "0", "count"), 0, "int32", None), 2) is Role.OPT_STATE
+  assert infer_role(Leaf(("state", "params", "w"), 0, "float32", None), 2) is Role.PARAM
+  assert infer_role(Leaf(("state", "options", "w"), 0, "float32", None), 2) is Role.PARAM  # whole components only
+
+
 def test_zoo_state_roles_are_inferred():
   workload = models.get("mlp-tiny")
   graph = hetspmd.trace(workload.make_train_step(), workload.abstract_state(), workload.example_batch())
