@@ -112,7 +112,7 @@ class ParallelStep:
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
-                                model_specs=dict(plan.state_specs))
+                                model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
       plan = plan.replace(state_specs=chosen)
     return plan
 

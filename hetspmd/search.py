@@ -191,32 +191,65 @@ def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float,
   return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent, reductions)
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroSplit:
+  """How ZeRO holds the parameter leaves (elements each) over ``n`` data positions."""
+
+  split: tuple[int, ...]    # a dimension divides by n: split n ways
+  shards: int               # hetspmd.plan.zero_shards_for: the group size k for the rest (0: none)
+  grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
+  whole: tuple[int, ...]    # kept whole on every position
+
+  def kept(self, n: int) -> float:
+    """Share of a ZeRO-split state each position holds."""
+    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
+    if not total:
+      return 1.0 / n
+    held = sum(self.split) / n + (sum(self.grouped) / self.shards if self.shards else 0) + sum(self.whole)
+    return held / total
+
+  @property
+  def gathered(self) -> float:
+    """Share of the parameters' elements that are split, and so gathered."""
+    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
+    return (sum(self.split) + sum(self.grouped)) / total if total else 1.0
+
+
 @functools.lru_cache(maxsize=4096)
-def _zero_split(shapes: tuple[tuple[int, ...], ...], n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """Elements of the parameter leaves ZeRO splits over ``n`` data positions, and of those it leaves whole.
+def _zero_split(shapes: tuple[tuple[int, ...], ...], n: int) -> ZeroSplit:
+  """The rule of :func:`hetspmd.plan.auto_state_specs` and :func:`hetspmd.plan.zero_shards_for`."""
+  def divides(k, shape):
+    return any(d % k == 0 for d in shape)
 
-  A leaf is split where one of its dimensions divides by ``n``
-  (:func:`hetspmd.plan.auto_state_specs`).
-  """
-  split: list[int] = []
-  whole: list[int] = []
-  for shape in shapes:
-    (split if n > 1 and any(d % n == 0 for d in shape) else whole).append(math.prod(shape))
-  return tuple(split), tuple(whole)
+  split = tuple(math.prod(s) for s in shapes if n > 1 and divides(n, s))
+  rest = [s for s in shapes if not (n > 1 and divides(n, s))]
+  best, saved = 0, 0.0
+  for k in range(2, n):
+    if n % k == 0:
+      gain = sum(math.prod(s) * (1 - 1 / k) for s in rest if divides(k, s))
+      if gain > 0 and gain >= saved:
+        best, saved = k, gain
+  grouped = tuple(math.prod(s) for s in rest if best and divides(best, s))
+  whole = tuple(math.prod(s) for s in rest if not (best and divides(best, s)))
+  return ZeroSplit(split, best, grouped, whole)
 
 
-def zero_split(profile: StepProfile, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def zero_split(profile: StepProfile, n: int) -> ZeroSplit:
   """:func:`_zero_split` of the profile's parameter leaves (all split when their shapes are unknown)."""
   if not profile.param_leaf_shapes:
-    return tuple(profile.param_leaf_sizes) or (profile.param_count,), ()
+    return ZeroSplit(tuple(profile.param_leaf_sizes) or (profile.param_count,), 0, (), ())
   return _zero_split(tuple(profile.param_leaf_shapes), n)
 
 
-def split_share(profile: StepProfile, n: int) -> float:
-  """Share of the parameters' elements that ZeRO splits over ``n`` data positions."""
-  split, whole = zero_split(profile, n)
-  total = sum(split) + sum(whole)
-  return sum(split) / total if total else 1.0
+def _first_hosts(hosts: dict[int, int], k: int) -> dict[int, int]:
+  """Hosts of the first ``k`` data positions (positions are in host order)."""
+  out: dict[int, int] = {}
+  for h, count in hosts.items():
+    take = min(count, k - sum(out.values()))
+    if take <= 0:
+      break
+    out[h] = take
+  return out
 
 
 def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel) -> float:
@@ -225,11 +258,18 @@ def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile
   With ZeRO-1 each position updates its shard of the parameters and the
   updated shards are gathered; with ZeRO-3 the stored shards are gathered
   for the forward pass. A ring all-gather moves half an all-reduce's bytes
-  and pays half its latency.
+  and pays half its latency. Leaves split over groups of ``k`` positions
+  are gathered within a group.
   """
-  split, _ = zero_split(profile, sum(hosts.values()))
-  share = split_share(profile, sum(hosts.values()))
-  return _reduce_seconds(cluster, hosts, profile.param_bytes * share * tp.param_share, tp.m, max(1, len(split))) / 2
+  n = sum(hosts.values())
+  zs = zero_split(profile, n)
+  total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
+  per_element = profile.param_bytes * tp.param_share / total if total else 0.0
+  seconds = _reduce_seconds(cluster, hosts, sum(zs.split) * per_element, tp.m, max(1, len(zs.split))) / 2
+  if zs.grouped:
+    seconds += _reduce_seconds(cluster, _first_hosts(hosts, zs.shards), sum(zs.grouped) * per_element, tp.m,
+                               len(zs.grouped)) / 2
+  return seconds
 
 
 def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel,
@@ -238,20 +278,23 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
 
   Data parallel only (``tp.m == 1``), small leaves share buckets
   (:func:`hetspmd.microbatch.bucketed_psum`); with ZeRO-1/3 the leaves that
-  ZeRO splits are reduce-scattered onto their shards (half a ring
-  all-reduce, in buckets of their own) and the rest, with the loss's sum
-  and weight, all-reduced. With a model axis every leaf is all-reduced on
-  its own, whatever the ZeRO stage.
+  ZeRO splits over all positions are reduce-scattered onto their shards
+  (half a ring all-reduce, in buckets of their own) and the rest (leaves
+  split over groups, or whole), with the loss's sum and weight,
+  all-reduced. With a model axis every leaf is all-reduced on its own,
+  whatever the ZeRO stage.
   """
   n = sum(hosts.values())
   grads = profile.param_count * tp.param_share * GRAD_BYTES
   if tp.m > 1 or not profile.param_leaf_sizes:
     return _reduce_seconds(cluster, hosts, grads, tp.m, gradient_reductions(profile, tp.m))
-  split, whole = zero_split(profile, n) if zero >= 1 else ((), tuple(profile.param_leaf_sizes))
-  scattered = sum(split) * GRAD_BYTES
-  reduced = sum(whole) * GRAD_BYTES + 2 * GRAD_BYTES
-  return (_reduce_seconds(cluster, hosts, scattered, 1, _bucket_count(split)) / 2
-          + _reduce_seconds(cluster, hosts, reduced, 1, _bucket_count(whole + (1, 1))))
+  if zero >= 1:
+    zs = zero_split(profile, n)
+    split, rest = zs.split, zs.grouped + zs.whole
+  else:
+    split, rest = (), tuple(profile.param_leaf_sizes)
+  return (_reduce_seconds(cluster, hosts, sum(split) * GRAD_BYTES, 1, _bucket_count(split)) / 2
+          + _reduce_seconds(cluster, hosts, (sum(rest) + 2) * GRAD_BYTES, 1, _bucket_count(rest + (1, 1))))
 
 
 def _bucket_count(sizes: tuple[int, ...]) -> int:
@@ -285,7 +328,7 @@ def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
                       tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """Bytes on every device of a plan with ``n`` data positions."""
-  sharded = split_share(profile, n) / n + 1 - split_share(profile, n)  # what ZeRO keeps of a split state
+  sharded = zero_split(profile, n).kept(n)  # what ZeRO keeps of a split state
   params = profile.param_bytes * tp.param_share * (sharded if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
@@ -510,10 +553,10 @@ class _Costing:
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
-    share = split_share(self.profile, n) if zero >= 1 else 0.0
-    fixed = self.fixed[kind] * tp.param_share * (share / n + 1 - share)  # the update runs on ZeRO's shards
+    zs = zero_split(self.profile, n)
+    fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
     if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
-      fixed += self.profile.param_bytes * share * tp.param_share / self.specs[kind].write_rate
+      fixed += self.profile.param_bytes * zs.gathered * tp.param_share / self.specs[kind].write_rate
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
     plain = float(self.node_seconds(kind, microbatch).sum())
     first = self.first_extra(kind, microbatch) * remat_factor
@@ -774,7 +817,7 @@ def with_strategy_spaces(profile: StepProfile, sizes: Sequence[int] = MODEL_SIZE
 
 def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float | None = None):
   """The runnable :class:`~hetspmd.plan.Plan` of one search result."""
-  from hetspmd.plan import Plan
+  from hetspmd.plan import Plan, zero_shards_for
 
   ids = cluster.jax_device_ids
   device_ids = tuple(ids[i] if ids is not None else i for i in evaluated.device_positions)
@@ -793,16 +836,17 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
                   ("communication_seconds", (evaluated.comm_seconds,) * len(firsts)))
   if evaluated.position_seconds:
     per_position = (("compute_seconds", evaluated.position_seconds),) + per_position
+  shards = zero_shards_for(state, axes, shape, evaluated.zero_stage)
   return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
-              state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims)),
-              zero_stage=evaluated.zero_stage, remat=evaluated.remat,
+              state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims), shards),
+              zero_stage=evaluated.zero_stage, zero_shards=shards, remat=evaluated.remat,
               device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
               predicted_per_position=per_position)
 
 
 def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int,
-                model_dims: dict[str, int]) -> tuple[tuple[str, tuple], ...]:
+                model_dims: dict[str, int], zero_shards: int = 0) -> tuple[tuple[str, tuple], ...]:
   """PartitionSpecs of every state leaf: the chosen model-axis splits, then ZeRO over data.
 
   ``model_dims`` maps parameter paths (``params/h/0/mlp/c_fc/kernel``) to the
@@ -821,7 +865,7 @@ def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int]
     if path in model_dims or _role_of(path, getattr(leaf, "dtype", "float32")) == "param":
       dim = model_dims.get(path)
       model_specs[path.split("/", 1)[-1]] = () if dim is None or model is None else (None,) * dim + (model,)
-  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs)
+  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs, zero_shards=zero_shards)
 
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,

@@ -350,6 +350,13 @@ def test_plan_values_are_validated():
     hs.Plan(("data",), (2,), (0, 1), global_batch=8, microbatch=2, microbatch_counts=(2, 1))
   with pytest.raises(hs.InvalidValueError, match="ZeRO stage must be one of"):
     hs.Plan(("data",), (2,), (0, 1), global_batch=4, microbatch=2, microbatch_counts=(1, 1), zero_stage=2)
+  for shards in (1, 4, 6, 5):
+    with pytest.raises(hs.InvalidValueError, match="zero_shards must be 0 or a divisor of the 6 data positions"):
+      hs.Plan(("data",), (6,), tuple(range(6)), global_batch=6, microbatch=1, microbatch_counts=(1,) * 6,
+              zero_stage=1, zero_shards=shards)
+  plan = hs.Plan(("data",), (6,), tuple(range(6)), global_batch=6, microbatch=1, microbatch_counts=(1,) * 6,
+                 state_specs=(("opt_state/mu/w", ("data_shards",)),), zero_stage=1, zero_shards=3)
+  assert hs.Plan.from_json(plan.to_json()) == plan
 
 
 def test_proportional_counts():
@@ -520,6 +527,9 @@ ZERO_CASES = [
     ("mlp-tiny", (8, 1), (1,) * 8, 1),
     ("mlp-tiny", (4, 2), (3, 3, 2, 1), 1),
     ("gpt2-tiny", (4, 2), (3, 3, 1, 1), 3),
+    # 6 positions: leaves that do not divide by 6 are split over groups of 2 (Plan.zero_shards)
+    ("gpt2-tiny", (6, 1), (2, 2, 1, 1, 1, 0), 1),
+    ("mlp-tiny", (6, 1), (3, 1, 1, 1, 1, 1), 3),
 ]
 
 
@@ -532,12 +542,20 @@ def test_zero_stages_match_single_device(name, shape, counts, zero_stage):
   batches = [workload.synthetic_batch(seed=i, batch=global_batch) for i in range(STEPS)]
   expected, expected_losses = _reference(workload, batches)
   state = workload.init_state(0)
-  plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=2, counts=counts,
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:shape[0] * shape[1]], kinds=KINDS[:shape[0] * shape[1]])
+  plan = hs.plan_for(cluster, state, global_batch=global_batch, layout=shape, microbatch=2, counts=counts,
                      zero_stage=zero_stage)
-  assert any("data" in spec for _, spec in plan.state_specs)
-  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
+  assert plan.zero_shards == (2 if shape[0] == 6 else 0)
+  used = {e for _, spec in plan.state_specs for e in spec} & {"data", "data_shards"}
+  assert ("data_shards" in used) == bool(plan.zero_shards) and used
+  step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan,
                         global_batch=global_batch)
-  state, losses = _train(step, step.shard_state(state), batches)
+  sharded = step.shard_state(state)
+  held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(sharded["opt_state"]))
+  whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state["opt_state"]))
+  assert held <= whole / 2 + 64  # each device holds at most half of the optimizer state (groups of 2 or more)
+  state, losses = _train(step, sharded, batches)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_states_close(expected, _gathered(state))
 

@@ -13,7 +13,7 @@ from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
 from hetspmd.search import (BASELINES, NO_TENSOR_PARALLEL, PlanDoesNotFitError, _host_counts, _KindCost,
                             allreduce_seconds, balanced_counts, evaluate, even_counts, gather_seconds, milp_counts,
-                            plan_from, profile_step, search, zero_split)
+                            plan_from, profile_step, search, zero_split, ZeroSplit)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gather
   gather = gather_seconds(cluster, _host_counts(cluster, positions), profile, NO_TENSOR_PARALLEL)
   link = cluster.hosts[0].intra
   leaves = len(profile.param_leaf_sizes)
-  assert leaves == 28 and zero_split(profile, 8) == (profile.param_leaf_sizes, ())  # every leaf splits over 8
+  assert leaves == 28 and zero_split(profile, 8) == ZeroSplit(profile.param_leaf_sizes, 0, (), ())  # all split
   # a ring all-gather: 7/8 of the parameter bytes over the link and 7 latencies, per leaf
   assert gather == pytest.approx(7 / 8 * profile.param_bytes / link.bandwidth + 7 * link.latency * leaves)
   grads = profile.param_count * 4
@@ -269,7 +269,7 @@ def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero):
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
   cluster = Cluster.parse("1x7xV100-32GB")
   positions = tuple(range(7))
-  assert zero_split(profile, 7) == ((), profile.param_leaf_sizes)
+  assert zero_split(profile, 7) == ZeroSplit((), 0, (), profile.param_leaf_sizes)
   plain = evaluate(cluster, profile, positions, 2, 0, "none", 28, (2,) * 7, "x")
   sharded = evaluate(cluster, profile, positions, 2, zero, "none", 28, (2,) * 7, "x")
   assert sharded.comm_seconds == pytest.approx(plain.comm_seconds)
@@ -281,6 +281,19 @@ def test_zero_split_follows_divisibility():
   from hetspmd.search import _zero_split
 
   shapes = ((16, 3), (5, 8), (7,), (12,))
-  assert _zero_split(shapes, 4) == ((48, 40, 12), (7,))
-  assert _zero_split(shapes, 8) == ((48, 40), (7, 12))
-  assert _zero_split(shapes, 1) == ((), (48, 40, 7, 12))
+  assert _zero_split(shapes, 4) == ZeroSplit((48, 40, 12), 0, (), (7,))
+  # (12,) does not divide by 8: split over groups of 4 (saving 9 elements; groups of 2 would save 6)
+  assert _zero_split(shapes, 8) == ZeroSplit((48, 40), 4, (12,), (7,))
+  # over 6: groups of 2 save 44 elements, groups of 3 only 32
+  assert _zero_split(shapes, 6) == ZeroSplit((12,), 2, (48, 40), (7,))
+  assert _zero_split(shapes, 1) == ZeroSplit((), 0, (), (48, 40, 7, 12))
+  assert _zero_split(shapes, 6).kept(6) == pytest.approx((12 / 6 + 88 / 2 + 7) / 107)
+
+
+@pytest.mark.parametrize("n,zero", [(6, 1), (6, 3), (24, 1), (7, 1), (8, 3)])
+def test_search_and_plans_choose_the_same_zero_groups(n, zero):
+  from hetspmd.plan import zero_shards_for
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  assert zero_shards_for(w.abstract_state(), ("data", "model"), (n, 1), zero) == zero_split(profile, n).shards
