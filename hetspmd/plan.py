@@ -30,7 +30,8 @@ from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.mesh import HetMesh, enumerate_layouts
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: zero_shards (schema 1 files load as zero_shards 0)
+READABLE_SCHEMAS = (1, 2)
 ZERO_STAGES = (0, 1, 3)
 # none; dots: save the outputs of matmuls without batch dimensions, recompute
 # the rest of the forward pass; full: recompute the whole forward pass.
@@ -84,13 +85,16 @@ class Plan:
     if self.zero_shards and not (1 < self.zero_shards < self.data_size and self.data_size % self.zero_shards == 0):
       raise InvalidValueError(f"zero_shards must be 0 or a divisor of the {self.data_size} data positions between 2 "
                               f"and {self.data_size - 1}, got {self.zero_shards}")
+    if self.zero_shards and self.zero_stage == 0:
+      raise InvalidValueError(f"zero_shards={self.zero_shards} needs ZeRO stage 1 or 3, got ZeRO-0")
     if self.remat not in REMAT_POLICIES:
       raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
     for key, values in self.predicted_per_position:
       if len(values) != self.mesh_shape[0]:
         raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {self.mesh_shape[0]} data positions")
-    if self.schema != SCHEMA_VERSION:
-      raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schema {SCHEMA_VERSION}")
+    if self.schema not in READABLE_SCHEMAS:
+      raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schemas "
+                              f"{list(READABLE_SCHEMAS)}")
 
   def replace(self, **changes: Any) -> "Plan":
     return dataclasses.replace(self, **changes)
@@ -156,6 +160,12 @@ class Plan:
         raise HetSpmdError(f"state leaf {path!r} has shape {shape} but the plan shards {len(spec)} dimensions ({spec})")
       for dim, entry in enumerate(spec):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+          raise HetSpmdError(f"state leaf {path!r} is split over {unknown[0]!r}, which is not an axis of the plan: "
+                             f"its axes are {sorted(sizes)}"
+                             + (" (data_shards needs zero_shards > 0)" if unknown[0] == shards_axis(self.data_axis)
+                                else ""))
         parts = math.prod(sizes[a] for a in axes)
         if shape[dim] % parts:
           raise HetSpmdError(f"state leaf {path!r} dimension {dim} of size {shape[dim]} does not split "
@@ -232,8 +242,9 @@ class Plan:
   def from_json(cls, data: dict[str, Any]) -> "Plan":
     try:
       schema = int(data["schema"])
-      if schema != SCHEMA_VERSION:
-        raise InvalidValueError(f"plan schema {schema} is not supported; this hetspmd reads schema {SCHEMA_VERSION}")
+      if schema not in READABLE_SCHEMAS:
+        raise InvalidValueError(f"plan schema {schema} is not supported; this hetspmd reads schemas "
+                                f"{list(READABLE_SCHEMAS)}")
       mesh = data["mesh"]
       return cls(
           axis_names=tuple(mesh["axes"]), mesh_shape=tuple(mesh["shape"]), device_ids=tuple(mesh["device_ids"]),
@@ -386,6 +397,8 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
         if len(shape) >= 2 and spec[-1] is None and shape[-1] % sizes[axis] == 0:
           spec[-1] = axis
     used = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+    if shards_axis(data) in used:  # a planned ZeRO split over groups, kept as given
+      used.add(data)
     role = _role_of(path, getattr(leaf, "dtype", "float32"))
     if sizes[data] > 1 and data not in used and _zero_role(zero_stage, role):
       free = [dim for dim, entry in enumerate(spec) if entry is None]

@@ -69,8 +69,9 @@ def explain_text(plan: Plan) -> str:
   width = max(len(label) for label, _ in runs)
   predicted = dict(plan.predicted)
   lines = [f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, global batch {plan.global_batch} = "
-           f"{sum(plan.microbatch_counts)} microbatches of {plan.microbatch}, ZeRO-{plan.zero_stage}, "
-           f"remat {plan.remat}"]
+           f"{sum(plan.microbatch_counts)} microbatches of {plan.microbatch}, ZeRO-{plan.zero_stage}"
+           f"{f' (groups of {plan.zero_shards} where a leaf does not split {plan.data_size} ways)' if plan.zero_shards else ''}"
+           f", remat {plan.remat}"]
   if predicted:
     parts = [f"step {predicted['step_seconds']:.4g} s" if "step_seconds" in predicted else "",
              f"{predicted['throughput']:.4g} samples/s" if "throughput" in predicted else "",

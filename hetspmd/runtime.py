@@ -214,10 +214,12 @@ class ParallelStep:
             self._lockstep = not plan.is_uniform and _loop_needs_lockstep(weighted[False].lower(*args))
           return weighted[self._lockstep](*args)
         except _NoMicrobatchGradient:
+          out = plain(*args)  # a step that fails on the plain global batch too raises its own error here
           self._plain_grad = True
           warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
                         "hetspmd.value_and_grad: running plain data parallelism over the global batch "
                         "(no per-device weighting, no microbatch accumulation)", stacklevel=3)
+          return out
       return plain(*args)
 
     def lower(state, data, counts):
@@ -238,7 +240,14 @@ class ParallelStep:
                          plan.max_count if plan.is_uniform else None, calls, plan.global_batch,
                          plan.data_split_leaves(state))
       with step_context(ctx):
-        new_state, metrics = fn(state, data)
+        try:
+          new_state, metrics = fn(state, data)
+        except Exception:
+          # Before any hetspmd.value_and_grad call the step saw the microbatch buffers
+          # ([positions * count, microbatch, ...]) as its batch; a plain jax.grad step may fail on them.
+          if not calls:
+            raise _NoMicrobatchGradient() from None
+          raise
       if not calls:
         raise _NoMicrobatchGradient()
       return jax.lax.with_sharding_constraint(new_state, shardings), metrics

@@ -228,12 +228,15 @@ def test_uniform_plan_matches_plain_jit_with_same_shardings(layout, counts):
   assert_states_close(_gathered(plain_state), _gathered(state))
 
 
-def test_plain_jax_grad_still_runs_correctly_and_warns_once():
-  workload = _workload("mlp-tiny")
+@pytest.mark.parametrize("name,layout,counts", [("mlp-tiny", (4, 2), (3, 2, 2, 1)),
+                                                ("gpt2-tiny", (8, 1), (2, 1, 1, 1, 1, 1, 1, 0))])
+def test_plain_jax_grad_still_runs_correctly_and_warns_once(name, layout, counts):
+  # GPT-tiny cannot even trace on the microbatch buffers' extra dimension: it falls back all the same
+  workload = _workload(name)
   batches = [workload.synthetic_batch(seed=i, batch=16) for i in range(STEPS)]
   expected, expected_losses = _reference(workload, batches)
-  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=16, layout=(4, 2), microbatch=2,
-                     counts=(3, 2, 2, 1))
+  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=16, layout=layout, microbatch=2,
+                     counts=counts)
   step = hs.parallelize(workload.make_train_step(), cluster=_cluster(), plan=plan, global_batch=16)
   state = step.shard_state(workload.init_state(0))
   with warnings.catch_warnings(record=True) as caught:
@@ -245,6 +248,22 @@ def test_plain_jax_grad_still_runs_correctly_and_warns_once():
   assert len(messages) == 1 and "\n" not in messages[0]
   assert_states_close(expected, _gathered(state))
   assert "plain data parallel" in step.explain()
+
+
+def test_a_step_that_fails_before_its_gradient_raises_its_own_error():
+  cluster = _cluster()
+  state = {"w": jnp.ones((4, 2))}
+  plan = hs.plan_for(cluster, state, global_batch=16, microbatch=2, counts=(1,) * 8)
+
+  def train_step(state, batch):
+    raise ValueError("broken before the gradient")
+
+  step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=16)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pytest.raises(ValueError, match="broken before the gradient"):
+      step(step.shard_state(state), {"x": np.ones((16, 4), np.float32)})
+  assert not [w for w in caught if "jax.grad" in str(w.message)]
 
 
 def test_value_and_grad_outside_a_step_matches_jax():
@@ -354,9 +373,16 @@ def test_plan_values_are_validated():
     with pytest.raises(hs.InvalidValueError, match="zero_shards must be 0 or a divisor of the 6 data positions"):
       hs.Plan(("data",), (6,), tuple(range(6)), global_batch=6, microbatch=1, microbatch_counts=(1,) * 6,
               zero_stage=1, zero_shards=shards)
+  with pytest.raises(hs.InvalidValueError, match="zero_shards=2 needs ZeRO stage 1 or 3"):
+    hs.Plan(("data",), (6,), tuple(range(6)), global_batch=6, microbatch=1, microbatch_counts=(1,) * 6, zero_shards=2)
   plan = hs.Plan(("data",), (6,), tuple(range(6)), global_batch=6, microbatch=1, microbatch_counts=(1,) * 6,
                  state_specs=(("opt_state/mu/w", ("data_shards",)),), zero_stage=1, zero_shards=3)
   assert hs.Plan.from_json(plan.to_json()) == plan
+  old = {**plan.to_json(), "schema": 1}  # written before zero_shards existed
+  del old["zero_shards"]
+  assert hs.Plan.from_json(old).zero_shards == 0
+  with pytest.raises(hs.HetSpmdError, match="'data_shards', which is not an axis of the plan.*needs zero_shards"):
+    hs.Plan.from_json(old).check_state({"opt_state": {"mu": {"w": np.zeros(6)}}})
 
 
 def test_proportional_counts():
@@ -558,6 +584,23 @@ def test_zero_stages_match_single_device(name, shape, counts, zero_stage):
   state, losses = _train(step, sharded, batches)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_states_close(expected, _gathered(state))
+
+
+def test_user_specs_over_a_plan_with_zero_groups_keep_one_zero_split():
+  # the runtime re-applies user specs over a searched plan's: a leaf ZeRO already split over groups stays so
+  from hetspmd.plan import auto_state_specs
+
+  require_devices(6)
+  workload = _workload("gpt2-tiny")
+  state = workload.init_state(0)
+  cluster = hs.Cluster.emulate(jax.devices()[:6], kinds=["V100-32GB"] * 6)
+  plan = hs.plan_for(cluster, state, global_batch=12, layout=(6, 1), microbatch=2, zero_stage=1)
+  assert plan.zero_shards == 2
+  chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, 1, {"c_fc/kernel": ()},
+                            model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
+  assert all(sum(e in ("data", "data_shards") for e in spec) <= 1 for _, spec in chosen)
+  plan = plan.replace(state_specs=chosen)
+  assert jax.tree.leaves(plan.state_shardings(plan.mesh(), state))
 
 
 def test_scatter_dim_follows_the_state_leaf_that_mirrors_the_gradient():
