@@ -333,23 +333,36 @@ def _zero_role(zero_stage: int, role: str) -> bool:
   return zero_stage >= 1 and role == "opt_state" or zero_stage >= 3 and role == "param"
 
 
-def zero_shards_for(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int) -> int:
+def zero_shards_for(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int,
+                    specs: Mapping[str, Sequence[SpecEntry]] | None = None,
+                    model_specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> int:
   """The group size ZeRO shards a leaf over when none of its dimensions divides by all ``n`` data positions.
 
   The proper divisor ``k`` of ``n`` that saves the most bytes over the
-  leaves ZeRO would shard (a leaf with a dimension divisible by ``k``, but
-  none by ``n``, is held ``k`` ways instead of whole); 0 when no divisor
-  saves anything. GPT-2 XL's 1600-wide matrices on 24 positions: ``k = 8``.
+  leaves :func:`auto_state_specs` (given the same ``specs`` and
+  ``model_specs``) leaves unsplit along ``data``: such a leaf with a free
+  dimension divisible by ``k`` is held ``k`` ways instead of whole. 0 when
+  no divisor saves anything. GPT-2 XL's 1600-wide matrices on 24
+  positions: ``k = 8``.
   """
   n = mesh_shape[0]
-  shapes = [(tuple(np.shape(leaf)), math.prod(np.shape(leaf)) * np.dtype(getattr(leaf, "dtype", "float32")).itemsize)
-            for path, leaf in leaves_with_paths(state)
-            if _zero_role(zero_stage, _role_of(path, getattr(leaf, "dtype", "float32")))]
-  unsplit = [(shape, nbytes) for shape, nbytes in shapes if not any(d % n == 0 for d in shape)]
+  if zero_stage < 1 or n < 4:
+    return 0
+  sizes = dict(zip(axis_names, mesh_shape))
+  chosen = dict(auto_state_specs(state, axis_names, mesh_shape, zero_stage, specs, model_specs))
+  unsplit = []  # (free dimension sizes, bytes on one device)
+  for path, leaf in leaves_with_paths(state):
+    spec, shape = chosen[path], tuple(np.shape(leaf))
+    if not _zero_role(zero_stage, _role_of(path, getattr(leaf, "dtype", "float32"))) or any(
+        e == axis_names[0] or isinstance(e, tuple) and axis_names[0] in e for e in spec):
+      continue
+    parts = math.prod(_parts(e, sizes) for e in spec if e is not None)
+    free = [shape[d] for d in range(len(shape)) if d >= len(spec) or spec[d] is None]
+    unsplit.append((free, math.prod(shape) * np.dtype(getattr(leaf, "dtype", "float32")).itemsize / parts))
   best, saved = 0, 0.0
   for k in range(2, n):
     if n % k == 0:
-      gain = sum(nbytes * (1 - 1 / k) for shape, nbytes in unsplit if any(d % k == 0 for d in shape))
+      gain = sum(nbytes * (1 - 1 / k) for free, nbytes in unsplit if any(d % k == 0 for d in free))
       if gain > 0 and gain >= saved:
         best, saved = k, gain
   return best
@@ -449,7 +462,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
   if counts is None:
     counts = proportional_counts(mesh.speed_weights(dtype), global_batch // microbatch)
   devices = cluster.devices
-  shards = zero_shards_for(state, mesh.axis_names, mesh.shape, zero_stage)
+  shards = zero_shards_for(state, mesh.axis_names, mesh.shape, zero_stage, specs)
   return Plan(
       axis_names=mesh.axis_names,
       mesh_shape=mesh.shape,

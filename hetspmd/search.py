@@ -216,29 +216,53 @@ class ZeroSplit:
 
 
 @functools.lru_cache(maxsize=4096)
-def _zero_split(shapes: tuple[tuple[int, ...], ...], n: int) -> ZeroSplit:
-  """The rule of :func:`hetspmd.plan.auto_state_specs` and :func:`hetspmd.plan.zero_shards_for`."""
-  def divides(k, shape):
-    return any(d % k == 0 for d in shape)
+def _zero_split(leaves: tuple[tuple[tuple[int, ...], int], ...], n: int) -> ZeroSplit:
+  """The rule of :func:`hetspmd.plan.auto_state_specs` and :func:`hetspmd.plan.zero_shards_for`.
 
-  split = tuple(math.prod(s) for s in shapes if n > 1 and divides(n, s))
-  rest = [s for s in shapes if not (n > 1 and divides(n, s))]
+  ``leaves``: (sizes of the dimensions ZeRO may split, elements on one
+  device) per parameter leaf.
+  """
+  def divides(k, dims):
+    return any(d % k == 0 for d in dims)
+
+  split = tuple(e for dims, e in leaves if n > 1 and divides(n, dims))
+  rest = [(dims, e) for dims, e in leaves if not (n > 1 and divides(n, dims))]
   best, saved = 0, 0.0
   for k in range(2, n):
     if n % k == 0:
-      gain = sum(math.prod(s) * (1 - 1 / k) for s in rest if divides(k, s))
+      gain = sum(e * (1 - 1 / k) for dims, e in rest if divides(k, dims))
       if gain > 0 and gain >= saved:
         best, saved = k, gain
-  grouped = tuple(math.prod(s) for s in rest if best and divides(best, s))
-  whole = tuple(math.prod(s) for s in rest if not (best and divides(best, s)))
+  grouped = tuple(e for dims, e in rest if best and divides(best, dims))
+  whole = tuple(e for dims, e in rest if not (best and divides(best, dims)))
   return ZeroSplit(split, best, grouped, whole)
 
 
-def zero_split(profile: StepProfile, n: int) -> ZeroSplit:
-  """:func:`_zero_split` of the profile's parameter leaves (all split when their shapes are unknown)."""
+def zero_split(profile: StepProfile, n: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> ZeroSplit:
+  """:func:`_zero_split` of the profile's parameter leaves (all split when their shapes are unknown).
+
+  A dimension split over the model axis is not one ZeRO may split, and
+  such a leaf holds ``1/m`` of its elements on a device.
+  """
   if not profile.param_leaf_shapes:
     return ZeroSplit(tuple(profile.param_leaf_sizes) or (profile.param_count,), 0, (), ())
-  return _zero_split(tuple(profile.param_leaf_shapes), n)
+  key = (n, tp.m, tp.choice)
+  if key not in profile.zero_splits:
+    profile.zero_splits[key] = _profile_zero_split(profile, n, tp)
+  return profile.zero_splits[key]
+
+
+def _profile_zero_split(profile: StepProfile, n: int, tp: TensorParallel) -> ZeroSplit:
+  model_dims = dict(tp.model_dims) if tp.m > 1 else {}
+  paths = profile.param_leaf_paths or ("",) * len(profile.param_leaf_shapes)
+  leaves = []
+  for path, shape in zip(paths, profile.param_leaf_shapes):
+    dim = model_dims.get(path)
+    if dim is None or dim >= len(shape) or shape[dim] % tp.m:
+      leaves.append((tuple(shape), math.prod(shape)))
+    else:
+      leaves.append((tuple(shape[:dim]) + tuple(shape[dim + 1:]), math.prod(shape) // tp.m))
+  return _zero_split(tuple(leaves), n)
 
 
 def _first_hosts(hosts: dict[int, int], k: int) -> dict[int, int]:
@@ -262,7 +286,7 @@ def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile
   are gathered within a group.
   """
   n = sum(hosts.values())
-  zs = zero_split(profile, n)
+  zs = zero_split(profile, n, tp)
   total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
   per_element = profile.param_bytes * tp.param_share / total if total else 0.0
   seconds = _reduce_seconds(cluster, hosts, sum(zs.split) * per_element, tp.m, max(1, len(zs.split))) / 2
@@ -328,7 +352,7 @@ def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
                       tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """Bytes on every device of a plan with ``n`` data positions."""
-  sharded = zero_split(profile, n).kept(n)  # what ZeRO keeps of a split state
+  sharded = zero_split(profile, n, tp).kept(n)  # what ZeRO keeps of a split state
   params = profile.param_bytes * tp.param_share * (sharded if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
@@ -553,7 +577,7 @@ class _Costing:
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
-    zs = zero_split(self.profile, n)
+    zs = zero_split(self.profile, n, tp)
     fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
     if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
       fixed += self.profile.param_bytes * zs.gathered * tp.param_share / self.specs[kind].write_rate
@@ -836,7 +860,8 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
                   ("communication_seconds", (evaluated.comm_seconds,) * len(firsts)))
   if evaluated.position_seconds:
     per_position = (("compute_seconds", evaluated.position_seconds),) + per_position
-  shards = zero_shards_for(state, axes, shape, evaluated.zero_stage)
+  model_specs = _model_specs(state, axes, dict(tp.model_dims))
+  shards = zero_shards_for(state, axes, shape, evaluated.zero_stage, model_specs=model_specs)
   return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
               state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims), shards),
@@ -854,8 +879,16 @@ def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int]
   parameter follows it, and ZeRO is added as in
   :func:`hetspmd.plan.auto_state_specs`.
   """
+  from hetspmd.plan import auto_state_specs
+
+  model_specs = _model_specs(state, axis_names, model_dims)
+  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs, zero_shards=zero_shards)
+
+
+def _model_specs(state: Any, axis_names: Sequence[str], model_dims: dict[str, int]) -> dict[str, tuple]:
+  """``{path suffix: spec}`` of the chosen model-axis splits, for :func:`hetspmd.plan.auto_state_specs`."""
   from hetspmd._pytree import leaves_with_paths
-  from hetspmd.plan import _role_of, auto_state_specs
+  from hetspmd.plan import _role_of
 
   model = axis_names[1] if len(axis_names) > 1 else None
   # Every parameter gets an entry (whole ones too), keyed by its path below the
@@ -865,7 +898,7 @@ def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int]
     if path in model_dims or _role_of(path, getattr(leaf, "dtype", "float32")) == "param":
       dim = model_dims.get(path)
       model_specs[path.split("/", 1)[-1]] = () if dim is None or model is None else (None,) * dim + (model,)
-  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs, zero_shards=zero_shards)
+  return model_specs
 
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,

@@ -117,11 +117,14 @@ class StepProfile:
   saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
+  param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
   write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
   # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
   strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+  # (data positions, model size, tensor-parallel choice) -> hetspmd.search.ZeroSplit, filled by the search
+  zero_splits: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def node_seconds(self, spec: DeviceSpec, batch: float, first: bool = False) -> np.ndarray:
     """Seconds of every node (all its executions in one step) at ``batch``.
@@ -217,6 +220,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       param_count=small.elements_with_role(Role.PARAM),
       param_leaf_sizes=tuple(i.type.size for i in small.inputs_with_role(Role.PARAM)),
       param_leaf_shapes=tuple(tuple(i.type.shape) for i in small.inputs_with_role(Role.PARAM)),
+      param_leaf_paths=tuple(i.path.split("/", 1)[-1] for i in small.inputs_with_role(Role.PARAM)),
       write_sizes_fit=write_sizes_fit,
       activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),

@@ -1,6 +1,7 @@
 """The planner: cost model pieces, MILP counts, baselines, errors, CLI."""
 
 import json
+import math
 
 import jax
 import numpy as np
@@ -280,7 +281,7 @@ def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero):
 def test_zero_split_follows_divisibility():
   from hetspmd.search import _zero_split
 
-  shapes = ((16, 3), (5, 8), (7,), (12,))
+  shapes = tuple((s, math.prod(s)) for s in ((16, 3), (5, 8), (7,), (12,)))
   assert _zero_split(shapes, 4) == ZeroSplit((48, 40, 12), 0, (), (7,))
   # (12,) does not divide by 8: split over groups of 4 (saving 9 elements; groups of 2 would save 6)
   assert _zero_split(shapes, 8) == ZeroSplit((48, 40), 4, (12,), (7,))
@@ -288,6 +289,23 @@ def test_zero_split_follows_divisibility():
   assert _zero_split(shapes, 6) == ZeroSplit((12,), 2, (48, 40), (7,))
   assert _zero_split(shapes, 1) == ZeroSplit((), 0, (), (48, 40, 7, 12))
   assert _zero_split(shapes, 6).kept(6) == pytest.approx((12 / 6 + 88 / 2 + 7) / 107)
+
+
+def test_zero_split_leaves_the_model_dimension_alone():
+  from hetspmd.search import TensorParallel
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  # a matrix with one dimension divisible by 6, split over the model axis along it: ZeRO cannot split it 6 ways
+  path, shape, dim = next((p, s, d) for p, s in zip(profile.param_leaf_paths, profile.param_leaf_shapes)
+                          if len(s) == 2 for d in range(2) if s[d] % 6 == 0 and s[1 - d] % 6)
+  assert path.startswith("params/")
+  tp = TensorParallel(m=2, model_dims=((path, dim),))
+  plain, split = zero_split(profile, 6), zero_split(profile, 6, tp)
+  assert len(split.split) == len(plain.split) - 1
+  assert sum(split.split) == sum(plain.split) - math.prod(shape)
+  # on each device it holds half its elements, split over groups of 2 (its other dimension is even) or whole
+  assert sum(split.grouped) + sum(split.whole) == sum(plain.grouped) + sum(plain.whole) + math.prod(shape) // 2
 
 
 @pytest.mark.parametrize("n,zero", [(6, 1), (6, 3), (24, 1), (7, 1), (8, 3)])
