@@ -32,12 +32,14 @@ compute with split operations at ``1/model``, plus the tensor-parallel
 collectives on its host's link, plus adding its gradients into the float32
 accumulator. Step time = slowest position's (per-step
 optimizer work + per-microbatch time × count) + the gradient reduction
-across data positions (not overlapped): a ring all-reduce within a host,
-hierarchical (reduce-scatter in hosts, all-reduce between hosts, all-gather
-in hosts) across hosts, each stage at the slowest link it crosses. Each
-device reduces its own gradient bytes (split parameters ``1/model``); the
-``model`` rings of one host share its network link. ZeRO-3 also gathers the
-parameters (half an all-reduce more). Memory per device: parameters,
+across data positions (not overlapped; :mod:`hetspmd.data_axis`): a ring
+all-reduce within a host, hierarchical (reduce-scatter in hosts, all-reduce
+between hosts, all-gather in hosts) across hosts, each stage at the slowest
+link it crosses. Each device reduces its own gradient bytes (split
+parameters ``1/model``); the ``model`` rings of one host share its network
+link. Under ZeRO-1/3 without a model axis the gradients of leaves ZeRO
+splits over all positions are reduce-scattered instead, and every split
+parameter leaf is gathered once per step. Memory per device: parameters,
 float32 gradients and optimizer state after the split over ``model``, ZeRO
 over ``data``, and activations less their sharded share.
 
@@ -50,7 +52,6 @@ any layout).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -58,17 +59,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hetspmd.cluster import Cluster
-from hetspmd.devices import Link
+from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, gather_seconds, gradient_seconds,
+                               memory_per_device, zero_split)
 from hetspmd.errors import HetSpmdError
-from hetspmd.microbatch import buckets
 from hetspmd.passes import strategies, strategy_ilp
-from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
+from hetspmd.passes.cost import StepProfile
 from hetspmd.plan import REMAT_POLICIES
 
 ZERO_STAGES = (0, 1, 3)
-REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat (layer inputs, workspace)
-WORKSPACE = 1.10              # allocator and workspace headroom on every device
-GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
 FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
 
@@ -77,19 +75,6 @@ class PlanDoesNotFitError(HetSpmdError):
   """No candidate fits device memory."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorParallel:
-  """One tensor-parallel choice over a ``model`` axis of size ``m`` (``m == 1``: none)."""
-
-  m: int = 1
-  choice: tuple[int, ...] = ()
-  description: str = "none"
-  model_dims: tuple[tuple[str, int], ...] = ()   # parameter path -> dimension split over model
-  param_share: float = 1.0                       # parameter elements per device / all of them
-  activation_share: float = 1.0                  # activation bytes per device / unsplit
-
-
-NO_TENSOR_PARALLEL = TensorParallel()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,213 +136,6 @@ class SearchResult:
   ideal_throughput: float
   search_seconds: float
   candidates: int
-
-
-# --- cost pieces ----------------------------------------------------------------
-
-
-def _host_counts(cluster: Cluster, positions: Sequence[int]) -> dict[int, int]:
-  devices = cluster.devices
-  hosts: dict[int, int] = {}
-  for i in positions:
-    hosts[devices[i].host] = hosts.get(devices[i].host, 0) + 1
-  return hosts
-
-
-def _ring_seconds(p: int, nbytes: float, link: Link, reductions: int = 1) -> float:
-  return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency * reductions if p > 1 else 0.0
-
-
-def _reduce_seconds(cluster: Cluster, hosts: dict[int, int], nbytes: float, concurrent: int = 1,
-                    reductions: int = 1) -> float:
-  """``reductions`` all-reduces of ``nbytes`` in all among ``hosts[h]`` participants per host.
-
-  ``concurrent`` rings share each host's network link; every all-reduce pays the links' latency.
-  """
-  p = sum(hosts.values())
-  if p < 2 or nbytes <= 0:
-    return 0.0
-  intra = min((cluster.hosts[h].intra for h in hosts), key=lambda l: l.bandwidth)
-  if len(hosts) == 1:
-    return _ring_seconds(p, nbytes, intra, reductions)
-  k = max(hosts.values())  # the busiest host bounds the in-host stages
-  return (_ring_seconds(k, nbytes, intra, reductions)
-          + _ring_seconds(len(hosts), nbytes * concurrent, cluster.inter, reductions))
-
-
-def allreduce_seconds(cluster: Cluster, positions: Sequence[int], nbytes: float, concurrent: int = 1,
-                      reductions: int = 1) -> float:
-  """Gradient all-reduce over ``positions``: ring in a host, hierarchical across hosts."""
-  return _reduce_seconds(cluster, _host_counts(cluster, positions), nbytes, concurrent, reductions)
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroSplit:
-  """How ZeRO holds the parameter leaves (elements each) over ``n`` data positions."""
-
-  split: tuple[int, ...]    # a dimension divides by n: split n ways
-  shards: int               # hetspmd.plan.zero_shards_for: the group size k for the rest (0: none)
-  grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
-  whole: tuple[int, ...]    # kept whole on every position
-
-  def kept(self, n: int) -> float:
-    """Share of a ZeRO-split state each position holds."""
-    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
-    if not total:
-      return 1.0 / n
-    held = sum(self.split) / n + (sum(self.grouped) / self.shards if self.shards else 0) + sum(self.whole)
-    return held / total
-
-  @property
-  def gathered(self) -> float:
-    """Share of the parameters' elements that are split, and so gathered."""
-    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
-    return (sum(self.split) + sum(self.grouped)) / total if total else 1.0
-
-
-@functools.lru_cache(maxsize=4096)
-def _zero_split(leaves: tuple[tuple[tuple[int, ...], int], ...], n: int) -> ZeroSplit:
-  """The rule of :func:`hetspmd.plan.auto_state_specs` and :func:`hetspmd.plan.zero_shards_for`.
-
-  ``leaves``: (sizes of the dimensions ZeRO may split, elements on one
-  device) per parameter leaf.
-  """
-  def divides(k, dims):
-    return any(d % k == 0 for d in dims)
-
-  split = tuple(e for dims, e in leaves if n > 1 and divides(n, dims))
-  rest = [(dims, e) for dims, e in leaves if not (n > 1 and divides(n, dims))]
-  best, saved = 0, 0.0
-  for k in range(2, n):
-    if n % k == 0:
-      gain = sum(e * (1 - 1 / k) for dims, e in rest if divides(k, dims))
-      if gain > 0 and gain >= saved:
-        best, saved = k, gain
-  grouped = tuple(e for dims, e in rest if best and divides(best, dims))
-  whole = tuple(e for dims, e in rest if not (best and divides(best, dims)))
-  return ZeroSplit(split, best, grouped, whole)
-
-
-def zero_split(profile: StepProfile, n: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> ZeroSplit:
-  """:func:`_zero_split` of the profile's parameter leaves (all split when their shapes are unknown).
-
-  A dimension split over the model axis is not one ZeRO may split, and
-  such a leaf holds ``1/m`` of its elements on a device.
-  """
-  if not profile.param_leaf_shapes:
-    return ZeroSplit(tuple(profile.param_leaf_sizes) or (profile.param_count,), 0, (), ())
-  key = (n, tp.m, tp.choice)
-  if key not in profile.zero_splits:
-    profile.zero_splits[key] = _profile_zero_split(profile, n, tp)
-  return profile.zero_splits[key]
-
-
-def _profile_zero_split(profile: StepProfile, n: int, tp: TensorParallel) -> ZeroSplit:
-  model_dims = dict(tp.model_dims) if tp.m > 1 else {}
-  paths = profile.param_leaf_paths or ("",) * len(profile.param_leaf_shapes)
-  leaves = []
-  for path, shape in zip(paths, profile.param_leaf_shapes):
-    dim = model_dims.get(path)
-    if dim is None or dim >= len(shape) or shape[dim] % tp.m:
-      leaves.append((tuple(shape), math.prod(shape)))
-    else:
-      leaves.append((tuple(shape[:dim]) + tuple(shape[dim + 1:]), math.prod(shape) // tp.m))
-  return _zero_split(tuple(leaves), n)
-
-
-def _first_hosts(hosts: dict[int, int], k: int) -> dict[int, int]:
-  """Hosts of the first ``k`` data positions (positions are in host order)."""
-  out: dict[int, int] = {}
-  for h, count in hosts.items():
-    take = min(count, k - sum(out.values()))
-    if take <= 0:
-      break
-    out[h] = take
-  return out
-
-
-def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel) -> float:
-  """ZeRO's all-gather of the parameters over ``data``, once per step: one per split parameter leaf.
-
-  With ZeRO-1 each position updates its shard of the parameters and the
-  updated shards are gathered; with ZeRO-3 the stored shards are gathered
-  for the forward pass. A ring all-gather moves half an all-reduce's bytes
-  and pays half its latency. Leaves split over groups of ``k`` positions
-  are gathered within a group.
-  """
-  n = sum(hosts.values())
-  zs = zero_split(profile, n, tp)
-  total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
-  per_element = profile.param_bytes * tp.param_share / total if total else 0.0
-  seconds = _reduce_seconds(cluster, hosts, sum(zs.split) * per_element, tp.m, max(1, len(zs.split))) / 2
-  if zs.grouped:
-    seconds += _reduce_seconds(cluster, _first_hosts(hosts, zs.shards), sum(zs.grouped) * per_element, tp.m,
-                               len(zs.grouped)) / 2
-  return seconds
-
-
-def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel,
-                     zero: int) -> float:
-  """Reducing the gradients over ``data`` once per step, as the runtime does.
-
-  Data parallel only (``tp.m == 1``), small leaves share buckets
-  (:func:`hetspmd.microbatch.bucketed_psum`); with ZeRO-1/3 the leaves that
-  ZeRO splits over all positions are reduce-scattered onto their shards
-  (half a ring all-reduce, in buckets of their own) and the rest (leaves
-  split over groups, or whole), with the loss's sum and weight,
-  all-reduced. With a model axis every leaf is all-reduced on its own,
-  whatever the ZeRO stage.
-  """
-  n = sum(hosts.values())
-  grads = profile.param_count * tp.param_share * GRAD_BYTES
-  if tp.m > 1 or not profile.param_leaf_sizes:
-    return _reduce_seconds(cluster, hosts, grads, tp.m, gradient_reductions(profile, tp.m))
-  if zero >= 1:
-    zs = zero_split(profile, n)
-    split, rest = zs.split, zs.grouped + zs.whole
-  else:
-    split, rest = (), tuple(profile.param_leaf_sizes)
-  return (_reduce_seconds(cluster, hosts, sum(split) * GRAD_BYTES, 1, _bucket_count(split)) / 2
-          + _reduce_seconds(cluster, hosts, (sum(rest) + 2) * GRAD_BYTES, 1, _bucket_count(rest + (1, 1))))
-
-
-def _bucket_count(sizes: tuple[int, ...]) -> int:
-  """Collectives :func:`hetspmd.microbatch.buckets` makes of float32 leaves of ``sizes`` elements."""
-  return len(buckets([(np.float32, n * GRAD_BYTES) for n in sizes]))
-
-
-def gradient_reductions(profile: StepProfile, model: int) -> int:
-  """All-reduces the runtime issues for the gradients (and the loss's sum and weight) without ZeRO, per step.
-
-  Data parallel only, small leaves share buckets (:func:`hetspmd.microbatch.bucketed_psum`);
-  with a model axis every leaf is reduced on its own.
-  """
-  if not profile.param_leaf_sizes:
-    return 1
-  if model > 1:
-    return len(profile.param_leaf_sizes) + 2
-  return _bucket_count(tuple(profile.param_leaf_sizes) + (1, 1))
-
-
-def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
-  """Share of a microbatch's activation bytes a remat policy keeps."""
-  if remat == "none":
-    return 1.0
-  if remat == "full":
-    return REMAT_ACTIVATIONS
-  whole = profile.activation.at(microbatch)
-  return min(1.0, REMAT_ACTIVATIONS + profile.saved.at(microbatch) / whole) if whole > 0 else 1.0
-
-
-def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
-                      tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
-  """Bytes on every device of a plan with ``n`` data positions."""
-  sharded = zero_split(profile, n, tp).kept(n)  # what ZeRO keeps of a split state
-  params = profile.param_bytes * tp.param_share * (sharded if zero_stage >= 3 else 1)
-  grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
-  optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
-  activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)
-  return int((params + grads + optimizer + activations) * WORKSPACE)
 
 
 @dataclasses.dataclass(frozen=True)

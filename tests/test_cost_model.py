@@ -275,7 +275,7 @@ def test_trace_tells_forward_from_backward(gpt_profile):
 
 
 def test_remat_policies_trade_compute_for_activations(gpt_profile):
-  from hetspmd.search import activation_share
+  from hetspmd.data_axis import activation_share
 
   spec = DeviceSpec("x", 1e13, 1e13, 2**34, 1e11, measured=True)
   mb = 8
@@ -301,7 +301,7 @@ def test_remat_counts_recomputed_matmuls_and_reductions_not_fused_elementwise_wo
 
 
 def test_gradient_all_reduces_are_counted_as_the_runtime_issues_them(gpt_profile):
-  from hetspmd.search import allreduce_seconds, gradient_reductions
+  from hetspmd.data_axis import allreduce_seconds, gradient_reductions
 
   leaves = len(gpt_profile.param_leaf_sizes)
   assert leaves == 28 and max(gpt_profile.param_leaf_sizes) * 4 <= 2**20

@@ -10,11 +10,12 @@ import pytest
 import hetspmd as hs
 from hetspmd import Cluster, models
 from hetspmd.cli import main
+from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroSplit, _host_counts, _zero_split,
+                               allreduce_seconds, gather_seconds, zero_split)
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
-from hetspmd.search import (BASELINES, NO_TENSOR_PARALLEL, PlanDoesNotFitError, _host_counts, _KindCost,
-                            allreduce_seconds, balanced_counts, evaluate, even_counts, gather_seconds, milp_counts,
-                            plan_from, profile_step, search, zero_split, ZeroSplit)
+from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, balanced_counts, evaluate, even_counts,
+                            milp_counts, plan_from, profile_step, search)
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +280,6 @@ def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero):
 
 
 def test_zero_split_follows_divisibility():
-  from hetspmd.search import _zero_split
-
   shapes = tuple((s, math.prod(s)) for s in ((16, 3), (5, 8), (7,), (12,)))
   assert _zero_split(shapes, 4) == ZeroSplit((48, 40, 12), 0, (), (7,))
   # (12,) does not divide by 8: split over groups of 4 (saving 9 elements; groups of 2 would save 6)
@@ -292,8 +291,6 @@ def test_zero_split_follows_divisibility():
 
 
 def test_zero_split_leaves_the_model_dimension_alone():
-  from hetspmd.search import TensorParallel
-
   w = models.get("gpt2-tiny")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
   # a matrix with one dimension divisible by 6, split over the model axis along it: ZeRO cannot split it 6 ways
