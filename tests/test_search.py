@@ -24,6 +24,12 @@ def gpt_profile():
   return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
 
 
+@pytest.fixture(scope="module")
+def tiny_profile():
+  w = models.get("gpt2-tiny")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+
+
 def test_peak_live_bytes_of_a_chain():
   graph = hs.trace(lambda x: jnp_chain(x), jax.ShapeDtypeStruct((256,), np.float32))
   # x*2 then +1 then sin: at most two 1 KiB intermediates are alive together
@@ -238,9 +244,8 @@ def test_large_model_splits_over_model_when_the_batch_is_smaller_than_the_cluste
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gathered_parameters(zero):
-  w = models.get("gpt2-tiny")
-  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gathered_parameters(zero, tiny_profile):
+  profile = tiny_profile
   cluster = Cluster.parse("1x8xV100-32GB")
   positions = tuple(range(8))
   plain = evaluate(cluster, profile, positions, 2, 0, "none", 64, (4,) * 8, "x")
@@ -264,11 +269,10 @@ def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gather
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero):
+def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero, tiny_profile):
+  profile = tiny_profile
   # GPT-tiny has no dimension divisible by 7: ZeRO keeps every leaf whole, so nothing is scattered,
   # gathered or saved (the runtime then all-reduces every gradient, as without ZeRO)
-  w = models.get("gpt2-tiny")
-  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
   cluster = Cluster.parse("1x7xV100-32GB")
   positions = tuple(range(7))
   assert zero_split(profile, 7) == ZeroSplit((), 0, (), profile.param_leaf_sizes)
@@ -290,9 +294,8 @@ def test_zero_split_follows_divisibility():
   assert _zero_split(shapes, 6).kept(6) == pytest.approx((12 / 6 + 88 / 2 + 7) / 107)
 
 
-def test_zero_split_leaves_the_model_dimension_alone():
-  w = models.get("gpt2-tiny")
-  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+def test_zero_split_leaves_the_model_dimension_alone(tiny_profile):
+  profile = tiny_profile
   # a matrix with one dimension divisible by 6, split over the model axis along it: ZeRO cannot split it 6 ways
   path, shape, dim = next((p, s, d) for p, s in zip(profile.param_leaf_paths, profile.param_leaf_shapes)
                           if len(s) == 2 for d in range(2) if s[d] % 6 == 0 and s[1 - d] % 6)
@@ -306,9 +309,8 @@ def test_zero_split_leaves_the_model_dimension_alone():
 
 
 @pytest.mark.parametrize("n,zero", [(6, 1), (6, 3), (24, 1), (7, 1), (8, 3)])
-def test_search_and_plans_choose_the_same_zero_groups(n, zero):
+def test_search_and_plans_choose_the_same_zero_groups(n, zero, tiny_profile):
   from hetspmd.plan import zero_shards_for
 
-  w = models.get("gpt2-tiny")
-  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  profile, w = tiny_profile, models.get("gpt2-tiny")
   assert zero_shards_for(w.abstract_state(), ("data", "model"), (n, 1), zero) == zero_split(profile, n).shards
