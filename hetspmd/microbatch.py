@@ -9,7 +9,9 @@ the call then becomes a ``shard_map`` that is manual over the ``data`` axis
 only and, on every device, runs ``fori_loop(0, count_i, ...)`` over its own
 microbatches, accumulating the loss numerator, its normaliser, the gradients
 and the metrics. One ``psum`` over ``data`` after the loop (small leaves
-concatenated into buckets: :func:`bucketed_psum`) and one division
+concatenated into buckets: :func:`bucketed_psum`; under ZeRO, gradients
+whose state is split along ``data`` are reduce-scattered onto that split
+instead: :func:`bucketed_psum_scatter`) and one division
 give exactly the single-device result: work is proportional to ``count_i``,
 so a slow device really does less. The model axis stays with XLA's automatic
 partitioner inside the loop (its groups share one count).
