@@ -207,6 +207,14 @@ class ParallelStep:
     weighted = {mode: jax.jit(self._weighted_step(mode), donate_argnums=donate) for mode in (False, True)}
     plain = jax.jit(self._plain_step(), donate_argnums=donate)
 
+    def fall_back(use):
+      out = use()  # a step that fails on the plain global batch too raises its own error here
+      self._plain_grad = True
+      warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
+                    "hetspmd.value_and_grad: running plain data parallelism over the global batch "
+                    "(no per-device weighting, no microbatch accumulation)", stacklevel=4)
+      return out
+
     def run(*args):
       if not self._plain_grad:
         try:
@@ -214,16 +222,16 @@ class ParallelStep:
             self._lockstep = not plan.is_uniform and _loop_needs_lockstep(weighted[False].lower(*args))
           return weighted[self._lockstep](*args)
         except _NoMicrobatchGradient:
-          out = plain(*args)  # a step that fails on the plain global batch too raises its own error here
-          self._plain_grad = True
-          warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
-                        "hetspmd.value_and_grad: running plain data parallelism over the global batch "
-                        "(no per-device weighting, no microbatch accumulation)", stacklevel=3)
-          return out
+          return fall_back(lambda: plain(*args))
       return plain(*args)
 
-    def lower(state, data, counts):
-      return (plain if self._plain_grad else weighted[bool(self._lockstep)]).lower(state, data, counts)
+    def lower(*args):
+      if not self._plain_grad:
+        try:
+          return weighted[bool(self._lockstep)].lower(*args)
+        except _NoMicrobatchGradient:
+          return fall_back(lambda: plain.lower(*args))
+      return plain.lower(*args)
 
     run.lower = lower
     return run

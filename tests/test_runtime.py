@@ -248,6 +248,9 @@ def test_plain_jax_grad_still_runs_correctly_and_warns_once(name, layout, counts
   assert len(messages) == 1 and "\n" not in messages[0]
   assert_states_close(expected, _gathered(state))
   assert "plain data parallel" in step.explain()
+  fresh = hs.parallelize(workload.make_train_step(), cluster=_cluster(), plan=plan, global_batch=16)
+  with pytest.warns(UserWarning, match="jax.grad"):  # lowering before the first call falls back the same way
+    assert fresh.lower(fresh.shard_state(workload.init_state(0)), batches[0]).compile()
 
 
 def test_a_step_that_fails_before_its_gradient_raises_its_own_error():
