@@ -20,6 +20,7 @@ from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.microbatch import buckets
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
+from hetspmd.plan import zero_group
 
 REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat (layer inputs, workspace)
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
@@ -112,12 +113,7 @@ def _zero_split(leaves: tuple[tuple[tuple[int, ...], int], ...], n: int) -> Zero
 
   split = tuple(e for dims, e in leaves if n > 1 and divides(n, dims))
   rest = [(dims, e) for dims, e in leaves if not (n > 1 and divides(n, dims))]
-  best, saved = 0, 0.0
-  for k in range(2, n):
-    if n % k == 0:
-      gain = sum(e * (1 - 1 / k) for dims, e in rest if divides(k, dims))
-      if gain > 0 and gain >= saved:
-        best, saved = k, gain
+  best = zero_group(n, rest)
   grouped = tuple(e for dims, e in rest if best and divides(best, dims))
   whole = tuple(e for dims, e in rest if not (best and divides(best, dims)))
   return ZeroSplit(split, best, grouped, whole)

@@ -359,10 +359,19 @@ def zero_shards_for(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[
     parts = math.prod(_parts(e, sizes) for e in spec if e is not None)
     free = [shape[d] for d in range(len(shape)) if d >= len(spec) or spec[d] is None]
     unsplit.append((free, math.prod(shape) * np.dtype(getattr(leaf, "dtype", "float32")).itemsize / parts))
+  return zero_group(n, unsplit)
+
+
+def zero_group(n: int, unsplit: Sequence[tuple[Sequence[int], float]]) -> int:
+  """The proper divisor ``k`` of ``n`` that saves the most over leaves of ``(free dimension sizes, size)``.
+
+  A leaf with a free dimension divisible by ``k`` is held ``k`` ways
+  instead of whole; ties go to the larger ``k``; 0 when none saves anything.
+  """
   best, saved = 0, 0.0
   for k in range(2, n):
     if n % k == 0:
-      gain = sum(nbytes * (1 - 1 / k) for free, nbytes in unsplit if any(d % k == 0 for d in free))
+      gain = sum(size * (1 - 1 / k) for free, size in unsplit if any(d % k == 0 for d in free))
       if gain > 0 and gain >= saved:
         best, saved = k, gain
   return best
