@@ -232,9 +232,17 @@ def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
                       tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
-  """Bytes on every device of a plan with ``n`` data positions."""
-  sharded = zero_split(profile, n, tp).kept(n)  # what ZeRO keeps of a split state
-  params = profile.param_bytes * tp.param_share * (sharded if zero_stage >= 3 else 1)
+  """Bytes on every device of a plan with ``n`` data positions.
+
+  The state as held between steps (ZeRO-1/3 keep shards of what they
+  split), the float32 gradient accumulator, and one microbatch's peak
+  (:func:`hetspmd.passes.cost.microbatch_peak_bytes`) under the remat
+  policy. ZeRO-3 gathers its split parameters whole for the loop, beside
+  their shards: it lowers the state between steps, not a step's peak.
+  """
+  zs = zero_split(profile, n, tp)
+  sharded = zs.kept(n)  # what ZeRO keeps of a split state
+  params = profile.param_bytes * tp.param_share * (sharded + zs.gathered if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
   activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)

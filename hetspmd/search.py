@@ -41,7 +41,8 @@ link. Under ZeRO-1/3 without a model axis the gradients of leaves ZeRO
 splits over all positions are reduce-scattered instead, and every split
 parameter leaf is gathered once per step. Memory per device: parameters,
 float32 gradients and optimizer state after the split over ``model``, ZeRO
-over ``data``, and activations less their sharded share.
+over ``data`` (ZeRO-3's parameters are gathered whole for the loop), and one
+microbatch's activations less their sharded share.
 
 Baselines are the same evaluation with choices pinned: ``dp_even`` (every
 device on ``data``, equal counts), ``dp_proportional`` (counts by peak
@@ -578,7 +579,7 @@ def _overflow_message(cluster: Cluster, overflow: Sequence[Evaluated]) -> str:
   return (f"no plan fits: even the smallest candidate (microbatch {smallest.microbatch}, ZeRO-{smallest.zero_stage}, "
           f"remat {smallest.remat}{split}) needs {worst[1] / 2**30:.2f} GiB on a {spec.name} with "
           f"{spec.memory_bytes / 2**30:.2f} GiB, {over / 2**30:.2f} GiB ({over:,} bytes) too much. "
-          "What would fit: more devices (ZeRO-3 splits parameters and optimizer state over them), "
+          "What would fit: more devices (ZeRO splits the optimizer state over them, a model axis the parameters), "
           "a smaller global batch or sequence, or devices with more memory.")
 
 

@@ -29,7 +29,7 @@ per node with the same fits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -49,26 +49,46 @@ def _efficiency(spec: DeviceSpec, kind: str) -> float:
   return 1.0 if spec.measured else EFFICIENCY[kind]
 
 
-def peak_live_bytes(graph: Graph) -> int:
-  """Peak bytes of intermediate values live at once, in program order."""
+def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None) -> int:
+  """Peak bytes of intermediate values live at once, in program order.
+
+  ``nodes``: only those nodes (ascending ids) run, as one microbatch's
+  forward and backward pass inside the step's loop; a value they produce that
+  is used after them (a gradient, read by the update) stays live to the end
+  of their run.
+  """
+  run = range(len(graph.nodes)) if nodes is None else nodes
+  inside = set(run)
+  end = len(graph.nodes) if nodes is None else (max(inside) if inside else 0)
   last_use: dict[tuple[int, int], int] = {}
   for node in graph.nodes:
     for ref in node.operands:
-      if ref.source is Source.NODE:
-        last_use[(ref.index, ref.output)] = node.id
-  end = len(graph.nodes)
+      if ref.source is Source.NODE and ref.index in inside:
+        last_use[(ref.index, ref.output)] = node.id if node.id in inside else end
   for out in graph.outputs:
-    if out.source.source is Source.NODE:
+    if out.source.source is Source.NODE and out.source.index in inside:
       last_use[(out.source.index, out.source.output)] = end
   frees: dict[int, int] = {}
   for (producer, output), last in last_use.items():
     frees[last] = frees.get(last, 0) + graph.nodes[producer].outputs[output].nbytes
   live = peak = 0
-  for node in graph.nodes:
+  for i in run:
+    node = graph.nodes[i]
     live += sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last_use)
     peak = max(peak, live)
     live -= frees.get(node.id, 0)
   return peak
+
+
+def microbatch_peak_bytes(graph: Graph) -> int:
+  """Peak live bytes of one microbatch: its forward and backward pass, gradients included.
+
+  The step's update runs once, after the loop, on the state (counted apart
+  by the search) and the reduced gradients; its new state takes the donated
+  buffers of the old. A step with no differentiated part is one microbatch.
+  """
+  nodes = [n.id for n in graph.nodes if n.phase in ("forward", "backward")]
+  return peak_live_bytes(graph, nodes) if nodes else peak_live_bytes(graph)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +122,7 @@ class StepProfile:
   param_bytes: int
   opt_state_bytes: int
   param_count: int
-  activation: LinearCost       # live intermediate bytes at a given microbatch
+  activation: LinearCost       # live bytes of one microbatch's forward and backward (microbatch_peak_bytes)
   flops: LinearCost            # FLOPs per step at a given batch
   per_step: np.ndarray         # bool per node
   flops_fit: np.ndarray        # [nodes, 2]: a, b
@@ -222,7 +242,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       param_leaf_shapes=tuple(tuple(i.type.shape) for i in small.inputs_with_role(Role.PARAM)),
       param_leaf_paths=tuple(i.path.split("/", 1)[-1] for i in small.inputs_with_role(Role.PARAM)),
       write_sizes_fit=write_sizes_fit,
-      activation=fit_linear(peak_live_bytes(small), peak_live_bytes(large), small_batch, large_batch),
+      activation=fit_linear(microbatch_peak_bytes(small), microbatch_peak_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
       per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12),
       flops_fit=flops_fit,
