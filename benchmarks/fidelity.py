@@ -30,6 +30,7 @@ PLANS = [
     ("gpt2-tiny", 64, 2, (4,) * 8, "none", 0),
     ("gpt2-tiny", 64, 2, (8, 8, 4, 4, 2, 2, 2, 2), "none", 0),
     ("gpt2-tiny", 128, 4, (4,) * 8, "none", 0),
+    ("gpt2-tiny", 128, 4, (4,) * 8, "all_dots", 0),
     ("gpt2-tiny", 128, 4, (4,) * 8, "dots", 0),
     ("gpt2-tiny", 128, 4, (4,) * 8, "full", 0),
     ("gpt2-tiny", 64, 2, (4,) * 8, "none", 1),
@@ -79,13 +80,13 @@ def main() -> None:
       times.append(time.perf_counter() - start)
     rows.append((name, batch, microbatch, counts, remat, zero, predicted.step_seconds, statistics.median(times)))
 
-  print(f"{'model':<10} {'batch':>5} {'mb':>3} {'counts':<26} {'remat':<5} {'ZeRO':>4} {'predicted s':>11} "
+  print(f"{'model':<10} {'batch':>5} {'mb':>3} {'counts':<26} {'remat':<8} {'ZeRO':>4} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7}")
   errors = []
   for name, batch, microbatch, counts, remat, zero, predicted, measured in rows:
     error = (predicted - measured) / measured
     errors.append(abs(error))
-    print(f"{name:<10} {batch:>5} {microbatch:>3} {str(counts):<26} {remat:<5} {zero:>4} {predicted:11.4f} "
+    print(f"{name:<10} {batch:>5} {microbatch:>3} {str(counts):<26} {remat:<8} {zero:>4} {predicted:11.4f} "
           f"{measured:10.4f} {error:+7.0%}")
   rho = _spearman([r[6] for r in rows], [r[7] for r in rows])
   median_error = statistics.median(errors)

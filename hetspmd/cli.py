@@ -191,7 +191,7 @@ def _run_search(args: argparse.Namespace) -> int:
   print(f"searched {result.candidates} candidates in {result.search_seconds:.2f} s (after tracing); "
         f"ideal throughput {ideal:.1f} samples/s")
   print()
-  print(f"{'#':>2} {'plan':<28} {'mb':>4} {'ZeRO':>4} {'remat':>5} {'step s':>8} {'samples/s':>10} {'eff':>6} "
+  print(f"{'#':>2} {'plan':<28} {'mb':>4} {'ZeRO':>4} {'remat':>8} {'step s':>8} {'samples/s':>10} {'eff':>6} "
         f"{'comm s':>7} {'mem/dev':>9}  counts")
   for i, p in enumerate(result.plans, 1):
     print(_plan_row(str(i), p, ideal))
@@ -208,7 +208,7 @@ def _run_search(args: argparse.Namespace) -> int:
 
 def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
   counts = _counts_summary(p.kinds, p.counts)
-  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>5} "
+  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} "
           f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
           f"{_si(max(p.memory_bytes), 'B'):>9}  {counts}{suffix}")
 

@@ -227,7 +227,7 @@ def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float
   if remat == "full":
     return REMAT_ACTIVATIONS
   whole = profile.activation.at(microbatch)
-  return min(1.0, REMAT_ACTIVATIONS + profile.saved.at(microbatch) / whole) if whole > 0 else 1.0
+  return min(1.0, REMAT_ACTIVATIONS + profile.saved_bytes(remat, microbatch) / whole) if whole > 0 else 1.0
 
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,

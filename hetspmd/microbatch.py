@@ -67,7 +67,7 @@ class _StepContext:
   batch_leaf_ids: frozenset[int]
   counts: Any  # int32[data positions], sharded over the data axis
   microbatch: int
-  remat: str  # plan remat policy: "none", "dots" or "full"
+  remat: str  # plan remat policy: one of hetspmd.plan.REMAT_POLICIES
   buffer_dims: tuple[int, int]  # leading dims of every batch buffer: (positions * max_count, microbatch)
   lockstep: bool  # every position runs max_count microbatches, padding masked
   uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
@@ -419,6 +419,8 @@ def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:
     return jax.checkpoint(fun)
   if policy == "dots":
     return jax.checkpoint(fun, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  if policy == "all_dots":
+    return jax.checkpoint(fun, policy=jax.checkpoint_policies.dots_saveable)
   return fun
 
 

@@ -35,7 +35,10 @@ READABLE_SCHEMAS = (1, 2)
 ZERO_STAGES = (0, 1, 3)
 # none; dots: save the outputs of matmuls without batch dimensions, recompute
 # the rest of the forward pass; full: recompute the whole forward pass.
-REMAT_POLICIES = ("none", "dots", "full")
+# What jax.checkpoint saves of a microbatch's forward pass, from most to least: everything ("none"),
+# every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
+# dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")
+REMAT_POLICIES = ("none", "all_dots", "dots", "full")
 
 SpecEntry = None | str | tuple[str, ...]
 Spec = tuple[SpecEntry, ...]

@@ -17,8 +17,9 @@ search tries every candidate of
   keeps the fastest that fits;
 * microbatch size: divisors of the global batch;
 * ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
-  and remat: none, ``dots`` (weight-matmul outputs saved, the rest of the
-  forward pass recomputed) or ``full``;
+  and remat: none, ``all_dots`` (every matmul output saved, reductions and
+  gathers recomputed), ``dots`` (weight-matmul outputs saved, the rest of
+  the forward pass recomputed) or ``full``;
 
 prunes those that overflow a device's memory, and for the rest chooses the
 integer microbatch count of every data position: minimise the slowest
@@ -88,7 +89,7 @@ class Evaluated:
   microbatch: int
   counts: tuple[int, ...]             # per data position
   zero_stage: int
-  remat: str                          # a plan remat policy: "none", "dots" or "full"
+  remat: str                          # a plan remat policy: one of hetspmd.plan.REMAT_POLICIES
   compute_seconds: float              # slowest position, tensor-parallel collectives included
   comm_seconds: float                 # gradient reduction over data
   memory_bytes: tuple[int, ...]       # per device

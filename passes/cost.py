@@ -133,8 +133,10 @@ class StepProfile:
   counts: np.ndarray           # executions per step
   forward: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))   # bool per node
   saveable: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # forward matmuls without batch dims
+  batched_dots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # forward matmuls with them
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
-  saved: LinearCost = LinearCost(0.0, 0.0)  # their output bytes per microbatch
+  saved: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the saveable matmuls per microbatch
+  saved_batched: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the batched ones (attention's)
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
@@ -180,13 +182,35 @@ class StepProfile:
     first = float(np.sum(self.node_seconds(spec, microbatch, first=True) * micro))
     return max(0.0, first - self.microbatch_seconds(spec, microbatch))
 
+  def kept(self, policy: str) -> np.ndarray:
+    """Per node: whether a remat policy saves its forward output for the backward pass.
+
+    ``dots`` saves the matmuls without batch dimensions (the weight matmuls:
+    ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``);
+    ``all_dots`` every matmul, attention's batched ones too
+    (``jax.checkpoint_policies.dots_saveable``); ``full`` nothing.
+    """
+    if policy == "dots":
+      return self.saveable
+    if policy == "all_dots":
+      return self.saveable | self.batched_dots if self.batched_dots.size else self.saveable
+    return np.zeros(len(self.per_step), bool)
+
+  def saved_bytes(self, policy: str, microbatch: float) -> float:
+    """Bytes of the forward outputs ``policy`` saves per microbatch (see :meth:`kept`)."""
+    if policy == "dots":
+      return self.saved.at(microbatch)
+    if policy == "all_dots":
+      return self.saved.at(microbatch) + self.saved_batched.at(microbatch)
+    return 0.0
+
   def recomputed(self, policy: str) -> np.ndarray:
     """Per node: whether a remat policy runs it again in the backward pass of a microbatch.
 
-    ``full`` recomputes the whole forward pass; ``dots`` saves the outputs
-    of matmuls without batch dimensions (the weight matmuls, as
-    ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and
-    recomputes the rest (attention's batched matmuls, reductions, gathers).
+    ``full`` recomputes the whole forward pass; ``dots`` and ``all_dots``
+    recompute what they do not save (:meth:`kept`): ``dots`` attention's
+    batched matmuls, reductions and gathers, ``all_dots`` only the
+    reductions and gathers.
     Recomputed elementwise and shape operations are not counted: XLA fuses
     them into the backward kernels that consume them, which then read the
     operation's inputs instead of its saved output, at no extra pass over
@@ -196,7 +220,7 @@ class StepProfile:
     """
     if policy == "none" or not self.forward.size:
       return np.zeros(len(self.per_step), bool)
-    recomputed = self.forward & ~self.per_step & (~self.saveable if policy == "dots" else True)
+    recomputed = self.forward & ~self.per_step & ~self.kept(policy)
     return recomputed & ~self.elementwise if self.elementwise.size else recomputed
 
   def recompute_seconds(self, spec: DeviceSpec, batch: float, policy: str) -> float:
@@ -230,7 +254,12 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
   forward = np.array([n.phase == "forward" for n in small.nodes], bool)
   saveable = forward & np.array([n.primitive == "dot_general" and not n.param("dimension_numbers")[1][0]
                                  for n in small.nodes], bool)
-  saved = [sum(g.nodes[i].outputs[0].nbytes * g.nodes[i].count for i in np.flatnonzero(saveable)) for g in (small, large)]
+  batched_dots = forward & np.array([n.primitive == "dot_general" for n in small.nodes], bool) & ~saveable
+
+  def saved(mask):
+    return [sum(g.nodes[i].outputs[0].nbytes * g.nodes[i].count for i in np.flatnonzero(mask)) for g in (small, large)]
+
+  saved_weight, saved_batched = saved(saveable), saved(batched_dots)
   (reads_small, writes_small), (reads_large, writes_large) = fused_traffic(small), fused_traffic(large)
   reads_fit, writes_fit = fit(reads_small, reads_large), fit(writes_small, writes_large)
   write_sizes_fit = fit(largest_written(small), largest_written(large))
@@ -254,7 +283,9 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       forward=forward,
       saveable=saveable,
       elementwise=np.array([n.primitive in FUSIBLE and n.primitive not in REDUCTIONS for n in small.nodes], bool),
-      saved=fit_linear(saved[0], saved[1], small_batch, large_batch),
+      batched_dots=batched_dots,
+      saved=fit_linear(saved_weight[0], saved_weight[1], small_batch, large_batch),
+      saved_batched=fit_linear(saved_batched[0], saved_batched[1], small_batch, large_batch),
       traces=(small, large),
       trace_batches=(small_batch, large_batch),
   )

@@ -280,21 +280,27 @@ def test_remat_policies_trade_compute_for_activations(gpt_profile):
   spec = DeviceSpec("x", 1e13, 1e13, 2**34, 1e11, measured=True)
   mb = 8
   whole = gpt_profile.microbatch_seconds(spec, mb)
-  dots, full = (gpt_profile.recompute_seconds(spec, mb, p) for p in ("dots", "full"))
+  all_dots, dots, full = (gpt_profile.recompute_seconds(spec, mb, p) for p in ("all_dots", "dots", "full"))
   assert gpt_profile.recompute_seconds(spec, mb, "none") == 0.0
-  assert 0 < dots < full < whole / 2  # the forward pass is about a third of forward + backward
-  shares = [activation_share(gpt_profile, mb, p) for p in ("full", "dots", "none")]
-  assert shares[0] < shares[1] < shares[2] == 1.0
-  # the saved weight-matmul outputs: (query/key/value, projection, two MLP) per layer and the logits
-  assert gpt_profile.saved.at(mb) > 0
+  assert 0 < all_dots < dots < full < whole / 2  # the forward pass is about a third of forward + backward
+  shares = [activation_share(gpt_profile, mb, p) for p in ("full", "dots", "all_dots", "none")]
+  assert shares[0] < shares[1] < shares[2] < shares[3] == 1.0
+  # the saved weight-matmul outputs: (query/key/value, projection, two MLP) per layer and the logits;
+  # all_dots adds attention's scores and weighted values
+  assert gpt_profile.saved.at(mb) > 0 and gpt_profile.saved_batched.at(mb) > 0
+  assert gpt_profile.saved_bytes("all_dots", mb) == gpt_profile.saved.at(mb) + gpt_profile.saved_batched.at(mb)
+  assert gpt_profile.saved_bytes("full", mb) == gpt_profile.saved_bytes("none", mb) == 0.0
 
 
 def test_remat_counts_recomputed_matmuls_and_reductions_not_fused_elementwise_work(gpt_profile):
   nodes = gpt_profile.traces[0].nodes
   full, dots = gpt_profile.recomputed("full"), gpt_profile.recomputed("dots")
+  all_dots = gpt_profile.recomputed("all_dots")
   forward_dots = [n.id for n in nodes if n.primitive == "dot_general" and n.phase == "forward"]
   batched = [i for i in forward_dots if nodes[i].param("dimension_numbers")[1][0]]  # attention's two per layer
   assert len(batched) == 4 and all(full[i] for i in forward_dots) and [i for i in forward_dots if dots[i]] == batched
+  assert not any(all_dots[i] for i in forward_dots)
+  assert all(all_dots[i] == dots[i] for i in range(len(nodes)) if i not in forward_dots)  # reductions and gathers
   assert any(full[n.id] for n in nodes if n.primitive == "reduce_max")  # softmax and loss maxima: own kernels
   elementwise = [n.id for n in nodes if n.phase == "forward" and n.primitive in ("add", "mul", "tanh", "exp")]
   assert elementwise and not any(full[i] or dots[i] for i in elementwise)

@@ -88,7 +88,7 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
   assert kernel.sharding.mesh.shape == dict(zip(("data", "model"), shape))
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("remat", ["all_dots", "dots", "full"])
 @pytest.mark.parametrize("shape,counts", [((8, 1), (3, 2, 2, 1, 1, 1, 1, 1)), ((4, 2), (3, 2, 2, 1)),
                                           ((4, 2), (1, 1, 1, 1))])
 def test_remat_policies_match_single_device(remat, shape, counts):
