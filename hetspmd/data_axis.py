@@ -22,7 +22,9 @@ from hetspmd.microbatch import buckets
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
 from hetspmd.plan import zero_group
 
-REMAT_ACTIVATIONS = 0.25      # share of activations kept with full remat (layer inputs, workspace)
+# under a dots policy, besides the saved matmul outputs: the working set of recomputing one part of the
+# forward pass just before its backward, as a share of a microbatch's activations
+REMAT_ACTIVATIONS = 0.25
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
 
@@ -221,11 +223,16 @@ def gradient_reductions(profile: StepProfile, model: int) -> int:
 
 
 def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
-  """Share of a microbatch's activation bytes a remat policy keeps."""
-  if remat == "none":
+  """Share of a microbatch's activation bytes live at the peak under a remat policy.
+
+  The runtime checkpoints the whole loss function (:func:`hetspmd.microbatch._rematted`).
+  ``full`` then keeps the peak: the backward pass runs the forward again,
+  storing every residual, before it needs the first. ``dots`` and
+  ``all_dots`` keep the matmul outputs they save, and each other residual
+  can be recomputed from them within its layer, if XLA schedules it there.
+  """
+  if remat in ("none", "full"):
     return 1.0
-  if remat == "full":
-    return REMAT_ACTIVATIONS
   whole = profile.activation.at(microbatch)
   return min(1.0, REMAT_ACTIVATIONS + profile.saved_bytes(remat, microbatch) / whole) if whole > 0 else 1.0
 

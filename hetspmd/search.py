@@ -18,8 +18,8 @@ search tries every candidate of
 * microbatch size: divisors of the global batch;
 * ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
   and remat: none, ``all_dots`` (every matmul output saved, reductions and
-  gathers recomputed), ``dots`` (weight-matmul outputs saved, the rest of
-  the forward pass recomputed) or ``full``;
+  gathers recomputed) or ``dots`` (weight-matmul outputs saved, the rest of
+  the forward pass recomputed); not ``full``, which lowers no peak;
 
 prunes those that overflow a device's memory, and for the rest chooses the
 integer microbatch count of every data position: minimise the slowest
@@ -67,6 +67,10 @@ from hetspmd.errors import HetSpmdError
 from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import StepProfile
 from hetspmd.plan import REMAT_POLICIES
+
+# remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
+# data_axis.activation_share), so it never wins and is not searched
+SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
 ZERO_STAGES = (0, 1, 3)
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
@@ -538,7 +542,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       layouts = {name: layout_of(name, positions, m) for name, positions in sets.items()}
       suffix = "" if m == 1 else f", model {m}"
       for zero in ZERO_STAGES:
-        for remat in REMAT_POLICIES:
+        for remat in SEARCHED_REMAT:
           for set_name, layout in layouts.items():
             fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
           if m == 1:

@@ -1,5 +1,6 @@
 """The planner: cost model pieces, MILP counts, baselines, errors, CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -165,6 +166,23 @@ def test_plan_from_a_search_runs(tmp_path):
   state = step.shard_state(w.init_state(0))
   state, metrics = step(state, w.synthetic_batch(0, batch=32))
   assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("room", ["none", "all_dots", "dots"])
+def test_remat_is_chosen_only_where_it_makes_room_and_never_full(gpt_profile, room):
+  # devices with just the memory of one policy at microbatch 1 (ZeRO-1 over 2 positions): that policy is
+  # among the plans; "full" (the whole loss checkpointed) lowers no peak, so it is never a way out
+  from hetspmd.data_axis import memory_per_device
+
+  need = memory_per_device(gpt_profile, 2, 1, 1, room)
+  device = hs.DeviceSpec("Room", 1e12, 2e12, need, 1e11)
+  cluster = Cluster.parse("2xRoom", devices={"Room": device})
+  plans = search(cluster, gpt_profile, global_batch=8, top=50).plans
+  assert plans and all(p.remat != "full" for p in plans)
+  assert room in {p.remat for p in plans}
+  with pytest.raises(PlanDoesNotFitError):
+    search(Cluster.parse("2xRoom", devices={"Room": dataclasses.replace(device, memory_bytes=need // 2)}),
+           gpt_profile, global_batch=8)
 
 
 def test_search_cli_json(capsys, tmp_path):
