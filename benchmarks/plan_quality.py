@@ -19,6 +19,7 @@ mixed A100/V100 and H100/A100/L4 pools.
 
 from __future__ import annotations
 
+import math
 import time
 
 COMPUTE_BOUND = 0.10  # a plan whose gradient communication is under this share of its step is compute-bound
@@ -60,10 +61,12 @@ def main() -> None:
     seconds = time.perf_counter() - start
     best = result.plans[0]
     data_only = search(cluster, profiles[name], batch, models=(1,)).plans[0]
-    speedups = " ".join(f"{best.throughput / result.baselines[b].throughput:20.2f}" for b in BASELINES)
+    # a baseline with no plan that fits memory is beaten by any plan
+    speedup = {b: best.throughput / result.baselines[b].throughput if b in result.baselines else math.inf
+               for b in BASELINES}
+    speedups = " ".join(f"{speedup[b]:20.2f}" if speedup[b] < math.inf else f"{'does not fit':>20}" for b in BASELINES)
     comm = best.comm_seconds / best.step_seconds
-    rows.append((best.throughput / result.ideal_throughput, comm,
-                 min(best.throughput / result.baselines[b].throughput for b in ("dp_even", "best_homogeneous"))))
+    rows.append((best.throughput / result.ideal_throughput, comm, min(speedup["dp_even"], speedup["best_homogeneous"])))
     print(f"{preset:<17} {name:<12} {batch:>5} {best.throughput / result.ideal_throughput:10.1%} {speedups} "
           f"{best.throughput / data_only.throughput:12.2f} {comm:6.0%} "
           f"{seconds:9.2f}  {best.name}, mb {best.microbatch}, "

@@ -20,10 +20,10 @@ from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.microbatch import buckets
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
-from hetspmd.plan import zero_group
+from hetspmd.plan import REMAT_POLICIES, zero_group
 
 # under a dots policy, besides the saved matmul outputs: the working set of recomputing one part of the
-# forward pass just before its backward, as a share of a microbatch's activations
+# forward pass just before its backward, as a share of a microbatch's peak
 REMAT_ACTIVATIONS = 0.25
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
@@ -222,19 +222,24 @@ def gradient_reductions(profile: StepProfile, model: int) -> int:
   return _bucket_count(tuple(profile.param_leaf_sizes) + (1, 1))
 
 
-def activation_share(profile: StepProfile, microbatch: int, remat: str) -> float:
-  """Share of a microbatch's activation bytes live at the peak under a remat policy.
+def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
+                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> float:
+  """Peak bytes of one microbatch's forward and backward pass on a device, under a remat policy.
 
-  The runtime checkpoints the whole loss function (:func:`hetspmd.microbatch._rematted`).
-  ``full`` then keeps the peak: the backward pass runs the forward again,
-  storing every residual, before it needs the first. ``dots`` and
-  ``all_dots`` keep the matmul outputs they save, and each other residual
-  can be recomputed from them within its layer, if XLA schedules it there.
+  The runtime checkpoints the whole loss function
+  (:func:`hetspmd.microbatch._rematted`): ``full`` then keeps the traced
+  peak, as the backward pass runs the forward again, storing every
+  residual, before it needs the first. ``dots`` and ``all_dots`` keep the
+  matmul outputs they save (``profile.saved_bytes``); each other residual
+  is recomputed from them within its layer, a working set of
+  ``REMAT_ACTIVATIONS`` of the peak, if XLA schedules the recomputation there.
   """
-  if remat in ("none", "full"):
-    return 1.0
-  whole = profile.activation.at(microbatch)
-  return min(1.0, REMAT_ACTIVATIONS + profile.saved_bytes(remat, microbatch) / whole) if whole > 0 else 1.0
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {remat!r}")
+  peak = profile.activation.at(microbatch)
+  if remat in ("dots", "all_dots"):
+    peak = min(peak, profile.saved_bytes(remat, microbatch) + REMAT_ACTIVATIONS * peak)
+  return peak * tp.activation_share
 
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
@@ -242,9 +247,10 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   """Bytes on every device of a plan with ``n`` data positions.
 
   The state as held between steps (ZeRO-1/3 keep shards of what they
-  split), the float32 gradient accumulator, and one microbatch's peak
-  (:func:`hetspmd.passes.cost.microbatch_peak_bytes`) under the remat
-  policy. ZeRO-3 gathers its split parameters whole for the loop, beside
+  split), the float32 gradient accumulator, and the larger of one
+  microbatch's peak (:func:`microbatch_bytes`) and, after the loop, the
+  reduced gradients (reduce-scattered onto ZeRO's shards where the runtime
+  does so). ZeRO-3 gathers its split parameters whole for the loop, beside
   their shards: it lowers the state between steps, not a step's peak.
   """
   zs = zero_split(profile, n, tp)
@@ -252,5 +258,7 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   params = profile.param_bytes * tp.param_share * (sharded + zs.gathered if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
-  activations = profile.activation.at(microbatch) * tp.activation_share * activation_share(profile, microbatch, remat)
-  return int((params + grads + optimizer + activations) * WORKSPACE)
+  total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
+  scattered = sum(zs.split) * (1 - 1 / n) / total if zero_stage >= 1 and tp.m == 1 and n > 1 and total else 0.0
+  working = max(microbatch_bytes(profile, microbatch, remat, tp), grads * (1 - scattered))  # in the loop, after it
+  return int((params + grads + optimizer + working) * WORKSPACE)

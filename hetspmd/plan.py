@@ -33,8 +33,6 @@ from hetspmd.mesh import HetMesh, enumerate_layouts
 SCHEMA_VERSION = 2  # 2: zero_shards (schema 1 files load as zero_shards 0)
 READABLE_SCHEMAS = (1, 2)
 ZERO_STAGES = (0, 1, 3)
-# none; dots: save the outputs of matmuls without batch dimensions, recompute
-# the rest of the forward pass; full: recompute the whole forward pass.
 # What jax.checkpoint saves of a microbatch's forward pass, from most to least: everything ("none"),
 # every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
 # dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")

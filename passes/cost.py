@@ -49,46 +49,73 @@ def _efficiency(spec: DeviceSpec, kind: str) -> float:
   return 1.0 if spec.measured else EFFICIENCY[kind]
 
 
-def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None) -> int:
+def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None, hand_on: bool = True) -> int:
   """Peak bytes of intermediate values live at once, in program order.
 
   ``nodes``: only those nodes (ascending ids) run, as one microbatch's
-  forward and backward pass inside the step's loop; a value they produce that
-  is used after them (a gradient, read by the update) stays live to the end
-  of their run.
+  forward and backward pass inside the step's loop. A value made before
+  them and read by them is live from their start to its last use among
+  them; a value they make that is used after them (a gradient, read by the
+  update) stays live to the end of their run, or, with ``hand_on=False``,
+  takes no room in it (it goes straight into the step's accumulator).
   """
-  run = range(len(graph.nodes)) if nodes is None else nodes
-  inside = set(run)
-  end = len(graph.nodes) if nodes is None else (max(inside) if inside else 0)
-  last_use: dict[tuple[int, int], int] = {}
+  run = list(range(len(graph.nodes))) if nodes is None else list(nodes)
+  if not run:
+    return 0
+  inside, end = set(run), run[-1]
+
+  def nbytes(key):
+    return graph.nodes[key[0]].outputs[key[1]].nbytes
+
+  last: dict[tuple[int, int], int] = {}       # value -> the node after which it is dead
+  entering: dict[tuple[int, int], int] = {}   # made before the run, read in it -> bytes
+  after: set[tuple[int, int]] = set()         # read after the run (or a step output)
   for node in graph.nodes:
     for ref in node.operands:
-      if ref.source is Source.NODE and ref.index in inside:
-        last_use[(ref.index, ref.output)] = node.id if node.id in inside else end
-  for out in graph.outputs:
-    if out.source.source is Source.NODE and out.source.index in inside:
-      last_use[(out.source.index, out.source.output)] = end
+      if ref.source is not Source.NODE:
+        continue
+      key = (ref.index, ref.output)
+      if node.id in inside:
+        if ref.index not in inside:
+          entering.setdefault(key, nbytes(key))
+        last[key] = max(last.get(key, -1), node.id)
+      elif node.id > end:
+        after.add(key)
+  after.update((out.source.index, out.source.output) for out in graph.outputs if out.source.source is Source.NODE)
+  for key in after:
+    if key in entering or key[0] in inside and hand_on:
+      last[key] = end
+    elif key[0] in inside:
+      last.pop(key, None)
   frees: dict[int, int] = {}
-  for (producer, output), last in last_use.items():
-    frees[last] = frees.get(last, 0) + graph.nodes[producer].outputs[output].nbytes
-  live = peak = 0
+  for key, dead in last.items():
+    frees[dead] = frees.get(dead, 0) + nbytes(key)
+  live = peak = sum(entering.values())
   for i in run:
     node = graph.nodes[i]
-    live += sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last_use)
+    live += sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last)
     peak = max(peak, live)
     live -= frees.get(node.id, 0)
   return peak
 
 
-def microbatch_peak_bytes(graph: Graph) -> int:
-  """Peak live bytes of one microbatch: its forward and backward pass, gradients included.
-
-  The step's update runs once, after the loop, on the state (counted apart
-  by the search) and the reduced gradients; its new state takes the donated
-  buffers of the old. A step with no differentiated part is one microbatch.
-  """
+def _microbatch_nodes(graph: Graph) -> list[int] | None:
   nodes = [n.id for n in graph.nodes if n.phase in ("forward", "backward")]
-  return peak_live_bytes(graph, nodes) if nodes else peak_live_bytes(graph)
+  return nodes or None
+
+
+def microbatch_peak_bytes(graph: Graph) -> int:
+  """Peak live bytes of one microbatch: its forward and backward pass.
+
+  Its gradients take no room of their own: the step's loop adds each into
+  the float32 accumulator as it is made (counted apart by the search, like
+  the state), and XLA writes it there. (On 8 CPU devices the MLP's compiled
+  step holds the accumulator and 17 MB besides during its loop, not a
+  second 40 MB of gradients.) The update runs once, after the loop; its new
+  state takes the donated buffers of the old. A step with no differentiated
+  part is one microbatch.
+  """
+  return peak_live_bytes(graph, _microbatch_nodes(graph), hand_on=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,7 +149,7 @@ class StepProfile:
   param_bytes: int
   opt_state_bytes: int
   param_count: int
-  activation: LinearCost       # live bytes of one microbatch's forward and backward (microbatch_peak_bytes)
+  activation: LinearCost       # peak live bytes of one microbatch's forward and backward (microbatch_peak_bytes)
   flops: LinearCost            # FLOPs per step at a given batch
   per_step: np.ndarray         # bool per node
   flops_fit: np.ndarray        # [nodes, 2]: a, b

@@ -275,7 +275,7 @@ def test_trace_tells_forward_from_backward(gpt_profile):
 
 
 def test_remat_policies_trade_compute_for_activations(gpt_profile):
-  from hetspmd.data_axis import activation_share
+  from hetspmd.data_axis import microbatch_bytes
 
   spec = DeviceSpec("x", 1e13, 1e13, 2**34, 1e11, measured=True)
   mb = 8
@@ -283,10 +283,12 @@ def test_remat_policies_trade_compute_for_activations(gpt_profile):
   all_dots, dots, full = (gpt_profile.recompute_seconds(spec, mb, p) for p in ("all_dots", "dots", "full"))
   assert gpt_profile.recompute_seconds(spec, mb, "none") == 0.0
   assert 0 < all_dots < dots < full < whole / 2  # the forward pass is about a third of forward + backward
-  shares = [activation_share(gpt_profile, mb, p) for p in ("dots", "all_dots", "none")]
-  assert shares[0] < shares[1] < shares[2] == 1.0
+  peaks = [microbatch_bytes(gpt_profile, mb, p) for p in ("dots", "all_dots", "none")]
+  assert 0 < peaks[0] < peaks[1] < peaks[2] == gpt_profile.activation.at(mb)
   # the whole loss checkpointed without a policy: the backward pass stores every residual again
-  assert activation_share(gpt_profile, mb, "full") == 1.0
+  assert microbatch_bytes(gpt_profile, mb, "full") == peaks[2]
+  with pytest.raises(ValueError, match="remat policy"):
+    microbatch_bytes(gpt_profile, mb, "some")
   # the saved weight-matmul outputs: (query/key/value, projection, two MLP) per layer and the logits;
   # all_dots adds attention's scores and weighted values
   assert gpt_profile.saved.at(mb) > 0 and gpt_profile.saved_batched.at(mb) > 0
