@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 
 def _spearman(a, b) -> float:
@@ -63,6 +62,8 @@ def run(args) -> list[dict]:
   from hetspmd.data_axis import WORKSPACE
   from hetspmd.search import evaluate, plan_from, profile_step
 
+  from _steps import median_step_seconds
+
   device = jax.devices()[0]
   name = args.model or ("gpt2-tiny" if device.platform == "cpu" else "gpt2-small")
   workload = models.get(name)
@@ -88,15 +89,7 @@ def run(args) -> list[dict]:
       state = step.shard_state(workload.init_state(0))
       sharded = step.shard_batch(workload.synthetic_batch(0, batch=batch, seq=seq))
       row["compiled_bytes"] = _compiled_bytes(step.lower(state, sharded).compile())
-      state, metrics = step(state, sharded)
-      jax.block_until_ready(metrics)
-      times = []
-      for _ in range(args.steps):
-        start = time.perf_counter()
-        state, metrics = step(state, sharded)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-      row["measured_s"] = statistics.median(times)
+      state, row["measured_s"] = median_step_seconds(step, state, sharded, args.steps)
       row["peak_in_use_bytes"] = _peak_in_use(device)
       del state, sharded, step
     except Exception as error:  # an out-of-memory plan is a result, not the end of the run

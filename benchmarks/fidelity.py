@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -54,6 +53,8 @@ def main() -> None:
   from hetspmd import models
   from hetspmd.search import evaluate, plan_from, profile_step
 
+  from _steps import median_step_seconds
+
   measured_profile = hs.profile(progress=False)
   cluster = measured_profile.cluster()
   print(f"profiled {cluster.num_devices} CPU devices: {cluster.hosts[0].device.fp32_flops / 1e9:.1f} GFLOP/s each "
@@ -70,15 +71,8 @@ def main() -> None:
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
     state = step.shard_state(workload.init_state(0))
     sharded = step.shard_batch(workload.synthetic_batch(0, batch=batch))
-    state, metrics = step(state, sharded)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(args.steps):
-      start = time.perf_counter()
-      state, metrics = step(state, sharded)
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - start)
-    rows.append((name, batch, microbatch, counts, remat, zero, predicted.step_seconds, statistics.median(times)))
+    _, measured = median_step_seconds(step, state, sharded, args.steps)
+    rows.append((name, batch, microbatch, counts, remat, zero, predicted.step_seconds, measured))
 
   print(f"{'model':<10} {'batch':>5} {'mb':>3} {'counts':<26} {'remat':<8} {'ZeRO':>4} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7}")
