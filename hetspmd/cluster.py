@@ -208,7 +208,11 @@ class Cluster:
     """The cluster of real JAX devices: ``device_kind`` → preset, others measured.
 
     Devices are grouped into hosts by ``process_index`` and then by kind.
-    Kinds without a preset (``cpu`` included) are profiled once each.
+    Kinds without a preset (``cpu`` included) are profiled once each. A
+    preset's memory is capped at what the device's allocator may hand out
+    (``memory_stats()["bytes_limit"]``: by default JAX preallocates 75% of a
+    GPU, see ``XLA_PYTHON_CLIENT_MEM_FRACTION``), so plans fit the process
+    that runs them.
     """
     specs: dict[str, DeviceSpec] = {}
     kinds = []
@@ -221,6 +225,11 @@ class Cluster:
           specs[kind] = profiler.measure_device_spec(d, name=kind)
       else:
         kind = preset
+        spec = specs.get(kind) or device_spec(kind)
+        limit = _allocator_limit(d)
+        if limit is not None and limit < spec.memory_bytes:
+          spec = spec.replace(memory_bytes=limit)
+        specs[kind] = spec
       kinds.append(kind)
     return _grouped(devices, kinds, specs, link(inter), name="local")
 
@@ -255,6 +264,16 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
     previous = key
     ids.append(int(devices[i].id))
   return Cluster(tuple(hosts), inter, name, tuple(ids))
+
+
+def _allocator_limit(device: Any) -> int | None:
+  """Bytes the device's allocator may hand out, where the backend says (``None`` otherwise)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # backends without memory stats raise different errors
+    return None
+  limit = (stats or {}).get("bytes_limit")
+  return int(limit) if limit else None
 
 
 def _default_intra(kind: str) -> Link:

@@ -234,6 +234,29 @@ def test_emulate_refuses_count_mismatch():
     Cluster.emulate(jax.devices()[:2], kinds=["T4"] * 3)
 
 
+class _FakeGpu:
+  platform, device_kind, process_index = "gpu", "Tesla V100-SXM2-32GB", 0
+
+  def __init__(self, id, limit):
+    self.id, self.limit = id, limit
+
+  def memory_stats(self):
+    return {"bytes_limit": self.limit} if self.limit else None
+
+
+@pytest.mark.parametrize("limits,expected", [
+    ((24 * 2**30, 24 * 2**30), 24 * 2**30),   # JAX's default: 75% of the GPU preallocated
+    ((30 * 2**30, 25 * 2**30), 25 * 2**30),   # the tightest device of a kind
+    ((None, None), 32 * 2**30),               # no stats: the datasheet
+    ((40 * 2**30, 40 * 2**30), 32 * 2**30),   # never above the datasheet
+])
+def test_from_devices_caps_preset_memory_at_the_allocator_limit(limits, expected):
+  cluster = Cluster.from_devices([_FakeGpu(i, limit) for i, limit in enumerate(limits)])
+  assert cluster.kinds == ("V100-32GB",)
+  assert cluster.hosts[0].device.memory_bytes == expected
+  assert cluster.hosts[0].device.fp32_flops == DEVICE_PRESETS["V100-32GB"].fp32_flops
+
+
 def test_from_devices_measures_cpu():
   cluster = Cluster.from_devices(jax.devices())
   assert cluster.num_devices == jax.device_count()
