@@ -1,6 +1,7 @@
 """Device check: predicted vs measured step time and memory on the local accelerator.
 
     python benchmarks/device_check.py [--model NAME] [--seq S] [--steps 5] [--no-profile] [--json FILE]
+                                      [--max-seconds T]
 
 One prepared run for a machine with an accelerator. It runs plans of one zoo
 model on the first local device (microbatch sizes, microbatch counts and every
@@ -16,8 +17,11 @@ remat policy) through ``hetspmd.parallelize`` and prints, per plan:
 
 The memory columns check what the search assumes of remat (that ``dots`` and
 ``all_dots`` lower a step's peak, docs/cost-model.md); a plan that does not
-fit is reported as such and the run goes on. Defaults: GPT-2 small at sequence
-1024 on a GPU, GPT-tiny on a CPU (a smoke test).
+fit is reported as such and the run goes on. Plans run from the smallest
+predicted memory up, so the running peak grows with each. On recent NVIDIA
+GPUs JAX computes float32 matmuls with TF32 by default, which the datasheet
+spec's ``tf32_flops`` prices. Defaults: GPT-2 small at sequence 1024 on a
+GPU, GPT-tiny on a CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 
 def _spearman(a, b) -> float:
@@ -75,14 +80,26 @@ def run(args) -> list[dict]:
   print(f"{name} (sequence {seq or 'default'}) on one {device.device_kind}: datasheet {spec.name}, "
         f"{spec.memory_bytes / 2**30:.1f} GiB", flush=True)
   profile = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2, seq))
-  rows = []
+  # smallest predicted memory first: the device's peak in use, a running maximum, then grows plan by plan
+  plans = []
   for microbatch, count, remat in plans_for(device.platform):
     batch = microbatch * count
     predicted = {key: evaluate(c, profile, (0,), microbatch, 0, remat, batch, (count,), "check")
                  for key, c in clusters.items()}
+    plans.append((predicted["datasheet"].memory_bytes[0], microbatch, count, remat, predicted))
+  plans.sort(key=lambda p: p[0])
+  rows = []
+  start = time.perf_counter()
+  baseline = _peak_in_use(device)
+  for _, microbatch, count, remat, predicted in plans:
+    if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+      print(f"stopping after {len(rows)} plans: --max-seconds {args.max_seconds} reached", flush=True)
+      break
+    batch = microbatch * count
     row = {"microbatch": microbatch, "count": count, "remat": remat,
            **{f"predicted_{key}_s": e.step_seconds for key, e in predicted.items()},
-           "predicted_bytes": predicted["datasheet"].memory_bytes[0] / WORKSPACE}
+           "predicted_bytes": predicted["datasheet"].memory_bytes[0] / WORKSPACE, "peak_before_bytes": baseline}
+    step = state = sharded = None
     try:
       plan = plan_from(predicted["datasheet"], clusters["datasheet"], workload.abstract_state())
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
@@ -90,13 +107,21 @@ def run(args) -> list[dict]:
       sharded = step.shard_batch(workload.synthetic_batch(0, batch=batch, seq=seq))
       row["compiled_bytes"] = _compiled_bytes(step.lower(state, sharded).compile())
       state, row["measured_s"] = median_step_seconds(step, state, sharded, args.steps)
-      row["peak_in_use_bytes"] = _peak_in_use(device)
-      del state, sharded, step
+      row["peak_in_use_bytes"] = baseline = _peak_in_use(device)
     except Exception as error:  # an out-of-memory plan is a result, not the end of the run
       row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    finally:
+      del step, state, sharded
     rows.append(row)
     _print_row(row, list(clusters))
+    if args.json:  # written after every plan: a run cut short keeps what it measured
+      _write(args.json, rows)
   return rows
+
+
+def _write(path: str, rows: list[dict]) -> None:
+  with open(path, "w") as f:
+    json.dump({"rows": rows, "summary": summarize(rows)}, f, indent=1)
 
 
 def _print_row(row: dict, keys: list[str]) -> None:
@@ -131,15 +156,15 @@ def main(argv=None) -> int:
   parser.add_argument("--seq", type=int, default=None, help="sequence length (default: 1024 on a GPU)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (median)")
   parser.add_argument("--no-profile", action="store_true", help="predict from the datasheet spec only")
-  parser.add_argument("--json", default=None, help="also write the rows and summary to this file")
+  parser.add_argument("--json", default=None, help="also write the rows and summary to this file (after every plan)")
+  parser.add_argument("--max-seconds", type=float, default=None, help="start no plan after this many seconds")
   args = parser.parse_args(argv)
   rows = run(args)
   summary = summarize(rows)
   for key, value in summary.items():
     print(key, " ".join(f"{k} {v:.3f}" for k, v in value.items()))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"rows": rows, "summary": summary}, f, indent=1)
+    _write(args.json, rows)
   return 0
 
 

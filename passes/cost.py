@@ -82,11 +82,9 @@ def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None, hand_on: b
       elif node.id > end:
         after.add(key)
   after.update((out.source.index, out.source.output) for out in graph.outputs if out.source.source is Source.NODE)
-  for key in after:
+  for key in after:  # handed on: live to the end of the run, or (hand_on=False) only while the run reads it
     if key in entering or key[0] in inside and hand_on:
       last[key] = end
-    elif key[0] in inside:
-      last.pop(key, None)
   frees: dict[int, int] = {}
   for key, dead in last.items():
     frees[dead] = frees.get(dead, 0) + nbytes(key)

@@ -60,6 +60,14 @@ def test_microbatch_peak_counts_one_forward_and_backward():
   plain = hs.trace(step, w, w, big)
   prepared = hs.trace(lambda w, m, x: step(w, m, jnp.tanh(2.0 * x)), w, w, big)
   assert cost.microbatch_peak_bytes(prepared) == cost.microbatch_peak_bytes(plain) + 512 * 64 * 4
+  # a value the microbatch also reads itself (the hidden layer, returned for a metric) takes room while it does
+  def step_with_aux(w, m, x):
+    loss = lambda w: (jnp.sum(jnp.tanh(x @ w)), x @ w)
+    (_, hidden), grads = jax.value_and_grad(loss, has_aux=True)(w)
+    return w - 0.1 * grads, m, hidden
+
+  with_aux = hs.trace(step_with_aux, w, w, big)
+  assert cost.microbatch_peak_bytes(with_aux) == cost.microbatch_peak_bytes(plain)
   # a run given by hand: the first three nodes only, the later ones reading their outputs
   first = [n.id for n in graph.nodes][:3]
   assert 0 < cost.peak_live_bytes(graph, first) <= sum(t.nbytes for n in graph.nodes[:3] for t in n.outputs)
