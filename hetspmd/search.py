@@ -64,7 +64,7 @@ from hetspmd.cluster import Cluster
 from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, gather_seconds, gradient_seconds,
                                memory_per_device, zero_split)
 from hetspmd.errors import HetSpmdError
-from hetspmd.passes import strategies, strategy_ilp
+from hetspmd.passes import _jax_adapter as jx, strategies, strategy_ilp
 from hetspmd.passes.cost import StepProfile
 from hetspmd.plan import REMAT_POLICIES
 
@@ -492,7 +492,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   """
   start = time.perf_counter()
   specs = {k: cluster.spec_of(k) for k in cluster.kinds}
-  peak = {k: s.fp32_flops for k, s in specs.items()}
+  reduced = jx.reduced_precision_f32_matmuls()
+  peak = {k: s.f32_matmul_flops(reduced) for k, s in specs.items()}  # float32 matmuls' peak: dp_proportional
   fastest_kind = min(cluster.kinds, key=lambda k: profile.microbatch_seconds(specs[k], 1))
   sizes = microbatch_sizes(global_batch)
   costing = _Costing(cluster, profile, sizes[len(sizes) // 2])

@@ -290,3 +290,17 @@ def simple_params(eqn: Equation) -> tuple[tuple[str, Any], ...]:
     except (TypeError, ValueError):
       continue
   return tuple(out)
+
+
+# jax_default_matmul_precision values that ask for float32 matmuls in full float32
+_FULL_F32 = {"float32", "highest", "f32_f32_f32"}
+
+
+def reduced_precision_f32_matmuls() -> bool:
+  """Whether JAX lets XLA compute float32 matmuls with reduced-precision inputs (TF32 on NVIDIA GPUs).
+
+  It does by default; ``jax.default_matmul_precision("float32")`` (or
+  ``"highest"``) asks for full float32.
+  """
+  value = jax.config.jax_default_matmul_precision
+  return value is None or str(getattr(value, "name", value)).lower() not in _FULL_F32

@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hetspmd.devices import DeviceSpec
+from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
 
@@ -185,7 +186,8 @@ class StepProfile:
     flops = self.flops_fit[:, 0] + self.flops_fit[:, 1] * batch
     reads = self.reads_fit[:, 0] + self.reads_fit[:, 1] * batch
     writes = self.writes_fit[:, 0] + self.writes_fit[:, 1] * batch
-    peak = np.where(self.low_precision, spec.bf16_flops, spec.fp32_flops) * _efficiency(spec, "matmul")
+    f32 = spec.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
+    peak = np.where(self.low_precision, spec.bf16_flops, f32) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
     write_rate = spec.write_rate
     if not first and spec.cache_bytes is not None and len(self.write_sizes_fit):
