@@ -20,7 +20,7 @@ The memory columns check what the search assumes of remat (that ``dots`` and
 fit is reported as such and the run goes on. Plans run from the smallest
 predicted memory up, so the running peak grows with each. On recent NVIDIA
 GPUs JAX computes float32 matmuls with TF32 by default, which the datasheet
-spec's ``tf32_flops`` prices. Defaults: GPT-2 small at sequence 1024 on a
+spec's ``reduced_f32_flops`` prices. Defaults: GPT-2 small at sequence 1024 on a
 GPU, GPT-tiny on a CPU (a smoke test).
 """
 

@@ -2,8 +2,9 @@
 
 A :class:`DeviceSpec` is what the cost model knows about one accelerator:
 dense peak FLOP/s in fp32, in bf16/fp16 (tensor cores where the device
-has them) and in TF32 (the tensor cores JAX computes float32 matmuls with
-on Ampere and later NVIDIA GPUs), memory size and memory bandwidth. A :class:`Link` is a bandwidth
+has them) and for float32 matmuls with reduced-precision inputs (what JAX
+computes them with by default: TF32 on Ampere and later NVIDIA GPUs, one
+bfloat16 pass on TPUs), memory size and memory bandwidth. A :class:`Link` is a bandwidth
 (bytes/s, one direction) and a latency (s).
 
 Preset numbers are dense (no structured sparsity) peaks from the vendors'
@@ -49,12 +50,13 @@ class DeviceSpec:
       ``cache_bytes`` whose memory the step has already touched (a
       microbatch after the first reuses the first one's buffers). Set with
       ``cache_bytes`` or not at all.
-    tf32_flops: dense TF32 tensor-core peak, FLOP/s, where the device has
-      one: JAX computes float32 matmuls with it unless
-      ``jax_default_matmul_precision`` asks for full float32 (see
-      :meth:`f32_matmul_flops`). ``None``: float32 matmuls run at
-      ``fp32_flops``. A measured spec leaves it ``None``: its ``fp32_flops``
-      already is what float32 matmuls reach.
+    reduced_f32_flops: dense peak of float32 matmuls computed with
+      reduced-precision inputs, FLOP/s: TF32 tensor cores on NVIDIA Ampere
+      and later, one bfloat16 pass on TPUs. JAX computes float32 matmuls
+      so unless ``jax_default_matmul_precision`` asks for full float32
+      (see :meth:`f32_matmul_flops`). ``None``: float32 matmuls run at
+      ``fp32_flops``. A measured spec leaves it ``None``: its
+      ``fp32_flops`` already is what float32 matmuls reach.
   """
 
   name: str
@@ -66,7 +68,7 @@ class DeviceSpec:
   read_bandwidth: float | None = None
   cache_bytes: int | None = None
   cache_write_bandwidth: float | None = None
-  tf32_flops: float | None = None
+  reduced_f32_flops: float | None = None
 
   def __post_init__(self):
     if not self.name or not isinstance(self.name, str):
@@ -89,21 +91,21 @@ class DeviceSpec:
       if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
         raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
 
-    tf32 = self.tf32_flops
+    tf32 = self.reduced_f32_flops
     if tf32 is not None and (not isinstance(tf32, (int, float)) or not math.isfinite(tf32) or tf32 <= 0):
-      raise InvalidValueError(f"DeviceSpec {self.name!r}: tf32_flops must be a positive number, got {tf32!r}")
+      raise InvalidValueError(f"DeviceSpec {self.name!r}: reduced_f32_flops must be a positive number, got {tf32!r}")
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     return dataclasses.replace(self, **changes)
 
   def f32_matmul_flops(self, reduced_precision: bool = True) -> float:
-    """FLOP/s of float32 matmuls: TF32 where the device has it and ``reduced_precision`` allows it.
+    """FLOP/s of float32 matmuls: reduced-precision inputs where the device has them and ``reduced_precision`` allows.
 
     ``reduced_precision``: whether JAX's default matmul precision lets XLA
     round float32 inputs (its default on GPUs; see
     :func:`hetspmd.passes._jax_adapter.reduced_precision_f32_matmuls`).
     """
-    return max(self.fp32_flops, self.tf32_flops or 0.0) if reduced_precision else self.fp32_flops
+    return max(self.fp32_flops, self.reduced_f32_flops or 0.0) if reduced_precision else self.fp32_flops
 
   @property
   def read_rate(self) -> float:
@@ -147,9 +149,9 @@ class Link:
 
 
 def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float,
-          tf32_tflops: float | None = None) -> DeviceSpec:
+          reduced_f32_tflops: float | None = None) -> DeviceSpec:
   return DeviceSpec(name, fp32_tflops * TFLOPS, bf16_tflops * TFLOPS, int(memory_gib * GiB), bandwidth_gbs * GB,
-                    tf32_flops=tf32_tflops * TFLOPS if tf32_tflops else None)
+                    reduced_f32_flops=reduced_f32_tflops * TFLOPS if reduced_f32_tflops else None)
 
 
 # name: DeviceSpec. Memory sizes are the marketed GB read as GiB (HBM stacks
@@ -163,16 +165,16 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     # NVIDIA T4 datasheet: 8.1 TF fp32, 65 TF fp16 tensor, 16 GB GDDR6, 320 GB/s
     _spec("T4", 8.1, 65, 16, 320),
     # NVIDIA A10 datasheet (A10G is AWS's A10): 31.2 TF fp32, 62.5 TF tf32 / 125 TF bf16 tensor, 24 GB, 600 GB/s
-    _spec("A10G", 31.2, 125, 24, 600, tf32_tflops=62.5),
+    _spec("A10G", 31.2, 125, 24, 600, reduced_f32_tflops=62.5),
     # NVIDIA L4 datasheet: 30.3 TF fp32, 60 TF tf32 / 121 TF bf16 tensor (dense), 24 GB, 300 GB/s
-    _spec("L4", 30.3, 121, 24, 300, tf32_tflops=60),
+    _spec("L4", 30.3, 121, 24, 300, reduced_f32_tflops=60),
     # NVIDIA A100 datasheet (SXM): 19.5 TF fp32, 156 TF tf32 / 312 TF bf16 tensor, 1555 / 2039 GB/s
-    _spec("A100-40GB", 19.5, 312, 40, 1555, tf32_tflops=156),
-    _spec("A100-80GB", 19.5, 312, 80, 2039, tf32_tflops=156),
+    _spec("A100-40GB", 19.5, 312, 40, 1555, reduced_f32_tflops=156),
+    _spec("A100-80GB", 19.5, 312, 80, 2039, reduced_f32_tflops=156),
     # NVIDIA H100 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 80 GB, 3.35 TB/s
-    _spec("H100-80GB", 67, 989, 80, 3350, tf32_tflops=494.5),
+    _spec("H100-80GB", 67, 989, 80, 3350, reduced_f32_tflops=494.5),
     # NVIDIA H200 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 141 GB, 4.8 TB/s
-    _spec("H200", 67, 989, 141, 4800, tf32_tflops=494.5),
+    _spec("H200", 67, 989, 141, 4800, reduced_f32_tflops=494.5),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 35.6 TF fp32, 71 TF fp16 tensor (fp32 acc.), 936 GB/s
     _spec("RTX3090", 35.6, 71, 24, 936),
     # NVIDIA Ada whitepaper (RTX 4090): 82.6 TF fp32, 165.2 TF fp16 tensor (fp32 acc.), 1008 GB/s
@@ -181,10 +183,12 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     _spec("MI250X", 47.9, 383, 128, 3277),
     # AMD Instinct MI300X datasheet: 163.4 TF fp32, 1307 TF bf16 (dense), 192 GB, 5.3 TB/s
     _spec("MI300X", 163.4, 1307.4, 192, 5300),
-    # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; fp32 matmuls as 3 bf16 passes
-    _spec("TPU-v4", 275 / 3, 275, 32, 1200),
-    # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; fp32 matmuls as 3 bf16 passes
-    _spec("TPU-v5e", 197 / 3, 197, 16, 819),
+    # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; full fp32 matmuls as 3 bf16 passes,
+    # at JAX's default precision one
+    _spec("TPU-v4", 275 / 3, 275, 32, 1200, reduced_f32_tflops=275),
+    # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; full fp32 matmuls as 3 bf16 passes,
+    # at JAX's default precision one
+    _spec("TPU-v5e", 197 / 3, 197, 16, 819, reduced_f32_tflops=197),
 )}
 
 # The names JAX reports as ``device.device_kind`` → preset names.

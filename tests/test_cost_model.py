@@ -120,7 +120,7 @@ def test_the_first_microbatch_extra_is_paid_once_per_step():
   assert step((2, 0)) == pytest.approx(profile.step_fixed_seconds(spec) + first + 2 * micro)
 
 
-@pytest.mark.parametrize("kind,faster", [("A100-40GB", True), ("H100-80GB", True), ("V100-32GB", False)])
+@pytest.mark.parametrize("kind,faster", [("A100-40GB", True), ("H100-80GB", True), ("TPU-v4", True), ("V100-32GB", False)])
 def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked_for(kind, faster):
   # JAX's default precision lets XLA compute float32 matmuls with TF32 on Ampere and later GPUs
   from hetspmd.devices import DEVICE_PRESETS
@@ -132,9 +132,9 @@ def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked
     full = profile.microbatch_seconds(spec, 4096)
     assert spec.f32_matmul_flops(False) == spec.fp32_flops
   assert (full > 2 * default) == faster and (full == default) == (not faster)
-  assert spec.f32_matmul_flops() == (spec.tf32_flops if faster else spec.fp32_flops)
-  with pytest.raises(hs.InvalidValueError, match="tf32_flops must be a positive number"):
-    spec.replace(tf32_flops=0.0)
+  assert spec.f32_matmul_flops() == (spec.reduced_f32_flops if faster else spec.fp32_flops)
+  with pytest.raises(hs.InvalidValueError, match="reduced_f32_flops must be a positive number"):
+    spec.replace(reduced_f32_flops=0.0)
 
 
 def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
