@@ -92,7 +92,8 @@ class DeviceSpec:
         raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
 
     tf32 = self.reduced_f32_flops
-    if tf32 is not None and (not isinstance(tf32, (int, float)) or not math.isfinite(tf32) or tf32 <= 0):
+    if tf32 is not None and (isinstance(tf32, bool) or not isinstance(tf32, (int, float)) or not math.isfinite(tf32)
+                             or tf32 <= 0):
       raise InvalidValueError(f"DeviceSpec {self.name!r}: reduced_f32_flops must be a positive number, got {tf32!r}")
 
   def replace(self, **changes: Any) -> "DeviceSpec":
@@ -123,8 +124,12 @@ class DeviceSpec:
     return self.cache_write_bandwidth or self.write_rate
 
   def peak_flops(self, dtype: str = "float32") -> float:
-    """Dense peak for ``dtype`` (``float32``; ``bfloat16``/``float16``)."""
-    return self.bf16_flops if dtype in ("bfloat16", "float16", "bf16", "fp16") else self.fp32_flops
+    """Dense matmul peak for ``dtype`` (``bfloat16``/``float16``; ``float32`` at JAX's default precision)."""
+    if dtype in ("bfloat16", "float16", "bf16", "fp16"):
+      return self.bf16_flops
+    from hetspmd.passes import _jax_adapter as jx
+
+    return self.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,12 +188,11 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     _spec("MI250X", 47.9, 383, 128, 3277),
     # AMD Instinct MI300X datasheet: 163.4 TF fp32, 1307 TF bf16 (dense), 192 GB, 5.3 TB/s
     _spec("MI300X", 163.4, 1307.4, 192, 5300),
-    # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; full fp32 matmuls as 3 bf16 passes,
-    # at JAX's default precision one
-    _spec("TPU-v4", 275 / 3, 275, 32, 1200, reduced_f32_tflops=275),
-    # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; full fp32 matmuls as 3 bf16 passes,
-    # at JAX's default precision one
-    _spec("TPU-v5e", 197 / 3, 197, 16, 819, reduced_f32_tflops=197),
+    # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; float32 matmuls at HIGHEST precision
+    # as 6 bf16 passes (lax.Precision), at JAX's default precision one
+    _spec("TPU-v4", 275 / 6, 275, 32, 1200, reduced_f32_tflops=275),
+    # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; the same float32 passes
+    _spec("TPU-v5e", 197 / 6, 197, 16, 819, reduced_f32_tflops=197),
 )}
 
 # The names JAX reports as ``device.device_kind`` → preset names.

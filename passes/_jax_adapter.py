@@ -14,6 +14,7 @@ counts; ``cond`` carries ``branches`` and takes the branch index first.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -278,6 +279,8 @@ def _plain(value: Any) -> Any:
     return tuple(_plain(v) for v in value)
   if isinstance(value, np.generic):
     return value.item()
+  if isinstance(value, enum.Enum):  # lax.Precision, lax.DotAlgorithmPreset
+    return value.name
   raise TypeError(type(value).__name__)
 
 
@@ -292,15 +295,37 @@ def simple_params(eqn: Equation) -> tuple[tuple[str, Any], ...]:
   return tuple(out)
 
 
-# jax_default_matmul_precision values that ask for float32 matmuls in full float32
-_FULL_F32 = {"float32", "highest", "f32_f32_f32"}
+# How a float32 matmul's precision setting is priced: "reduced" (one pass with reduced-precision inputs:
+# TF32 on NVIDIA GPUs, bfloat16 on TPUs) or "full" (float32, or several passes)
+_FULL_PRECISION = {"float32", "highest"}
+
+
+def f32_matmul_precision(setting: Any) -> str | None:
+  """``"full"``, ``"reduced"``, or ``None`` (not set) for a dot's ``precision`` or a config value.
+
+  ``setting``: a ``dot_general``'s ``precision`` param as traced (``None``,
+  a pair of ``lax.Precision`` names, or a ``lax.DotAlgorithmPreset``
+  name), or a ``jax_default_matmul_precision`` value. ``HIGHEST``,
+  ``float32``, float32/float64 algorithms and multi-pass algorithms
+  (``..._X3``, ``_X6``, ``_X9``) are full; ``DEFAULT``, ``HIGH`` (TF32 on
+  GPUs), ``bfloat16``, ``tensorfloat32`` and one-pass algorithms are reduced.
+  """
+  if setting is None:
+    return None
+  names = [str(getattr(v, "name", v)) for v in (setting if isinstance(setting, (tuple, list)) else (setting,))]
+  for name in names:
+    upper = name.upper()
+    if (name.lower() in _FULL_PRECISION or upper.startswith(("F32_F32", "F64")) or upper.endswith(("_X3", "_X6", "_X9"))
+        or upper == "HIGHEST"):
+      return "full"
+  return "reduced"
 
 
 def reduced_precision_f32_matmuls() -> bool:
-  """Whether JAX lets XLA compute float32 matmuls with reduced-precision inputs (TF32 on NVIDIA GPUs).
+  """Whether float32 matmuls that set no precision of their own get reduced-precision inputs.
 
-  It does by default; ``jax.default_matmul_precision("float32")`` (or
-  ``"highest"``) asks for full float32.
+  JAX's default does (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs);
+  ``jax.default_matmul_precision("float32")`` (or ``"highest"``) asks for
+  full float32.
   """
-  value = jax.config.jax_default_matmul_precision
-  return value is None or str(getattr(value, "name", value)).lower() not in _FULL_F32
+  return f32_matmul_precision(jax.config.jax_default_matmul_precision) != "full"

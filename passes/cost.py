@@ -163,6 +163,8 @@ class StepProfile:
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the saveable matmuls per microbatch
   saved_batched: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the batched ones (attention's)
+  # per node: a float32 matmul's own precision: 1 reduced, 2 full, 0 not set (JAX's default when costed)
+  f32_precision: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int8))
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
@@ -187,6 +189,8 @@ class StepProfile:
     reads = self.reads_fit[:, 0] + self.reads_fit[:, 1] * batch
     writes = self.writes_fit[:, 0] + self.writes_fit[:, 1] * batch
     f32 = spec.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
+    if self.f32_precision.size:
+      f32 = np.select([self.f32_precision == 1, self.f32_precision == 2], [spec.f32_matmul_flops(True), spec.fp32_flops], f32)
     peak = np.where(self.low_precision, spec.bf16_flops, f32) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
     write_rate = spec.write_rate
@@ -267,6 +271,9 @@ class StepProfile:
     return self._seconds(spec, 0, self.per_step)
 
 
+_PRECISION_CODE = {None: 0, "reduced": 1, "full": 2}
+
+
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
   """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
   if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
@@ -306,6 +313,8 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       writes_fit=writes_fit,
       matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
       low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
+      f32_precision=np.array([_PRECISION_CODE[jx.f32_matmul_precision(n.param("precision"))] for n in small.nodes],
+                             np.int8),
       counts=np.array([n.count for n in small.nodes], float),
       forward=forward,
       saveable=saveable,

@@ -137,6 +137,34 @@ def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked
     spec.replace(reduced_f32_flops=0.0)
 
 
+def test_a_matmul_that_sets_its_own_precision_is_priced_by_it():
+  # precision="highest" on the dot (or the config at trace time, which JAX writes into the dot) means full
+  # float32 whatever the config when costing; precision left unset follows the config when costing
+  from hetspmd.devices import DEVICE_PRESETS
+  from hetspmd.passes import _jax_adapter as jx
+
+  a100 = DEVICE_PRESETS["A100-40GB"]
+  w, x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32), lambda b: jax.ShapeDtypeStruct((b, 1024), jnp.float32)
+
+  def profile(fn):
+    return step_profile(hs.trace(fn, w, x(64)), hs.trace(fn, w, x(128)), 64, 128)
+
+  plain = profile(lambda w, x: jnp.sum(x @ w))
+  highest = profile(lambda w, x: jnp.sum(jnp.dot(x, w, precision="highest")))
+  with jax.default_matmul_precision("float32"):
+    traced_full = profile(lambda w, x: jnp.sum(x @ w))
+    plain_full = plain.microbatch_seconds(a100, 4096)
+  assert list(highest.f32_precision[highest.matmul]) == [2] and list(plain.f32_precision[plain.matmul]) == [0]
+  fast, full = plain.microbatch_seconds(a100, 4096), highest.microbatch_seconds(a100, 4096)
+  assert full > 3 * fast
+  assert traced_full.microbatch_seconds(a100, 4096) == pytest.approx(full) == pytest.approx(plain_full)
+  for setting, expected in [(None, None), (("DEFAULT", "DEFAULT"), "reduced"), (("HIGH", "HIGH"), "reduced"),
+                            (("HIGHEST", "HIGHEST"), "full"), ("TF32_TF32_F32", "reduced"), ("TF32_TF32_F32_X3", "full"),
+                            ("BF16_BF16_F32_X6", "full"), ("F32_F32_F32", "full"), ("tensorfloat32", "reduced"),
+                            ("float32", "full"), ("bfloat16", "reduced")]:
+    assert jx.f32_matmul_precision(setting) == expected, setting
+
+
 def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
   # the dot cannot fuse: its input x * 2 is written, read by the dot, and the dot's output read by the tanh kernel
   graph = hs.trace(lambda x, w: jnp.tanh((x * 2.0) @ w), jax.ShapeDtypeStruct((8, 128), jnp.float32),
