@@ -409,6 +409,10 @@ def from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
     try:
       custom[kind] = DeviceSpec(kind, **fields)
     except TypeError as e:
+      known = [f.name for f in dataclasses.fields(DeviceSpec) if f.name != "name"]
+      unknown = sorted(set(fields) - set(known))
+      if unknown:
+        raise InvalidValueError(f"{where}: [devices.{kind!r}] has unknown keys {unknown}; known: {', '.join(known)}") from None
       raise InvalidValueError(
           f"{where}: [devices.{kind!r}] needs fp32_flops, bf16_flops, memory_bytes, memory_bandwidth ({e})") from None
   hosts = []

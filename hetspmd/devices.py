@@ -95,6 +95,10 @@ class DeviceSpec:
     if tf32 is not None and (isinstance(tf32, bool) or not isinstance(tf32, (int, float)) or not math.isfinite(tf32)
                              or tf32 <= 0):
       raise InvalidValueError(f"DeviceSpec {self.name!r}: reduced_f32_flops must be a positive number, got {tf32!r}")
+    if tf32 is not None and tf32 < self.fp32_flops:
+      raise InvalidValueError(
+          f"DeviceSpec {self.name!r}: reduced_f32_flops ({tf32:.4g}) is below fp32_flops ({self.fp32_flops:.4g}); "
+          "it is the faster reduced-precision rate (TF32, one bfloat16 pass): leave it unset if there is none")
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     return dataclasses.replace(self, **changes)

@@ -197,6 +197,8 @@ def test_alone_speedup_is_between_one_and_the_device_count(speedup):
     ("[[hosts]]\ndevice = 'V100-32GB'\ncount = 0\n", "positive device count, got 0"),
     ("[[hosts]\n", "not valid TOML"),
     ("[[hosts]]\ndevice = 'Z'\ncount = 1\n[devices.Z]\nfp32_flops = 1.0\n", r"\[devices.'Z'\] needs fp32_flops"),
+    ("[[hosts]]\ndevice = 'Z'\ncount = 1\n[devices.Z]\nfp32_flops = 1.0\ntf32_flops = 2.0\n",
+     r"\[devices.'Z'\] has unknown keys \['tf32_flops'\]; known: fp32_flops, .*reduced_f32_flops"),
 ])
 def test_bad_cluster_files(tmp_path, text, match):
   path = tmp_path / "bad.toml"

@@ -133,8 +133,11 @@ def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked
     assert spec.f32_matmul_flops(False) == spec.fp32_flops
   assert (full > 2 * default) == faster and (full == default) == (not faster)
   assert spec.f32_matmul_flops() == (spec.reduced_f32_flops if faster else spec.fp32_flops)
-  with pytest.raises(hs.InvalidValueError, match="reduced_f32_flops must be a positive number"):
-    spec.replace(reduced_f32_flops=0.0)
+  for bad in (0.0, True):
+    with pytest.raises(hs.InvalidValueError, match="reduced_f32_flops must be a positive number"):
+      spec.replace(reduced_f32_flops=bad)
+  with pytest.raises(hs.InvalidValueError, match="is below fp32_flops"):
+    spec.replace(reduced_f32_flops=spec.fp32_flops / 2)
 
 
 def test_a_matmul_that_sets_its_own_precision_is_priced_by_it():
