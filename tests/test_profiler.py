@@ -89,3 +89,35 @@ def test_profile_across_two_processes():
   assert results[0] == results[1]
   assert results[0]["processes"] == [0, 0, 1, 1]
   assert results[0]["hosts"] == [2, 2] and results[0]["groups"] == [4, 4, 4]
+
+
+def _measured(kind, float32, reduced=None):
+  from hetspmd.profiler import REDUCED_F32, DeviceMeasurement
+
+  flops = {"float32": ((1024, float32),), "bfloat16": ((1024, 4 * float32),)}
+  if reduced is not None:
+    flops[REDUCED_F32] = ((1024, reduced),)
+  return DeviceMeasurement(0, kind, 0, flops, flops, 1e12, 2**34)
+
+
+@pytest.mark.parametrize("members,expected", [
+    ([_measured("A100-40GB", 19e12, 150e12), _measured("A100-40GB", 19e12, 140e12)], 140e12),  # TF32: the slower
+    ([_measured("V100-32GB", 15e12, 15.2e12)], None),       # no faster path: float32 matmuls are full anyway
+    ([_measured("A100-40GB", 19e12, 150e12), _measured("A100-40GB", 19e12)], None),  # not measured on every member
+])
+def test_a_profiled_spec_keeps_the_default_precision_rate_apart_from_full_float32(members, expected):
+  # hetspmd.profile times float32 matmuls at HIGHEST (fp32_flops) and, on accelerators, at JAX's default
+  # precision (reduced_f32_flops), so a matmul that asks for full float32 is priced at the full rate
+  from hetspmd.profiler import Profile
+
+  spec = Profile(tuple(members), (), "gpu", 1, 0.0).device_spec(members[0].kind)
+  assert spec.fp32_flops == 19e12 or spec.fp32_flops == 15e12
+  assert spec.reduced_f32_flops == expected
+  assert spec.f32_matmul_flops() == (expected or spec.fp32_flops) and spec.f32_matmul_flops(False) == spec.fp32_flops
+
+
+def test_matmul_tables_time_float32_at_full_and_default_precision():
+  from hetspmd.profiler import REDUCED_F32, matmul_flops
+
+  device = jax.devices()[0]
+  assert matmul_flops(device, 128, "float32") > 0 and matmul_flops(device, 128, REDUCED_F32) > 0
