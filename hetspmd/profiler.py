@@ -2,9 +2,10 @@
 
 ``profile(devices)`` measures, on whatever backend is present:
 
-* per device, matmul throughput at several sizes in float32 and bfloat16,
-  once with the device alone and once with every device busy at once (as
-  in a training step);
+* per device, matmul throughput at several sizes in float32 (at full
+  precision and, on accelerators, at JAX's default: TF32 on NVIDIA GPUs)
+  and bfloat16, once with the device alone and once with every device busy
+  at once (as in a training step);
 * per device, memory copy bandwidth (read + write of one large array),
   alone and with every device copying at once (the busy figure is the
   spec's bandwidth: on CPU emulation the devices share one memory bus);
