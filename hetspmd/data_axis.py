@@ -88,19 +88,25 @@ class ZeroSplit:
   grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
   whole: tuple[int, ...]    # kept whole on every position
 
+  @property
+  def elements(self) -> int:
+    return sum(self.split) + sum(self.grouped) + sum(self.whole)
+
   def kept(self, n: int) -> float:
     """Share of a ZeRO-split state each position holds."""
-    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
-    if not total:
+    if not self.elements:
       return 1.0 / n
     held = sum(self.split) / n + (sum(self.grouped) / self.shards if self.shards else 0) + sum(self.whole)
-    return held / total
+    return held / self.elements
 
   @property
   def gathered(self) -> float:
     """Share of the parameters' elements that are split, and so gathered."""
-    total = sum(self.split) + sum(self.grouped) + sum(self.whole)
-    return (sum(self.split) + sum(self.grouped)) / total if total else 1.0
+    return (sum(self.split) + sum(self.grouped)) / self.elements if self.elements else 1.0
+
+  def scattered(self, n: int) -> float:
+    """Share of the gradients' elements a reduce-scatter onto the n-way shards leaves off each position."""
+    return sum(self.split) * (1 - 1 / n) / self.elements if self.elements else 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,8 +176,7 @@ def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile
   """
   n = sum(hosts.values())
   zs = zero_split(profile, n, tp)
-  total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
-  per_element = profile.param_bytes * tp.param_share / total if total else 0.0
+  per_element = profile.param_bytes * tp.param_share / zs.elements if zs.elements else 0.0
   seconds = _reduce_seconds(cluster, hosts, sum(zs.split) * per_element, tp.m, max(1, len(zs.split))) / 2
   if zs.grouped:
     seconds += _reduce_seconds(cluster, _first_hosts(hosts, zs.shards), sum(zs.grouped) * per_element, tp.m,
@@ -258,7 +263,6 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   params = profile.param_bytes * tp.param_share * (sharded + zs.gathered if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
   optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
-  total = sum(zs.split) + sum(zs.grouped) + sum(zs.whole)
-  scattered = sum(zs.split) * (1 - 1 / n) / total if zero_stage >= 1 and tp.m == 1 and n > 1 and total else 0.0
+  scattered = zs.scattered(n) if zero_stage >= 1 and tp.m == 1 and n > 1 else 0.0
   working = max(microbatch_bytes(profile, microbatch, remat, tp), grads * (1 - scattered))  # in the loop, after it
   return int((params + grads + optimizer + working) * WORKSPACE)

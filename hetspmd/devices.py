@@ -110,7 +110,7 @@ class DeviceSpec:
     round float32 inputs (its default on GPUs; see
     :func:`hetspmd.passes._jax_adapter.reduced_precision_f32_matmuls`).
     """
-    return max(self.fp32_flops, self.reduced_f32_flops or 0.0) if reduced_precision else self.fp32_flops
+    return (self.reduced_f32_flops or self.fp32_flops) if reduced_precision else self.fp32_flops
 
   @property
   def read_rate(self) -> float:

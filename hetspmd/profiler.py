@@ -50,6 +50,11 @@ _PRECISION = {"float32": "highest", "bfloat16": None, REDUCED_F32: None}
 _DTYPE_OF = {"float32": "float32", "bfloat16": "bfloat16", REDUCED_F32: "float32"}
 
 
+def _reduced_f32(reduced: float, full: float) -> float | None:
+  """The default-precision float32 matmul rate, where it is a faster path than full float32 (not noise)."""
+  return reduced if reduced > 1.1 * full else None
+
+
 def _tables(platform_key: str) -> tuple[str, ...]:
   return _DTYPES if platform_key == "cpu" else _DTYPES + (REDUCED_F32,)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -317,8 +322,7 @@ def _kind_reduced_f32(members: Sequence[DeviceMeasurement]) -> float | None:
   """The float32 matmul rate at JAX's default precision, where measured on every member and faster than full."""
   if not all(REDUCED_F32 in d.busy_flops for d in members):
     return None
-  rate = min(d.peak(REDUCED_F32) for d in members)
-  return rate if rate > 1.1 * min(d.peak("float32") for d in members) else None
+  return _reduced_f32(min(d.peak(REDUCED_F32) for d in members), min(d.peak("float32") for d in members))
 
 
 def _kind_read_bandwidth(members: Sequence[DeviceMeasurement]) -> float | None:
@@ -414,7 +418,7 @@ def measure_device_spec(device: Any, name: str) -> DeviceSpec:
       name=name,
       fp32_flops=fp32,
       bf16_flops=matmul_flops(device, size, "bfloat16"),
-      reduced_f32_flops=reduced if reduced > 1.1 * fp32 else None,
+      reduced_f32_flops=_reduced_f32(reduced, fp32),
       memory_bytes=_memory_bytes(device),
       memory_bandwidth=copy,
       measured=True,
