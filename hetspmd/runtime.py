@@ -42,10 +42,6 @@ class ShardedBatch(NamedTuple):
   counts: Any  # int32[positions], sharded over data
 
 
-class _NoMicrobatchGradient(Exception):
-  """Raised while tracing a step that never called hetspmd.value_and_grad."""
-
-
 @dataclasses.dataclass
 class ParallelStep:
   """A train step bound to a plan; call it like the original step.
@@ -64,8 +60,11 @@ class ParallelStep:
   example_batch: Any = None
   _plan: Plan | None = None
   _mesh: Any = None
-  _run: Callable[..., Any] | None = None  # the jitted step, built once the plan exists
-  _plain_grad: bool = False
+  batch_argnums: tuple[int, ...] | None = None
+  batch_stats: str = "local"
+  _programs: dict = dataclasses.field(default_factory=dict)  # one jitted program per argument structure
+  _analysis: Any = None
+  _starts_array: Any = None
   _lockstep: bool | None = None  # decided from the first compiled program
 
   def __post_init__(self):
@@ -174,114 +173,292 @@ class ParallelStep:
 
   # --- running -------------------------------------------------------------------
 
-  def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-    # The hot path is jit's own: the state is checked against the plan when jit traces it, once per
-    # structure and shapes, so a call adds no Python work over calling jax.jit directly.
-    sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(state)(state, sharded.data, sharded.counts)
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
+    call = self._bind_call(args, kwargs)
+    compiled = self._executable(call)
+    outputs = compiled(call.dynamic, call.batch.counts, self._starts())
+    return call.finish(outputs)
 
-  def lower(self, state: Any, batch: Any):
-    """The ``jax.stages.Lowered`` program for ``state`` and ``batch``."""
-    sharded = batch if isinstance(batch, ShardedBatch) else self.shard_batch(batch)
-    return self._executable(state).lower(state, sharded.data, sharded.counts)
+  def lower(self, *args: Any, **kwargs: Any):
+    """The ``jax.stages.Lowered`` program for these arguments."""
+    call = self._bind_call(args, kwargs)
+    return self._executable(call).lower(call.dynamic, call.batch.counts, self._starts())
 
   def explain(self) -> str:
-    if self._plain_grad:
-      mode = "plain data parallel (the step uses jax.grad)"
-    elif self._lockstep:
+    if self._lockstep:
       mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
               "(XLA placed a collective-permute or all-to-all inside the loop)")
     else:
       mode = "weighted microbatch accumulation (per-device trip counts)"
-    return f"{self.plan.summary()}\n  execution: {mode}"
+    lines = [self.plan.summary(), f"  execution: {mode}"]
+    if self._analysis is not None:
+      analysis = self._analysis
+      lines.append(f"  derived from the step's jaxpr: {len(analysis.cuts)} reduction(s) over the batch, "
+                   f"{analysis.loops} microbatch loop(s)")
+      local = analysis.local_statistics
+      if local:
+        lines.append(f"  batch statistics per microbatch of {self.plan.microbatch} (as per-device BatchNorm; "
+                     "batch_stats='exact' makes them exact):")
+        lines += [f"    {line}" for line in analysis.describe() if "per-microbatch" in line]
+      if analysis.loops > 1:
+        lines.append("  exact reductions that feed per-example work, each computed in an earlier loop:")
+        lines += [f"    {line}" for line in analysis.describe() if "feeds later" in line]
+    return "\n".join(lines)
 
-  def _executable(self, state: Any):
-    if self._run is None:
-      self._resolve(state)
-      self._run = self._build()
-    return self._run
-
-  def _build(self):
+  def _starts(self):
     plan = self.plan
-    donate = (0,) if self.donate_state else ()
-    weighted = {mode: jax.jit(self._weighted_step(mode), donate_argnums=donate) for mode in (False, True)}
-    plain = jax.jit(self._plain_step(), donate_argnums=donate)
+    if self._starts_array is None:
+      starts = np.concatenate([[0], np.cumsum(plan.examples_per_position())[:-1]]).astype(np.int32)
+      self._starts_array = _positions_array(self._mesh, plan, starts)
+    return self._starts_array
 
-    def fall_back(use):
-      out = use()  # a step that fails on the plain global batch too raises its own error here
-      self._plain_grad = True
-      warnings.warn(f"{getattr(self.fn, '__name__', 'train_step')} computes gradients with jax.grad, not "
-                    "hetspmd.value_and_grad: running plain data parallelism over the global batch "
-                    "(no per-device weighting, no microbatch accumulation)", stacklevel=4)
-      return out
+  def _bind_call(self, args: tuple, kwargs: dict) -> "_Call":
+    return _Call.bind(self, args, kwargs)
 
-    def run(*args):
-      if not self._plain_grad:
-        try:
-          if self._lockstep is None:
-            self._lockstep = not plan.is_uniform and _loop_needs_lockstep(weighted[False].lower(*args))
-          return weighted[self._lockstep](*args)
-        except _NoMicrobatchGradient:
-          return fall_back(lambda: plain(*args))
-      return plain(*args)
+  def _executable(self, call: "_Call"):
+    key = call.key
+    if key not in self._programs:
+      self._programs[key] = self._build(call)
+    return self._programs[key]
 
-    def lower(*args):
-      if not self._plain_grad:
-        try:
-          return weighted[bool(self._lockstep)].lower(*args)
-        except _NoMicrobatchGradient:
-          return fall_back(lambda: plain.lower(*args))
-      return plain.lower(*args)
+  def _build(self, call: "_Call"):
+    from hetspmd import lowering
+    from hetspmd.passes import microbatch as pass_
 
-    run.lower = lower
+    plan, mesh = self.plan, self._mesh
+    closed, out_tree = call.trace(plan.global_batch)
+    analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
+                             float_state_inputs=call.float_state_inputs)
+    self._analysis = analysis
+    layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
+                             data_split=plan.data_split_leaves(call.state))
+    state_shardings = plan.state_shardings(mesh, call.state)
+
+    def make(lockstep: bool):
+      program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
+
+      def run(dynamic, counts, starts):
+        outputs = program(call.inputs(dynamic), counts, starts)
+        return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
+
+      return jax.jit(run, donate_argnums=(0,) if self.donate_state else ())
+
+    programs = {False: make(False)}
+
+    def run(dynamic, counts, starts):
+      if self._lockstep is None:
+        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(programs[False].lower(dynamic, counts, starts))
+        if self._lockstep:
+          programs[True] = make(True)
+      return programs[bool(self._lockstep)](dynamic, counts, starts)
+
+    run.lower = lambda *a: programs[bool(self._lockstep)].lower(*a)
     return run
 
-  def _weighted_step(self, lockstep: bool):
-    plan, mesh, fn = self.plan, self._mesh, self.fn
 
-    def step(state, data, counts):
-      shardings = plan.state_shardings(mesh, state)  # checks the state against the plan, at trace time
-      calls: list = []
-      ctx = _StepContext(mesh, plan.data_axis, frozenset(id(x) for x in jax.tree.leaves(data)), counts,
-                         plan.microbatch, plan.remat, (plan.data_size * plan.max_count, plan.microbatch),
-                         lockstep,
-                         plan.max_count if plan.is_uniform else None, calls, plan.global_batch,
-                         plan.data_split_leaves(state))
-      with step_context(ctx):
-        try:
-          new_state, metrics = fn(state, data)
-        except Exception:
-          # Before any hetspmd.value_and_grad call the step saw the microbatch buffers
-          # ([positions * count, microbatch, ...]) as its batch; a plain jax.grad step may fail on them.
-          if not calls:
-            raise _NoMicrobatchGradient() from None
-          raise
-      if not calls:
-        raise _NoMicrobatchGradient()
-      return jax.lax.with_sharding_constraint(new_state, shardings), metrics
+def _is_graph_node(x: Any) -> bool:
+  from flax import nnx
 
-    return step
+  return nnx.graph.is_graph_node(x)
 
-  def _plain_step(self):
-    plan, mesh, fn = self.plan, self._mesh, self.fn
-    valid = _valid_rows(plan)
-    divisible = plan.global_batch % plan.data_size == 0
 
-    def step(state, data, counts):
-      del counts
-      shardings = plan.state_shardings(mesh, state)
+def _is_dynamic(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex))
 
-      def flatten(x):
-        x = x.reshape((-1,) + x.shape[2:])
-        if len(valid) != x.shape[0]:
-          x = jnp.take(x, valid, axis=0)
-        spec = P(plan.data_axis) if divisible else P()
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-      new_state, metrics = fn(state, jax.tree.map(flatten, data))
-      return jax.lax.with_sharding_constraint(new_state, shardings), metrics
+def _leading(tree: Any) -> list[int | None]:
+  return [np.shape(x)[0] if np.ndim(x) >= 1 else None for x in jax.tree.leaves(tree) if _is_dynamic(x)]
 
-    return step
+
+@dataclasses.dataclass
+class _Call:
+  """One call's arguments, seen as ``pure(state, batch, rest)``: the train state (a functional step's state
+  argument, or the NNX state of its graph objects), the batch arguments, and everything else."""
+
+  step: "ParallelStep"
+  args: tuple
+  kwargs: dict
+  graph_args: tuple[int, ...]
+  batch_argnums: tuple[int, ...]
+  state_argnum: int | None
+  graphdef: Any
+  state: Any
+  batch: ShardedBatch
+  rest: tuple
+  treedef: Any = None
+  static: tuple = ()
+  key: Any = None
+
+  @classmethod
+  def bind(cls, step: "ParallelStep", args: tuple, kwargs: dict) -> "_Call":
+    from flax import nnx
+
+    graph_args = tuple(i for i, a in enumerate(args) if _is_graph_node(a))
+    batch_argnums = step.batch_argnums if step.batch_argnums is not None else _find_batch(step, args, graph_args)
+    for i in batch_argnums:
+      if i >= len(args) or i in graph_args:
+        raise InvalidValueError(f"batch_argnums={batch_argnums} names argument {i}, but the step got "
+                                f"{len(args)} positional argument(s)" + (" and that one is an NNX object"
+                                                                         if i in graph_args else ""))
+    graphdef, state, state_argnum = None, None, None
+    if graph_args:
+      graphdef, state = nnx.split(tuple(args[i] for i in graph_args))
+    else:
+      candidates = [i for i in range(len(args)) if i not in batch_argnums and _leading(args[i])]
+      if not candidates:
+        raise HetSpmdError("the train step got no state: pass the train state (a pytree of arrays such as a "
+                           "flax TrainState, or NNX objects) as an argument beside the batch")
+      state_argnum = candidates[0]
+      state = args[state_argnum]
+    rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
+    batch_args = tuple(args[i] for i in batch_argnums)
+    if step._plan is None:
+      step._resolve(state)
+      if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
+        state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
+        nnx.update(tuple(args[i] for i in graph_args), state)
+    if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):
+      sharded = batch_args[0]
+    else:
+      sharded = step.shard_batch(batch_args)
+    call = cls(step, args, kwargs, graph_args, tuple(batch_argnums), state_argnum, graphdef, state, sharded,
+               rest)
+    leaves, call.treedef = jax.tree.flatten((state, sharded.data, rest, kwargs))
+    call.static = tuple((i, x) for i, x in enumerate(leaves) if not _is_dynamic(x))
+    n_state = len(jax.tree.leaves(state))
+    call._dynamic = [x for x in leaves if _is_dynamic(x)]
+    call._n_state = sum(1 for x in jax.tree.leaves(state) if _is_dynamic(x))
+    del n_state
+    call.key = (call.treedef, tuple(_aval(x) for x in call._dynamic), _hashable(call.static), graphdef)
+    return call
+
+  @property
+  def dynamic(self) -> tuple[list, list]:
+    return self._dynamic[:self._n_state], self._dynamic[self._n_state:]
+
+  @property
+  def batch_inputs(self) -> tuple[int, ...]:
+    n_batch = len(jax.tree.leaves(self.batch.data))
+    return tuple(range(self._n_state, self._n_state + n_batch))
+
+  @property
+  def float_state_inputs(self) -> tuple[int, ...]:
+    return tuple(i for i, x in enumerate(self._dynamic[:self._n_state])
+                 if jnp.issubdtype(getattr(x, "dtype", np.asarray(x).dtype), jnp.floating))
+
+  def inputs(self, dynamic: tuple[list, list]) -> list:
+    return list(dynamic[0]) + list(dynamic[1])
+
+  def _pure(self):
+    """``flat dynamic leaves -> outputs``: the user's step as a function of arrays."""
+    from flax import nnx
+
+    treedef, static, fn = self.treedef, dict(self.static), self.step.fn
+    graph_args, batch_argnums, state_argnum, graphdef = (self.graph_args, self.batch_argnums, self.state_argnum,
+                                                         self.graphdef)
+    n_args = len(self.args)
+
+    def pure(*dynamic):
+      it = iter(dynamic)
+      leaves = [static[i] if i in static else next(it) for i in range(treedef.num_leaves)]
+      state, batch, rest, kwargs = jax.tree.unflatten(treedef, leaves)
+      args: list = [None] * n_args
+      for i, b in zip(batch_argnums, batch):
+        args[i] = b
+      others = iter(rest)
+      objects = nnx.merge(graphdef, state) if graph_args else None
+      for i in range(n_args):
+        if i in batch_argnums:
+          continue
+        if i in graph_args:
+          args[i] = objects[graph_args.index(i)]
+        elif i == state_argnum:
+          args[i] = state
+        else:
+          args[i] = next(others)
+      out = fn(*args, **kwargs)
+      if graph_args:
+        return nnx.state(objects), out
+      return out
+
+    return pure
+
+  def trace(self, global_batch: int):
+    """The step's closed jaxpr at the global batch, and its output tree."""
+    abstract = []
+    batch_ids = set(self.batch_inputs)
+    for i, x in enumerate(self._dynamic):
+      shape, dtype = np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype
+      if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
+        shape = (global_batch,) + tuple(shape[2:])
+      abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
+    closed, shapes = jax.make_jaxpr(self._pure(), return_shape=True)(*abstract)
+    return closed, jax.tree.structure(shapes)
+
+  def constrain(self, outputs: Any, state_shardings: Any) -> Any:
+    """The new state leaves of ``outputs`` held to the plan's shardings."""
+    if self.graph_args:
+      return jax.lax.with_sharding_constraint(outputs[0], state_shardings), outputs[1]
+    if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == jax.tree.structure(self.state):
+      return (jax.lax.with_sharding_constraint(outputs[0], state_shardings),) + tuple(outputs[1:])
+    return outputs
+
+  def finish(self, outputs: Any) -> Any:
+    from flax import nnx
+
+    if self.graph_args:
+      new_state, out = outputs
+      nnx.update(tuple(self.args[i] for i in self.graph_args), new_state)
+      return out
+    return outputs
+
+
+def _aval(x: Any) -> Any:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return (type(x).__name__,)
+  return (tuple(np.shape(x)), str(dtype), getattr(x, "weak_type", False))
+
+
+def _hashable(static: tuple) -> Any:
+  try:
+    hash(static)
+    return static
+  except TypeError:
+    return tuple((i, id(x)) for i, x in static)
+
+
+def _find_batch(step: "ParallelStep", args: tuple, graph_args: tuple[int, ...]) -> tuple[int, ...]:
+  """The positional arguments whose every array leaf leads with the batch (or are a ShardedBatch)."""
+  expected = {step.global_batch}
+  if step._plan is not None and jax.process_count() > 1:
+    positions = _local_positions(step._mesh, step._plan)
+    expected = {sum(step._plan.examples_per_position()[i] for i in positions)}
+  found = []
+  for i, a in enumerate(args):
+    if i in graph_args:
+      continue
+    if isinstance(a, ShardedBatch):
+      return (i,)
+    leading = _leading(a)
+    if leading and all(n in expected for n in leading):
+      found.append(i)
+  if not found:
+    described = ", ".join(f"argument {i}: leading dims {sorted(set(map(str, _leading(a))))[:4]}"
+                          for i, a in enumerate(args) if i not in graph_args)
+    raise HetSpmdError(f"no argument of the step is a batch of {step.global_batch} examples (every array with a "
+                       f"leading axis of {step.global_batch}); got {described or 'no array arguments'}. Pass "
+                       "the global batch, or name it with parallelize(..., batch_argnums=(i,))")
+  return tuple(found)
+
+
+def _positions_array(mesh: Any, plan: Plan, values: np.ndarray) -> jax.Array:
+  """``int32[positions]`` sharded over ``data``, one value per position."""
+  grid = mesh.devices
+  arrays = [jax.device_put(np.array([values[i]], np.int32), d) for i in range(plan.data_size)
+            for d in grid[i].ravel() if d.process_index == jax.process_index()]
+  return jax.make_array_from_single_device_arrays((plan.data_size,), NamedSharding(mesh, P(plan.data_axis)), arrays)
 
 
 # Collectives whose CPU/GPU rendezvous can span every device of the program,
@@ -312,8 +489,9 @@ def _local_positions(mesh: Any, plan: Plan) -> list[int]:
 
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
-                specs: Any = None, example_batch: Any = None):
-  """Runs ``train_step(state, batch) -> (state, metrics)`` on a (mixed) cluster.
+                specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
+                batch_stats: str = "local"):
+  """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``.
 
@@ -343,6 +521,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
                             f"got {microbatch!r}")
 
+  if batch_stats not in ("local", "exact"):
+    raise InvalidValueError(f"batch_stats must be 'local' (each microbatch normalises with its own statistics, "
+                            f"as per-device BatchNorm) or 'exact' (the global batch's), got {batch_stats!r}")
   if plan == "search" and example_batch is None:
     raise InvalidValueError("plan='search' needs example_batch=: the batch's structure (arrays or "
                             "jax.ShapeDtypeStructs, any leading batch size)")
@@ -350,6 +531,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch)
+    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else (
+        None if batch_argnums is None else tuple(batch_argnums))
+    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch, argnums,
+                        batch_stats)
 
   return wrap if fn is None else wrap(fn)

@@ -329,3 +329,80 @@ def reduced_precision_f32_matmuls() -> bool:
   full float32.
   """
   return f32_matmul_precision(jax.config.jax_default_matmul_precision) != "full"
+
+
+# --- evaluating equations -----------------------------------------------------
+
+# Call-like primitives whose body is evaluated in place by :func:`inline_calls` (no autodiff follows a
+# traced train step, so a custom_jvp / custom_vjp rule is never needed again, only its primal body).
+_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                      "custom_vjp_call_jaxpr", "remat2", "checkpoint", "custom_lin"})
+
+
+def bind(eqn: Equation, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+  """Binds ``eqn``'s primitive to ``invals`` (with ``params`` instead of its own), keeping its source info."""
+  params = eqn.params if params is None else params
+  bind_params = eqn.primitive.get_bind_params(params)
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def read(env: dict[Any, Any], value: Any) -> Any:
+  return value.val if is_literal(value) else env[value]
+
+
+def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(env, v) for v in eqn.invars]
+    body = call_body(eqn) if primitive_name(eqn) in _INLINED else None
+    if body is not None:
+      n = eqn.params.get("num_consts", 0) if primitive_name(eqn) == "custom_vjp_call" else 0
+      del n  # custom_vjp_call passes its consts as ordinary leading operands of call_jaxpr
+      with source_info_util.extend_name_stack(_call_name(eqn)):
+        out = _eval_inlining(body.jaxpr, body.consts, invals)
+    else:
+      out = bind(eqn, invals)
+    env.update(zip(eqn.outvars, out))
+  return [read(env, v) for v in jaxpr.outvars]
+
+
+def _call_name(eqn: Equation) -> str:
+  name = eqn.params.get("name")
+  return name if isinstance(name, str) and primitive_name(eqn) in ("pjit", "jit") and name[:1] != "_" else ""
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """``closed`` with every jit / custom_jvp / custom_vjp / checkpoint call replaced by its body, recursively.
+
+  The result computes the same values as one flat list of equations
+  (``scan``, ``while`` and ``cond`` bodies are left as they are); name
+  stacks keep the Flax module paths.
+  """
+  avals = [v.aval for v in closed.jaxpr.invars]
+  fn = lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args)
+  return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+
+
+def eval_equations(eqns: Sequence[Equation], env: dict[Any, Any],
+                   rebind: Callable[[Equation, list[Any]], list[Any]] = None) -> None:
+  """Evaluates ``eqns`` in order over ``env`` (a dict from variables to values), in place."""
+  for eqn in eqns:
+    invals = [read(env, v) for v in eqn.invars]
+    out = bind(eqn, invals) if rebind is None else rebind(eqn, invals)
+    env.update(zip(eqn.outvars, out))
+
+
+def aval_shape(value: Any) -> tuple[int, ...]:
+  return tuple(int(d) for d in getattr(value.aval, "shape", ()))
+
+
+def aval_dtype(value: Any) -> Any:
+  return getattr(value.aval, "dtype", None)
+
+
+def is_effectful(eqn: Equation) -> bool:
+  return bool(eqn.effects)

@@ -1,0 +1,418 @@
+"""The weighted microbatch program of a train step, built from :mod:`hetspmd.passes.microbatch`'s analysis.
+
+The step's flat jaxpr (traced at the global batch) runs in three parts:
+
+* the example-free equations that need no reduction (parameter casts, RNG
+  keys and dropout masks, learning rates) once, before the loop, on the
+  sharded state;
+* inside a ``shard_map`` manual over ``data`` only, one ``fori_loop`` per
+  microbatch loop of the analysis, each device running its own count: the
+  per-example equations on one microbatch slice (shapes rewritten from the
+  global batch to the microbatch, constants kept), accumulating every cut's
+  partial value; then one reduction over ``data`` (small leaves bucketed;
+  under ZeRO, gradients reduce-scattered onto their shards);
+* everything downstream of the cuts (the optimizer update, metrics) once,
+  after the loop, on the reduced values, under XLA's partitioner.
+
+Example-free operands of batch size (broadcast constants, dropout masks
+drawn at the global batch) are rebuilt at the microbatch's size or sliced at
+its global offset, so a microbatch sees exactly its part of the full-batch
+draw. Outputs that keep the example axis come back whole, in global order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from hetspmd.microbatch import bucketed_psum, bucketed_psum_scatter, scatter_dim
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.microbatch import Analysis, Axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How the batch lies on the devices."""
+
+  mesh: Any
+  data_axis: str
+  microbatch: int
+  max_count: int
+  counts: tuple[int, ...]
+  lockstep: bool = False
+  # (path, shape, dim) of the state leaves split along data (ZeRO): a gradient of that shape is reduce-scattered
+  data_split: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+
+  @property
+  def positions(self) -> int:
+    return len(self.counts)
+
+  @property
+  def uniform_count(self) -> int | None:
+    return self.counts[0] if len(set(self.counts)) == 1 else None
+
+
+# --- rewriting one equation from the global batch to a microbatch ---------------------
+
+
+def _resize(shape: Sequence[int], axis: Axis, m: int) -> tuple[int, ...]:
+  out = list(shape)
+  out[axis.dim] = m * axis.per_example
+  return tuple(out)
+
+
+def _microbatch_params(eqn, decision, m: int) -> dict[str, Any]:
+  name = jx.primitive_name(eqn)
+  params = dict(eqn.params)
+  out = decision.outputs[0] if decision.outputs else None
+  if name == "broadcast_in_dim" and out is not None:
+    params["shape"] = _resize(params["shape"], out, m)
+  elif name == "reshape" and out is not None:
+    params["new_sizes"] = _resize(params["new_sizes"], out, m)
+  elif name in ("gather", "dynamic_slice") and decision.inputs[0] is not None:
+    axis = decision.inputs[0]
+    if params["slice_sizes"][axis.dim] == jx.aval_shape(eqn.invars[0])[axis.dim]:  # a whole window of examples
+      params["slice_sizes"] = _resize(params["slice_sizes"], axis, m)
+  elif name == "slice" and out is not None:
+    params["limit_indices"] = _resize(params["limit_indices"], out, m)
+  return params
+
+
+class _Program:
+  """The parts of the analysis the lowering needs, computed once."""
+
+  def __init__(self, analysis: Analysis, batch_inputs: Sequence[int]):
+    self.analysis = analysis
+    jaxpr = analysis.jaxpr.jaxpr
+    self.jaxpr = jaxpr
+    self.eqns = jaxpr.eqns
+    self.batch_inputs = tuple(batch_inputs)
+    self.batch = analysis.global_batch
+    self.cuts = {c.index: c for c in analysis.cuts}
+    self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
+    local = {c.index for c in analysis.cuts if c.local}
+    # which equations depend on a local (per-microbatch) statistic: those run inside the loop
+    self.after_local = set()
+    tainted: set = set()
+    for i, eqn in enumerate(self.eqns):
+      if i in local or any(v in tainted for v in eqn.invars if not jx.is_literal(v)):
+        if analysis.decisions[i] is None or i in local:
+          tainted.update(eqn.outvars)
+          self.after_local.add(i)
+    # free equations that need no cut run before the loop; the others after a reduction
+    needs_cut: set = set()
+    self.pre = []
+    self.post = []
+    for i, eqn in enumerate(self.eqns):
+      if analysis.decisions[i] is not None:
+        if i in self.cuts:
+          needs_cut.update(eqn.outvars)
+        continue
+      if any(v in needs_cut for v in eqn.invars if not jx.is_literal(v)):
+        needs_cut.update(eqn.outvars)
+        self.post.append(i)
+      else:
+        self.pre.append(i)
+    self.needs_cut = needs_cut
+    self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
+
+  def rebuilt(self, var: Any, axis: Axis | None) -> Any:
+    """The broadcast that makes example-free ``var`` batch-sized along ``axis``, to rebuild at the microbatch size."""
+    producer = self.producer.get(var)
+    if axis is None or var in self.analysis.axes or producer is None:
+      return None
+    eqn = self.eqns[producer]
+    if jx.primitive_name(eqn) == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
+      return eqn
+    return None
+
+  def _loop_equations(self, s: int) -> list[int]:
+    """Equations loop ``s`` evaluates: the in-loop ancestors of its cuts (and, last, of per-example outputs)."""
+    targets = [c.index for c in self.analysis.cuts if c.loop == s]
+    wanted: set = set()
+    for c in targets:
+      wanted.update(v for v in self.eqns[c].invars if not jx.is_literal(v))
+    if s == self.analysis.loops - 1:
+      wanted.update(v for v in self.jaxpr.outvars if not jx.is_literal(v) and v in self.analysis.axes)
+    chosen = set(targets)
+    for i in reversed(range(len(self.eqns))):
+      eqn = self.eqns[i]
+      if i in chosen or any(v in wanted for v in eqn.outvars):
+        inside = self.analysis.decisions[i] is not None or i in self.after_local
+        if not inside:
+          continue
+        chosen.add(i)
+        if i in self.cuts and not self.cuts[i].local and i not in targets:
+          continue  # an exact cut of an earlier loop: its reduced value comes in from outside the loop
+        wanted.update(v for v in eqn.invars if not jx.is_literal(v))
+    return sorted(chosen)
+
+  def outside_inputs(self, s: int) -> list[Any]:
+    """Example-free variables loop ``s`` reads from outside it."""
+    inside_out = {v for i in self.loop_eqns[s] for v in self.eqns[i].outvars}
+    batch_vars = {self.jaxpr.invars[i] for i in self.batch_inputs}
+    out = []
+    seen = set()
+    for i in self.loop_eqns[s]:
+      eqn = self.eqns[i]
+      if i in self.cuts and not self.cuts[i].local and self.cuts[i].loop != s:
+        continue
+      decision = self.analysis.decisions[i]
+      for j, v in enumerate(eqn.invars):
+        if jx.is_literal(v) or v in inside_out or v in batch_vars:
+          continue
+        broadcast = self.rebuilt(v, decision.inputs[j]) if decision is not None else None
+        for u in ([v] if broadcast is None else [u for u in broadcast.invars if not jx.is_literal(u)]):
+          if u not in seen:
+            seen.add(u)
+            out.append(u)
+    for i in self.loop_eqns[s]:  # earlier loops' exact cuts
+      if i in self.cuts and not self.cuts[i].local and self.cuts[i].loop != s:
+        for v in self.eqns[i].outvars:
+          if v not in seen:
+            seen.add(v)
+            out.append(v)
+    return out
+
+
+def build(analysis: Analysis, batch_inputs: Sequence[int], layout: Layout):
+  """``program(inputs, counts, starts) -> outputs`` over the step's flat jaxpr inputs and outputs.
+
+  ``inputs``: the flat jaxpr inputs, with each batch input replaced by its
+  padded microbatch buffer ``[positions * max_count, microbatch, ...]``
+  sharded over ``data``; ``counts`` and ``starts``: each position's
+  microbatch count and first global example, ``int32[positions]`` sharded
+  over ``data``.
+  """
+  prog = _Program(analysis, batch_inputs)
+  return lambda inputs, counts, starts: _run(prog, layout, list(inputs), counts, starts)
+
+
+def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> list[Any]:
+  jaxpr = prog.jaxpr
+  env: dict = dict(zip(jaxpr.constvars, prog.analysis.jaxpr.consts))
+  batch_vars = [jaxpr.invars[i] for i in prog.batch_inputs]
+  buffers = [inputs[i] for i in prog.batch_inputs]
+  for i, (v, x) in enumerate(zip(jaxpr.invars, inputs)):
+    if i not in prog.batch_inputs:
+      env[v] = x
+  jx.eval_equations([prog.eqns[i] for i in prog.pre], env)
+  loop_inputs = sorted({v for s in range(prog.analysis.loops) for v in prog.outside_inputs(s)
+                        if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}, key=_order(prog))
+  cut_outs = [c for c in prog.analysis.cuts]
+  pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
+  totals, pe_buffers = _loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
+                                  counts, starts, cut_outs, pe_outs)
+  for cut, values in zip(cut_outs, totals):
+    eqn = prog.eqns[cut.index]
+    if cut.base is not None:
+      base = jx.read(env, eqn.invars[cut.base])
+      values = [base + values[0].astype(base.dtype)]
+    env.update(zip(eqn.outvars, values))
+  jx.eval_equations([prog.eqns[i] for i in prog.post], env)
+  for v, buf in zip(pe_outs, pe_buffers):
+    env[v] = _global_order(buf, prog.analysis.axes[v], layout)
+  return [jx.read(env, v) for v in jaxpr.outvars]
+
+
+def _order(prog: _Program):
+  index = {}
+  for i, v in enumerate(prog.jaxpr.invars):
+    index[v] = (-1, i)
+  for i, eqn in enumerate(prog.eqns):
+    for j, v in enumerate(eqn.outvars):
+      index[v] = (i, j)
+  return lambda v: index.get(v, (-2, 0))
+
+
+def _global_order(buf, axis: Axis, layout: Layout):
+  """``[positions * max_count, *microbatch shape]`` → the global-batch value, examples in global order."""
+  valid = np.array([p * layout.max_count + i for p, c in enumerate(layout.counts) for i in range(c)], np.int32)
+  if len(valid) != buf.shape[0]:
+    buf = jnp.take(buf, valid, axis=0)
+  moved = jnp.moveaxis(buf, 0, axis.dim)
+  shape = moved.shape
+  return moved.reshape(shape[:axis.dim] + (shape[axis.dim] * shape[axis.dim + 1],) + shape[axis.dim + 2:])
+
+
+def _identity(reduce: str, shape, dtype):
+  if reduce == "sum":
+    return jnp.zeros(shape, dtype)
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return jnp.full(shape, reduce == "min", dtype)
+  info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+  return jnp.full(shape, info.min if reduce == "max" else info.max, dtype)
+
+
+def _combine(reduce: str):
+  return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[reduce]
+
+
+def _wide(x):
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x
+
+
+def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, counts, starts, cut_outs, pe_outs):
+  axis = layout.data_axis
+  single = layout.mesh.shape[axis] == 1
+  data_only = layout.mesh.size == layout.mesh.shape[axis]
+  m = layout.microbatch
+  final = prog.analysis.loops - 1
+  # gradients of ZeRO-split state leave the loop reduce-scattered onto their shards
+  scatter = {}
+  for k, cut in enumerate(cut_outs):
+    if cut.reduce == "sum" and cut.loop == final and not cut.feedback and data_only and not single:
+      var = prog.eqns[cut.index].outvars[0]
+      dim = scatter_dim("", jx.aval_shape(var), [("", s, d) for _, s, d in layout.data_split])
+      if dim is not None and cut.base is None:
+        scatter[k] = dim
+
+  def per_device(values, buffers, counts, starts):
+    outer = dict(zip(loop_inputs, values))
+    totals: dict[int, list] = {}
+    pe_result = []
+    for s in range(prog.analysis.loops):
+      mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
+      partials, outs = _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, counts[0], starts[0],
+                                 pe_outs if s == final else [])
+      reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
+                                  axis, single, data_only)
+      for k, values_k in zip(mine, reduced):
+        totals[k] = values_k
+        eqn = prog.eqns[cut_outs[k].index]
+        value = values_k
+        if cut_outs[k].base is not None:
+          base = jx.read(outer, eqn.invars[cut_outs[k].base]) if eqn.invars[cut_outs[k].base] in outer else None
+          if base is not None:
+            value = [base + value[0].astype(base.dtype)]
+        outer.update(zip(eqn.outvars, [v.astype(o.aval.dtype) for v, o in zip(value, eqn.outvars)]))
+      if s < final:  # example-free work between loops (1/weight_sum) for the loops that need it
+        later = {v for t in range(s + 1, prog.analysis.loops) for v in prog.outside_inputs(t)}
+        _eval_needed(prog, later, outer)
+      pe_result = outs
+    return [totals[k] for k in range(len(cut_outs))], pe_result
+
+  out_specs = ([[P(*([None] * scatter[k]), axis) if k in scatter else P() for _ in prog.eqns[c.index].outvars]
+                for k, c in enumerate(cut_outs)], [P(axis) for _ in pe_outs])
+  if single:
+    return per_device(loop_values, buffers, counts, starts)
+  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
+                         out_specs=out_specs, axis_names={axis}, check_vma=False)
+  totals, pe = mapped(loop_values, buffers, counts, starts)
+  return [[t.astype(o.aval.dtype) for t, o in zip(tt, prog.eqns[c.index].outvars)]
+          for tt, c in zip(totals, cut_outs)], pe
+
+
+def _eval_needed(prog, wanted: set, env: dict) -> None:
+  """Evaluates, in ``env``, the free post-cut equations that the variables ``wanted`` need."""
+  need = set(v for v in wanted if v not in env)
+  chosen = []
+  for i in reversed(prog.post):
+    eqn = prog.eqns[i]
+    if any(v in need for v in eqn.outvars):
+      chosen.append(i)
+      need.update(v for v in eqn.invars if not jx.is_literal(v) and v not in env)
+  jx.eval_equations([prog.eqns[i] for i in reversed(chosen)], env)
+
+
+def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only):
+  if single:
+    return partials
+  out: list = [None] * len(partials)
+  sums = [k for k, r in enumerate(reduces) if r == "sum"]
+  whole = [k for k in sums if scatter_dims[k] is None]
+  flat = [x for k in whole for x in partials[k]]
+  summed = bucketed_psum(flat, axis) if data_only else jax.lax.psum(flat, axis)
+  it = iter(summed)
+  for k in whole:
+    out[k] = [next(it) for _ in partials[k]]
+  split = [k for k in sums if scatter_dims[k] is not None]
+  parts = bucketed_psum_scatter([partials[k][0] for k in split], [scatter_dims[k] for k in split], axis)
+  for k, x in zip(split, parts):
+    out[k] = [x]
+  for k, r in enumerate(reduces):
+    if r == "max":
+      out[k] = [jax.lax.pmax(x, axis) for x in partials[k]]
+    elif r == "min":
+      out[k] = [jax.lax.pmin(x, axis) for x in partials[k]]
+  return out
+
+
+def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count, start, pe_outs):
+  """Runs loop ``s`` over this device's microbatches; its cuts' partial values and per-example outputs."""
+  m = layout.microbatch
+  eqns = [prog.eqns[i] for i in prog.loop_eqns[s]]
+  indices = prog.loop_eqns[s]
+  targets = {cut_outs[k].index: k for k in mine}
+
+  def one(i):
+    env = dict(outer)
+    env.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
+    for v, b in zip(batch_vars, buffers):
+      env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+    offset = start + i * m
+    partial: dict[int, list] = {}
+    for index, eqn in zip(indices, eqns):
+      decision = prog.analysis.decisions[index]
+      if decision is None:  # example-free work on a local statistic
+        jx.eval_equations([eqn], env)
+        continue
+      invals = [_operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
+      cut = prog.cuts.get(index)
+      if cut is not None and cut.base is not None:
+        invals[cut.base] = jnp.zeros_like(invals[cut.base])
+      out = jx.bind(eqn, invals, _microbatch_params(eqn, decision, m))
+      if index in targets:
+        partial[targets[index]] = [_wide(x) for x in out]
+      if cut is not None and cut.local:
+        scale = prog.batch / m if cut.reduce == "sum" else 1
+        env.update((v, (x * scale).astype(x.dtype)) for v, x in zip(eqn.outvars, out))
+      elif cut is None:
+        env.update(zip(eqn.outvars, out))
+    return [partial[k] for k in mine], [env[v] for v in pe_outs]
+
+  shapes = jax.eval_shape(one, 0)
+  zeros = [[_identity(cut_outs[k].reduce, x.shape, x.dtype) for x in part] for k, part in zip(mine, shapes[0])]
+  pe_zero = [jnp.zeros((layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
+
+  def body(i, carry, masked: bool):
+    acc, pe = carry
+    part, outs = one(i)
+    if masked:
+      valid = i < count
+      part = [[jnp.where(valid, x, _identity(cut_outs[k].reduce, x.shape, x.dtype)) for x in p]
+              for k, p in zip(mine, part)]
+    acc = [[_combine(cut_outs[k].reduce)(a, x) for a, x in zip(aa, xx)] for k, aa, xx in zip(mine, acc, part)]
+    pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
+    return acc, pe
+
+  uniform = layout.uniform_count
+  if uniform == 1:
+    acc, pe = body(0, (zeros, pe_zero), False)
+  elif uniform is not None:
+    acc, pe = jax.lax.fori_loop(0, uniform, lambda i, c: body(i, c, False), (zeros, pe_zero))
+  elif layout.lockstep:
+    acc, pe = jax.lax.fori_loop(0, layout.max_count, lambda i, c: body(i, c, True), (zeros, pe_zero))
+  else:
+    acc, pe = jax.lax.fori_loop(0, count, lambda i, c: body(i, c, False), (zeros, pe_zero))
+  return acc, pe
+
+
+def _operand(prog, env, var, axis, offset, m):
+  """The value of ``var`` in one microbatch: its own, or an example-free batch-sized value rebuilt or sliced."""
+  if jx.is_literal(var):
+    return var.val
+  if var in prog.analysis.axes or axis is None:
+    return env[var]
+  broadcast = prog.rebuilt(var, axis)
+  if broadcast is not None:
+    params = dict(broadcast.params)
+    params["shape"] = _resize(params["shape"], axis, m)
+    return jx.bind(broadcast, [jx.read(env, v) for v in broadcast.invars], params)[0]
+  value = env[var]
+  return jax.lax.dynamic_slice_in_dim(value, offset * axis.per_example, m * axis.per_example, axis.dim)
