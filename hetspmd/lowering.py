@@ -120,6 +120,28 @@ class _Program:
         self.pre.append(i)
     self.needs_cut = needs_cut
     self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
+    # example-free work between loops (1/weight_sum): the post-cut equations later loops need
+    self.middle = [self._middle(s) for s in range(analysis.loops)]
+
+  def _middle(self, s: int) -> list[int]:
+    """Post-cut equations to evaluate after loop ``s - 1``, for loop ``s`` and the ones after it."""
+    if s == 0:
+      return []
+    need = {v for t in range(s, self.analysis.loops) for v in self.outside_inputs(t) if v in self.needs_cut}
+    chosen = []
+    for i in reversed(self.post):
+      eqn = self.eqns[i]
+      if any(v in need for v in eqn.outvars):
+        chosen.append(i)
+        need.update(v for v in eqn.invars if not jx.is_literal(v))
+    return sorted(chosen)
+
+  def middle_inputs(self) -> list[Any]:
+    """Pre-loop values that the work between loops reads."""
+    made = {v for s in range(self.analysis.loops) for i in self.middle[s] for v in self.eqns[i].outvars}
+    cut_out = {v for i in self.cuts for v in self.eqns[i].outvars}
+    return [v for s in range(self.analysis.loops) for i in self.middle[s] for v in self.eqns[i].invars
+            if not jx.is_literal(v) and v not in made and v not in cut_out and v not in self.needs_cut]
 
   def rebuilt(self, var: Any, axis: Axis | None) -> Any:
     """The broadcast that makes example-free ``var`` batch-sized along ``axis``, to rebuild at the microbatch size."""
@@ -203,7 +225,8 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
       env[v] = x
   jx.eval_equations([prog.eqns[i] for i in prog.pre], env)
   loop_inputs = sorted({v for s in range(prog.analysis.loops) for v in prog.outside_inputs(s)
-                        if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}, key=_order(prog))
+                        if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}
+                       | set(prog.middle_inputs()), key=_order(prog))
   cut_outs = [c for c in prog.analysis.cuts]
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
   totals, pe_buffers = _loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
@@ -292,8 +315,11 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
             value = [base + value[0].astype(base.dtype)]
         outer.update(zip(eqn.outvars, [v.astype(o.aval.dtype) for v, o in zip(value, eqn.outvars)]))
       if s < final:  # example-free work between loops (1/weight_sum) for the loops that need it
-        later = {v for t in range(s + 1, prog.analysis.loops) for v in prog.outside_inputs(t)}
-        _eval_needed(prog, later, outer)
+        for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
+          eqn = prog.eqns[i]
+          ready = all(jx.is_literal(v) or v in outer for v in eqn.invars)
+          if ready and not all(v in outer for v in eqn.outvars):  # the rest wait for a later loop's reductions
+            jx.eval_equations([eqn], outer)
       pe_result = outs
     return [totals[k] for k in range(len(cut_outs))], pe_result
 
@@ -306,18 +332,6 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
   totals, pe = mapped(loop_values, buffers, counts, starts)
   return [[t.astype(o.aval.dtype) for t, o in zip(tt, prog.eqns[c.index].outvars)]
           for tt, c in zip(totals, cut_outs)], pe
-
-
-def _eval_needed(prog, wanted: set, env: dict) -> None:
-  """Evaluates, in ``env``, the free post-cut equations that the variables ``wanted`` need."""
-  need = set(v for v in wanted if v not in env)
-  chosen = []
-  for i in reversed(prog.post):
-    eqn = prog.eqns[i]
-    if any(v in need for v in eqn.outvars):
-      chosen.append(i)
-      need.update(v for v in eqn.invars if not jx.is_literal(v) and v not in env)
-  jx.eval_equations([prog.eqns[i] for i in reversed(chosen)], env)
 
 
 def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only):

@@ -345,7 +345,7 @@ class _Call:
   @property
   def float_state_inputs(self) -> tuple[int, ...]:
     return tuple(i for i, x in enumerate(self._dynamic[:self._n_state])
-                 if jnp.issubdtype(getattr(x, "dtype", np.asarray(x).dtype), jnp.floating))
+                 if jnp.issubdtype(_dtype(x), jnp.floating))
 
   def inputs(self, dynamic: tuple[list, list]) -> list:
     return list(dynamic[0]) + list(dynamic[1])
@@ -389,7 +389,7 @@ class _Call:
     abstract = []
     batch_ids = set(self.batch_inputs)
     for i, x in enumerate(self._dynamic):
-      shape, dtype = np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype
+      shape, dtype = np.shape(x), _dtype(x)
       if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
         shape = (global_batch,) + tuple(shape[2:])
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
@@ -412,6 +412,11 @@ class _Call:
       nnx.update(tuple(self.args[i] for i in self.graph_args), new_state)
       return out
     return outputs
+
+
+def _dtype(x: Any) -> Any:
+  dtype = getattr(x, "dtype", None)
+  return dtype if dtype is not None else np.asarray(x).dtype
 
 
 def _aval(x: Any) -> Any:
@@ -533,7 +538,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else (
         None if batch_argnums is None else tuple(batch_argnums))
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch, argnums,
-                        batch_stats)
+    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
+                        batch_argnums=argnums, batch_stats=batch_stats)
 
   return wrap if fn is None else wrap(fn)
