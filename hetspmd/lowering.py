@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from hetspmd.errors import HetSpmdError
 from hetspmd.microbatch import bucketed_psum, bucketed_psum_scatter, scatter_dim
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.microbatch import Analysis, Axis
@@ -104,11 +105,22 @@ class _Program:
         if analysis.decisions[i] is None or i in local:
           tainted.update(eqn.outvars)
           self.after_local.add(i)
+    # example-free work on values that exist only inside the loop (a scan's saved parameters) runs there
+    for i, eqn in enumerate(self.eqns):
+      if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
+        self.after_local.add(i)
+    for v in self.jaxpr.outvars:
+      if not jx.is_literal(v) and v in analysis.loop_only:
+        raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
+                           "loop only (a value a scan body saves for the backward pass); return it from outside "
+                           "the scan")
     # free equations that need no cut run before the loop; the others after a reduction
     needs_cut: set = set()
     self.pre = []
     self.post = []
     for i, eqn in enumerate(self.eqns):
+      if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
+        continue
       if analysis.decisions[i] is not None:
         if i in self.cuts:
           needs_cut.update(eqn.outvars)
@@ -145,13 +157,7 @@ class _Program:
 
   def rebuilt(self, var: Any, axis: Axis | None) -> Any:
     """The broadcast that makes example-free ``var`` batch-sized along ``axis``, to rebuild at the microbatch size."""
-    producer = self.producer.get(var)
-    if axis is None or var in self.analysis.axes or producer is None:
-      return None
-    eqn = self.eqns[producer]
-    if jx.primitive_name(eqn) == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
-      return eqn
-    return None
+    return _rebuilt(self, var, axis)
 
   def _loop_equations(self, s: int) -> list[int]:
     """Equations loop ``s`` evaluates: the in-loop ancestors of its cuts (and, last, of per-example outputs)."""
@@ -233,14 +239,27 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
                                   counts, starts, cut_outs, pe_outs)
   for cut, values in zip(cut_outs, totals):
     eqn = prog.eqns[cut.index]
-    if cut.base is not None:
-      base = jx.read(env, eqn.invars[cut.base])
-      values = [base + values[0].astype(base.dtype)]
-    env.update(zip(eqn.outvars, values))
+    decision = prog.analysis.decisions[cut.index]
+    env.update(zip([eqn.outvars[j] for j in _sum_outputs(decision)], _with_bases(eqn, decision, values, env)))
   jx.eval_equations([prog.eqns[i] for i in prog.post], env)
   for v, buf in zip(pe_outs, pe_buffers):
     env[v] = _global_order(buf, prog.analysis.axes[v], layout)
   return [jx.read(env, v) for v in jaxpr.outvars]
+
+
+def _with_bases(eqn, decision, values, env) -> list[Any]:
+  """Reduced partial sums plus what they were started from: a scatter-add's operand, a scan's initial carries."""
+  summed = _sum_outputs(decision)
+  values = list(values)
+  bases = {0: decision.base} if decision.base is not None else {}
+  if decision.body is not None and decision.body.accumulators:
+    nc = jx.scan_parts(eqn).num_consts
+    bases = {k: nc + k for k in decision.body.accumulators}
+  for j, i in bases.items():
+    if j in summed:
+      base = jx.read(env, eqn.invars[i])
+      values[summed.index(j)] = base + values[summed.index(j)].astype(base.dtype)
+  return values
 
 
 def _order(prog: _Program):
@@ -292,7 +311,7 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
     if cut.reduce == "sum" and cut.loop == final and not cut.feedback and data_only and not single:
       var = prog.eqns[cut.index].outvars[0]
       dim = scatter_dim("", jx.aval_shape(var), [("", s, d) for _, s, d in layout.data_split])
-      if dim is not None and cut.base is None:
+      if dim is not None and cut.base is None and prog.analysis.decisions[cut.index].body is None:
         scatter[k] = dim
 
   def per_device(values, buffers, counts, starts):
@@ -308,12 +327,11 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       for k, values_k in zip(mine, reduced):
         totals[k] = values_k
         eqn = prog.eqns[cut_outs[k].index]
-        value = values_k
-        if cut_outs[k].base is not None:
-          base = jx.read(outer, eqn.invars[cut_outs[k].base]) if eqn.invars[cut_outs[k].base] in outer else None
-          if base is not None:
-            value = [base + value[0].astype(base.dtype)]
-        outer.update(zip(eqn.outvars, [v.astype(o.aval.dtype) for v, o in zip(value, eqn.outvars)]))
+        decision = prog.analysis.decisions[cut_outs[k].index]
+        if cut_outs[k].feedback:  # later loops read it: with its base, in its own dtype
+          outs = [eqn.outvars[j] for j in _sum_outputs(decision)]
+          value = _with_bases(eqn, decision, values_k, outer)
+          outer.update(zip(outs, [v.astype(o.aval.dtype) for v, o in zip(value, outs)]))
       if s < final:  # example-free work between loops (1/weight_sum) for the loops that need it
         for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
           eqn = prog.eqns[i]
@@ -323,14 +341,16 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       pe_result = outs
     return [totals[k] for k in range(len(cut_outs))], pe_result
 
-  out_specs = ([[P(*([None] * scatter[k]), axis) if k in scatter else P() for _ in prog.eqns[c.index].outvars]
+  out_specs = ([[P(*([None] * scatter[k]), axis) if k in scatter else P()
+                 for _ in _sum_outputs(prog.analysis.decisions[c.index])]
                 for k, c in enumerate(cut_outs)], [P(axis) for _ in pe_outs])
   if single:
     return per_device(loop_values, buffers, counts, starts)
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
                          out_specs=out_specs, axis_names={axis}, check_vma=False)
   totals, pe = mapped(loop_values, buffers, counts, starts)
-  return [[t.astype(o.aval.dtype) for t, o in zip(tt, prog.eqns[c.index].outvars)]
+  return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
+           for t, j in zip(tt, _sum_outputs(prog.analysis.decisions[c.index]))]
           for tt, c in zip(totals, cut_outs)], pe
 
 
@@ -376,18 +396,15 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
       if decision is None:  # example-free work on a local statistic
         jx.eval_equations([eqn], env)
         continue
-      invals = [_operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
       cut = prog.cuts.get(index)
-      if cut is not None and cut.base is not None:
-        invals[cut.base] = jnp.zeros_like(invals[cut.base])
-      out = jx.bind(eqn, invals, _microbatch_params(eqn, decision, m))
+      out = _apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
+      summed = _sum_outputs(decision)
+      env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
       if index in targets:
-        partial[targets[index]] = [_wide(x) for x in out]
+        partial[targets[index]] = [_wide(out[j]) for j in summed]
       if cut is not None and cut.local:
         scale = prog.batch / m if cut.reduce == "sum" else 1
-        env.update((v, (x * scale).astype(x.dtype)) for v, x in zip(eqn.outvars, out))
-      elif cut is None:
-        env.update(zip(eqn.outvars, out))
+        env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
     return [partial[k] for k in mine], [env[v] for v in pe_outs]
 
   shapes = jax.eval_shape(one, 0)
@@ -417,11 +434,87 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
   return acc, pe
 
 
+def _sum_outputs(decision) -> list[int]:
+  """The outputs of a cut that are reductions over the examples (a body's others are per-example)."""
+  return [j for j, a in enumerate(decision.outputs) if a is None and j not in decision.invariant]
+
+
+def _apply(prog, eqn, decision, env, offset, m, zero_base: bool = False) -> list[Any]:
+  """One per-example or cut equation on one microbatch: its outputs."""
+  invals = [_operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
+  if zero_base:
+    invals[decision.base] = jnp.zeros_like(invals[decision.base])
+  if decision.body is not None:
+    return _apply_body(eqn, decision, invals, offset, m)
+  return jx.bind(eqn, invals, _microbatch_params(eqn, decision, m))
+
+
+class _Body:
+  """A nested body's propagation, seen as the lowering sees a program."""
+
+  def __init__(self, body):
+    prop = body.propagation
+    self.prop = prop
+    self.jaxpr = prop.jaxpr.jaxpr
+    self.consts = prop.jaxpr.consts
+    self.eqns = self.jaxpr.eqns
+    self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
+    self.presliced = body.presliced
+    self.analysis = self  # _operand reads .analysis.axes
+    self.axes = prop.axes
+
+  def rebuilt(self, var, axis):
+    return _rebuilt(self, var, axis)
+
+  def run(self, inputs, offset, m) -> list[Any]:
+    env = dict(zip(self.jaxpr.constvars, self.consts))
+    env.update(zip(self.jaxpr.invars, inputs))
+    for eqn, decision in zip(self.eqns, self.prop.decisions):
+      if decision is None:
+        jx.eval_equations([eqn], env)
+      else:
+        env.update(zip(eqn.outvars, _apply(self, eqn, decision, env, offset, m)))
+    return [jx.read(env, v) for v in self.jaxpr.outvars]
+
+
+def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
+  body = _Body(decision.body)
+  name = jx.primitive_name(eqn)
+  if name in ("remat2", "checkpoint"):
+    p = eqn.params
+    fn = jax.checkpoint(lambda *xs: body.run(xs, offset, m), prevent_cse=p.get("prevent_cse", True),
+                        policy=p.get("policy"))
+    return list(fn(*invals))
+  parts = jx.scan_parts(eqn)
+  nc, nk = parts.num_consts, parts.num_carry
+  consts, init, xs = invals[:nc], list(invals[nc:nc + nk]), invals[nc + nk:]
+  for k in decision.body.accumulators:  # partial sums start at zero; the initial value is added after reducing
+    init[k] = jnp.zeros_like(init[k])
+
+  def step(carry, x):
+    out = body.run(list(consts) + list(carry) + list(x), offset, m)
+    return out[:nk], out[nk:]
+
+  carry, ys = jax.lax.scan(step, init, xs, length=parts.length, reverse=eqn.params["reverse"],
+                           unroll=eqn.params.get("unroll", 1))
+  return list(carry) + list(ys)
+
+
+def _rebuilt(prog, var, axis):
+  producer = prog.producer.get(var)
+  if axis is None or var in prog.analysis.axes or producer is None:
+    return None
+  eqn = prog.eqns[producer]
+  if jx.primitive_name(eqn) == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
+    return eqn
+  return None
+
+
 def _operand(prog, env, var, axis, offset, m):
   """The value of ``var`` in one microbatch: its own, or an example-free batch-sized value rebuilt or sliced."""
   if jx.is_literal(var):
     return var.val
-  if var in prog.analysis.axes or axis is None:
+  if var in prog.analysis.axes or axis is None or var in getattr(prog, "presliced", ()):
     return env[var]
   broadcast = prog.rebuilt(var, axis)
   if broadcast is not None:

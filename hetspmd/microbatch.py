@@ -1,26 +1,18 @@
-"""Gradient accumulation over per-device microbatch counts.
+"""``hetspmd.value_and_grad``, ``hetspmd.weighted`` and the gradient reductions over ``data``.
 
-``hetspmd.value_and_grad`` is a drop-in for ``jax.value_and_grad`` that
-marks where one microbatch's gradient is computed. Outside a
-``hetspmd.parallelize`` step it behaves like the JAX function. Inside one,
-the runtime has replaced the step's batch by a padded buffer of microbatches
-(``[data positions * max count, microbatch, ...]``) and a per-position count;
-the call then becomes a ``shard_map`` that is manual over the ``data`` axis
-only and, on every device, runs ``fori_loop(0, count_i, ...)`` over its own
-microbatches, accumulating the loss numerator, its normaliser, the gradients
-and the metrics. One ``psum`` over ``data`` after the loop (small leaves
-concatenated into buckets: :func:`bucketed_psum`; under ZeRO, gradients
-whose state is split along ``data`` are reduce-scattered onto that split
-instead: :func:`bucketed_psum_scatter`) and one division
-give exactly the single-device result: work is proportional to ``count_i``,
-so a slow device really does less. The model axis stays with XLA's automatic
-partitioner inside the loop (its groups share one count).
+A train step needs nothing from hetspmd: :func:`hetspmd.parallelize` derives
+the microbatch program from the step's jaxpr (:mod:`hetspmd.passes.microbatch`,
+:mod:`hetspmd.lowering`). :func:`value_and_grad` is a thin layer over
+``jax.value_and_grad`` for steps that want to say more: its loss may be
+``hetspmd.weighted(total, weight)`` (a token-masked sum and the number of
+tokens), reduced as ``total / weight`` over the global batch, and inside a
+parallelized step it checkpoints the loss under the plan's remat policy.
+Auxiliary metrics are reduced the same way: plain values as example means,
+``weighted`` values as ratios of sums.
 
-A loss is either a scalar, the mean over the microbatch's examples, or
-``hetspmd.weighted(total, weight)`` (e.g. a token-masked sum and the number of
-tokens): then the result is the global total over the global weight, as on
-one device. Auxiliary metrics are reduced the same way: plain values as
-example means, ``weighted`` values as ratios of sums.
+The reductions over ``data`` after the microbatch loop live here too: one
+``psum`` per bucket of small leaves (:func:`bucketed_psum`) and, under ZeRO,
+reduce-scatters onto the shards (:func:`bucketed_psum_scatter`).
 """
 
 from __future__ import annotations
@@ -58,35 +50,18 @@ def _is_weighted(x: Any) -> bool:
   return isinstance(x, Weighted)
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepContext:
-  """What the runtime tells ``value_and_grad`` while tracing a step."""
-
-  mesh: Any
-  data_axis: str
-  batch_leaf_ids: frozenset[int]
-  counts: Any  # int32[data positions], sharded over the data axis
-  microbatch: int
-  remat: str  # plan remat policy: one of hetspmd.plan.REMAT_POLICIES
-  buffer_dims: tuple[int, int]  # leading dims of every batch buffer: (positions * max_count, microbatch)
-  lockstep: bool  # every position runs max_count microbatches, padding masked
-  uniform_count: int | None  # every position has this many microbatches (no padding): a static loop
-  calls: list  # appended to on every use, so the runtime can tell it happened
-  global_examples: int = 0  # examples per step over all positions (0: unknown)
-  # (path, shape, dim) of the state leaves split along data (ZeRO): gradients that mirror one are reduce-scattered
-  data_split: tuple[tuple[str, tuple[int, ...], int], ...] = ()
-
-
-_ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar("hetspmd_step", default=None)
+# The plan's remat policy while parallelize() traces a step (see hetspmd.plan.REMAT_POLICIES).
+_REMAT: contextvars.ContextVar[str] = contextvars.ContextVar("hetspmd_remat", default="none")
 
 
 @contextlib.contextmanager
-def step_context(ctx: _StepContext):
-  token = _ACTIVE.set(ctx)
+def remat_policy(policy: str):
+  """Within: :func:`value_and_grad` checkpoints its loss under ``policy``."""
+  token = _REMAT.set(policy)
   try:
-    yield ctx
+    yield policy
   finally:
-    _ACTIVE.reset(token)
+    _REMAT.reset(token)
 
 
 # --- the objective: (numerator, normaliser, metric sums) -------------------------
@@ -152,19 +127,16 @@ def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, grad_dtypes=
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
                    ) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad``; inside a parallelized step, accumulates over microbatches.
+  """Like ``jax.value_and_grad``; ``fun`` may return ``hetspmd.weighted(total, weight)``.
 
   ``fun`` returns a scalar mean loss or ``hetspmd.weighted(total, weight)``
-  (with ``has_aux``, a pair ``(loss, aux)``). The batch must reach ``fun`` as
-  an argument (not a closure), so that each microbatch can be sliced from it.
+  (with ``has_aux``, a pair ``(loss, aux)``); the value is the loss over the
+  whole batch (``total / weight`` for a weighted one). Inside a parallelized
+  step the loss is checkpointed under the plan's remat policy.
   """
 
   def wrapped(*args, **kwargs):
-    ctx = _ACTIVE.get()
-    if ctx is None:
-      return _single_device(fun, argnums, has_aux, args, kwargs)
-    ctx.calls.append(getattr(fun, "__name__", "loss"))
-    return _accumulate(ctx, fun, argnums, has_aux, args, kwargs)
+    return _single_device(_rematted(fun, _REMAT.get()), argnums, has_aux, args, kwargs)
 
   return wrapped
 
@@ -192,117 +164,6 @@ def _single_device(fun, argnums, has_aux, args, kwargs):
       *args, **kwargs)
   flat, treedef = jax.tree.flatten((args, kwargs))
   return _finish(total, weight, aux_totals, aux_weights, grads, has_aux, _grad_dtypes(flat, treedef, argnums))
-
-
-# --- inside a parallelized step -------------------------------------------------
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _accumulate(ctx: _StepContext, fun, argnums, has_aux, args, kwargs):
-  flat, treedef = jax.tree.flatten((args, kwargs))
-  is_batch = [id(x) in ctx.batch_leaf_ids for x in flat]
-  buffer_dims = ctx.buffer_dims
-  derived = [i for i, x in enumerate(flat) if not is_batch[i] and _is_array(x) and tuple(np.shape(x)[:2]) == buffer_dims]
-  if derived or not any(is_batch):
-    raise HetSpmdError(
-        f"hetspmd.value_and_grad({getattr(fun, '__name__', 'fn')}) must receive the step's batch arrays unchanged, "
-        "as arguments: "
-        + ("it got arrays computed from them; move that computation into the loss function"
-           if derived else "it got none of them; pass the batch to the loss function instead of closing over it"))
-  # Python floats may be differentiated: make them arrays so they become varying like the rest.
-  flat = [jnp.asarray(x) if isinstance(x, float) and not is_batch[i] else x for i, x in enumerate(flat)]
-  positions = [i for i, b in enumerate(is_batch) if not b and _is_array(flat[i])]
-  batch_positions = [i for i, b in enumerate(is_batch) if b]
-  static = {i: x for i, x in enumerate(flat) if not is_batch[i] and not _is_array(flat[i])}
-  axis = ctx.data_axis
-  # Over a data axis of one position the reduction is the identity; XLA's
-  # partitioner also rejects an all-reduce over a manual axis of size 1.
-  single = ctx.mesh.shape[axis] == 1
-
-  data_only = ctx.mesh.size == ctx.mesh.shape[axis]  # every leaf is whole on each device
-  # Data parallel only, a gradient whose optimizer state (ZeRO-1) or parameter (ZeRO-3) is split
-  # along data leaves the loop reduce-scattered onto that split, so the update runs on shards
-  # without a full all-reduce first: ZeRO then moves one all-reduce's bytes per step
-  # (reduce-scatter and the parameters' all-gather), not one and a half. With a model axis XLA
-  # would gather each model-split gradient before scattering it, so there it is all-reduced.
-  dims = [scatter_dim(path, shape, ctx.data_split) if data_only and not single else None
-          for path, shape in _grad_leaves(flat, treedef, argnums)]
-
-  def reduce(acc):
-    if single:
-      return acc
-    leaves, tree = jax.tree.flatten(acc)
-    split = dict(zip(range(len(leaves) - len(dims), len(leaves)), dims))  # gradients flatten last
-    whole = [i for i in range(len(leaves)) if split.get(i) is None]
-    scattered = [i for i in range(len(leaves)) if split.get(i) is not None]
-    out = [None] * len(leaves)
-    if data_only:
-      summed = bucketed_psum([leaves[i] for i in whole], axis)
-    else:  # leaves split over the model axis would be gathered to be concatenated
-      summed = jax.lax.psum([leaves[i] for i in whole], axis)
-    parts = bucketed_psum_scatter([leaves[i] for i in scattered], [split[i] for i in scattered], axis)
-    for i, x in zip(whole + scattered, list(summed) + list(parts)):
-      out[i] = x
-    return jax.tree.unflatten(tree, out)
-  vary = (lambda x: x) if single else (lambda x: jax.lax.pcast(x, (axis,), to="varying"))
-  loss_fun = _rematted(fun, ctx.remat)
-  share = ctx.microbatch / ctx.global_examples if ctx.global_examples else None
-  kinds: list[bool] = []
-  objective = _objective(loss_fun, has_aux, ctx.microbatch, share, kinds)
-  vg = jax.value_and_grad(objective, argnums, has_aux=True)
-
-  def rebuild(arrays, microbatch):
-    leaves = [None] * len(flat)
-    for i, x in static.items():
-      leaves[i] = x
-    for i, x in zip(positions, arrays):
-      leaves[i] = x
-    for i, x in zip(batch_positions, microbatch):
-      leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
-
-  def per_device(arrays, buffers, counts):
-    # Replicated inputs become varying before the loop: otherwise their
-    # gradients carry an implicit psum, which deadlocks when trip counts differ.
-    arrays = [vary(x) for x in arrays]
-
-    def one(i):
-      microbatch = [jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in buffers]
-      a, kw = rebuild(arrays, microbatch)
-      (total, (weight, aux_t, aux_w)), grads = vg(*a, **kw)
-      return _widen((total, weight, aux_t, aux_w, grads))
-
-    if ctx.uniform_count == 1:
-      return reduce(one(0))
-    zeros = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype)), jax.eval_shape(one, 0))
-    if ctx.uniform_count is not None:
-      acc = jax.lax.fori_loop(0, ctx.uniform_count, lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
-    elif ctx.lockstep:
-      # Same trip count everywhere (collectives inside stay matched); padded
-      # microbatches contribute exact zeros.
-      def body(i, acc):
-        valid = i < counts[0]
-        return jax.tree.map(lambda a, x: a + jnp.where(valid, x, jnp.zeros_like(x)), acc, one(i))
-
-      acc = jax.lax.fori_loop(0, buffers[0].shape[0], body, zeros)
-    else:
-      acc = jax.lax.fori_loop(0, counts[0], lambda i, acc: jax.tree.map(jnp.add, acc, one(i)), zeros)
-    return reduce(acc)
-
-  # One data position needs no manual axis: the loop runs as it is, the model axis left to XLA.
-  grad_specs = jax.tree.unflatten(_grad_treedef(flat, treedef, argnums),
-                                  [P() if d is None else P(*([None] * d), axis) for d in dims])
-  sharded = per_device if single else jax.shard_map(
-      per_device, mesh=ctx.mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P(), P(), P(), grad_specs),
-      axis_names={axis})
-  arrays = [flat[i] for i in positions]
-  buffers = [flat[i] for i in batch_positions]
-  total, weight, aux_t, aux_w, grads = sharded(arrays, buffers, ctx.counts)
-  normalised = share is not None and not any(kinds)
-  return _finish(total, weight, aux_t, aux_w, grads, has_aux, _grad_dtypes(flat, treedef, argnums), normalised)
 
 
 # Small leaves are reduced together, concatenated into buckets of at most

@@ -1,19 +1,23 @@
-"""``@hetspmd.parallelize``: run a single-device train step under a plan.
+"""``@hetspmd.parallelize``: run a single-device train step, unchanged, under a plan.
 
-The decorated ``train_step(state, batch) -> (state, metrics)`` is lowered
-once per plan to one ``jax.jit`` program:
+The decorated step is any function a Flax user writes: functional
+``train_step(state, batch, ...) -> (state, metrics)`` (a Linen
+``TrainState``, ``jax.value_and_grad`` over a closure of the batch, already
+wrapped in ``jax.jit`` or not) or NNX in place ``train_step(model,
+optimizer, metrics, batch, rngs)``, whose graph objects are updated after
+each call as ``nnx.jit`` does. The batch is the argument whose arrays lead
+with ``global_batch`` examples (or ``batch_argnums=``).
 
+Each argument structure is lowered once to one ``jax.jit`` program:
+
+* the step is traced at the global batch, and :mod:`hetspmd.passes.microbatch`
+  finds which equations are per-example and where they reduce over the batch;
+* :mod:`hetspmd.lowering` builds the weighted program: per device a loop over
+  its own microbatch count, one reduction over ``data``, the rest once;
 * state leaves carry the plan's ``NamedSharding``s (tensor parallel along
-  ``model``, ZeRO along ``data``) in and out;
-* the batch arrives as a padded microbatch buffer sharded over ``data`` plus
-  each position's microbatch count (:meth:`ParallelStep.shard_batch`);
-* every ``hetspmd.value_and_grad`` call in the step becomes the weighted
-  gradient accumulation of :mod:`hetspmd.microbatch`; everything after it
-  (the optimizer update) runs once, on the sharded state.
-
-A step that uses plain ``jax.grad`` still runs correctly as ordinary data
-parallelism over the whole global batch (no per-device weighting), with a
-one-line warning.
+  ``model``, ZeRO along ``data``) in and out; the batch arrives as a padded
+  microbatch buffer sharded over ``data`` plus each position's count
+  (:meth:`ParallelStep.shard_batch`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
-from hetspmd.microbatch import _StepContext, step_context
+from hetspmd.microbatch import remat_policy
 from hetspmd.plan import Plan, auto_state_specs, plan_for
 
 
@@ -227,7 +231,8 @@ class ParallelStep:
     from hetspmd.passes import microbatch as pass_
 
     plan, mesh = self.plan, self._mesh
-    closed, out_tree = call.trace(plan.global_batch)
+    with remat_policy(plan.remat):
+      closed, out_tree = call.trace(plan.global_batch)
     analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
     self._analysis = analysis

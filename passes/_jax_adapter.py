@@ -353,17 +353,18 @@ def read(env: dict[Any, Any], value: Any) -> Any:
   return value.val if is_literal(value) else env[value]
 
 
-def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], keep: frozenset = frozenset()
+                   ) -> list[Any]:
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     invals = [read(env, v) for v in eqn.invars]
-    body = call_body(eqn) if primitive_name(eqn) in _INLINED else None
+    body = call_body(eqn) if primitive_name(eqn) in _INLINED - keep else None
     if body is not None:
       n = eqn.params.get("num_consts", 0) if primitive_name(eqn) == "custom_vjp_call" else 0
       del n  # custom_vjp_call passes its consts as ordinary leading operands of call_jaxpr
       with source_info_util.extend_name_stack(_call_name(eqn)):
-        out = _eval_inlining(body.jaxpr, body.consts, invals)
+        out = _eval_inlining(body.jaxpr, body.consts, invals, keep)
     else:
       out = bind(eqn, invals)
     env.update(zip(eqn.outvars, out))
@@ -375,15 +376,16 @@ def _call_name(eqn: Equation) -> str:
   return name if isinstance(name, str) and primitive_name(eqn) in ("pjit", "jit") and name[:1] != "_" else ""
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+def inline_calls(closed: ClosedJaxpr, keep: frozenset = frozenset()) -> ClosedJaxpr:
   """``closed`` with every jit / custom_jvp / custom_vjp / checkpoint call replaced by its body, recursively.
 
   The result computes the same values as one flat list of equations
-  (``scan``, ``while`` and ``cond`` bodies are left as they are); name
-  stacks keep the Flax module paths.
+  (``scan``, ``while`` and ``cond`` bodies are left as they are, and so are
+  the call primitives named in ``keep``); name stacks keep the Flax module
+  paths.
   """
   avals = [v.aval for v in closed.jaxpr.invars]
-  fn = lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args)
+  fn = lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args, keep)
   return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 

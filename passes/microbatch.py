@@ -78,10 +78,16 @@ class Decision:
   inputs: tuple[Axis | None, ...]
   reduce: str | None = None
   base: int | None = None
+  body: "Body | None" = None  # a nested jaxpr evaluated per microbatch as one unit (checkpoint, scan)
+  invariant: tuple[int, ...] = ()  # a body's example-free outputs that are no sums: the same every microbatch
 
 
 class Mixing(Exception):
   """Raised by a rule: the equation mixes examples in a way that does not decompose."""
+
+
+class _Inline(Exception):
+  """A checkpointed block that cannot run as one unit per microbatch: analyse it inlined instead."""
 
 
 Rule = Callable[[Any, Sequence[Axis | None], int], Decision]
@@ -483,6 +489,8 @@ class Analysis:
   decisions: tuple  # per equation: Decision, or None for a free equation
   cuts: tuple[Cut, ...]
   loops: int  # microbatch loops (1 + exact feedback levels)
+  notes: tuple[str, ...] = ()  # what the program gives up, for explain()
+  loop_only: frozenset = frozenset()  # example-free values that exist only inside the microbatch loop
 
   def cut_at(self, index: int) -> Cut | None:
     return self._cuts_by_index.get(index)
@@ -518,72 +526,306 @@ def refusal(eqn, reason: str) -> HetSpmdError:
       "run it outside the parallelized step")
 
 
+@dataclasses.dataclass(frozen=True)
+class Propagation:
+  """The example axis through one flat jaxpr: per variable, per equation, and its cuts in order."""
+
+  jaxpr: Any  # jx.ClosedJaxpr with calls inlined
+  axes: dict  # var -> Axis (per-example values only)
+  decisions: tuple  # per equation: Decision, or None for a free equation
+  cut_list: tuple  # (equation index, Decision) of every cut
+  cut_deps: dict  # var -> bit set over cut_list: the cuts it depends on
+  stateful: dict  # var -> whether it depends on floating-point state
+  loop_only: frozenset = frozenset()  # example-free values made inside the microbatch loop (body invariants)
+
+
+def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[Any] = (),
+              linear_inputs: Sequence[Any] = ()) -> Propagation:
+  """Propagates ``in_axes`` (var -> Axis) through the equations of the flat closed jaxpr ``flat``.
+
+  ``linear_inputs``: inputs that count as sums over the examples already (a scan's accumulator carries).
+  """
+  jaxpr = flat.jaxpr
+  axes: dict = dict(in_axes)
+  cut_deps: dict = {}
+  stateful: dict = {v: True for v in stateful_inputs}
+  decisions: list = []
+  cut_list: list = []
+  loop_only: set = set()
+  for v in linear_inputs:  # one pseudo-cut bit for all of them
+    cut_deps[v] = 1
+  if linear_inputs:
+    cut_list.append((-1, Decision((), (), reduce="sum")))
+  for index, eqn in enumerate(jaxpr.eqns):
+    in_axes_ = [None if jx.is_literal(v) else axes.get(v) for v in eqn.invars]
+    deps, state = 0, False
+    for v in eqn.invars:
+      if not jx.is_literal(v):
+        deps |= cut_deps.get(v, 0)
+        state = state or stateful.get(v, False)
+    if all(a is None for a in in_axes_):
+      decisions.append(None)
+      inside = any(v in loop_only for v in eqn.invars if not jx.is_literal(v))
+      for v in eqn.outvars:
+        cut_deps[v], stateful[v] = deps, state
+        if inside:
+          loop_only.add(v)
+      continue
+    decision = _decide(eqn, in_axes_, batch)
+    decisions.append(decision)
+    loop_only.update(eqn.outvars[j] for j in decision.invariant)
+    if decision.reduce is not None:
+      cut_list.append((index, decision))
+      bit = 1 << len(cut_list) - 1
+    for j, (v, a) in enumerate(zip(eqn.outvars, decision.outputs)):
+      if a is not None:
+        axes[v] = a
+        cut_deps[v] = deps
+      else:
+        cut_deps[v] = bit if decision.reduce is not None and j not in decision.invariant else deps
+      stateful[v] = state
+  return Propagation(flat, axes, tuple(decisions), tuple(cut_list), cut_deps, stateful, frozenset(loop_only))
+
+
+def _decide(eqn, in_axes, batch) -> Decision:
+  name = jx.primitive_name(eqn)
+  if jx.is_effectful(eqn):
+    raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
+  if name in ("remat2", "checkpoint"):
+    return _checkpoint_rule(eqn, in_axes, batch)
+  if name == "scan":
+    return _scan_rule(eqn, in_axes, batch)
+  if name in ("while", "cond"):
+    raise refusal(eqn, f"is a {name} over per-example values, which hetspmd does not split (write the loop as "
+                  "lax.scan or a Python loop)")
+  rule = RULES.get(name, default_rule)
+  try:
+    return rule(eqn, in_axes, batch)
+  except Mixing as e:
+    raise refusal(eqn, str(e)) from None
+
+
 def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batch_stats: str = "local",
             float_state_inputs: Sequence[int] = ()) -> Analysis:
   """Propagates the example axis from the jaxpr inputs ``batch_inputs`` (dimension 0) and finds the cuts.
 
-  ``closed`` is inlined first (:func:`jx.inline_calls`). ``float_state_inputs``: the inputs holding
-  floating-point state (parameters, statistics); a feedback cut that depends on one is a batch statistic.
+  ``closed`` is inlined first (:func:`jx.inline_calls`; checkpointed blocks and scans stay whole and are
+  analysed as units). ``float_state_inputs``: the inputs holding floating-point state (parameters,
+  statistics); a feedback cut that depends on one is a batch statistic.
   """
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
-  flat = jx.inline_calls(closed)
-  jaxpr = flat.jaxpr
-  invars = list(jaxpr.invars)
-  axes: dict = {}
+  try:
+    return _analyse(jx.inline_calls(closed, keep=_UNITS), batch_inputs, global_batch, batch_stats,
+                    float_state_inputs, ())
+  except _Inline as e:
+    return _analyse(jx.inline_calls(closed), batch_inputs, global_batch, batch_stats, float_state_inputs,
+                    (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
+
+
+_UNITS = frozenset({"remat2", "checkpoint"})
+
+
+def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes) -> Analysis:
+  invars = list(flat.jaxpr.invars)
+  in_axes = {}
   for i in batch_inputs:
     shape = jx.aval_shape(invars[i])
     if not shape or shape[0] != global_batch:
       raise HetSpmdError(f"batch input {i} has shape {shape}; its leading axis must be the global batch "
                          f"{global_batch}")
-    axes[invars[i]] = Axis(0)
-  # bit sets over the equations: which cuts a value depends on, and whether it depends on float state
-  cut_deps: dict = {}
-  stateful: dict = {invars[i]: True for i in float_state_inputs}
-  decisions: list = []
-  cut_list: list[tuple[int, Decision]] = []
-  for index, eqn in enumerate(jaxpr.eqns):
-    in_axes = [None if jx.is_literal(v) else axes.get(v) for v in eqn.invars]
-    deps = 0
-    state = False
-    for v in eqn.invars:
-      if not jx.is_literal(v):
-        deps |= cut_deps.get(v, 0)
-        state = state or stateful.get(v, False)
-    if all(a is None for a in in_axes):
-      decisions.append(None)
-      for v in eqn.outvars:
-        cut_deps[v] = deps
-        stateful[v] = state
-      continue
-    if jx.is_effectful(eqn):
-      raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
-    if jx.primitive_name(eqn) in ("scan", "while", "cond"):
-      raise refusal(eqn, "is a loop or branch over per-example values, which hetspmd does not split yet")
-    rule = RULES.get(jx.primitive_name(eqn), default_rule)
-    try:
-      decision = rule(eqn, in_axes, global_batch)
-    except Mixing as e:
-      raise refusal(eqn, str(e)) from None
-    decisions.append(decision)
-    if decision.reduce is not None:
-      cut_list.append((index, decision))
-      bit = 1 << len(cut_list) - 1
-      for v in eqn.outvars:
-        cut_deps[v] = bit
-        stateful[v] = state
-    else:
-      for v, a in zip(eqn.outvars, decision.outputs):
-        if a is not None:
-          axes[v] = a
-        cut_deps[v] = deps
-        stateful[v] = state
-    # per-example values record their cut dependences for the feedback analysis
-    for v in eqn.outvars:
-      cut_deps.setdefault(v, deps)
-  cuts = _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats)
+    in_axes[invars[i]] = Axis(0)
+  prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs])
+  cuts = _schedule(flat.jaxpr, list(prop.cut_list), prop.axes, prop.decisions, prop.cut_deps, prop.stateful,
+                   batch_stats)
   loops = 1 + max((c.loop for c in cuts), default=0)
-  return Analysis(flat, global_batch, axes, tuple(decisions), cuts, loops)
+  return Analysis(flat, global_batch, prop.axes, prop.decisions, cuts, loops, tuple(notes), prop.loop_only)
+
+
+# --- nested bodies evaluated per microbatch ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+  """A nested jaxpr run per microbatch as one unit, its outputs per-example values or sums over its examples.
+
+  ``propagation`` covers the inlined body; ``presliced``: body inputs the caller already cut to the
+  microbatch; ``accumulators``: (scan) carry positions holding sums, started at zero and given their
+  initial value once after the reduction.
+  """
+
+  propagation: Propagation
+  presliced: frozenset
+  accumulators: tuple[int, ...] = ()
+
+
+# Equations through which a value stays a sum over examples (linear in it), when its other operands are not.
+_LINEAR = frozenset({"add", "sub", "add_any", "neg", "transpose", "reshape", "squeeze", "broadcast_in_dim",
+                     "convert_element_type", "reduce_sum", "copy", "copy_p", "mul", "dot_general", "select_n",
+                     "concatenate", "pad", "slice", "dynamic_slice", "div", "reduce_precision", "scatter-add",
+                     "dynamic_update_slice"})
+_ADDITIVE = frozenset({"add", "sub", "add_any", "concatenate", "select_n", "scatter-add", "dynamic_update_slice"})
+
+
+def _is_zero(var, producers: dict, eqns) -> bool:
+  import numpy as np
+
+  if jx.is_literal(var):
+    return bool(np.all(np.asarray(var.val) == 0))
+  i = producers.get(var)
+  if i is None:
+    return False
+  eqn = eqns[i]
+  return jx.primitive_name(eqn) in ("broadcast_in_dim", "convert_element_type") and _is_zero(
+      eqn.invars[0], producers, eqns)
+
+
+def _check_body(prop: Propagation, what: str, eqn) -> None:
+  """Raises Mixing unless every cut in the body is a plain sum that only flows linearly to the body's outputs."""
+  jaxpr = prop.jaxpr.jaxpr
+  eqns = jaxpr.eqns
+  producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  for index, decision in prop.cut_list:
+    if index < 0:
+      continue
+    if decision.reduce != "sum":
+      raise Mixing(f"its {what} takes a {decision.reduce} over the examples")
+    if decision.base is not None and not _is_zero(eqns[index].invars[decision.base], producers, eqns):
+      raise Mixing(f"its {what} scatter-adds over the examples into a non-zero array")
+  for v in prop.axes:
+    if prop.cut_deps.get(v, 0):
+      raise Mixing(f"its {what} feeds a sum over the examples back into per-example work")
+  for i, (e, decision) in enumerate(zip(eqns, prop.decisions)):
+    if decision is not None:
+      continue
+    summed = [not jx.is_literal(v) and prop.cut_deps.get(v, 0) != 0 for v in e.invars]
+    if not any(summed):
+      continue
+    name = jx.primitive_name(e)
+    if name not in _LINEAR:
+      raise Mixing(f"its {what} applies {name} to a sum over the examples")
+    others = [v for v, s in zip(e.invars, summed) if not s]
+    if name in _ADDITIVE:
+      skip = {0} if name == "select_n" else set()
+      if name == "scatter-add":
+        skip = {1}
+      if name == "dynamic_update_slice":
+        skip = set(range(2, len(e.invars)))
+      bad = [v for j, (v, s) in enumerate(zip(e.invars, summed)) if not s and j not in skip
+             and not _is_zero(v, producers, eqns)]
+      if bad or (name == "select_n" and summed[0]):
+        raise Mixing(f"its {what} adds a sum over the examples to a value that is not one")
+    elif name in ("mul", "dot_general") and len(others) != len(e.invars) - 1:
+      raise Mixing(f"its {what} multiplies two sums over the examples")
+    elif name == "div" and not (summed[0] and not summed[1]):
+      raise Mixing(f"its {what} divides by a sum over the examples")
+  del eqn
+
+
+def _invariant_outputs(prop: Propagation) -> tuple[int, ...]:
+  """Body outputs computed from no example and no sum over them (a parameter saved for the backward pass)."""
+  return tuple(j for j, v in enumerate(prop.jaxpr.jaxpr.outvars)
+               if not jx.is_literal(v) and v not in prop.axes and prop.cut_deps.get(v, 0) == 0)
+
+
+def _checkpoint_rule(eqn, in_axes, batch) -> Decision:
+  body = jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]))
+  invars = list(body.jaxpr.invars)
+  prop = propagate(body, {v: a for v, a in zip(invars, in_axes) if a is not None}, batch)
+  try:
+    _check_body(prop, "checkpointed block", eqn)
+  except Mixing as e:
+    raise _Inline(str(e)) from None
+  return _body_decision(eqn, prop, in_axes, invars, list(body.jaxpr.outvars), ())
+
+
+def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, shift_in=None, shift_out=None) -> Decision:
+  """The Decision of an equation whose body ``prop`` maps ``invars`` to ``outvars``."""
+  demanded = _demanded(prop)
+  inputs = []
+  presliced = set()
+  for j, (v, a) in enumerate(zip(invars, in_axes)):
+    if a is None and v in demanded:
+      inner = demanded[v]
+      inputs.append(inner if shift_in is None else shift_in(j, inner))
+      presliced.add(v)
+    else:
+      inputs.append(a)
+  outputs = []
+  for j, v in enumerate(outvars):
+    axis = None if jx.is_literal(v) else prop.axes.get(v)
+    outputs.append(axis if axis is None or shift_out is None else shift_out(j, axis))
+  summed = any(not jx.is_literal(v) and prop.axes.get(v) is None and prop.cut_deps.get(v, 0) for v in outvars)
+  body = Body(prop, frozenset(presliced), tuple(accumulators))
+  return Decision(tuple(outputs), tuple(inputs), reduce="sum" if summed else None, body=body,
+                  invariant=_invariant_outputs(prop))
+
+
+def _demanded(prop: Propagation) -> dict:
+  """Example-free body inputs that some per-example equation reads along an example axis."""
+  invars = set(prop.jaxpr.jaxpr.invars)
+  out = {}
+  for e, decision in zip(prop.jaxpr.jaxpr.eqns, prop.decisions):
+    if decision is None:
+      continue
+    for v, a in zip(e.invars, decision.inputs):
+      if a is not None and not jx.is_literal(v) and v in invars and v not in prop.axes:
+        out.setdefault(v, a)
+  return out
+
+
+def _scan_rule(eqn, in_axes, batch) -> Decision:
+  parts = jx.scan_parts(eqn)
+  body = jx.inline_calls(parts.body)
+  invars, outvars = list(body.jaxpr.invars), list(body.jaxpr.outvars)
+  nc, nk = parts.num_consts, parts.num_carry
+  for j, a in enumerate(in_axes[nc + nk:]):
+    if a is not None and a.dim == 0:
+      raise refusal(eqn, "scans along the examples, so each step sees the one before it")
+  inner = list(in_axes[:nc + nk]) + [None if a is None else a.moved(a.dim - 1) for a in in_axes[nc + nk:]]
+  # the carries' example axes: a fixed point (an activation carried from layer to layer)
+  for _ in range(nk + 1):
+    prop = propagate(body, {v: a for v, a in zip(invars, inner) if a is not None}, batch,
+                     linear_inputs=_accumulator_vars(body, nc, nk, inner, batch))
+    changed = False
+    for k in range(nk):
+      out = outvars[k]
+      axis = None if jx.is_literal(out) else prop.axes.get(out)
+      if axis != inner[nc + k]:
+        if inner[nc + k] is not None and axis is None:
+          break
+        inner[nc + k] = axis
+        changed = True
+    if not changed:
+      break
+  for k in range(nk):
+    out = outvars[k]
+    if (None if jx.is_literal(out) else prop.axes.get(out)) != inner[nc + k]:
+      raise refusal(eqn, "carries a value whose example axis changes from one step to the next")
+  # accumulators: example-free carries that sum over the examples; propagate again with only those
+  accumulators = tuple(k for k in range(nk) if inner[nc + k] is None and not jx.is_literal(outvars[k])
+                       and prop.cut_deps.get(outvars[k], 0) & ~1)
+  prop = propagate(body, {v: a for v, a in zip(invars, inner) if a is not None}, batch,
+                   linear_inputs=[invars[nc + k] for k in accumulators])
+  try:
+    _check_body(prop, "scan body", eqn)
+  except Mixing as e:
+    raise refusal(eqn, str(e)) from None
+  outer_in = list(inner[:nc + nk]) + [None if a is None else a.moved(a.dim + 1) for a in inner[nc + nk:]]
+  for j in range(nc + nk, len(in_axes)):
+    outer_in[j] = in_axes[j]
+  shift_in = lambda j, a: a.moved(a.dim + 1) if j >= nc + nk else a
+  shift_out = lambda j, a: a.moved(a.dim + 1) if j >= nk else a
+  decision = _body_decision(eqn, prop, outer_in, invars, outvars, accumulators, shift_in, shift_out)
+  return decision
+
+
+def _accumulator_vars(body, nc, nk, inner, batch) -> list:
+  """Carry inputs that may hold sums over the examples: every example-free carry (checked linear afterwards)."""
+  invars = list(body.jaxpr.invars)
+  return [invars[nc + k] for k in range(nk) if inner[nc + k] is None
+          and jx.aval_dtype(invars[nc + k]) is not None and str(jx.aval_dtype(invars[nc + k])).startswith(
+              ("float", "bfloat", "complex"))]
 
 
 def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
