@@ -105,6 +105,26 @@ class _Program:
         if analysis.decisions[i] is None or i in local:
           tainted.update(eqn.outvars)
           self.after_local.add(i)
+    # With per-microbatch statistics the step differentiates the sum of the microbatches' losses, each
+    # normalised with its own statistics: the example-free work inside the differentiated function that
+    # reads a statistic (BatchNorm's scale gradient: a sum over the examples times the microbatch's
+    # 1/sqrt(var); its running averages) runs per microbatch too. Where its results leave that region
+    # (into the optimizer update, the new batch_stats), the loop averages them over microbatches, as
+    # data parallel training with per-device BatchNorm averages its devices' gradients and statistics.
+    self.region: set[int] = set()
+    self.accumulated: list = []
+    if local:
+      for i in sorted(self.after_local):
+        if analysis.decisions[i] is None and jx.phase(self.eqns[i]) in ("forward", "backward"):
+          self.region.add(i)
+      made = {v for i in self.region for v in self.eqns[i].outvars} | {
+          v for c in analysis.cuts if c.local for v in self.eqns[c.index].outvars}
+      consumers = {v for i, e in enumerate(self.eqns) if i not in self.region and analysis.decisions[i] is None
+                   for v in e.invars if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars
+                                                               if not jx.is_literal(v)}
+      self.accumulated = [v for v in sorted(made & consumers, key=_order(self))]
+      self.summed_inputs = {v for c in analysis.cuts if not c.local and not c.feedback
+                            for v in self.eqns[c.index].outvars}
     # example-free work on values that exist only inside the loop (a scan's saved parameters) runs there
     for i, eqn in enumerate(self.eqns):
       if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
@@ -127,7 +147,8 @@ class _Program:
         continue
       if any(v in needs_cut for v in eqn.invars if not jx.is_literal(v)):
         needs_cut.update(eqn.outvars)
-        self.post.append(i)
+        if i not in self.region:
+          self.post.append(i)
       else:
         self.pre.append(i)
     self.needs_cut = needs_cut
@@ -167,6 +188,7 @@ class _Program:
       wanted.update(v for v in self.eqns[c].invars if not jx.is_literal(v))
     if s == self.analysis.loops - 1:
       wanted.update(v for v in self.jaxpr.outvars if not jx.is_literal(v) and v in self.analysis.axes)
+      wanted.update(self.accumulated)
     chosen = set(targets)
     for i in reversed(range(len(self.eqns))):
       eqn = self.eqns[i]
@@ -174,9 +196,9 @@ class _Program:
         inside = self.analysis.decisions[i] is not None or i in self.after_local
         if not inside:
           continue
-        chosen.add(i)
         if i in self.cuts and not self.cuts[i].local and i not in targets:
           continue  # an exact cut of an earlier loop: its reduced value comes in from outside the loop
+        chosen.add(i)
         wanted.update(v for v in eqn.invars if not jx.is_literal(v))
     return sorted(chosen)
 
@@ -188,8 +210,6 @@ class _Program:
     seen = set()
     for i in self.loop_eqns[s]:
       eqn = self.eqns[i]
-      if i in self.cuts and not self.cuts[i].local and self.cuts[i].loop != s:
-        continue
       decision = self.analysis.decisions[i]
       for j, v in enumerate(eqn.invars):
         if jx.is_literal(v) or v in inside_out or v in batch_vars:
@@ -199,12 +219,6 @@ class _Program:
           if u not in seen:
             seen.add(u)
             out.append(u)
-    for i in self.loop_eqns[s]:  # earlier loops' exact cuts
-      if i in self.cuts and not self.cuts[i].local and self.cuts[i].loop != s:
-        for v in self.eqns[i].outvars:
-          if v not in seen:
-            seen.add(v)
-            out.append(v)
     return out
 
 
@@ -237,6 +251,9 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
   totals, pe_buffers = _loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
                                   counts, starts, cut_outs, pe_outs)
+  if prog.accumulated:
+    pe_buffers, accumulated = pe_buffers
+    env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))
   for cut, values in zip(cut_outs, totals):
     eqn = prog.eqns[cut.index]
     decision = prog.analysis.decisions[cut.index]
@@ -322,6 +339,10 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
       partials, outs = _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, counts[0], starts[0],
                                  pe_outs if s == final else [])
+      if s == final and prog.accumulated:
+        extra = partials[len(mine):]
+        partials = partials[:len(mine)]
+        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), [None] * len(extra), axis, single, data_only)
       reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
                                   axis, single, data_only)
       for k, values_k in zip(mine, reduced):
@@ -329,9 +350,9 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
         eqn = prog.eqns[cut_outs[k].index]
         decision = prog.analysis.decisions[cut_outs[k].index]
         if cut_outs[k].feedback:  # later loops read it: with its base, in its own dtype
-          outs = [eqn.outvars[j] for j in _sum_outputs(decision)]
+          made = [eqn.outvars[j] for j in _sum_outputs(decision)]
           value = _with_bases(eqn, decision, values_k, outer)
-          outer.update(zip(outs, [v.astype(o.aval.dtype) for v, o in zip(value, outs)]))
+          outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
       if s < final:  # example-free work between loops (1/weight_sum) for the loops that need it
         for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
           eqn = prog.eqns[i]
@@ -339,11 +360,15 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
           if ready and not all(v in outer for v in eqn.outvars):  # the rest wait for a later loop's reductions
             jx.eval_equations([eqn], outer)
       pe_result = outs
+    if prog.accumulated:
+      pe_result = (pe_result, [x[0] for x in accumulated])
     return [totals[k] for k in range(len(cut_outs))], pe_result
 
   out_specs = ([[P(*([None] * scatter[k]), axis) if k in scatter else P()
                  for _ in _sum_outputs(prog.analysis.decisions[c.index])]
                 for k, c in enumerate(cut_outs)], [P(axis) for _ in pe_outs])
+  if prog.accumulated:
+    out_specs = (out_specs[0], (out_specs[1], [P() for _ in prog.accumulated]))
   if single:
     return per_device(loop_values, buffers, counts, starts)
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
@@ -402,13 +427,18 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
       env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
       if index in targets:
         partial[targets[index]] = [_wide(out[j]) for j in summed]
+        if prog.region and not cut.local:  # read as a mean, as the statistics are, by work on them
+          env.update((eqn.outvars[j], (out[j] * (prog.batch / m)).astype(out[j].dtype)) for j in summed)
       if cut is not None and cut.local:
         scale = prog.batch / m if cut.reduce == "sum" else 1
         env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
-    return [partial[k] for k in mine], [env[v] for v in pe_outs]
+    averaged = [[_wide(env[v]) * (m / prog.batch)] for v in accumulated]  # summed over microbatches: a mean
+    return [partial[k] for k in mine] + averaged, [env[v] for v in pe_outs]
 
+  accumulated = prog.accumulated if s == prog.analysis.loops - 1 else []
+  kinds = [cut_outs[k].reduce for k in mine] + ["sum"] * len(accumulated)
   shapes = jax.eval_shape(one, 0)
-  zeros = [[_identity(cut_outs[k].reduce, x.shape, x.dtype) for x in part] for k, part in zip(mine, shapes[0])]
+  zeros = [[_identity(r, x.shape, x.dtype) for x in part] for r, part in zip(kinds, shapes[0])]
   pe_zero = [jnp.zeros((layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
 
   def body(i, carry, masked: bool):
@@ -416,9 +446,8 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
     part, outs = one(i)
     if masked:
       valid = i < count
-      part = [[jnp.where(valid, x, _identity(cut_outs[k].reduce, x.shape, x.dtype)) for x in p]
-              for k, p in zip(mine, part)]
-    acc = [[_combine(cut_outs[k].reduce)(a, x) for a, x in zip(aa, xx)] for k, aa, xx in zip(mine, acc, part)]
+      part = [[jnp.where(valid, x, _identity(r, x.shape, x.dtype)) for x in p] for r, p in zip(kinds, part)]
+    acc = [[_combine(r)(a, x) for a, x in zip(aa, xx)] for r, aa, xx in zip(kinds, acc, part)]
     pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
     return acc, pe
 

@@ -1,0 +1,548 @@
+"""Train steps written the way Flax users write them, run unchanged under uneven plans.
+
+Each case trains 3 steps on 8 emulated devices with uneven microbatch counts
+and compares with the same step run on one device: parameters within 1e-4
+(relative to the leaf's largest entry), metrics within 1e-5.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import hetspmd as hs
+
+from conftest import require_devices
+
+KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4
+STEPS = 3
+VOCAB, SEQ = 40, 6
+
+
+def _cluster():
+  require_devices(8)
+  return hs.Cluster.emulate(jax.devices()[:8], kinds=KINDS)
+
+
+def _close(expected, actual, rtol=1e-4):
+  for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)):
+    e, a = np.asarray(e), np.asarray(a)
+    scale = max(float(np.max(np.abs(e))), 1e-3)
+    assert float(np.max(np.abs(e - a))) <= rtol * scale, jax.tree_util.keystr(path)
+
+
+def _metrics_close(expected, actual, rtol=1e-5):
+  for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=1e-6)
+
+
+def _token_batches(batch, seed=0):
+  rs = np.random.RandomState(seed)
+  out = []
+  for _ in range(STEPS):
+    inputs = rs.randint(0, VOCAB, (batch, SEQ)).astype(np.int32)
+    inputs[:, -2:] *= rs.randint(0, 2, (batch, 1))  # padding (token 0) at the end of some rows
+    out.append({"inputs": inputs, "targets": np.roll(inputs, -1, axis=1)})
+  return out
+
+
+# --- Flax Linen, TrainState, the lm1b pattern ------------------------------------------
+
+
+class TinyLM(nn.Module):
+  """Embedding, a dropout-regularised MLP block, a tied-free output layer."""
+
+  dropout: float = 0.1
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    x = nn.Embed(VOCAB, 16)(tokens)
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(32)(h)
+    h = nn.Dropout(self.dropout, deterministic=not train)(nn.gelu(h))
+    x = x + nn.Dense(16)(h)
+    return nn.Dense(VOCAB)(x)
+
+
+def lm1b_train_step(state, batch, config, learning_rate_fn, dropout_rng=None):
+  """A step as lm1b writes it: a closure over the batch, token weights outside the loss, logits as aux."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  weights = jnp.where(inputs > 0, 1, 0).astype(jnp.float32)
+  dropout_rng = jax.random.fold_in(dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, train=True, rngs={"dropout": dropout_rng})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
+    weight_sum = weights.sum()
+    return loss.sum() / weight_sum, (logits, weight_sum)
+
+  step = state.step
+  lr = learning_rate_fn(step)
+  (_, (logits, weight_sum)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  del config
+  new_state = state.apply_gradients(grads=grads)
+  loss = (optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights).sum()
+  accuracy = ((jnp.argmax(logits, -1) == targets) * weights).sum()
+  metrics = {"loss": loss, "accuracy": accuracy, "denominator": weight_sum, "learning_rate": lr}
+  return new_state, metrics
+
+
+def _lm_state():
+  model = TinyLM()
+  params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32), train=False)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-3, eps=1e-4))
+
+
+LM_CASES = [
+    # (data, model) layout, counts, microbatch, wrapped in jax.jit
+    ((8, 1), (3, 3, 2, 2, 1, 1, 1, 0), 2, False),
+    ((8, 1), (2, 2, 2, 2, 1, 1, 1, 1), 3, True),
+    ((4, 2), (3, 2, 2, 1), 2, True),
+    ((2, 4), (5, 3), 2, False),
+]
+
+
+@pytest.mark.parametrize("layout,counts,microbatch,jitted", LM_CASES,
+                         ids=[f"{c[0]}-{c[1]}-mb{c[2]}{'-jit' if c[3] else ''}" for c in LM_CASES])
+def test_linen_lm1b_step_is_exact(layout, counts, microbatch, jitted):
+  batch = sum(counts) * microbatch
+  schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+  step_fn = functools.partial(lm1b_train_step, config=None, learning_rate_fn=schedule)
+  if jitted:
+    step_fn = jax.jit(step_fn)
+  batches = _token_batches(batch)
+  rng = jax.random.key(7)
+  ref, ref_metrics = _lm_state(), []
+  for b in batches:
+    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
+    ref_metrics.append(m)
+
+  cluster = _cluster()
+  state = _lm_state()
+  plan = hs.plan_for(cluster, state, global_batch=batch, layout=layout, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(state)
+  for b, expected in zip(batches, ref_metrics):
+    state, metrics = step(state, b, dropout_rng=rng)
+    _metrics_close(expected, metrics)
+  _close(ref.params, state.params)
+  assert int(state.step) == STEPS
+  text = step.explain()
+  assert "2 microbatch loop(s)" in text  # weight_sum scales the backward pass: an earlier, cheap loop
+  assert "per-device trip counts" in text
+
+
+def test_per_example_outputs_come_back_whole_in_global_order():
+  counts, microbatch = (3, 1, 2, 2, 1, 0, 1, 2), 2
+  batch = sum(counts) * microbatch
+
+  def step_fn(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["inputs"], train=False)
+      per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+      return per_example.mean(), per_example
+    (loss, per_example), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss, "per_example": per_example}
+
+  b = _token_batches(batch)[0]
+  _, expected = jax.jit(step_fn)(_lm_state(), b)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
+  _, metrics = step(step.shard_state(_lm_state()), b)
+  assert metrics["per_example"].shape == (batch,)
+  np.testing.assert_allclose(np.asarray(metrics["per_example"]), np.asarray(expected["per_example"]), rtol=1e-5)
+
+
+# --- Flax NNX, in place, the mnist pattern ------------------------------------------
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear1 = nnx.Linear(12, 24, rngs=rngs)
+    self.dropout = nnx.Dropout(0.2, rngs=rngs)
+    self.linear2 = nnx.Linear(24, 5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear2(self.dropout(nnx.relu(self.linear1(x))))
+
+
+def nnx_loss_fn(model, batch):
+  logits = model(batch["image"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return loss, logits
+
+
+def nnx_train_step(model, optimizer, metrics, batch):
+  grad_fn = nnx.value_and_grad(nnx_loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+def _nnx_objects():
+  model = MLP(nnx.Rngs(params=0, dropout=1))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+  metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+  return model, optimizer, metrics
+
+
+def _image_batches(batch, shape=(12,), classes=5):
+  rs = np.random.RandomState(3)
+  return [{"image": rs.randn(batch, *shape).astype(np.float32),
+           "label": rs.randint(0, classes, batch).astype(np.int32)} for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("wrap", ["none", "nnx.jit"])
+@pytest.mark.parametrize("layout,counts", [((8, 1), (3, 3, 2, 2, 2, 1, 1, 0)), ((4, 2), (2, 2, 1, 1))])
+def test_nnx_in_place_step_is_exact(wrap, layout, counts):
+  microbatch = 2
+  batch = sum(counts) * microbatch
+  step_fn = nnx.jit(nnx_train_step) if wrap == "nnx.jit" else nnx_train_step
+  batches = _image_batches(batch)
+  ref = _nnx_objects()
+  for b in batches:
+    nnx.jit(nnx_train_step)(*ref, b)
+  mine = _nnx_objects()
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, nnx.state(mine), global_batch=batch, layout=layout, microbatch=microbatch,
+                     counts=counts)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
+  for b in batches:
+    assert step(*mine, b) is None
+  _metrics_close(ref[2].compute(), mine[2].compute())
+  _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
+  assert int(mine[1].step[...]) == STEPS
+  kernel = mine[0].linear1.kernel[...]
+  assert kernel.sharding.mesh.shape["data"] == layout[0]  # the objects now hold the plan's shardings
+
+
+def test_nnx_step_with_an_auto_plan_weights_by_speed():
+  model, optimizer, metrics = _nnx_objects()
+  step = hs.parallelize(nnx_train_step, cluster=_cluster(), global_batch=64)
+  step(model, optimizer, metrics, _image_batches(64)[0])
+  counts = step.plan.microbatch_counts
+  assert counts[0] > counts[-1] and sum(counts) * step.plan.microbatch == 64
+  assert np.isfinite(float(metrics.compute()["loss"]))
+
+
+# --- BatchNorm: per-microbatch statistics by default, exact on request ------------------
+
+
+class ConvBN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Conv(6, (3, 3), use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    x = nn.relu(x)
+    x = nn.avg_pool(x, (2, 2), (2, 2)).reshape(x.shape[0], -1)
+    return nn.Dense(5)(x)
+
+
+class BNState(train_state.TrainState):
+  batch_stats: dict
+
+
+def _bn_state():
+  model = ConvBN()
+  variables = model.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1)), train=False)
+  return BNState.create(apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1),
+                        batch_stats=variables["batch_stats"])
+
+
+def bn_train_step(state, batch):
+  """The imagenet example's pattern: batch_stats mutable in the loss, new statistics from its aux output."""
+
+  def loss_fn(params):
+    logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, batch["image"],
+                                     train=True, mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, updates
+
+  (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  state = state.apply_gradients(grads=grads).replace(batch_stats=updates["batch_stats"])
+  return state, {"loss": loss}
+
+
+def _microbatch_bn_reference(state, batches, microbatch):
+  """One device, each microbatch normalised with its own statistics; the new running averages are the mean of
+  the microbatches' (as data parallel training with per-device BatchNorm averages its devices')."""
+
+  @jax.jit
+  def step(state, batch):
+    n = batch["image"].shape[0]
+
+    def loss_fn(params):
+      total, stats = 0.0, []
+      for i in range(0, n, microbatch):
+        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                         batch["image"][i:i + microbatch], train=True, mutable=["batch_stats"])
+        total += optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"][i:i + microbatch]).sum()
+        stats.append(updates["batch_stats"])
+      return total / n, jax.tree.map(lambda *xs: sum(xs) / len(xs), *stats)
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads).replace(batch_stats=stats), {"loss": loss}
+
+  metrics = []
+  for b in batches:
+    state, m = step(state, b)
+    metrics.append(m)
+  return state, metrics
+
+
+@pytest.mark.parametrize("batch_stats", ["exact", "local"])
+def test_batch_norm_statistics(batch_stats):
+  counts, microbatch = (2, 2, 2, 1, 1, 1, 1, 0), 2
+  batch = sum(counts) * microbatch
+  batches = _image_batches(batch, shape=(8, 8, 1))
+  if batch_stats == "exact":
+    ref, ref_metrics = _bn_state(), []
+    for b in batches:
+      ref, m = jax.jit(bn_train_step)(ref, b)
+      ref_metrics.append(m)
+  else:
+    ref, ref_metrics = _microbatch_bn_reference(_bn_state(), batches, microbatch)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, _bn_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(bn_train_step, cluster=cluster, plan=plan, global_batch=batch, batch_stats=batch_stats)
+  state = step.shard_state(_bn_state())
+  for b, expected in zip(batches, ref_metrics):
+    state, metrics = step(state, b)
+    # Per-microbatch statistics are read as scaled sums ((sum * B/m) / B, not sum / m): statistics over 2
+    # examples amplify that rounding to ~2e-5 in the loss after a step, so the local case allows 1e-4.
+    _metrics_close(expected, metrics, rtol=1e-5 if batch_stats == "exact" else 1e-4)
+  _close(ref.params, state.params)
+  _close(ref.batch_stats, state.batch_stats)
+  if batch_stats == "exact":
+    assert "microbatch loop(s)" in step.explain() and "per microbatch" not in step.explain()
+  else:
+    assert "batch statistics per microbatch of 2" in step.explain()
+
+
+# --- scan over layers, with and without remat ---------------------------------------------
+
+
+class ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(16)(nn.gelu(nn.LayerNorm()(x))), None
+
+
+class ScanLM(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, 16)(tokens)
+    block = nn.remat(ScanBlock) if self.remat else ScanBlock
+    x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(x, None)
+    return nn.Dense(VOCAB)(x)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_over_layers_is_exact(remat):
+  model = ScanLM(remat)
+  params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
+  state0 = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3, eps=1e-4))
+
+  @jax.jit
+  def train_step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["inputs"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  counts, microbatch = (3, 2, 2, 2, 1, 1, 1, 0), 2
+  batch = sum(counts) * microbatch
+  batches = _token_batches(batch)
+  ref = state0
+  ref_metrics = []
+  for b in batches:
+    ref, m = train_step(ref, b)
+    ref_metrics.append(m)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, state0, global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(state0)
+  for b, expected in zip(batches, ref_metrics):
+    state, metrics = step(state, b)
+    _metrics_close(expected, metrics)
+  _close(ref.params, state.params)
+  if remat:  # the checkpointed block stays one: its recomputation reaches XLA behind an optimization barrier
+    assert "optimization_barrier" in step.lower(step.shard_state(state0), batches[0]).as_text()
+
+
+# --- what cannot be split, and what can though it is unusual ----------------------------
+
+
+def _mlp_state():
+  params = {"w": jnp.full((4, 3), 0.1), "b": jnp.zeros((3,))}
+  return {"params": params, "opt_state": optax.sgd(0.1).init(params)}
+
+
+def _step_with_loss(loss_of_outputs):
+  tx = optax.sgd(0.1)
+
+  def train_step(state, batch):
+    def loss_fn(params):
+      out = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+      return loss_of_outputs(out, batch)
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, {"loss": loss}
+
+  return train_step
+
+
+def _debug_print(out, batch):
+  jax.debug.callback(lambda v: None, out)
+  return out.mean()
+
+
+MIXING = [
+    ("sort", lambda out, b: (jnp.sort(out, axis=0) * jnp.arange(out.shape[0])[:, None]).mean()),
+    ("cumsum", lambda out, b: jnp.cumsum(out, axis=0).mean()),
+    ("gather", lambda out, b: (out[jnp.asarray(np.random.RandomState(0).permutation(out.shape[0]))] * out).mean()),
+    ("dot_general", lambda out, b: (out @ out.T).mean()),  # every example against every other
+    ("slice", lambda out, b: out[:4].mean()),
+    ("argmax", lambda out, b: out.mean() + out[:, 0].argmax(axis=0).astype(jnp.float32)),
+    ("debug_callback", _debug_print),
+]
+
+
+@pytest.mark.parametrize("primitive,loss", MIXING, ids=[m[0] for m in MIXING])
+def test_steps_that_mix_examples_are_refused_naming_the_primitive(primitive, loss):
+  batch = 16
+  cluster = _cluster()
+  step = hs.parallelize(_step_with_loss(loss), cluster=cluster, global_batch=batch, microbatch=2)
+  data = {"x": np.ones((batch, 4), np.float32)}
+  with pytest.raises(hs.HetSpmdError, match=rf"cannot be split into microbatches: {primitive}\b"):
+    step(step.shard_state(_mlp_state()), data)
+
+
+UNUSUAL = [
+    ("max_reduction", lambda out, b: out.mean() + 0.5 * out.max()),
+    ("min_and_max", lambda out, b: out.mean() + (out.max(axis=0) - out.min(axis=0)).sum()),
+]
+
+
+@pytest.mark.parametrize("name,loss", UNUSUAL, ids=[u[0] for u in UNUSUAL])
+def test_decomposable_but_unusual_reductions_are_exact(name, loss):
+  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  rs = np.random.RandomState(1)
+  batches = [{"x": rs.randn(batch, 4).astype(np.float32)} for _ in range(STEPS)]
+  fn = _step_with_loss(loss)
+  ref = _mlp_state()
+  for b in batches:
+    ref, ref_m = jax.jit(fn)(ref, b)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, _mlp_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(_mlp_state())
+  for b in batches:
+    state, m = step(state, b)
+  np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+  _close(ref["params"], state["params"])
+
+
+def test_embedding_gradient_scatter_add_is_exact():
+  """An embedding's gradient is a scatter-add of every example's rows into one table: a sum over examples."""
+  table0 = jnp.asarray(np.random.RandomState(0).randn(VOCAB, 8).astype(np.float32))
+  tx = optax.sgd(0.5)
+
+  def train_step(state, batch):
+    def loss_fn(table):
+      return jnp.sum(table[batch["inputs"]] ** 2) / batch["inputs"].shape[0]
+    loss, grads = jax.value_and_grad(loss_fn)(state["table"])
+    updates, opt_state = tx.update(grads, state["opt"], state["table"])
+    return {"table": state["table"] + updates, "opt": opt_state}, {"loss": loss}
+
+  counts, microbatch = (2, 2, 2, 2, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  batches = _token_batches(batch)
+  state0 = {"table": table0, "opt": tx.init(table0)}
+  ref = state0
+  for b in batches:
+    ref, _ = jax.jit(train_step)(ref, b)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, state0, global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(state0)
+  for b in batches:
+    state, _ = step(state, b)
+  _close(ref["table"], state["table"])
+  assert any("scatter-add" in line for line in step._analysis.describe())
+
+
+# --- finding the batch ------------------------------------------------------------------
+
+
+def test_a_step_without_a_batch_argument_is_refused_with_what_was_seen():
+  step = hs.parallelize(_step_with_loss(lambda out, b: out.mean()), cluster=_cluster(), global_batch=16)
+  with pytest.raises(hs.HetSpmdError, match="no argument of the step is a batch of 16 examples.*batch_argnums"):
+    step(step.shard_state(_mlp_state()), {"x": np.ones((12, 4), np.float32)})
+
+
+def test_batch_argnums_names_the_batch():
+  fn = _step_with_loss(lambda out, b: out.mean())
+  batch = 16
+  # the state's leaves lead with 16 too: detection alone would find two batches
+  data = {"x": np.random.RandomState(0).randn(batch, 4).astype(np.float32)}
+  state0 = _mlp_state()
+  state0["params"]["extra"] = jnp.zeros((batch,))
+  state0["opt_state"] = optax.sgd(0.1).init(state0["params"])
+  ref, ref_m = jax.jit(fn)(state0, data)
+  step = hs.parallelize(fn, cluster=_cluster(), global_batch=batch, microbatch=2, batch_argnums=1)
+  state, m = step(step.shard_state(state0), data)
+  np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+  _close(ref["params"], state["params"])
+
+
+# --- more than one process ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_unmodified_linen_step_in_two_processes():
+  """2 processes x 4 CPU devices over gloo, each feeding its own examples, an lm1b-style step."""
+  from multiprocess import run_processes
+
+  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  mine = sum(counts[:4]) * microbatch
+  results = run_processes(f"""
+      import functools, json
+      import numpy as np, optax, jax
+      from jax.experimental import multihost_utils
+      import hetspmd as hs
+      sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+      import test_unmodified_steps as t
+      fn = functools.partial(t.lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
+      batches, rng = t._token_batches({batch}), jax.random.key(7)
+      ref = t._lm_state()
+      ref_step = jax.jit(fn, device=jax.local_devices()[0])
+      for b in batches:
+        ref, ref_metrics = ref_step(ref, b, dropout_rng=rng)
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+      plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts})
+      step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
+      state = step.shard_state(t._lm_state())
+      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
+      for b in batches:
+        state, metrics = step(state, {{k: v[mine] for k, v in b.items()}}, dropout_rng=rng)
+      got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
+      diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
+                 for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
+      print(json.dumps({{"loss": float(metrics["loss"]), "ref_loss": float(ref_metrics["loss"]), "diff": diff}}))
+  """, num_processes=2, devices_per_process=4, timeout=240)
+  for r in results:
+    assert r["diff"] <= 1e-4
+    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
