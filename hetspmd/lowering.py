@@ -510,10 +510,7 @@ def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
   body = _Body(decision.body)
   name = jx.primitive_name(eqn)
   if name in ("remat2", "checkpoint"):
-    p = eqn.params
-    fn = jax.checkpoint(lambda *xs: body.run(xs, offset, m), prevent_cse=p.get("prevent_cse", True),
-                        policy=p.get("policy"))
-    return list(fn(*invals))
+    return jx.checkpoint_call(eqn, lambda *xs: body.run(xs, offset, m), invals)
   parts = jx.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
   consts, init, xs = invals[:nc], list(invals[nc:nc + nk]), invals[nc + nk:]

@@ -54,6 +54,22 @@ def _is_weighted(x: Any) -> bool:
 _REMAT: contextvars.ContextVar[str] = contextvars.ContextVar("hetspmd_remat", default="none")
 
 
+# While set: every hetspmd.value_and_grad call appends its function's name (the runtime asks whether a
+# step can apply a remat policy).
+_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("hetspmd_calls", default=None)
+
+
+@contextlib.contextmanager
+def recording_calls():
+  """Within: the names of the functions :func:`value_and_grad` differentiates, in a list it yields."""
+  calls: list = []
+  token = _CALLS.set(calls)
+  try:
+    yield calls
+  finally:
+    _CALLS.reset(token)
+
+
 @contextlib.contextmanager
 def remat_policy(policy: str):
   """Within: :func:`value_and_grad` checkpoints its loss under ``policy``."""
@@ -136,6 +152,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
   """
 
   def wrapped(*args, **kwargs):
+    calls = _CALLS.get()
+    if calls is not None:
+      calls.append(getattr(fun, "__name__", "loss"))
     return _single_device(_rematted(fun, _REMAT.get()), argnums, has_aux, args, kwargs)
 
   return wrapped

@@ -81,7 +81,7 @@ class ParallelStep:
     """The plan; an ``"auto"`` plan exists once the state has been seen."""
     return self._resolve(None)
 
-  def _resolve(self, state: Any) -> Plan:
+  def _resolve(self, state: Any, search_fn: Callable[[Any, Any], Any] | None = None, batch: Any = None) -> Plan:
     if self._plan is None:
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
@@ -95,7 +95,7 @@ class ParallelStep:
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs)
       elif requested == "search":
-        plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state)
+        plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, search_fn, batch)
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
@@ -108,10 +108,19 @@ class ParallelStep:
       self._plan.check_state(state)
     return self._plan
 
-  def _search(self, cluster: Cluster, state: Any) -> Plan:
-    from hetspmd.search import plan_from, search_step
+  def _search(self, cluster: Cluster, state: Any, search_fn: Callable[[Any, Any], Any] | None, batch: Any
+              ) -> Plan:
+    from hetspmd.microbatch import recording_calls
+    from hetspmd.search import SEARCHED_REMAT, profile_step, search
 
-    result = search_step(self.fn, state, self.example_batch, cluster, global_batch=self.global_batch, top=1)
+    batch = self.example_batch if self.example_batch is not None else batch
+    if batch is None:
+      raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
+                         "call the step (before shard_state) so that its first batch is used")
+    with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
+      profile = profile_step(search_fn or self.fn, state, batch)
+    result = search(cluster, profile, self.global_batch, top=1,
+                    remat_policies=SEARCHED_REMAT if calls else ("none",))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
@@ -319,7 +328,8 @@ class _Call:
     rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
     batch_args = tuple(args[i] for i in batch_argnums)
     if step._plan is None:
-      step._resolve(state)
+      search_fn = _state_batch_function(step.fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum)
+      step._resolve(state, search_fn, batch_args[0] if len(batch_args) == 1 else batch_args)
       if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
         state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
         nnx.update(tuple(args[i] for i in graph_args), state)
@@ -424,6 +434,27 @@ def _dtype(x: Any) -> Any:
   return dtype if dtype is not None else np.asarray(x).dtype
 
 
+def _state_batch_function(fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum):
+  """The step as ``f(state, batch)`` for the search's trace, its other arguments as given."""
+  from flax import nnx
+
+  def f(state, batch):
+    batch = (batch,) if len(batch_argnums) == 1 else batch
+    call = list(args)
+    for i, b in zip(batch_argnums, batch):
+      call[i] = b
+    if graph_args:
+      objects = nnx.merge(graphdef, state)
+      for k, i in enumerate(graph_args):
+        call[i] = objects[k]
+      out = fn(*call, **kwargs)
+      return nnx.state(objects), out
+    call[state_argnum] = state
+    return fn(*call, **kwargs)
+
+  return f
+
+
 def _aval(x: Any) -> Any:
   dtype = getattr(x, "dtype", None)
   if dtype is None:
@@ -503,19 +534,28 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 batch_stats: str = "local"):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
-  Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``.
+  Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
+  step is written as for one device: functional ``train_step(state, batch,
+  ...) -> (state, metrics)`` (a Linen ``TrainState``, ``jax.value_and_grad``
+  or ``jax.grad`` over a closure of the batch, ``functools.partial``-bound
+  configuration, already ``jax.jit``-ed or not), or NNX in place
+  ``train_step(model, optimizer, metrics, batch, ...)`` (``nnx.jit``-ed or
+  not), whose objects are updated after each call. Call it with the global
+  batch; the microbatch program is derived from its jaxpr
+  (:mod:`hetspmd.passes.microbatch`). A step that mixes examples in a way
+  that does not split into microbatches (a sort along the batch) is refused
+  with :class:`HetSpmdError` naming the primitive and the Flax module.
 
   Args:
-    fn: the single-device step; compute gradients with
-      :func:`hetspmd.value_and_grad` (or :func:`hetspmd.grad`) and pass the
-      batch to the loss function as an argument.
+    fn: the single-device step.
     cluster: the devices, bound to JAX (``Cluster.from_devices`` or
       ``Cluster.emulate``); default ``Cluster.from_devices(jax.devices())``.
     plan: ``"search"``, ``"auto"``, a :class:`Plan`, or a path to a plan
       JSON file. ``"search"`` runs :func:`hetspmd.search` on the state and
-      ``example_batch`` when the state is first seen and takes the best plan.
-      ``"auto"`` skips the search: every device on the data axis, each with
-      a number of microbatches proportional to its peak FLOP/s.
+      ``example_batch`` (or the first call's batch) when the state is first
+      seen and takes the best plan. ``"auto"`` skips the search: every device
+      on the data axis, each with a number of microbatches proportional to
+      its peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the output.
@@ -524,6 +564,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       rules)`` to respect a model's own sharding annotations.
     example_batch: for ``plan="search"``: the batch's structure, as arrays or
       ``jax.ShapeDtypeStruct``s with any leading batch size.
+    batch_argnums: the positional argument(s) holding the batch; default
+      every argument all of whose arrays lead with ``global_batch``.
+    batch_stats: ``"local"``: statistics over the batch that normalise
+      activations (BatchNorm in training) are each microbatch's own, as
+      per-device BatchNorm in data-parallel training, and the new running
+      averages the mean of the microbatches'; ``"exact"``: the global
+      batch's, each computed in an extra loop over the microbatches.
   """
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
@@ -534,9 +581,6 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   if batch_stats not in ("local", "exact"):
     raise InvalidValueError(f"batch_stats must be 'local' (each microbatch normalises with its own statistics, "
                             f"as per-device BatchNorm) or 'exact' (the global batch's), got {batch_stats!r}")
-  if plan == "search" and example_batch is None:
-    raise InvalidValueError("plan='search' needs example_batch=: the batch's structure (arrays or "
-                            "jax.ShapeDtypeStructs, any leading batch size)")
 
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):

@@ -485,10 +485,12 @@ def model_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
-           progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None) -> SearchResult:
+           progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None,
+           remat_policies: Sequence[str] = SEARCHED_REMAT) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
-  ``models`` restricts the model-axis sizes tried (default: every layout's).
+  ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
+  policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
   """
   start = time.perf_counter()
   specs = {k: cluster.spec_of(k) for k in cluster.kinds}
@@ -543,7 +545,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       layouts = {name: layout_of(name, positions, m) for name, positions in sets.items()}
       suffix = "" if m == 1 else f", model {m}"
       for zero in ZERO_STAGES:
-        for remat in SEARCHED_REMAT:
+        for remat in remat_policies:
           for set_name, layout in layouts.items():
             fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
           if m == 1:

@@ -408,3 +408,20 @@ def aval_dtype(value: Any) -> Any:
 
 def is_effectful(eqn: Equation) -> bool:
   return bool(eqn.effects)
+
+
+def checkpoint_call(eqn: Equation, fn: Callable[..., list[Any]], args: Sequence[Any]) -> list[Any]:
+  """``fn(*args)`` as the checkpointed (``remat``) call ``eqn`` was, with its params.
+
+  ``eqn`` is a checkpoint of a differentiated step: binding it with ``differentiated=True`` keeps its
+  recomputation behind XLA's optimization barrier (``jax.checkpoint`` outside autodiff would not).
+  """
+  from jax._src.interpreters import partial_eval as pe
+
+  avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
+  closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
+  body = pe.convert_constvars_jaxpr(closed.jaxpr)
+  params = dict(eqn.params, jaxpr=body)
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+                                     + eqn.source_info.name_stack):
+    return list(eqn.primitive.bind(*closed.consts, *args, **params))
