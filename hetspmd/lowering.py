@@ -112,6 +112,7 @@ class _Program:
     # (into the optimizer update, the new batch_stats), the loop averages them over microbatches, as
     # data parallel training with per-device BatchNorm averages its devices' gradients and statistics.
     self.region: set[int] = set()
+    self.fused: set[int] = set()
     self.accumulated: list = []
     if local:
       for i in sorted(self.after_local):
@@ -152,9 +153,51 @@ class _Program:
       else:
         self.pre.append(i)
     self.needs_cut = needs_cut
+    self.absorbed: set[int] = set()
+    if not local:
+      self._fuse_sums()
     self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
     # example-free work between loops (1/weight_sum): the post-cut equations later loops need
     self.middle = [self._middle(s) for s in range(analysis.loops)]
+
+  def _fuse_sums(self) -> None:
+    """Gradients that the step adds together (a tied embedding's lookup and output projection) are added in
+    the loop: one accumulator, one reduction of its bytes."""
+    final = self.analysis.loops - 1
+    uses: dict = {}
+    for e in self.eqns:
+      for v in e.invars:
+        if not jx.is_literal(v):
+          uses[v] = uses.get(v, 0) + 1
+    for v in self.jaxpr.outvars:
+      if not jx.is_literal(v):
+        uses[v] = uses.get(v, 0) + 2
+    sums: dict = {}
+    for c in self.analysis.cuts:
+      d = self.analysis.decisions[c.index]
+      zero_base = c.base is None or _is_zero_broadcast(self, self.eqns[c.index].invars[c.base])
+      if c.reduce == "sum" and c.loop == final and not c.feedback and d.body is None and zero_base:
+        sums[self.eqns[c.index].outvars[0]] = c.index
+    made: dict = {}
+    for i in list(self.post):
+      eqn = self.eqns[i]
+      ins = [v for v in eqn.invars if not jx.is_literal(v)]
+      summed = all((v in sums or v in made) and uses.get(v) == 1 for v in ins)
+      added = (jx.primitive_name(eqn) in ("add", "add_any") and len(ins) == 2 and ins[0] is not ins[1]
+               and jx.aval_shape(ins[0]) == jx.aval_shape(ins[1]) == jx.aval_shape(eqn.outvars[0]))
+      moved = jx.primitive_name(eqn) in ("transpose", "reshape", "convert_element_type", "neg") and len(
+          eqn.invars) == 1 and (jx.aval_dtype(eqn.outvars[0]) == jx.aval_dtype(eqn.invars[0]))
+      if ins and summed and (added or moved):
+        for v in ins:
+          if v in sums:
+            self.absorbed.add(sums[v])
+          made.pop(v, None)
+        made[eqn.outvars[0]] = i
+        self.fused.add(i)
+    for i in self.fused:
+      self.post.remove(i)
+      self.after_local.add(i)
+    self.accumulated = sorted(made, key=_order(self))
 
   def _middle(self, s: int) -> list[int]:
     """Post-cut equations to evaluate after loop ``s - 1``, for loop ``s`` and the ones after it."""
@@ -247,7 +290,7 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
   loop_inputs = sorted({v for s in range(prog.analysis.loops) for v in prog.outside_inputs(s)
                         if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}
                        | set(prog.middle_inputs()), key=_order(prog))
-  cut_outs = [c for c in prog.analysis.cuts]
+  cut_outs = [c for c in prog.analysis.cuts if c.index not in prog.absorbed]
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
   totals, pe_buffers = _loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
                                   counts, starts, cut_outs, pe_outs)
@@ -326,10 +369,14 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
   scatter = {}
   for k, cut in enumerate(cut_outs):
     if cut.reduce == "sum" and cut.loop == final and not cut.feedback and data_only and not single:
-      var = prog.eqns[cut.index].outvars[0]
-      dim = scatter_dim("", jx.aval_shape(var), [("", s, d) for _, s, d in layout.data_split])
-      if dim is not None and cut.base is None and prog.analysis.decisions[cut.index].body is None:
-        scatter[k] = dim
+      decision = prog.analysis.decisions[cut.index]
+      if cut.base is None and decision.body is None and not prog.region:
+        dim = _scatter_dim(prog, prog.eqns[cut.index].outvars[0], layout.data_split)
+        if dim is not None:
+          scatter[k] = dim
+
+  acc_scatter = [_scatter_dim(prog, v, layout.data_split) if data_only and not single and not prog.region else None
+                 for v in prog.accumulated]
 
   def per_device(values, buffers, counts, starts):
     outer = dict(zip(loop_inputs, values))
@@ -342,7 +389,7 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       if s == final and prog.accumulated:
         extra = partials[len(mine):]
         partials = partials[:len(mine)]
-        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), [None] * len(extra), axis, single, data_only)
+        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only)
       reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
                                   axis, single, data_only)
       for k, values_k in zip(mine, reduced):
@@ -368,7 +415,7 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
                  for _ in _sum_outputs(prog.analysis.decisions[c.index])]
                 for k, c in enumerate(cut_outs)], [P(axis) for _ in pe_outs])
   if prog.accumulated:
-    out_specs = (out_specs[0], (out_specs[1], [P() for _ in prog.accumulated]))
+    out_specs = (out_specs[0], (out_specs[1], [P() if d is None else P(*([None] * d), axis) for d in acc_scatter]))
   if single:
     return per_device(loop_values, buffers, counts, starts)
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
@@ -377,6 +424,45 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
   return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
            for t, j in zip(tt, _sum_outputs(prog.analysis.decisions[c.index]))]
           for tt, c in zip(totals, cut_outs)], pe
+
+
+# Equations a gradient passes through on its way from the cut to the optimizer, its dimensions kept in order
+# (or permuted, for a transpose), its other operands scalars.
+_TO_STATE = frozenset({"transpose", "convert_element_type", "mul", "div", "neg", "copy"})
+
+
+def _scatter_dim(prog, var, data_split) -> int | None:
+  """The dimension to reduce-scatter a cut's value along: that of the ZeRO-split state leaf it becomes.
+
+  Follows the value through transposes, casts and scalings (a gradient divided by the batch size, a
+  dot's output transposed into the kernel's layout) until its shape is a split leaf's; ``None`` if it
+  reaches none (it is then all-reduced whole). Only the value's sharding depends on this choice.
+  """
+  consumers: dict = {}
+  for i in prog.post:
+    for v in prog.eqns[i].invars:
+      if not jx.is_literal(v):
+        consumers.setdefault(v, []).append(i)
+  by_shape: dict = {}
+  for _, shape, dim in data_split:
+    by_shape.setdefault(tuple(shape), set()).add(dim)
+  where = list(range(len(jx.aval_shape(var))))  # where each of the cut's dimensions is now
+  for _ in range(8):
+    split = by_shape.get(jx.aval_shape(var))
+    if split and len(split) == 1:
+      target = next(iter(split))
+      return where.index(target)
+    users = consumers.get(var, [])
+    if len(users) != 1 or jx.primitive_name(prog.eqns[users[0]]) not in _TO_STATE:
+      return None
+    eqn = prog.eqns[users[0]]
+    if any(not jx.is_literal(v) and v is not var and jx.aval_shape(v) != () for v in eqn.invars):
+      return None
+    if jx.primitive_name(eqn) == "transpose":
+      perm = tuple(eqn.params["permutation"])
+      where = [perm.index(d) for d in where]
+    var = eqn.outvars[0]
+  return None
 
 
 def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only):
@@ -429,10 +515,13 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
         partial[targets[index]] = [_wide(out[j]) for j in summed]
         if prog.region and not cut.local:  # read as a mean, as the statistics are, by work on them
           env.update((eqn.outvars[j], (out[j] * (prog.batch / m)).astype(out[j].dtype)) for j in summed)
+      if index in prog.absorbed:  # added to another sum in the loop
+        env.update((eqn.outvars[j], out[j]) for j in summed)
       if cut is not None and cut.local:
         scale = prog.batch / m if cut.reduce == "sum" else 1
         env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
-    averaged = [[_wide(env[v]) * (m / prog.batch)] for v in accumulated]  # summed over microbatches: a mean
+    # per-microbatch statistics' results are averaged over microbatches; fused sums are summed
+    averaged = [[_wide(env[v]) * (m / prog.batch) if prog.region else _wide(env[v])] for v in accumulated]
     return [partial[k] for k in mine] + averaged, [env[v] for v in pe_outs]
 
   accumulated = prog.accumulated if s == prog.analysis.loops - 1 else []
@@ -461,6 +550,14 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
   else:
     acc, pe = jax.lax.fori_loop(0, count, lambda i, c: body(i, c, False), (zeros, pe_zero))
   return acc, pe
+
+
+def _is_zero_broadcast(prog, var) -> bool:
+  if jx.is_literal(var):
+    return bool(np.all(np.asarray(var.val) == 0))
+  i = prog.producer.get(var)
+  return i is not None and jx.primitive_name(prog.eqns[i]) == "broadcast_in_dim" and jx.is_literal(
+      prog.eqns[i].invars[0]) and bool(np.all(np.asarray(prog.eqns[i].invars[0].val) == 0))
 
 
 def _sum_outputs(decision) -> list[int]:

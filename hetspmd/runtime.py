@@ -240,6 +240,7 @@ class ParallelStep:
     from hetspmd.passes import microbatch as pass_
 
     plan, mesh = self.plan, self._mesh
+    state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
     with remat_policy(plan.remat):
       closed, out_tree = call.trace(plan.global_batch)
     analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
@@ -247,7 +248,6 @@ class ParallelStep:
     self._analysis = analysis
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state))
-    state_shardings = plan.state_shardings(mesh, call.state)
 
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
@@ -333,8 +333,8 @@ class _Call:
       if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
         state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
         nnx.update(tuple(args[i] for i in graph_args), state)
-    if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):
-      sharded = batch_args[0]
+    if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):  # placed already: one batch argument
+      sharded = ShardedBatch((batch_args[0].data,), batch_args[0].counts)
     else:
       sharded = step.shard_batch(batch_args)
     call = cls(step, args, kwargs, graph_args, tuple(batch_argnums), state_argnum, graphdef, state, sharded,
