@@ -12,7 +12,9 @@ What it does:
    for one device of the spec (``Cluster.emulate``). On a CPU-only machine
    the script asks XLA for as many host devices as the spec has;
 2. searches a plan for the model on that cluster (``hetspmd.search``) and
-   binds the best one to the step (``@hetspmd.parallelize``);
+   binds the best one to the step (``hetspmd.parallelize``); the step
+   (``make_train_step``) is a plain single-device step with
+   ``jax.value_and_grad`` over a closure of the batch, wrapped in ``jax.jit``;
 3. trains on a locally generated corpus (arithmetic token sequences, so the
    loss has something to learn), printing per-step loss and the achieved
    step time beside the planner's prediction. Predictions are for the
@@ -123,6 +125,26 @@ class Progress:
     sys.stderr.flush()
 
 
+def make_train_step(workload):
+  """A single-device train step, written as for one device: nothing in it is hetspmd's."""
+  import jax
+  import optax
+
+  model_of, loss, tx = workload.binder(), workload.loss, workload.make_optimizer()
+
+  @jax.jit
+  def train_step(state, batch):
+    def loss_fn(params):
+      return loss(model_of(params), batch)   # the batch is closed over, as in Flax's examples
+
+    (value, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"loss": value, **aux}
+
+  return train_step
+
+
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   _ensure_host_devices(_device_count(args.cluster))
@@ -146,7 +168,7 @@ def main(argv=None) -> list[dict]:
   vocab = workload.config.vocab_size
   workload.example_batch(args.global_batch, args.seq)  # checks the sizes
 
-  step_fn = workload.make_train_step(value_and_grad=hs.value_and_grad)
+  step_fn = make_train_step(workload)
   result = search_step(step_fn, workload.abstract_state(), workload.example_batch(2, args.seq), cluster,
                        global_batch=args.global_batch, top=1)
   plan = plan_from(result.plans[0], cluster, workload.abstract_state(), result.ideal_throughput)

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.microbatch import bucketed_psum, bucketed_psum_scatter, scatter_dim
+from hetspmd.microbatch import bucketed_psum, bucketed_psum_scatter
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.microbatch import Analysis, Axis
 
@@ -363,7 +363,6 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
   axis = layout.data_axis
   single = layout.mesh.shape[axis] == 1
   data_only = layout.mesh.size == layout.mesh.shape[axis]
-  m = layout.microbatch
   final = prog.analysis.loops - 1
   # gradients of ZeRO-split state leave the loop reduce-scattered onto their shards
   scatter = {}

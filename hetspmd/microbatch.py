@@ -26,10 +26,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.errors import HetSpmdError
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -111,7 +110,7 @@ class ParallelStep:
   def _search(self, cluster: Cluster, state: Any, search_fn: Callable[[Any, Any], Any] | None, batch: Any
               ) -> Plan:
     from hetspmd.microbatch import recording_calls
-    from hetspmd.search import SEARCHED_REMAT, profile_step, search
+    from hetspmd.search import SEARCHED_REMAT, plan_from, profile_step, search
 
     batch = self.example_batch if self.example_batch is not None else batch
     if batch is None:

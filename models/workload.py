@@ -136,8 +136,9 @@ class Workload:
                       ) -> Callable[[dict[str, Any], Batch], tuple[dict[str, Any], dict[str, jax.Array]]]:
     """The single-device ``train_step(state, batch) -> (state, metrics)``.
 
-    ``value_and_grad=hetspmd.value_and_grad`` gives the same step ready for
-    ``hetspmd.parallelize`` (on one device it computes the same values).
+    ``hetspmd.parallelize`` runs it as it is; ``value_and_grad=hetspmd.value_and_grad``
+    gives the same step (the same values) with the loss checkpointed under a
+    plan's remat policy.
     """
     bind = self.binder()
     tx = self.make_optimizer()

@@ -360,9 +360,7 @@ def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], kee
   for eqn in jaxpr.eqns:
     invals = [read(env, v) for v in eqn.invars]
     body = call_body(eqn) if primitive_name(eqn) in _INLINED - keep else None
-    if body is not None:
-      n = eqn.params.get("num_consts", 0) if primitive_name(eqn) == "custom_vjp_call" else 0
-      del n  # custom_vjp_call passes its consts as ordinary leading operands of call_jaxpr
+    if body is not None:  # custom_vjp_call passes its consts as ordinary leading operands of call_jaxpr
       with source_info_util.extend_name_stack(_call_name(eqn)):
         out = _eval_inlining(body.jaxpr, body.consts, invals, keep)
     else:
