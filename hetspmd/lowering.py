@@ -265,6 +265,34 @@ class _Program:
     return out
 
 
+def recompute_factor(analysis: Analysis, batch_inputs: Sequence[int]) -> float:
+  """The per-example work of all the program's loops over that of one pass (1 with a single loop).
+
+  Work is FLOPs plus bytes written per equation (:mod:`hetspmd.passes.flops`), bodies counted per step;
+  exact batch statistics make it > 1: each earlier loop runs the forward pass up to its statistic.
+  """
+  prog = _Program(analysis, batch_inputs)
+  if analysis.loops == 1:
+    return 1.0
+  work = [_work(e) for e in prog.eqns]
+  union = set().union(*map(set, prog.loop_eqns))
+  total = sum(work[i] for i in union)
+  return sum(work[i] for loop in prog.loop_eqns for i in loop) / total if total else 1.0
+
+
+def _work(eqn) -> float:
+  from hetspmd.passes import flops
+  from hetspmd.passes.trace import _tensor_type
+
+  body = jx.call_body(eqn) or (jx.scan_parts(eqn).body if jx.primitive_name(eqn) == "scan" else None)
+  if body is not None:
+    repeat = jx.scan_parts(eqn).length if jx.primitive_name(eqn) == "scan" else 1
+    return repeat * sum(_work(e) for e in body.jaxpr.eqns)
+  cost, _ = flops.cost_of(jx.primitive_name(eqn), [_tensor_type(v) for v in eqn.invars],
+                          [_tensor_type(v) for v in eqn.outvars], eqn.params)
+  return cost.flops + cost.bytes_written
+
+
 def build(analysis: Analysis, batch_inputs: Sequence[int], layout: Layout):
   """``program(inputs, counts, starts) -> outputs`` over the step's flat jaxpr inputs and outputs.
 

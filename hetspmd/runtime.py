@@ -119,13 +119,30 @@ class ParallelStep:
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
       profile = profile_step(search_fn or self.fn, state, batch)
     result = search(cluster, profile, self.global_batch, top=1,
-                    remat_policies=SEARCHED_REMAT if calls else ("none",))
+                    remat_policies=SEARCHED_REMAT if calls else ("none",),
+                    recompute=self._recompute(search_fn or self.fn, state, batch))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
                                 model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
       plan = plan.replace(state_specs=chosen)
     return plan
+
+  def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
+    """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
+    if self.batch_stats != "exact":
+      return 1.0
+    from hetspmd import lowering
+    from hetspmd.passes import _jax_adapter as jx
+    from hetspmd.passes import microbatch as pass_
+    from hetspmd.search import PROFILE_BATCHES, _with_batch
+
+    size = PROFILE_BATCHES[-1]
+    closed = jax.make_jaxpr(fn)(jx.to_abstract(state), _with_batch(batch, size))
+    first = len(jax.tree.leaves(state))
+    inputs = range(first, first + len(jax.tree.leaves(batch)))
+    analysis = pass_.analyse(closed, inputs, size, batch_stats="exact")
+    return lowering.recompute_factor(analysis, inputs)
 
   # --- placing data ----------------------------------------------------------------
 

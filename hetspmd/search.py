@@ -293,8 +293,9 @@ def _layout(cluster: Cluster, name: str, positions: Sequence[int], m: int) -> _L
 class _Costing:
   """Per-search caches: per-node seconds, strategy spaces, ILP frontiers, assessed choices."""
 
-  def __init__(self, cluster: Cluster, profile: StepProfile, reference_microbatch: int):
+  def __init__(self, cluster: Cluster, profile: StepProfile, reference_microbatch: int, recompute: float = 1.0):
     self.cluster, self.profile, self.reference = cluster, profile, reference_microbatch
+    self.recompute = recompute
     self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
@@ -356,7 +357,7 @@ class _Costing:
       seconds = self.node_seconds(kind, microbatch)
       plain = float(seconds.sum())
       again = float(seconds[self.profile.recomputed(remat)].sum())
-      self._remat[key] = 1.0 + again / plain if plain > 0 else 1.0
+      self._remat[key] = (1.0 + again / plain if plain > 0 else 1.0) * self.recompute
     return self._remat[key]
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
@@ -486,11 +487,13 @@ def model_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None,
-           remat_policies: Sequence[str] = SEARCHED_REMAT) -> SearchResult:
+           remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
+  ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
+  statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
   """
   start = time.perf_counter()
   specs = {k: cluster.spec_of(k) for k in cluster.kinds}
@@ -498,7 +501,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   peak = {k: s.f32_matmul_flops(reduced) for k, s in specs.items()}  # float32 matmuls' peak: dp_proportional
   fastest_kind = min(cluster.kinds, key=lambda k: profile.microbatch_seconds(specs[k], 1))
   sizes = microbatch_sizes(global_batch)
-  costing = _Costing(cluster, profile, sizes[len(sizes) // 2])
+  costing = _Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   tensor_parallel = bool(profile.traces or profile.strategy_spaces)  # a hand-made profile has no graph to split
   ms = tuple(m for m in model_sizes(cluster) if (models is None or m in models) and (m == 1 or tensor_parallel))
   plans: list[Evaluated] = []

@@ -546,3 +546,24 @@ def test_unmodified_linen_step_in_two_processes():
   for r in results:
     assert r["diff"] <= 1e-4
     np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
+
+
+def test_exact_batch_statistics_are_priced_as_recomputed_forward_work():
+  from hetspmd import lowering
+  from hetspmd.passes import microbatch
+
+  batch = {"image": jnp.zeros((8, 8, 8, 1)), "label": jnp.zeros((8,), jnp.int32)}
+  closed = jax.make_jaxpr(bn_train_step)(_bn_state(), batch)
+  leaves = jax.tree.leaves(_bn_state())
+  inputs, floats = (len(leaves), len(leaves) + 1), [i for i, x in enumerate(leaves) if jnp.asarray(x).dtype == jnp.float32]
+  factors = {mode: lowering.recompute_factor(microbatch.analyse(closed, inputs, 8, batch_stats=mode,
+                                                                float_state_inputs=floats), inputs)
+             for mode in ("local", "exact")}
+  assert factors["local"] == 1.0
+  assert 1.2 < factors["exact"] < 3.0  # the statistics' loops run the convolution again, not the backward pass
+  lm = jax.make_jaxpr(functools.partial(lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3))(
+      _lm_state(), {"inputs": jnp.zeros((8, SEQ), jnp.int32), "targets": jnp.zeros((8, SEQ), jnp.int32)},
+      dropout_rng=jax.random.key(0))
+  k = len(jax.tree.leaves(_lm_state()))
+  analysis = microbatch.analyse(lm, (k, k + 1), 8)
+  assert analysis.loops == 2 and lowering.recompute_factor(analysis, (k, k + 1)) < 1.01  # the token count's loop
