@@ -257,8 +257,12 @@ class _Program:
       for j, v in enumerate(eqn.invars):
         if jx.is_literal(v) or v in inside_out or v in batch_vars:
           continue
-        broadcast = self.rebuilt(v, decision.inputs[j]) if decision is not None else None
-        for u in ([v] if broadcast is None else [u for u in broadcast.invars if not jx.is_literal(u)]):
+        chain = self.rebuilt(v, decision.inputs[j]) if decision is not None else None
+        needs = [v] if chain is None else _chain_inputs(chain)
+        if chain is not None and any(jx.primitive_name(e) == "random_bits" for e in chain) and not _sliceable(
+            chain):
+          needs = [v]
+        for u in needs:
           if u not in seen:
             seen.add(u)
             out.append(u)
@@ -650,14 +654,76 @@ def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
   return list(carry) + list(ys)
 
 
-def _rebuilt(prog, var, axis):
+# Example-free equations a batch-sized value can be rebuilt through at the microbatch's size: those that
+# keep their operands' shape (scalars and size-1 dimensions broadcast).
+_REBUILT_THROUGH = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "xor",
+    "select_n", "convert_element_type", "bitcast_convert_type", "shift_right_logical", "shift_left", "neg",
+    "exp", "log", "floor", "ceil", "sign", "abs", "copy", "integer_pow", "clamp"})
+
+
+def _rebuilt(prog, var, axis, depth: int = 0):
+  """How to make the example-free, batch-sized ``var`` at the microbatch's size inside the loop, or None.
+
+  A tuple of equations in order, each rebuilt from the one before: a broadcast that creates the batch
+  dimension (bound at the microbatch size), a random draw (only the microbatch's slice of the full-batch
+  draw: :func:`jx.random_bits_slice`) and the elementwise work between it and ``var`` (a dropout mask).
+  Everything else they read comes from outside the loop, unchanged.
+  """
   producer = prog.producer.get(var)
-  if axis is None or var in prog.analysis.axes or producer is None:
+  if axis is None or var in prog.analysis.axes or producer is None or depth > 16:
     return None
   eqn = prog.eqns[producer]
-  if jx.primitive_name(eqn) == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
-    return eqn
+  name = jx.primitive_name(eqn)
+  if name == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
+    return (eqn,)
+  if name == "random_bits" and jx.aval_shape(eqn.invars[0]) == ():
+    return (eqn,)
+  if name in _REBUILT_THROUGH and jx.aval_shape(eqn.outvars[0]) == jx.aval_shape(var):
+    chain: list = []
+    for v in eqn.invars:
+      if jx.is_literal(v) or jx.aval_shape(v) != jx.aval_shape(var):
+        continue  # a scalar or a broadcast operand, read as it is
+      inner = _rebuilt(prog, v, axis, depth + 1)
+      if inner is None:
+        return None
+      chain += [e for e in inner if e not in chain]
+    return tuple(chain) + (eqn,) if chain else None
   return None
+
+
+def _chain_inputs(chain) -> list:
+  made = {v for e in chain for v in e.outvars}
+  return list(dict.fromkeys(v for e in chain for v in e.invars if not jx.is_literal(v) and v not in made))
+
+
+def _sliceable(chain) -> bool:
+  """Whether every random draw in ``chain`` can be drawn as a slice (known when tracing: the key's type)."""
+  return all(jx.draw_is_sliceable(e) for e in chain if jx.primitive_name(e) == "random_bits")
+
+
+def _rebuild(prog, chain, var, axis, env, offset, m):
+  """Evaluates ``chain`` (from :func:`_rebuilt`) at the microbatch's size; ``var``'s value, or None."""
+  local: dict = {}
+  full = jx.aval_shape(var)
+  for eqn in chain:
+    name = jx.primitive_name(eqn)
+    invals = [jx.read(env, v) if jx.is_literal(v) or v not in local else local[v] for v in eqn.invars]
+    if name == "broadcast_in_dim":
+      params = dict(eqn.params)
+      params["shape"] = _resize(params["shape"], axis, m)
+      out = jx.bind(eqn, invals, params)
+    elif name == "random_bits":
+      bits = jx.random_bits_slice(invals[0], eqn.params["bit_width"], eqn.params["shape"], axis.dim,
+                                  offset * axis.per_example, m * axis.per_example)
+      if bits is None:
+        return None
+      out = [bits]
+    else:
+      out = jx.bind(eqn, invals)
+    local.update(zip(eqn.outvars, out))
+  del full
+  return local[var]
 
 
 def _operand(prog, env, var, axis, offset, m):
@@ -666,10 +732,10 @@ def _operand(prog, env, var, axis, offset, m):
     return var.val
   if var in prog.analysis.axes or axis is None or var in getattr(prog, "presliced", ()):
     return env[var]
-  broadcast = prog.rebuilt(var, axis)
-  if broadcast is not None:
-    params = dict(broadcast.params)
-    params["shape"] = _resize(params["shape"], axis, m)
-    return jx.bind(broadcast, [jx.read(env, v) for v in broadcast.invars], params)[0]
+  chain = prog.rebuilt(var, axis)
+  if chain is not None:
+    value = _rebuild(prog, chain, var, axis, env, offset, m)
+    if value is not None:
+      return value
   value = env[var]
   return jax.lax.dynamic_slice_in_dim(value, offset * axis.per_example, m * axis.per_example, axis.dim)

@@ -423,3 +423,39 @@ def checkpoint_call(eqn: Equation, fn: Callable[..., list[Any]], args: Sequence[
   with source_info_util.user_context(eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
                                      + eqn.source_info.name_stack):
     return list(eqn.primitive.bind(*closed.consts, *args, **params))
+
+
+def draw_is_sliceable(eqn: Equation) -> bool:
+  """Whether :func:`random_bits_slice` can draw a slice of the ``random_bits`` equation ``eqn``."""
+  import math
+
+  impl = getattr(aval_dtype(eqn.invars[0]), "_impl", None)  # a typed key's PRNG implementation
+  return (bool(jax.config.jax_threefry_partitionable) and eqn.params["bit_width"] in (8, 16, 32)
+          and math.prod(eqn.params["shape"]) < 2**32 and aval_shape(eqn.invars[0]) == ()
+          and getattr(impl, "name", None) == "threefry2x32")
+
+
+def random_bits_slice(key: Any, bit_width: int, shape: Sequence[int], dim: int, start: Any, size: int) -> Any:
+  """``random_bits(key, bit_width, shape)[..., start:start + size, ...]`` (along ``dim``), drawn directly.
+
+  With JAX's partitionable threefry (``jax_threefry_partitionable``, the default) every element's bits
+  are ``threefry2x32(key, its flat index)``, so the slice needs only its own indices. Returns ``None``
+  where that does not hold: another PRNG, a batch of keys, 64-bit draws, or 2**32 elements or more.
+  """
+  import math
+
+  from jax import lax
+  from jax.extend.random import threefry2x32_p
+
+  if (not jax.config.jax_threefry_partitionable or np.shape(key) != () or bit_width not in (8, 16, 32)
+      or math.prod(shape) >= 2**32 or str(jax.random.key_impl(key)) != "threefry2x32"):
+    return None
+  strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+  sliced = tuple(size if j == dim else n for j, n in enumerate(shape))
+  flat = lax.convert_element_type(start, np.uint32) * np.uint32(strides[dim])
+  for j, stride in enumerate(strides):
+    flat = flat + lax.broadcasted_iota(np.uint32, sliced, j) * np.uint32(stride)
+  data = jax.random.key_data(key)
+  bits1, bits2 = threefry2x32_p.bind(data[0], data[1], lax.full(sliced, 0, np.uint32), flat)
+  bits = bits1 ^ bits2
+  return bits if bit_width == 32 else lax.convert_element_type(bits, np.dtype(f"uint{bit_width}"))

@@ -136,6 +136,9 @@ def test_linen_lm1b_step_is_exact(layout, counts, microbatch, jitted):
   text = step.explain()
   assert "2 microbatch loop(s)" in text  # weight_sum scales the backward pass: an earlier, cheap loop
   assert "per-device trip counts" in text
+  # each microbatch draws only its own slice of the dropout mask (TinyLM's hidden width is 32)
+  program = step.lower(state, batches[0], dropout_rng=rng).as_text()
+  assert f"{batch}x{SEQ}x32xui32" not in program and f"{microbatch}x{SEQ}x32xui32" in program
 
 
 def test_per_example_outputs_come_back_whole_in_global_order():
