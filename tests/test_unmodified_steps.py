@@ -526,14 +526,18 @@ def test_unmodified_linen_step_in_two_processes():
       import numpy as np, optax, jax
       from jax.experimental import multihost_utils
       import hetspmd as hs
+      import types
+      sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)  # keep 4 devices here
       sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
       import test_unmodified_steps as t
       fn = functools.partial(t.lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
       batches, rng = t._token_batches({batch}), jax.random.key(7)
       ref = t._lm_state()
-      ref_step = jax.jit(fn, device=jax.local_devices()[0])
+      ref_step = jax.jit(fn)
+      ref = jax.device_put(ref, jax.local_devices()[0])
       for b in batches:
-        ref, ref_metrics = ref_step(ref, b, dropout_rng=rng)
+        ref, ref_metrics = ref_step(ref, jax.device_put(b, jax.local_devices()[0]),
+                                    dropout_rng=jax.device_put(rng, jax.local_devices()[0]))
       cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
       plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts})
       step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
