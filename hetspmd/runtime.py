@@ -35,6 +35,7 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.microbatch import remat_policy
+from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan import Plan, auto_state_specs, plan_for
 
 
@@ -233,6 +234,12 @@ class ParallelStep:
       if analysis.loops > 1:
         lines.append("  exact reductions that feed per-example work, each computed in an earlier loop:")
         lines += [f"    {line}" for line in analysis.describe() if "feeds later" in line]
+      lines += [f"  note: {note}" for note in analysis.notes]
+      if self.plan.remat != "none" and not any(d is not None and d.body is not None and
+                                               jx.primitive_name(e) in ("remat2", "checkpoint")
+                                               for e, d in zip(analysis.jaxpr.jaxpr.eqns, analysis.decisions)):
+        lines.append(f"  note: the plan's remat policy {self.plan.remat!r} did not reach the step (it applies "
+                     "through hetspmd.value_and_grad)")
     return "\n".join(lines)
 
   def _starts(self):

@@ -139,10 +139,11 @@ class Propagation:
 
 
 def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[Any] = (),
-              linear_inputs: Sequence[Any] = ()) -> Propagation:
+              linear_inputs: Sequence[Any] = (), keep: frozenset = frozenset()) -> Propagation:
   """Propagates ``in_axes`` (var -> Axis) through the equations of the flat closed jaxpr ``flat``.
 
   ``linear_inputs``: inputs that count as sums over the examples already (a scan's accumulator carries).
+  ``keep``: the call primitives (checkpoints) that nested bodies keep whole rather than inline.
   """
   jaxpr = flat.jaxpr
   axes: dict = dict(in_axes)
@@ -170,7 +171,7 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
         if inside:
           loop_only.add(v)
       continue
-    decision = _decide(eqn, in_axes_, batch)
+    decision = _decide(eqn, in_axes_, batch, keep)
     decisions.append(decision)
     loop_only.update(eqn.outvars[j] for j in decision.invariant)
     if decision.reduce is not None:
@@ -186,14 +187,14 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
   return Propagation(flat, axes, tuple(decisions), tuple(cut_list), cut_deps, stateful, frozenset(loop_only))
 
 
-def _decide(eqn, in_axes, batch) -> Decision:
+def _decide(eqn, in_axes, batch, keep: frozenset = frozenset()) -> Decision:
   name = jx.primitive_name(eqn)
   if jx.is_effectful(eqn):
     raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
   if name in ("remat2", "checkpoint"):
-    return _checkpoint_rule(eqn, in_axes, batch)
+    return _checkpoint_rule(eqn, in_axes, batch, keep)
   if name == "scan":
-    return _scan_rule(eqn, in_axes, batch)
+    return _scan_rule(eqn, in_axes, batch, keep)
   if name in ("while", "cond"):
     raise refusal(eqn, f"is a {name} over per-example values, which hetspmd does not split (write the loop as "
                   "lax.scan or a Python loop)")
@@ -216,16 +217,16 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
     return _analyse(jx.inline_calls(closed, keep=_UNITS), batch_inputs, global_batch, batch_stats,
-                    float_state_inputs, ())
+                    float_state_inputs, (), _UNITS)
   except _Inline as e:
-    return _analyse(jx.inline_calls(closed), batch_inputs, global_batch, batch_stats, float_state_inputs,
+    return _analyse(jx.inline_calls(closed), batch_inputs, global_batch, batch_stats, float_state_inputs, frozenset(),
                     (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
 _UNITS = frozenset({"remat2", "checkpoint"})
 
 
-def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes) -> Analysis:
+def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes, keep) -> Analysis:
   invars = list(flat.jaxpr.invars)
   in_axes = {}
   for i in batch_inputs:
@@ -234,7 +235,7 @@ def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, 
       raise HetSpmdError(f"batch input {i} has shape {shape}; its leading axis must be the global batch "
                          f"{global_batch}")
     in_axes[invars[i]] = Axis(0)
-  prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs])
+  prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs], keep=keep)
   cuts = _schedule(flat.jaxpr, list(prop.cut_list), prop.axes, prop.decisions, prop.cut_deps, prop.stateful,
                    batch_stats)
   loops = 1 + max((c.loop for c in cuts), default=0)
@@ -327,10 +328,10 @@ def _invariant_outputs(prop: Propagation) -> tuple[int, ...]:
                if not jx.is_literal(v) and v not in prop.axes and prop.cut_deps.get(v, 0) == 0)
 
 
-def _checkpoint_rule(eqn, in_axes, batch) -> Decision:
-  body = jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]))
+def _checkpoint_rule(eqn, in_axes, batch, keep) -> Decision:
+  body = jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]), keep=keep)
   invars = list(body.jaxpr.invars)
-  prop = propagate(body, {v: a for v, a in zip(invars, in_axes) if a is not None}, batch)
+  prop = propagate(body, {v: a for v, a in zip(invars, in_axes) if a is not None}, batch, keep=keep)
   try:
     _check_body(prop, "checkpointed block", eqn)
   except Mixing as e:
@@ -373,9 +374,9 @@ def _demanded(prop: Propagation) -> dict:
   return out
 
 
-def _scan_rule(eqn, in_axes, batch) -> Decision:
+def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
   parts = jx.scan_parts(eqn)
-  body = jx.inline_calls(parts.body)
+  body = jx.inline_calls(parts.body, keep=keep)
   invars, outvars = list(body.jaxpr.invars), list(body.jaxpr.outvars)
   nc, nk = parts.num_consts, parts.num_carry
   for j, a in enumerate(in_axes[nc + nk:]):
@@ -385,7 +386,7 @@ def _scan_rule(eqn, in_axes, batch) -> Decision:
   # the carries' example axes: a fixed point (an activation carried from layer to layer)
   for _ in range(nk + 1):
     prop = propagate(body, {v: a for v, a in zip(invars, inner) if a is not None}, batch,
-                     linear_inputs=_accumulator_vars(body, nc, nk, inner, batch))
+                     linear_inputs=_accumulator_vars(body, nc, nk, inner, batch), keep=keep)
     changed = False
     for k in range(nk):
       out = outvars[k]
@@ -405,7 +406,7 @@ def _scan_rule(eqn, in_axes, batch) -> Decision:
   accumulators = tuple(k for k in range(nk) if inner[nc + k] is None and not jx.is_literal(outvars[k])
                        and prop.cut_deps.get(outvars[k], 0) & ~1)
   prop = propagate(body, {v: a for v, a in zip(invars, inner) if a is not None}, batch,
-                   linear_inputs=[invars[nc + k] for k in accumulators])
+                   linear_inputs=[invars[nc + k] for k in accumulators], keep=keep)
   try:
     _check_body(prop, "scan body", eqn)
   except Mixing as e:
@@ -450,7 +451,10 @@ def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats)
   for k, (index, decision) in enumerate(cut_list):
     eqn = eqns[index]
     depends_on_state = any(stateful.get(v, False) for v in eqn.invars if not jx.is_literal(v))
-    local[k] = feedback[k] and batch_stats == "local" and depends_on_state and decision.reduce == "sum"
+    # a statistic of activations; one computed from an exact global value (the count of an exact max) stays exact
+    after_exact = any(needs[k] >> j & 1 and not local[j] for j in range(k))
+    local[k] = (feedback[k] and batch_stats == "local" and depends_on_state and decision.reduce == "sum"
+                and not after_exact)
   # ASAP level: one more than the exact cuts it needs; local cuts stay in their microbatch
   level = [0] * n
   for k in range(n):

@@ -374,13 +374,13 @@ def test_scan_over_layers_is_exact(remat):
   cluster = _cluster()
   plan = hs.plan_for(cluster, state0, global_batch=batch, microbatch=microbatch, counts=counts)
   step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
+  if remat:  # the checkpointed block stays one: its recomputation reaches XLA behind an optimization barrier
+    assert "optimization_barrier" in step.lower(step.shard_state(state0), batches[0]).as_text()
   state = step.shard_state(state0)
   for b, expected in zip(batches, ref_metrics):
     state, metrics = step(state, b)
     _metrics_close(expected, metrics)
   _close(ref.params, state.params)
-  if remat:  # the checkpointed block stays one: its recomputation reaches XLA behind an optimization barrier
-    assert "optimization_barrier" in step.lower(step.shard_state(state0), batches[0]).as_text()
 
 
 # --- what cannot be split, and what can though it is unusual ----------------------------
