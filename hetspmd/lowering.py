@@ -379,7 +379,9 @@ def _identity(reduce: str, shape, dtype):
     return jnp.zeros(shape, dtype)
   if jnp.issubdtype(dtype, jnp.bool_):
     return jnp.full(shape, reduce == "min", dtype)
-  info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.full(shape, -jnp.inf if reduce == "max" else jnp.inf, dtype)
+  info = jnp.iinfo(dtype)
   return jnp.full(shape, info.min if reduce == "max" else info.max, dtype)
 
 
@@ -603,7 +605,14 @@ def _apply(prog, eqn, decision, env, offset, m, zero_base: bool = False) -> list
     invals[decision.base] = jnp.zeros_like(invals[decision.base])
   if decision.body is not None:
     return _apply_body(eqn, decision, invals, offset, m)
+  if jx.primitive_name(eqn) in _PLACEMENT:  # a sharding constraint: the loop's data axis is manual, XLA places it
+    return list(invals)
   return jx.bind(eqn, invals, _microbatch_params(eqn, decision, m))
+
+
+# Activation sharding constraints (nn.with_logical_constraint, with_sharding_constraint) inside the loop: the
+# data axis is manual there, and the model axis's sharding follows from the parameters' by propagation.
+_PLACEMENT = frozenset({"sharding_constraint", "mesh_cast", "reshard"})
 
 
 class _Body:

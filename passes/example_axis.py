@@ -103,7 +103,8 @@ def elementwise(eqn, axes, batch) -> Decision:
   return Decision(tuple(axis for _ in eqn.outvars), tuple(inputs))
 
 
-_AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions", "permutation", "new_sizes", "shape")
+_AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions", "permutation", "new_sizes", "shape",
+                "dimension_numbers")
 
 
 def default_rule(eqn, axes, batch) -> Decision:
@@ -136,6 +137,8 @@ def _reshape(eqn, axes, batch):
   out = _shape(eqn.outvars[0])
   running = 1
   for dim, size in enumerate(out):
+    if running == before and size == 1 and dim + 1 < len(out):
+      continue  # size-1 dimensions before the examples
     if running == before:
       if size % batch == 0 and size >= batch and (size // batch) * _prod(out[dim + 1:]) == (
           axis.per_example * _prod(_shape(eqn.invars[0])[axis.dim + 1:])):
@@ -223,7 +226,9 @@ def _conv(eqn, axes, batch):
   numbers = eqn.params["dimension_numbers"]
   lhs_spec, rhs_spec, out_spec = numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec
   lhs, rhs = axes
-  grouped = eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1
+  # a weight gradient contracts the examples whole; grouping it over the channels (a depthwise
+  # convolution's batch_group_count) is fine, grouping the examples' features is not
+  grouped = eqn.params["feature_group_count"] != 1
   if lhs is not None and rhs is None and lhs.dim == lhs_spec[0] and eqn.params["batch_group_count"] == 1:
     return Decision((lhs.moved(out_spec[0]),), (lhs, None))
   if (lhs is not None and rhs is not None and not grouped and lhs.dim == lhs_spec[1] and rhs.dim == rhs_spec[1]
@@ -277,13 +282,14 @@ def _scatter_update_dims(eqn) -> tuple[int, ...]:
   return tuple(d for d in range(len(_shape(eqn.invars[2]))) if d not in window)
 
 
-@register("scatter-add", "scatter_add", "scatter")
+@register("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+          "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")
 def _scatter(eqn, axes, batch):
   numbers = eqn.params["dimension_numbers"]
   operand, indices, updates = axes[0], axes[1], axes[2]
   nidx = len(_shape(eqn.invars[1]))
   scatter_dims = _scatter_update_dims(eqn)
-  additive = jx.primitive_name(eqn) != "scatter"
+  additive = jx.primitive_name(eqn) in ("scatter-add", "scatter_add")
   if indices is not None and indices.dim == nidx - 1:
     raise Mixing("its index vector runs along the examples")
   lead = indices if indices is not None else (
@@ -329,7 +335,8 @@ def _bitcast(eqn, axes, batch):
 
 @register("optimization_barrier")
 def _barrier(eqn, axes, batch):
-  return Decision(tuple(axes), tuple(axes))
+  # its example-free operands pass through inside the loop: values that exist only there
+  return Decision(tuple(axes), tuple(axes), invariant=tuple(j for j, a in enumerate(axes) if a is None))
 
 
 @register("random_bits", "random_split")
@@ -398,6 +405,18 @@ def _sort(eqn, axes, batch):
   return elementwise(eqn, axes, batch)
 
 
+@register("rev")
+def _rev(eqn, axes, batch):
+  if axes[0].dim in tuple(eqn.params["dimensions"]):
+    raise Mixing("it reverses the order of the examples")
+  return Decision((axes[0],), tuple(axes))
+
+
+@register("sharding_constraint", "mesh_cast", "reshard")
+def _sharding(eqn, axes, batch):
+  return Decision(tuple(axes), tuple(axes))  # placement only; inside the loop the data axis is hetspmd's
+
+
 @register("split")
 def _split(eqn, axes, batch):
   if axes[0].dim == eqn.params["axis"]:
@@ -407,7 +426,7 @@ def _split(eqn, axes, batch):
 
 @register("top_k")
 def _top_k(eqn, axes, batch):
-  if axes[0].dim == len(_shape(eqn.invars[0])) - 1:
+  if axes[0].dim == eqn.params.get("axis", len(_shape(eqn.invars[0])) - 1) % len(_shape(eqn.invars[0])):
     raise Mixing("it ranks the examples")
   return Decision(tuple(axes[0] for _ in eqn.outvars), tuple(axes))
 

@@ -305,6 +305,8 @@ def _check_body(prop: Propagation, what: str, eqn) -> None:
     if name not in _LINEAR:
       raise Mixing(f"its {what} applies {name} to a sum over the examples")
     others = [v for v, s in zip(e.invars, summed) if not s]
+    if name == "pad" and not _is_zero(e.invars[1], producers, eqns):
+      raise Mixing(f"its {what} pads a sum over the examples with a value that is not zero")
     if name in _ADDITIVE:
       skip = {0} if name == "select_n" else set()
       if name == "scatter-add":
@@ -428,6 +430,46 @@ def _accumulator_vars(body, nc, nk, inner, batch) -> list:
               ("float", "bfloat", "complex"))]
 
 
+_SQUARES = frozenset({"convert_element_type", "square", "integer_pow", "mul", "abs", "copy"})
+
+
+def _normalises(eqns, index, bit, local_bits, axes, decisions, cut_deps, consumers) -> bool:
+  """Whether the sum at ``eqns[index]`` is a statistic that normalises the activations it sums.
+
+  BatchNorm's pattern: per-example work subtracts the statistic from the values it summed
+  (``x - mean``), or scales by it values that another such statistic centred (``(x - mean) *
+  rsqrt(var)``). A load-balancing term (an MoE router's expert density) is neither: it stays exact.
+  """
+  summed = {v for v in eqns[index].invars if not jx.is_literal(v) and v in axes}
+  producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  for v in list(summed):  # x from x * x, x ** 2, a cast of x
+    i = producers.get(v)
+    if i is not None and jx.primitive_name(eqns[i]) in _SQUARES:
+      summed.update(u for u in eqns[i].invars if not jx.is_literal(u) and u in axes)
+  seen: set = set()
+  frontier = [v for v in eqns[index].outvars]
+  while frontier:
+    v = frontier.pop()
+    for i in consumers.get(v, ()):
+      if i in seen:
+        continue
+      seen.add(i)
+      e = eqns[i]
+      if decisions[i] is None:  # example-free work on the statistic (1/N, rsqrt(var + eps))
+        frontier.extend(e.outvars)
+        continue
+      per_example = [u for u in e.invars if not jx.is_literal(u) and u in axes]
+      name = jx.primitive_name(e)
+      if name == "sub" and any(u in summed for u in per_example):
+        return True
+      if name in ("mul", "div") and any(cut_deps.get(u, 0) & local_bits for u in per_example):
+        return True
+      if name in ("broadcast_in_dim", "reshape", "convert_element_type") and not per_example:
+        frontier.extend(e.outvars)  # a broadcast of the statistic is per-example in shape only
+  del bit
+  return False
+
+
 def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
   """Feedback, local or exact, and the loop (ASAP levels, then as late as possible) of every cut."""
   eqns = jaxpr.eqns
@@ -448,13 +490,24 @@ def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats)
       bits >>= 1
       k += 1
   local = [False] * n
+  consumers: dict = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if not jx.is_literal(v):
+        consumers.setdefault(v, []).append(i)
   for k, (index, decision) in enumerate(cut_list):
     eqn = eqns[index]
     depends_on_state = any(stateful.get(v, False) for v in eqn.invars if not jx.is_literal(v))
     # a statistic of activations; one computed from an exact global value (the count of an exact max) stays exact
     after_exact = any(needs[k] >> j & 1 and not local[j] for j in range(k))
-    local[k] = (feedback[k] and batch_stats == "local" and depends_on_state and decision.reduce == "sum"
-                and not after_exact)
+    if not (feedback[k] and batch_stats == "local" and depends_on_state and decision.reduce == "sum"
+            and not after_exact):
+      continue
+    local_bits = sum(1 << j for j in range(k) if local[j])
+    if jx.phase(eqn) == "backward":  # a statistic's gradient is per microbatch where the statistic is
+      local[k] = bool(needs[k] & local_bits)
+    else:
+      local[k] = _normalises(eqns, index, 1 << k, local_bits, axes, decisions, cut_deps, consumers)
   # ASAP level: one more than the exact cuts it needs; local cuts stay in their microbatch
   level = [0] * n
   for k in range(n):

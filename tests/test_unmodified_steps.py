@@ -412,6 +412,8 @@ def _debug_print(out, batch):
 
 MIXING = [
     ("sort", lambda out, b: (jnp.sort(out, axis=0) * jnp.arange(out.shape[0])[:, None]).mean()),
+    ("rev", lambda out, b: (jnp.flip(out, axis=0) * jnp.arange(out.shape[0])[:, None]).mean()),
+    ("top_k", lambda out, b: jax.lax.top_k(out.T, 2)[0].mean()),
     ("cumsum", lambda out, b: jnp.cumsum(out, axis=0).mean()),
     ("gather", lambda out, b: (out[jnp.asarray(np.random.RandomState(0).permutation(out.shape[0]))] * out).mean()),
     ("dot_general", lambda out, b: (out @ out.T).mean()),  # every example against every other
@@ -431,9 +433,18 @@ def test_steps_that_mix_examples_are_refused_naming_the_primitive(primitive, los
     step(step.shard_state(_mlp_state()), data)
 
 
+def _router_balance(out, b):
+  """An MoE router's load-balancing term: the batch's expert density times its mean routing probability."""
+  probs = jax.nn.softmax(out)
+  density = jax.nn.one_hot(jnp.argmax(out, -1), out.shape[-1]).mean(0)
+  return out.mean() + 3.0 * jnp.sum(density * probs.mean(0))
+
+
 UNUSUAL = [
     ("max_reduction", lambda out, b: out.mean() + 0.5 * out.max()),
     ("min_and_max", lambda out, b: out.mean() + (out.max(axis=0) - out.min(axis=0)).sum()),
+    ("router_balance", _router_balance),  # a sum over the batch that feeds back, exact (not a batch statistic)
+    ("leading_unit_reshape_and_flip", lambda out, b: jnp.flip(out.reshape(1, -1, 3), axis=2).mean()),
 ]
 
 
@@ -453,6 +464,54 @@ def test_decomposable_but_unusual_reductions_are_exact(name, loss):
   state = step.shard_state(_mlp_state())
   for b in batches:
     state, m = step(state, b)
+  np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+  _close(ref["params"], state["params"])
+
+
+class DepthwiseCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3))(x)
+    x = nn.Conv(4, (3, 3), feature_group_count=4)(nn.relu(x))  # depthwise: its weight gradient groups channels
+    return nn.Dense(5)(x.mean((1, 2)))
+
+
+def test_depthwise_convolution_is_exact():
+  model = DepthwiseCNN()
+  params = model.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1)))["params"]
+  state0 = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+  def train_step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["image"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  counts, microbatch = (2, 2, 1, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  b = _image_batches(batch, shape=(8, 8, 1))[0]
+  ref, ref_m = jax.jit(train_step)(state0, b)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, state0, global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
+  state, m = step(step.shard_state(state0), b)
+  _metrics_close(ref_m, m)
+  _close(ref.params, state.params)
+
+
+def test_activation_sharding_constraints_are_placement_only():
+  """A logical constraint on activations (MaxText style) inside the loss: the loop keeps the data axis."""
+  counts, microbatch = (2, 2, 1, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, _mlp_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  sharding = jax.sharding.NamedSharding(plan.mesh(), jax.sharding.PartitionSpec("data"))
+  fn = _step_with_loss(lambda out, b: jax.lax.with_sharding_constraint(out, sharding).mean())
+  data = {"x": np.random.RandomState(2).randn(batch, 4).astype(np.float32)}
+  ref, ref_m = jax.jit(fn)(_mlp_state(), data)
+  step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch=batch)
+  state, m = step(step.shard_state(_mlp_state()), data)
   np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
   _close(ref["params"], state["params"])
 
