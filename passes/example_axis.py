@@ -344,11 +344,15 @@ def _random_bits(eqn, axes, batch):
   return Decision((axes[0],), tuple(axes))  # the key's dimensions lead the output
 
 
-@register("concatenate")
-def _concatenate(eqn, axes, batch):
+_ALONG_DIMENSION = {"concatenate": "it concatenates along the examples", "sort": "it sorts along the examples"}
+
+
+@register(*_ALONG_DIMENSION)
+def _along_dimension(eqn, axes, batch):
+  """Operands of one shape, joined or ordered along ``dimension``: fine unless that is the examples'."""
   axis = next(a for a in axes if a is not None)
   if axis.dim == eqn.params["dimension"]:
-    raise Mixing("it concatenates along the examples")
+    raise Mixing(_ALONG_DIMENSION[jx.primitive_name(eqn)])
   return elementwise(eqn, axes, batch)
 
 
@@ -395,14 +399,6 @@ def _cumulative(eqn, axes, batch):
   if axes[0].dim == eqn.params["axis"]:
     raise Mixing("it accumulates along the examples, so each result depends on the examples before it")
   return Decision((axes[0],), tuple(axes))
-
-
-@register("sort")
-def _sort(eqn, axes, batch):
-  axis = next(a for a in axes if a is not None)
-  if axis.dim == eqn.params["dimension"]:
-    raise Mixing("it sorts along the examples")
-  return elementwise(eqn, axes, batch)
 
 
 @register("rev")

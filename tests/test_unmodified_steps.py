@@ -349,19 +349,25 @@ class ScanLM(nn.Module):
     return nn.Dense(VOCAB)(x)
 
 
+def _classifier_step(inputs: str, labels: str):
+  """A TrainState step with a mean cross-entropy over ``batch[inputs]`` against ``batch[labels]``."""
+
+  def train_step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch[inputs])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[labels]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return train_step
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_scan_over_layers_is_exact(remat):
   model = ScanLM(remat)
   params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
   state0 = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3, eps=1e-4))
-
-  @jax.jit
-  def train_step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["inputs"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
+  train_step = jax.jit(_classifier_step("inputs", "targets"))
 
   counts, microbatch = (3, 2, 2, 2, 1, 1, 1, 0), 2
   batch = sum(counts) * microbatch
@@ -480,13 +486,7 @@ def test_depthwise_convolution_is_exact():
   model = DepthwiseCNN()
   params = model.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1)))["params"]
   state0 = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
-
-  def train_step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["image"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
+  train_step = _classifier_step("image", "label")
 
   counts, microbatch = (2, 2, 1, 1, 1, 1, 1, 1), 2
   batch = sum(counts) * microbatch
