@@ -124,8 +124,6 @@ class _Program:
                    for v in e.invars if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars
                                                                if not jx.is_literal(v)}
       self.accumulated = [v for v in sorted(made & consumers, key=_order(self))]
-      self.summed_inputs = {v for c in analysis.cuts if not c.local and not c.feedback
-                            for v in self.eqns[c.index].outvars}
     # example-free work on values that exist only inside the loop (a scan's saved parameters) runs there
     for i, eqn in enumerate(self.eqns):
       if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
@@ -714,7 +712,6 @@ def _sliceable(chain) -> bool:
 def _rebuild(prog, chain, var, axis, env, offset, m):
   """Evaluates ``chain`` (from :func:`_rebuilt`) at the microbatch's size; ``var``'s value, or None."""
   local: dict = {}
-  full = jx.aval_shape(var)
   for eqn in chain:
     name = jx.primitive_name(eqn)
     invals = [jx.read(env, v) if jx.is_literal(v) or v not in local else local[v] for v in eqn.invars]
@@ -731,7 +728,6 @@ def _rebuild(prog, chain, var, axis, env, offset, m):
     else:
       out = jx.bind(eqn, invals)
     local.update(zip(eqn.outvars, out))
-  del full
   return local[var]
 
 

@@ -433,7 +433,7 @@ def _accumulator_vars(body, nc, nk, inner, batch) -> list:
 _SQUARES = frozenset({"convert_element_type", "square", "integer_pow", "mul", "abs", "copy"})
 
 
-def _normalises(eqns, index, bit, local_bits, axes, decisions, cut_deps, consumers) -> bool:
+def _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, producers) -> bool:
   """Whether the sum at ``eqns[index]`` is a statistic that normalises the activations it sums.
 
   BatchNorm's pattern: per-example work subtracts the statistic from the values it summed
@@ -441,7 +441,6 @@ def _normalises(eqns, index, bit, local_bits, axes, decisions, cut_deps, consume
   rsqrt(var)``). A load-balancing term (an MoE router's expert density) is neither: it stays exact.
   """
   summed = {v for v in eqns[index].invars if not jx.is_literal(v) and v in axes}
-  producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
   for v in list(summed):  # x from x * x, x ** 2, a cast of x
     i = producers.get(v)
     if i is not None and jx.primitive_name(eqns[i]) in _SQUARES:
@@ -466,7 +465,6 @@ def _normalises(eqns, index, bit, local_bits, axes, decisions, cut_deps, consume
         return True
       if name in ("broadcast_in_dim", "reshape", "convert_element_type") and not per_example:
         frontier.extend(e.outvars)  # a broadcast of the statistic is per-example in shape only
-  del bit
   return False
 
 
@@ -491,6 +489,7 @@ def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats)
       k += 1
   local = [False] * n
   consumers: dict = {}
+  producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
   for i, e in enumerate(eqns):
     for v in e.invars:
       if not jx.is_literal(v):
@@ -507,7 +506,7 @@ def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats)
     if jx.phase(eqn) == "backward":  # a statistic's gradient is per microbatch where the statistic is
       local[k] = bool(needs[k] & local_bits)
     else:
-      local[k] = _normalises(eqns, index, 1 << k, local_bits, axes, decisions, cut_deps, consumers)
+      local[k] = _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, producers)
   # ASAP level: one more than the exact cuts it needs; local cuts stay in their microbatch
   level = [0] * n
   for k in range(n):
