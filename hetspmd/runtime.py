@@ -281,16 +281,19 @@ class ParallelStep:
 
       return jax.jit(run, donate_argnums=(0,) if self.donate_state else ())
 
-    programs = {False: make(False)}
+    programs: dict = {}
+
+    def program(lockstep: bool):
+      if lockstep not in programs:
+        programs[lockstep] = make(lockstep)
+      return programs[lockstep]
 
     def run(dynamic, counts, starts):
       if self._lockstep is None:
-        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(programs[False].lower(dynamic, counts, starts))
-        if self._lockstep:
-          programs[True] = make(True)
-      return programs[bool(self._lockstep)](dynamic, counts, starts)
+        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(program(False).lower(dynamic, counts, starts))
+      return program(bool(self._lockstep))(dynamic, counts, starts)
 
-    run.lower = lambda *a: programs[bool(self._lockstep)].lower(*a)
+    run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
     return run
 
 
