@@ -257,8 +257,7 @@ class _Program:
           continue
         chain = self.rebuilt(v, decision.inputs[j]) if decision is not None else None
         needs = [v] if chain is None else _chain_inputs(chain)
-        if chain is not None and any(jx.primitive_name(e) == "random_bits" for e in chain) and not _sliceable(
-            chain):
+        if chain is not None and not _sliceable(chain):
           needs = [v]
         for u in needs:
           if u not in seen:
@@ -672,56 +671,74 @@ _REBUILT_THROUGH = frozenset({
 def _rebuilt(prog, var, axis, depth: int = 0):
   """How to make the example-free, batch-sized ``var`` at the microbatch's size inside the loop, or None.
 
-  A tuple of equations in order, each rebuilt from the one before: a broadcast that creates the batch
-  dimension (bound at the microbatch size), a random draw (only the microbatch's slice of the full-batch
-  draw: :func:`jx.random_bits_slice`) and the elementwise work between it and ``var`` (a dropout mask).
+  A tuple of ``(equation, axis of its output)`` in order, each rebuilt from the ones before: a broadcast
+  that creates the batch dimension (bound at the microbatch size), a random draw (only the microbatch's
+  slice of the full-batch draw: :func:`jx.random_bits_slice`), and the broadcasts, reshapes and
+  elementwise work between them and ``var`` (a dropout mask, a causal mask broadcast over the batch).
   Everything else they read comes from outside the loop, unchanged.
   """
   producer = prog.producer.get(var)
-  if axis is None or var in prog.analysis.axes or producer is None or depth > 16:
+  if axis is None or var in prog.analysis.axes or producer is None or depth > 24:
     return None
   eqn = prog.eqns[producer]
   name = jx.primitive_name(eqn)
-  if name == "broadcast_in_dim" and axis.dim not in eqn.params["broadcast_dimensions"]:
-    return (eqn,)
+  shape = jx.aval_shape(var)
+  if name == "broadcast_in_dim":
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if axis.dim not in dims:
+      return ((eqn, axis),)
+    operand = eqn.invars[0]
+    j = dims.index(axis.dim)
+    if jx.is_literal(operand) or jx.aval_shape(operand)[j] != shape[axis.dim]:
+      return None
+    inner = _rebuilt(prog, operand, axis.moved(j), depth + 1)
+    return None if inner is None else inner + ((eqn, axis),)
+  if name == "reshape" and eqn.params.get("dimensions") is None:
+    operand = eqn.invars[0]
+    if jx.aval_shape(operand)[:axis.dim + 1] != shape[:axis.dim + 1]:
+      return None  # only reshapes that keep every dimension up to the examples'
+    inner = _rebuilt(prog, operand, axis, depth + 1)
+    return None if inner is None else inner + ((eqn, axis),)
   if name == "random_bits" and jx.aval_shape(eqn.invars[0]) == ():
-    return (eqn,)
-  if name in _REBUILT_THROUGH and jx.aval_shape(eqn.outvars[0]) == jx.aval_shape(var):
+    return ((eqn, axis),)
+  if name in _REBUILT_THROUGH and jx.aval_shape(eqn.outvars[0]) == shape:
     chain: list = []
     for v in eqn.invars:
-      if jx.is_literal(v) or jx.aval_shape(v) != jx.aval_shape(var):
-        continue  # a scalar or a broadcast operand, read as it is
+      operand = () if jx.is_literal(v) else jx.aval_shape(v)
+      if len(operand) != len(shape) or operand[axis.dim] != shape[axis.dim]:
+        continue  # a scalar, or broadcast along the examples: read as it is
       inner = _rebuilt(prog, v, axis, depth + 1)
       if inner is None:
         return None
-      chain += [e for e in inner if e not in chain]
-    return tuple(chain) + (eqn,) if chain else None
+      chain += [e for e in inner if e[0] not in {c[0] for c in chain}]
+    return tuple(chain) + ((eqn, axis),) if chain else None
   return None
 
 
 def _chain_inputs(chain) -> list:
-  made = {v for e in chain for v in e.outvars}
-  return list(dict.fromkeys(v for e in chain for v in e.invars if not jx.is_literal(v) and v not in made))
+  made = {v for e, _ in chain for v in e.outvars}
+  return list(dict.fromkeys(v for e, _ in chain for v in e.invars if not jx.is_literal(v) and v not in made))
 
 
 def _sliceable(chain) -> bool:
   """Whether every random draw in ``chain`` can be drawn as a slice (known when tracing: the key's type)."""
-  return all(jx.draw_is_sliceable(e) for e in chain if jx.primitive_name(e) == "random_bits")
+  return all(jx.draw_is_sliceable(e) for e, _ in chain if jx.primitive_name(e) == "random_bits")
 
 
 def _rebuild(prog, chain, var, axis, env, offset, m):
   """Evaluates ``chain`` (from :func:`_rebuilt`) at the microbatch's size; ``var``'s value, or None."""
   local: dict = {}
-  for eqn in chain:
+  for eqn, at in chain:
     name = jx.primitive_name(eqn)
     invals = [jx.read(env, v) if jx.is_literal(v) or v not in local else local[v] for v in eqn.invars]
-    if name == "broadcast_in_dim":
+    if name in ("broadcast_in_dim", "reshape"):
       params = dict(eqn.params)
-      params["shape"] = _resize(params["shape"], axis, m)
+      key = "shape" if name == "broadcast_in_dim" else "new_sizes"
+      params[key] = _resize(params[key], at, m)
       out = jx.bind(eqn, invals, params)
     elif name == "random_bits":
-      bits = jx.random_bits_slice(invals[0], eqn.params["bit_width"], eqn.params["shape"], axis.dim,
-                                  offset * axis.per_example, m * axis.per_example)
+      bits = jx.random_bits_slice(invals[0], eqn.params["bit_width"], eqn.params["shape"], at.dim,
+                                  offset * at.per_example, m * at.per_example)
       if bits is None:
         return None
       out = [bits]

@@ -141,6 +141,42 @@ def test_linen_lm1b_step_is_exact(layout, counts, microbatch, jitted):
   assert f"{batch}x{SEQ}x32xui32" not in program and f"{microbatch}x{SEQ}x32xui32" in program
 
 
+class TinyDecoder(nn.Module):
+  """lm1b's masking: padding and causal masks combined, attention with dropout."""
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    mask = nn.combine_masks(nn.make_attention_mask(tokens > 0, tokens > 0), nn.make_causal_mask(tokens))
+    x = nn.Embed(VOCAB, 16)(tokens)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.1, deterministic=not train)(
+        nn.LayerNorm()(x), mask=mask)
+    return nn.Dense(VOCAB)(x)
+
+
+def test_lm1b_masks_are_built_per_microbatch():
+  model = TinyDecoder()
+  params = model.init(jax.random.key(0), jnp.ones((2, SEQ), jnp.int32), train=False)["params"]
+  state0 = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3, eps=1e-4))
+  step_fn = functools.partial(lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
+  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  batches, rng = _token_batches(batch, seed=5), jax.random.key(9)
+  ref = state0
+  for b in batches:
+    ref, ref_m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, state0, global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(state0)
+  program = step.lower(state, batches[0], dropout_rng=rng).as_text()
+  for b in batches:
+    state, metrics = step(state, b, dropout_rng=rng)
+  _metrics_close(ref_m, metrics)
+  _close(ref.params, state.params)
+  # neither the causal mask nor the attention dropout's draw is made at the global batch
+  assert f"tensor<{batch}x1x{SEQ}x{SEQ}x" not in program and f"tensor<{batch}x2x{SEQ}x{SEQ}x" not in program
+
+
 def test_lockstep_loop_is_exact():
   """Where XLA puts a global-rendezvous collective in the loop, every position runs the largest count, masked."""
   counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 0), 2
