@@ -367,10 +367,8 @@ class _Call:
                rest)
     leaves, call.treedef = jax.tree.flatten((state, sharded.data, rest, kwargs))
     call.static = tuple((i, x) for i, x in enumerate(leaves) if not _is_dynamic(x))
-    n_state = len(jax.tree.leaves(state))
     call._dynamic = [x for x in leaves if _is_dynamic(x)]
-    call._n_state = sum(1 for x in jax.tree.leaves(state) if _is_dynamic(x))
-    del n_state
+    call._n_state = sum(1 for x in leaves[:len(jax.tree.leaves(state))] if _is_dynamic(x))
     call.key = (call.treedef, tuple(_aval(x) for x in call._dynamic), _hashable(call.static), graphdef)
     return call
 
@@ -538,15 +536,6 @@ def _loop_needs_lockstep(lowered: Any) -> bool:
   """Whether the compiled microbatch loop holds a collective that needs lockstep."""
   text = lowered.compile().as_text()
   return any(op in line and "while/body" in line for line in text.splitlines() for op in _GLOBAL_RENDEZVOUS)
-
-
-def _valid_rows(plan: Plan) -> np.ndarray:
-  """Rows of the flattened buffer that hold real examples, in global order."""
-  rows = []
-  per_position = plan.max_count * plan.microbatch
-  for i, count in enumerate(plan.microbatch_counts):
-    rows.append(np.arange(i * per_position, i * per_position + count * plan.microbatch))
-  return np.concatenate(rows).astype(np.int32)
 
 
 def _local_positions(mesh: Any, plan: Plan) -> list[int]:
