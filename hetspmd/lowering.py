@@ -9,8 +9,14 @@ The step's flat jaxpr (traced at the global batch) runs in three parts:
   microbatch loop of the analysis, each device running its own count: the
   per-example equations on one microbatch slice (shapes rewritten from the
   global batch to the microbatch, constants kept), accumulating every cut's
-  partial value; then one reduction over ``data`` (small leaves bucketed;
-  under ZeRO, gradients reduce-scattered onto their shards);
+  partial value in float32; then one reduction over ``data`` (small leaves
+  bucketed; under ZeRO, gradients reduce-scattered onto their shards;
+  gradients cast to ``Layout.reduce_dtype`` for the wire and back). With
+  ``Layout.overlap`` the final loop stops one microbatch short and runs its
+  last microbatch after it (masked where a device has none), so that no
+  loop boundary stands between a gradient's last contribution and its
+  reduction, and XLA's scheduler can start each reduction while the rest of
+  the backward pass runs;
 * everything downstream of the cuts (the optimizer update, metrics) once,
   after the loop, on the reduced values, under XLA's partitioner.
 
@@ -48,6 +54,11 @@ class Layout:
   lockstep: bool = False
   # (path, shape, dim) of the state leaves split along data (ZeRO): a gradient of that shape is reduce-scattered
   data_split: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+  # gradients (final sums of a floating state leaf's shape, see _low_precision) cross data in this dtype
+  reduce_dtype: str = "float32"
+  grad_shapes: frozenset = frozenset()
+  # the final loop's last microbatch runs after the loop, so its gradients' reductions can overlap it
+  overlap: bool = False
 
   @property
   def positions(self) -> int:
@@ -419,9 +430,13 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       if s == final and prog.accumulated:
         extra = partials[len(mine):]
         partials = partials[:len(mine)]
-        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only)
+        low = [not prog.region and _low_precision(layout, x[0]) for x in extra]
+        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only, low,
+                                        layout.reduce_dtype)
+      low = [s == final and cut_outs[k].reduce == "sum" and not cut_outs[k].feedback and not cut_outs[k].local
+             and all(_low_precision(layout, x) for x in part) for k, part in zip(mine, partials)]
       reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
-                                  axis, single, data_only)
+                                  axis, single, data_only, low, layout.reduce_dtype)
       for k, values_k in zip(mine, reduced):
         totals[k] = values_k
         eqn = prog.eqns[cut_outs[k].index]
@@ -495,9 +510,25 @@ def _scatter_dim(prog, var, data_split) -> int | None:
   return None
 
 
-def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only):
+def _low_precision(layout: Layout, x) -> bool:
+  """Whether a final sum crosses ``data`` in ``layout.reduce_dtype``: a floating gradient of a state leaf's shape.
+
+  Scalars (the loss's sum and weight, token counts), sums that feed later
+  loops and per-microbatch statistics stay float32.
+  """
+  return (layout.reduce_dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1
+          and (not layout.grad_shapes or tuple(x.shape) in layout.grad_shapes))
+
+
+def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only, low=None, dtype="float32"):
+  """Each partial reduced over ``axis``; ``low[k]``: partial ``k`` (a sum) crosses the wire in ``dtype``."""
   if single:
     return partials
+  if low is not None and any(low):
+    narrow = [[x.astype(dtype) if lo else x for x in part] for part, lo in zip(partials, low)]
+    reduced = _manual_everywhere(lambda xs: _reduce_over_data(xs, reduces, scatter_dims, axis, single, data_only),
+                                 narrow, axis)
+    return [[y.astype(x.dtype) for x, y in zip(part, out)] for part, out in zip(partials, reduced)]
   out: list = [None] * len(partials)
   sums = [k for k, r in enumerate(reduces) if r == "sum"]
   whole = [k for k in sums if scatter_dims[k] is None]
@@ -516,6 +547,21 @@ def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only):
     elif r == "min":
       out[k] = [jax.lax.pmin(x, axis) for x in partials[k]]
   return out
+
+
+def _manual_everywhere(fn, values, axis):
+  """``fn(values)`` with every mesh axis manual (the data-only meshes reduced precision runs on).
+
+  XLA's CPU compiler widens a bfloat16/float16 all-reduce to float32 by
+  cloning its reduction, and fails (``Invalid binary instruction opcode
+  copy``) on the copy that a partially manual ``shard_map`` puts there; a
+  fully manual region has none.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  others = set(mesh.axis_names) - {axis}
+  if not others:
+    return fn(values)
+  return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=others, check_vma=False)(values)
 
 
 def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count, start, pe_outs):
@@ -571,15 +617,19 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
     return acc, pe
 
   uniform = layout.uniform_count
+  peel = layout.overlap and s == prog.analysis.loops - 1  # the last microbatch after the loop
   if uniform == 1:
-    acc, pe = body(0, (zeros, pe_zero), False)
-  elif uniform is not None:
-    acc, pe = jax.lax.fori_loop(0, uniform, lambda i, c: body(i, c, False), (zeros, pe_zero))
-  elif layout.lockstep:
-    acc, pe = jax.lax.fori_loop(0, layout.max_count, lambda i, c: body(i, c, True), (zeros, pe_zero))
-  else:
-    acc, pe = jax.lax.fori_loop(0, count, lambda i, c: body(i, c, False), (zeros, pe_zero))
-  return acc, pe
+    return body(0, (zeros, pe_zero), False)
+  if uniform is not None:
+    carry = jax.lax.fori_loop(0, uniform - peel, lambda i, c: body(i, c, False), (zeros, pe_zero))
+    return body(uniform - 1, carry, False) if peel else carry
+  if layout.lockstep:
+    carry = jax.lax.fori_loop(0, layout.max_count - peel, lambda i, c: body(i, c, True), (zeros, pe_zero))
+    return body(layout.max_count - 1, carry, True) if peel else carry
+  if not peel:
+    return jax.lax.fori_loop(0, count, lambda i, c: body(i, c, False), (zeros, pe_zero))
+  last = jnp.maximum(count - 1, 0)  # a device with no microbatch runs one, masked to nothing
+  return body(last, jax.lax.fori_loop(0, last, lambda i, c: body(i, c, False), (zeros, pe_zero)), True)
 
 
 def _is_zero_broadcast(prog, var) -> bool:

@@ -30,13 +30,16 @@ from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.mesh import HetMesh, enumerate_layouts
 
-SCHEMA_VERSION = 2  # 2: zero_shards (schema 1 files load as zero_shards 0)
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3  # 2: zero_shards; 3: grad_reduce_dtype, overlap_reduction (older files load as float32, off)
+READABLE_SCHEMAS = (1, 2, 3)
 ZERO_STAGES = (0, 1, 3)
 # What jax.checkpoint saves of a microbatch's forward pass, from most to least: everything ("none"),
 # every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
 # dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")
 REMAT_POLICIES = ("none", "all_dots", "dots", "full")
+# The dtype gradients cross the data axis in: float32 (exact), or halved bytes on the wire (the
+# microbatch accumulation stays float32 either way; see hetspmd.lowering)
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 SpecEntry = None | str | tuple[str, ...]
 Spec = tuple[SpecEntry, ...]
@@ -58,6 +61,10 @@ class Plan:
   # consecutive positions instead (the data axis seen as groups x shards); see zero_shards_for
   zero_shards: int = 0
   remat: str = "none"
+  # the dtype gradients are reduced over data in (GRAD_REDUCE_DTYPES); accumulation stays float32
+  grad_reduce_dtype: str = "float32"
+  # the last microbatch runs outside the loop, so each gradient's reduction can start as it is ready
+  overlap_reduction: bool = False
   device_kinds: tuple[str, ...] = ()
   predicted: tuple[tuple[str, float], ...] = ()
   predicted_per_position: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -90,6 +97,14 @@ class Plan:
       raise InvalidValueError(f"zero_shards={self.zero_shards} needs ZeRO stage 1 or 3, got ZeRO-0")
     if self.remat not in REMAT_POLICIES:
       raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+      raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}")
+    if self.grad_reduce_dtype != "float32" and math.prod(self.mesh_shape[1:]) > 1:
+      raise InvalidValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a data-only mesh (every axis but "
+                              f"{self.data_axis!r} of size 1), got mesh {dict(zip(self.axis_names, self.mesh_shape))}; "
+                              "reduce in float32 or drop the model axis")
+    if not isinstance(self.overlap_reduction, bool):
+      raise InvalidValueError(f"overlap_reduction must be True or False, got {self.overlap_reduction!r}")
     for key, values in self.predicted_per_position:
       if len(values) != self.mesh_shape[0]:
         raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {self.mesh_shape[0]} data positions")
@@ -234,6 +249,8 @@ class Plan:
         "zero_stage": self.zero_stage,
         "zero_shards": self.zero_shards,
         "remat": self.remat,
+        "grad_reduce_dtype": self.grad_reduce_dtype,
+        "overlap_reduction": self.overlap_reduction,
         "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
         "predicted": dict(self.predicted),
         "predicted_per_position": {k: list(v) for k, v in self.predicted_per_position},
@@ -252,6 +269,8 @@ class Plan:
           device_kinds=tuple(mesh.get("device_kinds", ())), global_batch=int(data["global_batch"]),
           microbatch=int(data["microbatch"]), microbatch_counts=tuple(data["microbatch_counts"]),
           zero_stage=int(data["zero_stage"]), zero_shards=int(data.get("zero_shards", 0)), remat=str(data["remat"]),
+          grad_reduce_dtype=str(data.get("grad_reduce_dtype", "float32")),
+          overlap_reduction=bool(data.get("overlap_reduction", False)),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
           predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
@@ -277,7 +296,8 @@ class Plan:
     lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))}, global batch {self.global_batch} = "
              f"{sum(self.microbatch_counts)} microbatches of {self.microbatch}, ZeRO-{self.zero_stage}"
              f"{f' (over groups of {self.zero_shards} where a leaf does not split {self.data_size} ways)' if self.zero_shards else ''}, "
-             f"remat {self.remat}"]
+             f"remat {self.remat}, gradients reduced in {self.grad_reduce_dtype}"
+             f"{' (overlapped with the last microbatch)' if self.overlap_reduction else ''}"]
     groups = np.asarray(self.device_ids).reshape(self.data_size, -1)
     kinds = np.asarray(self.device_kinds or ["?"] * len(self.device_ids), dtype=object).reshape(self.data_size, -1)
     for i, count in enumerate(self.microbatch_counts):
@@ -439,8 +459,8 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
 
 def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh | tuple[int, ...] | None = None,
              microbatch: int | None = None, counts: Sequence[int] | None = None, zero_stage: int = 0,
-             remat: str = "none", dtype: str = "float32",
-             specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> Plan:
+             remat: str = "none", dtype: str = "float32", grad_reduce_dtype: str = "float32",
+             overlap_reduction: bool = False, specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> Plan:
   """A plan over ``cluster`` with microbatch counts proportional to device speed.
 
   Args:
@@ -452,6 +472,10 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
     microbatch: examples per microbatch; default :func:`default_microbatch`.
     counts: microbatches per data position; default proportional to each
       position's peak FLOP/s in ``dtype``.
+    grad_reduce_dtype: the dtype gradients cross ``data`` in
+      (:data:`GRAD_REDUCE_DTYPES`); accumulation stays float32.
+    overlap_reduction: run each position's last microbatch outside its loop,
+      so that gradient reductions can overlap its backward pass.
     specs: ``{path suffix: spec}`` kept as given for the leaves they match
       (e.g. ``hetspmd.annotated_specs(params, rules)``: the model's own
       ``nnx.with_partitioning`` / ``nn.with_logical_partitioning``
@@ -484,6 +508,8 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       zero_stage=zero_stage,
       zero_shards=shards,
       remat=remat,
+      grad_reduce_dtype=grad_reduce_dtype,
+      overlap_reduction=overlap_reduction,
       device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids),
   )
 

@@ -269,8 +269,11 @@ class ParallelStep:
     analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
     self._analysis = analysis
+    grad_shapes = frozenset(tuple(np.shape(x)) for x in jax.tree.leaves(call.state)
+                            if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating))
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
-                             data_split=plan.data_split_leaves(call.state))
+                             data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
+                             grad_shapes=grad_shapes, overlap=plan.overlap_reduction)
 
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
