@@ -26,7 +26,8 @@ from hetspmd.plan import REMAT_POLICIES, zero_group
 # forward pass just before its backward, as a share of a microbatch's peak
 REMAT_ACTIVATIONS = 0.25
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
-GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated and reduced in float32
+GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated in float32, and by default reduced in it
+REDUCE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per gradient element on the wire, by reduce dtype
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
@@ -185,7 +186,7 @@ def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile
 
 
 def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel,
-                     zero: int) -> float:
+                     zero: int, grad_bytes: int = GRAD_BYTES) -> float:
   """Reducing the gradients over ``data`` once per step, as the runtime does.
 
   Data parallel only (``tp.m == 1``), small leaves share buckets
@@ -194,10 +195,11 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
   (half a ring all-reduce, in buckets of their own) and the rest (leaves
   split over groups, or whole), with the loss's sum and weight,
   all-reduced. With a model axis every leaf is all-reduced on its own,
-  whatever the ZeRO stage.
+  whatever the ZeRO stage. ``grad_bytes``: bytes per gradient element on
+  the wire (:data:`REDUCE_BYTES`); the loss's sum and weight stay float32.
   """
   n = sum(hosts.values())
-  grads = profile.param_count * tp.param_share * GRAD_BYTES
+  grads = profile.param_count * tp.param_share * grad_bytes
   if tp.m > 1 or not profile.param_leaf_sizes:
     return _reduce_seconds(cluster, hosts, grads, tp.m, gradient_reductions(profile, tp.m))
   if zero >= 1:
@@ -205,8 +207,8 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
     split, rest = zs.split, zs.grouped + zs.whole
   else:
     split, rest = (), tuple(profile.param_leaf_sizes)
-  return (_reduce_seconds(cluster, hosts, sum(split) * GRAD_BYTES, 1, _bucket_count(split)) / 2
-          + _reduce_seconds(cluster, hosts, (sum(rest) + 2) * GRAD_BYTES, 1, _bucket_count(rest + (1, 1))))
+  return (_reduce_seconds(cluster, hosts, sum(split) * grad_bytes, 1, _bucket_count(split)) / 2
+          + _reduce_seconds(cluster, hosts, sum(rest) * grad_bytes + 2 * GRAD_BYTES, 1, _bucket_count(rest + (1, 1))))
 
 
 def _bucket_count(sizes: tuple[int, ...]) -> int:

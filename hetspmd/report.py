@@ -71,11 +71,15 @@ def explain_text(plan: Plan) -> str:
   lines = [f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, global batch {plan.global_batch} = "
            f"{sum(plan.microbatch_counts)} microbatches of {plan.microbatch}, ZeRO-{plan.zero_stage}"
            f"{f' (groups of {plan.zero_shards} where a leaf does not split {plan.data_size} ways)' if plan.zero_shards else ''}"
-           f", remat {plan.remat}"]
+           f", remat {plan.remat}",
+           f"gradients reduced over {plan.data_axis} in {plan.grad_reduce_dtype} (accumulated in float32)"
+           + (", overlapped with each position's last microbatch" if plan.overlap_reduction else "")]
   if predicted:
     parts = [f"step {predicted['step_seconds']:.4g} s" if "step_seconds" in predicted else "",
              f"{predicted['throughput']:.4g} samples/s" if "throughput" in predicted else "",
-             f"efficiency {predicted['efficiency']:.1%}" if "efficiency" in predicted else ""]
+             f"efficiency {predicted['efficiency']:.1%}" if "efficiency" in predicted else "",
+             f"{predicted['hidden_communication_seconds']:.4g} s of communication hidden"
+             if predicted.get("hidden_communication_seconds") else ""]
     lines.append("predicted: " + ", ".join(p for p in parts if p))
   total = sum(plan.microbatch_counts)
   lines += ["", "work (share of the global batch)"]
@@ -84,7 +88,7 @@ def explain_text(plan: Plan) -> str:
                  f"{r['microbatches'] / total:>5.1%} {_bar(r['microbatches'], max(plan.microbatch_counts))}")
   if all("compute_seconds" in r for r in rows):
     longest = max(r["compute_seconds"] + r.get("communication_seconds", 0.0) for r in rows)
-    lines += ["", "time per step (# compute, ~ communication)"]
+    lines += ["", "time per step (# compute, ~ communication not hidden)"]
     for label, r in runs:
       comm = r.get("communication_seconds", 0.0)
       lines.append(f"  {label:<{width}} {r['kind']:<12} {r['compute_seconds']:>8.4g} s + {comm:<8.4g} s "

@@ -61,8 +61,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hetspmd.cluster import Cluster
-from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, gather_seconds, gradient_seconds,
-                               memory_per_device, zero_split)
+from hetspmd.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel, gather_seconds, gradient_reductions,
+                               gradient_seconds, memory_per_device, zero_split)
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx, strategies, strategy_ilp
 from hetspmd.passes.cost import StepProfile
@@ -73,6 +73,9 @@ from hetspmd.plan import REMAT_POLICIES
 SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
 ZERO_STAGES = (0, 1, 3)
+# Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
+# collectives' kernels share the device with the backward's (not yet calibrated on a device)
+OVERLAP_EFFICIENCY = 0.8
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
 FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
 
@@ -101,6 +104,9 @@ class Evaluated:
   tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
   model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
   position_seconds: tuple[float, ...] = ()  # per data position: its microbatches' time
+  grad_reduce_dtype: str = "float32"  # the dtype gradients cross data in
+  overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
+  hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
 
   @property
   def model(self) -> int:
@@ -108,7 +114,7 @@ class Evaluated:
 
   @property
   def step_seconds(self) -> float:
-    return self.compute_seconds + self.comm_seconds
+    return self.compute_seconds + self.comm_seconds - self.hidden_seconds
 
   @property
   def throughput(self) -> float:
@@ -121,6 +127,9 @@ class Evaluated:
         "predicted_step_seconds": self.step_seconds,
         "compute_seconds": self.compute_seconds,
         "communication_seconds": self.comm_seconds,
+        "hidden_communication_seconds": self.hidden_seconds,
+        "grad_reduce_dtype": self.grad_reduce_dtype,
+        "overlap_reduction": self.overlap,
         "model_communication_seconds": self.model_comm_seconds,
         "efficiency": self.throughput / ideal,
         "mesh": {"data": len(self.counts), "model": self.model},
@@ -308,15 +317,25 @@ class _Costing:
     self._reductions: dict[tuple, float] = {}
     self._first: dict[tuple[str, int], float] = {}
 
-  def gradient_seconds(self, layout: "_Layout", tp: TensorParallel, zero: int) -> float:
-    """:func:`gradient_seconds`, plus ZeRO's parameter gather (:func:`gather_seconds`)."""
-    key = (tuple(sorted(layout.hosts.items())), tp.m, tp.param_share, min(zero, 1))
+  def gradient_seconds(self, layout: "_Layout", tp: TensorParallel, zero: int,
+                       reduce_dtype: str = "float32") -> tuple[float, float]:
+    """(:func:`gradient_seconds` in ``reduce_dtype``, ZeRO's parameter gather: :func:`gather_seconds`)."""
+    key = (tuple(sorted(layout.hosts.items())), tp.m, tp.param_share, min(zero, 1), reduce_dtype)
     if key not in self._reductions:
-      seconds = gradient_seconds(self.cluster, layout.hosts, self.profile, tp, zero)
-      if zero >= 1:
-        seconds += gather_seconds(self.cluster, layout.hosts, self.profile, tp)
-      self._reductions[key] = seconds
+      reduce = gradient_seconds(self.cluster, layout.hosts, self.profile, tp, zero, REDUCE_BYTES[reduce_dtype])
+      gather = gather_seconds(self.cluster, layout.hosts, self.profile, tp) if zero >= 1 else 0.0
+      self._reductions[key] = (reduce, gather)
     return self._reductions[key]
+
+  def backward_share(self, kind: str, microbatch: int) -> float:
+    """The backward pass's share of a microbatch's compute (what an overlapped reduction can hide behind)."""
+    key = (kind, microbatch, "backward")
+    if key not in self._remat:
+      seconds = self.node_seconds(kind, microbatch)
+      plain = float(seconds.sum())
+      backward = float(seconds[~self.profile.forward].sum()) if self.profile.forward.size else 2 * plain / 3
+      self._remat[key] = backward / plain if plain > 0 else 0.0
+    return self._remat[key]
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
     key = (kind, microbatch)
@@ -395,14 +414,41 @@ def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Sol
 
 
 def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
-              global_batch: int, counts_rule: Any, name: str) -> Evaluated | None:
+              global_batch: int, counts_rule: Any, name: str, reduce_dtype: str = "float32",
+              overlap: bool = False) -> Evaluated | None:
+  """One candidate costed. ``overlap``: each position's last microbatch runs after its loop (a position with
+  none runs one, masked), and the gradient reductions hide behind the busiest one's backward pass."""
   n = len(layout.groups)
   total = global_batch // microbatch
   costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
   counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
   if len(counts) != n or sum(counts) != total:
     return None
-  work = [costs[k].at(c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
+  reduce, gather = costing.gradient_seconds(layout, tp, zero, reduce_dtype)
+  memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
+  options = [False, True] if overlap and n > 1 and min(counts) == 0 else [overlap and n > 1]
+  best = None
+  for peeled in options:  # a masked microbatch on a position with none can cost more than the overlap saves
+    per_position = _position_seconds(costing, layout, costs, counts, peeled)
+    busiest = max(range(n), key=lambda i: per_position[i])
+    hidden = 0.0
+    if peeled:  # all but the last collective can run under the busiest position's last backward pass
+      kind = layout.kinds[busiest]
+      window = OVERLAP_EFFICIENCY * costs[kind].micro * costing.backward_share(kind, microbatch)
+      hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, tp.m)))
+    e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
+                  reduce + gather, (memory,) * len(layout.devices), global_batch, tp,
+                  costs[layout.kinds[busiest]].model_comm * max(counts[busiest], int(peeled)), per_position,
+                  reduce_dtype, peeled, hidden)
+    if best is None or e.step_seconds < best.step_seconds:
+      best = e
+  return best
+
+
+def _position_seconds(costing: _Costing, layout: _Layout, costs: dict, counts: Sequence[int],
+                      peeled: bool) -> tuple[float, ...]:
+  """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
+  work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
   cluster = costing.cluster
   for h in layout.hosts:
     host = cluster.hosts[h]
@@ -411,13 +457,7 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
       finish = shared_finish_times([work[i] for i in mine], layout.m, host.count, host.alone_speedup)
       for i, f in zip(mine, finish):
         work[i] = f
-  per_position = tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
-  busiest = max(range(n), key=lambda i: per_position[i])
-  reduce = costing.gradient_seconds(layout, tp, zero)
-  memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
-  return Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
-                   reduce, (memory,) * len(layout.devices), global_batch, tp,
-                   costs[layout.kinds[busiest]].model_comm * counts[busiest], per_position)
+  return tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
 
 
 def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, speedup: float) -> tuple[float, ...]:
@@ -443,11 +483,13 @@ def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, spe
 
 def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
              remat: str, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
-             name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL) -> Evaluated | None:
+             name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL, reduce_dtype: str = "float32",
+             overlap: bool = False) -> Evaluated | None:
   """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
   costing = _Costing(cluster, profile, microbatch)
   layout = _layout(cluster, name, positions, tensor_parallel.m)
-  return _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name)
+  return _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name,
+                   reduce_dtype, overlap)
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -487,8 +529,13 @@ def model_sizes(cluster: Cluster) -> tuple[int, ...]:
 
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None,
-           remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0) -> SearchResult:
+           remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
+           grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
+
+  ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
+  "bfloat16")`` lets the search halve the bytes where that pays); ``overlap``: every plan, baselines
+  included, overlaps its reductions with the last microbatch's backward pass, as PyTorch DDP does.
 
   ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
@@ -496,6 +543,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
   """
   start = time.perf_counter()
+  unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
+  if unknown or not grad_reduce_dtypes:
+    raise HetSpmdError(f"grad_reduce_dtypes must name some of {tuple(REDUCE_BYTES)}, got {tuple(grad_reduce_dtypes)}")
   specs = {k: cluster.spec_of(k) for k in cluster.kinds}
   reduced = jx.reduced_precision_f32_matmuls()
   peak = {k: s.f32_matmul_flops(reduced) for k, s in specs.items()}  # float32 matmuls' peak: dp_proportional
@@ -536,7 +586,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     fitting = [tp for tp in choices
                if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
     for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
-      consider(_evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name), layout, bucket)
+      for dtype in grad_reduce_dtypes if layout.m == 1 else ("float32",):
+        consider(_evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtype, overlap),
+                 layout, bucket)
 
   for n_done, microbatch in enumerate(sizes):
     total = global_batch // microbatch
@@ -553,8 +605,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
             fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
           if m == 1:
             for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
-              consider(_evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat, global_batch,
-                                 rule, bucket), layouts["all"], bucket)
+              for dtype in grad_reduce_dtypes:
+                consider(_evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
+                                   global_batch, rule, bucket, dtype, overlap), layouts["all"], bucket)
           fastest_fitting(layouts[f"only {fastest_kind}"], microbatch, zero, remat, even, "fastest_only" + suffix,
                           "fastest_only")
           for kind in cluster.kinds:
@@ -568,7 +621,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   unique: list[Evaluated] = []
   for e in plans:
     if not any(e.device_positions == u.device_positions and e.counts == u.counts and e.microbatch == u.microbatch
-               and e.tensor_parallel.choice == u.tensor_parallel.choice for u in unique):
+               and e.tensor_parallel.choice == u.tensor_parallel.choice and e.grad_reduce_dtype == u.grad_reduce_dtype
+               for u in unique):
       unique.append(e)
     if len(unique) == top:
       break
@@ -638,6 +692,7 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
   tp = evaluated.tensor_parallel
   predicted = {"step_seconds": evaluated.step_seconds, "throughput": evaluated.throughput,
                "compute_seconds": evaluated.compute_seconds, "communication_seconds": evaluated.comm_seconds,
+               "hidden_communication_seconds": evaluated.hidden_seconds,
                "memory_bytes_per_device": float(max(evaluated.memory_bytes))}
   if tp.m > 1:
     predicted["model_communication_seconds"] = evaluated.model_comm_seconds
@@ -647,7 +702,7 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
   firsts = evaluated.device_positions[::tp.m]
   per_position = (("memory_bytes", tuple(float(evaluated.memory_bytes[i * tp.m]) for i in range(len(firsts)))),
                   ("memory_capacity_bytes", tuple(float(cluster.devices[d].spec.memory_bytes) for d in firsts)),
-                  ("communication_seconds", (evaluated.comm_seconds,) * len(firsts)))
+                  ("communication_seconds", (evaluated.comm_seconds - evaluated.hidden_seconds,) * len(firsts)))
   if evaluated.position_seconds:
     per_position = (("compute_seconds", evaluated.position_seconds),) + per_position
   model_specs = _model_specs(state, axes, dict(tp.model_dims))
@@ -656,6 +711,8 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
               microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
               state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims), shards),
               zero_stage=evaluated.zero_stage, zero_shards=shards, remat=evaluated.remat,
+              grad_reduce_dtype=evaluated.grad_reduce_dtype,
+              overlap_reduction=evaluated.overlap,
               device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
               predicted_per_position=per_position)
 
@@ -693,7 +750,8 @@ def _model_specs(state: Any, axis_names: Sequence[str], model_dims: dict[str, in
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
                 top: int = 5, progress: Callable[[str], None] | None = None,
-                models: Sequence[int] | None = None) -> SearchResult:
+                models: Sequence[int] | None = None, grad_reduce_dtypes: Sequence[str] = ("float32",),
+                overlap: bool = True) -> SearchResult:
   """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``."""
   if not isinstance(global_batch, int) or global_batch < 1:
     from hetspmd.errors import InvalidValueError
@@ -701,4 +759,5 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if progress:
     progress("tracing the step at two batch sizes")
-  return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models)
+  return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
+                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap)
