@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
   search.add_argument("--global-batch", type=_positive_int, default=64, help="examples per step (default: 64)")
   search.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
   search.add_argument("--top", type=_positive_int, default=5, help="plans to show (default: 5)")
+  search.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="the model's compute dtype, float32 master weights either way (default: float32)")
+  search.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16", "float16", "search"),
+                      default="float32",
+                      help="dtype gradients cross the data axis in; 'search' lets the search pick float32 or "
+                      "bfloat16 per plan; accumulation stays float32 (default: float32, exact)")
+  search.add_argument("--no-overlap", action="store_true",
+                      help="do not overlap gradient reductions with the last microbatch's backward pass")
   search.add_argument("--out", help="write the best plan to this JSON file")
   search.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
   search.set_defaults(run=_run_search)
@@ -159,7 +167,7 @@ def _run_search(args: argparse.Namespace) -> int:
   from hetspmd.search import BASELINES, plan_from, search_step
 
   cluster = Cluster.resolve(args.cluster)
-  workload = models.get(args.model)
+  workload = models.get(args.model).with_dtype(args.dtype)
   batch = workload.example_batch(2, args.seq)
   state = workload.abstract_state()
   start = time.perf_counter()
@@ -168,15 +176,16 @@ def _run_search(args: argparse.Namespace) -> int:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
+  dtypes = ("float32", "bfloat16") if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   result = search_step(workload.make_train_step(), state, batch, cluster, global_batch=args.global_batch,
-                       top=args.top, progress=progress)
+                       top=args.top, progress=progress, grad_reduce_dtypes=dtypes, overlap=not args.no_overlap)
   ideal = result.ideal_throughput
   best = result.plans[0]
   if args.out:
     plan_from(best, cluster, state, ideal).save(args.out)
   report = {
       "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
-      "global_batch": args.global_batch, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
+      "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
       "plans": [p.to_json(ideal) for p in result.plans],
       "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
                            result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
@@ -187,12 +196,13 @@ def _run_search(args: argparse.Namespace) -> int:
     return 0
   kinds = ", ".join(f"{sum(1 for d in cluster.devices if d.spec.name == k)} {k}" for k in cluster.kinds)
   print(f"{workload.name} on {cluster} ({cluster.num_devices} devices: {kinds}), global batch {args.global_batch}"
-        + (f", seq {report['seq']}" if report["seq"] else ""))
+        + (f", seq {report['seq']}" if report["seq"] else "") + (f", {args.dtype} compute" if args.dtype != "float32"
+                                                                   else ""))
   print(f"searched {result.candidates} candidates in {result.search_seconds:.2f} s (after tracing); "
         f"ideal throughput {ideal:.1f} samples/s")
   print()
   print(f"{'#':>2} {'plan':<28} {'mb':>4} {'ZeRO':>4} {'remat':>8} {'step s':>8} {'samples/s':>10} {'eff':>6} "
-        f"{'comm s':>7} {'mem/dev':>9}  counts")
+        f"{'comm s':>7} {'hidden':>7} {'reduce':>6} {'mem/dev':>9}  counts")
   for i, p in enumerate(result.plans, 1):
     print(_plan_row(str(i), p, ideal))
   print()
@@ -210,7 +220,11 @@ def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str 
   counts = _counts_summary(p.kinds, p.counts)
   return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} "
           f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
-          f"{_si(max(p.memory_bytes), 'B'):>9}  {counts}{suffix}")
+          f"{p.hidden_seconds:7.3f} {_DTYPE_SHORT[p.grad_reduce_dtype]:>6} {_si(max(p.memory_bytes), 'B'):>9}  "
+          f"{counts}{suffix}")
+
+
+_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def _counts_summary(kinds, counts) -> str:

@@ -66,6 +66,7 @@ class ParallelStep:
   _mesh: Any = None
   batch_argnums: tuple[int, ...] | None = None
   batch_stats: str = "local"
+  grad_reduce_dtype: str = "float32"
   _programs: dict = dataclasses.field(default_factory=dict)  # one jitted program per argument structure
   _analysis: Any = None
   _starts_array: Any = None
@@ -93,7 +94,8 @@ class ParallelStep:
       elif requested == "auto":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
-                        specs=self.specs)
+                        specs=self.specs, grad_reduce_dtype="float32" if self.grad_reduce_dtype == "search"
+                        else self.grad_reduce_dtype)
       elif requested == "search":
         plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, search_fn, batch)
       else:
@@ -121,7 +123,9 @@ class ParallelStep:
       profile = profile_step(search_fn or self.fn, state, batch)
     result = search(cluster, profile, self.global_batch, top=1,
                     remat_policies=SEARCHED_REMAT if calls else ("none",),
-                    recompute=self._recompute(search_fn or self.fn, state, batch))
+                    recompute=self._recompute(search_fn or self.fn, state, batch),
+                    grad_reduce_dtypes=(("float32", "bfloat16") if self.grad_reduce_dtype == "search"
+                                        else (self.grad_reduce_dtype,)))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
@@ -549,7 +553,7 @@ def _local_positions(mesh: Any, plan: Plan) -> list[int]:
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
-                batch_stats: str = "local"):
+                batch_stats: str = "local", grad_reduce_dtype: str = "float32"):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -589,6 +593,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       per-device BatchNorm in data-parallel training, and the new running
       averages the mean of the microbatches'; ``"exact"``: the global
       batch's, each computed in an extra loop over the microbatches.
+    grad_reduce_dtype: the dtype gradients cross the data axis in (``"auto"``
+      and ``"search"`` plans): ``"float32"`` (exact), ``"bfloat16"`` or
+      ``"float16"`` (half the bytes; each element within a few units of the
+      reduce dtype's roundoff of the sum of the positions' magnitudes), or
+      ``"search"`` (the search picks float32 or bfloat16 per plan, by cost).
+      Accumulation over microbatches stays float32 either way. ``"search"``
+      plans overlap the reduction with each position's last microbatch.
   """
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
@@ -596,6 +607,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
                             f"got {microbatch!r}")
 
+  if grad_reduce_dtype not in ("float32", "bfloat16", "float16", "search"):
+    raise InvalidValueError(f"grad_reduce_dtype must be 'float32', 'bfloat16', 'float16' or 'search', "
+                            f"got {grad_reduce_dtype!r}")
   if batch_stats not in ("local", "exact"):
     raise InvalidValueError(f"batch_stats must be 'local' (each microbatch normalises with its own statistics, "
                             f"as per-device BatchNorm) or 'exact' (the global batch's), got {batch_stats!r}")
@@ -606,6 +620,6 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else (
         None if batch_argnums is None else tuple(batch_argnums))
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
-                        batch_argnums=argnums, batch_stats=batch_stats)
+                        batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype)
 
   return wrap if fn is None else wrap(fn)

@@ -439,7 +439,7 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
     e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
                   reduce + gather, (memory,) * len(layout.devices), global_batch, tp,
                   costs[layout.kinds[busiest]].model_comm * max(counts[busiest], int(peeled)), per_position,
-                  reduce_dtype, peeled, hidden)
+                  reduce_dtype, peeled and hidden > 0, hidden)
     if best is None or e.step_seconds < best.step_seconds:
       best = e
   return best

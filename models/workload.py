@@ -93,6 +93,17 @@ class Workload:
     _, params = _abstract_model(self)
     return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
 
+  def with_dtype(self, dtype: str) -> "Workload":
+    """This workload computing in ``dtype`` (float32 parameters and optimizer state either way)."""
+    if dtype == getattr(self.config, "dtype", "float32"):
+      return self
+    if dtype not in ("float32", "bfloat16", "float16"):
+      raise InvalidValueError(f"{self.name}: dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if not any(f.name == "dtype" for f in dataclasses.fields(self.config)):
+      raise InvalidValueError(f"{self.name} computes in float32 only; the transformer families (gpt2, gpt3, bert, "
+                              f"bert-moe, linen-lm) take a compute dtype")
+    return dataclasses.replace(self, name=f"{self.name}-{dtype}", config=dataclasses.replace(self.config, dtype=dtype))
+
   # --- batches ---------------------------------------------------------------
 
   def example_batch(self, batch: int | None = None, seq: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:

@@ -200,3 +200,142 @@ def test_plan_json_keeps_the_reduction_options(tmp_path):
   del old["grad_reduce_dtype"], old["overlap_reduction"]
   legacy = hs.Plan.from_json(old)
   assert legacy.grad_reduce_dtype == "float32" and not legacy.overlap_reduction
+
+
+# --- what the search costs ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+  from hetspmd import models
+  from hetspmd.search import profile_step
+
+  w = models.get("gpt2-tiny")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+
+
+SLOW_NETWORK = "2x4xV100-32GB+2x4xP100-16GB;inter=1Gbps"
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_reduced_precision_halves_the_gradient_bytes(zero, tiny_profile):
+  from hetspmd.data_axis import NO_TENSOR_PARALLEL, _host_counts, gather_seconds
+  from hetspmd.search import evaluate
+
+  cluster = hs.Cluster.parse(SLOW_NETWORK)
+  positions = tuple(range(16))
+  args = (cluster, tiny_profile, positions, 2, zero, "none", 64, (2,) * 16, "x")
+  full, half = evaluate(*args), evaluate(*args, reduce_dtype="bfloat16")
+  hosts = _host_counts(cluster, positions)
+  gather = gather_seconds(cluster, hosts, tiny_profile, NO_TENSOR_PARALLEL) if zero else 0.0
+  # bandwidth-bound over a 1 Gbps link: the gradients' time halves; latencies, the loss's float32 sum and
+  # ZeRO's parameter gather do not change
+  ratio = (half.comm_seconds - gather) / (full.comm_seconds - gather)
+  assert 0.5 <= ratio < 0.55  # ZeRO-1 reduce-scatters each of the 28 leaves on its own: 28 latencies
+  assert half.compute_seconds == full.compute_seconds and half.grad_reduce_dtype == "bfloat16"
+
+
+def test_one_bucket_cannot_overlap(tiny_profile):
+  from hetspmd.search import evaluate
+
+  # GPT-tiny's gradients are all small leaves, reduced as one bucket once every one is ready
+  cluster = hs.Cluster.parse(SLOW_NETWORK)
+  e = evaluate(cluster, tiny_profile, tuple(range(16)), 2, 0, "none", 64, (3,) * 8 + (1,) * 8, "x", overlap=True)
+  assert not e.overlap and e.hidden_seconds == 0  # so the plan keeps its loop whole
+
+
+def test_overlap_hides_at_most_the_last_backward_pass():
+  from hetspmd import models
+  from hetspmd.search import OVERLAP_EFFICIENCY, evaluate, profile_step
+
+  w = models.get("gpt2-small")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
+  cluster = hs.Cluster.parse(SLOW_NETWORK)
+  positions = tuple(range(16))
+  args = (cluster, profile, positions, 2, 0, "none", 64, (3,) * 8 + (1,) * 8, "x")
+  plain, overlapped = evaluate(*args), evaluate(*args, overlap=True)
+  assert plain.hidden_seconds == 0 and not plain.overlap
+  assert overlapped.overlap and 0 < overlapped.hidden_seconds < overlapped.comm_seconds
+  assert overlapped.comm_seconds == plain.comm_seconds and overlapped.compute_seconds == plain.compute_seconds
+  assert overlapped.step_seconds == pytest.approx(plain.step_seconds - overlapped.hidden_seconds)
+  one_microbatch = plain.compute_seconds / 3  # the busiest position runs 3 (and a small fixed update)
+  assert overlapped.hidden_seconds <= OVERLAP_EFFICIENCY * one_microbatch
+  # a position with no microbatch would run one, masked: the search then keeps the loop whole
+  idle = evaluate(*args[:7], (4,) * 8 + (0,) * 8, "x", overlap=True)
+  assert idle.step_seconds <= evaluate(*args[:7], (4,) * 8 + (0,) * 8, "x").step_seconds
+
+
+def test_search_takes_reduced_precision_only_when_allowed(tiny_profile):
+  from hetspmd.search import search
+
+  cluster = hs.Cluster.parse(SLOW_NETWORK)
+  exact = search(cluster, tiny_profile, 64)
+  either = search(cluster, tiny_profile, 64, grad_reduce_dtypes=("float32", "bfloat16"))
+  assert all(p.grad_reduce_dtype == "float32" for p in exact.plans)
+  assert all(b.grad_reduce_dtype == "float32" for b in exact.baselines.values())
+  assert either.plans[0].grad_reduce_dtype == "bfloat16"
+  assert either.plans[0].step_seconds < exact.plans[0].step_seconds
+  # baselines are the same search with choices pinned: they may reduce in bfloat16 too
+  assert either.baselines["dp_even"].grad_reduce_dtype == "bfloat16"
+  with pytest.raises(hs.HetSpmdError, match="grad_reduce_dtypes must name"):
+    search(cluster, tiny_profile, 64, grad_reduce_dtypes=("int8",))
+
+
+def test_search_cli_reports_the_reduction(tmp_path, capsys):
+  from hetspmd.cli import main
+
+  plan_path = tmp_path / "plan.json"
+  assert main(["search", "--model", "gpt2-small", "--seq", "64", "--cluster", SLOW_NETWORK, "--global-batch", "64",
+               "--grad-reduce-dtype", "search", "--out", str(plan_path), "--json"]) == 0
+  report = __import__("json").loads(capsys.readouterr().out)
+  best = report["plans"][0]
+  assert best["grad_reduce_dtype"] == "bfloat16" and best["overlap_reduction"]
+  assert 0 < best["hidden_communication_seconds"] < best["communication_seconds"]
+  plan = hs.Plan.load(plan_path)
+  assert plan.grad_reduce_dtype == "bfloat16" and plan.overlap_reduction
+  assert main(["explain", str(plan_path)]) == 0
+  text = capsys.readouterr().out
+  assert "gradients reduced over data in bfloat16" in text and "overlapped" in text and "hidden" in text
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", SLOW_NETWORK, "--global-batch", "64",
+               "--no-overlap", "--json"]) == 0
+  assert not __import__("json").loads(capsys.readouterr().out)["plans"][0]["overlap_reduction"]
+
+
+def test_zoo_models_take_a_compute_dtype():
+  from hetspmd import models
+
+  w = models.get("gpt2-tiny").with_dtype("bfloat16")
+  assert w.config.dtype == "bfloat16" and w.name == "gpt2-tiny-bfloat16"
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(w.abstract_state()["params"]))  # master weights
+  with pytest.raises(hs.InvalidValueError, match="computes in float32 only"):
+    models.get("mlp-tiny").with_dtype("float16")
+
+
+@pytest.mark.timeout(240)
+def test_searched_plan_with_reduced_precision_trains_like_one_device():
+  """parallelize(plan="search", grad_reduce_dtype="search"): bfloat16, overlapped, and close to one device."""
+  batch_size, width = 4096, 512
+  rs = np.random.RandomState(1)
+  batches = [{"x": rs.randn(batch_size, width).astype(np.float32), "y": rs.randn(batch_size, 4).astype(np.float32)}
+             for _ in range(3)]
+
+  def wide_params():  # w1 is 2 MiB: a bucket of its own, whose reduction can overlap the rest of the backward pass
+    k = jax.random.split(jax.random.key(3), 2)
+    return {"w1": jax.random.normal(k[0], (width, 1024)) * 0.05, "b1": jnp.zeros(1024),
+            "w2": jax.random.normal(k[1], (1024, 4)) * 0.05}
+
+  require_devices(8)
+  slow = {k: hs.DeviceSpec(k, flops, flops, 2**30, 1e10) for k, flops in (("SlowA", 2e9), ("SlowB", 1e9))}
+  # alternating kinds: every device a host of its own, so no model axis (it stays within a host)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["SlowA", "SlowB"] * 4, custom=slow)
+  step = hs.parallelize(_mlp_step, cluster=cluster, plan="search", global_batch=batch_size,
+                        grad_reduce_dtype="search")
+  params, ref = wide_params(), wide_params()
+  for b in batches:
+    params, metrics = step(params, b)
+    ref, ref_metrics = jax.jit(_mlp_step)(ref, b)
+    # the loss is computed before the step's reduction, from parameters that differ by the earlier steps'
+    # rounding (each gradient element within gamma(9) ~ 3.6% of the positions' magnitudes, times lr 0.1)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-2)
+  plan = step.plan
+  assert plan.data_size > 1 and plan.grad_reduce_dtype == "bfloat16" and plan.overlap_reduction, plan.summary()
