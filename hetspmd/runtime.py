@@ -286,7 +286,7 @@ class ParallelStep:
         outputs = program(call.inputs(dynamic), counts, starts)
         return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
 
-      return jax.jit(run, donate_argnums=(0,) if self.donate_state else ())
+      return jax.jit(run, donate_argnums=(0,) if self.donate_state else (), compiler_options=_compiler_options(plan, mesh))
 
     programs: dict = {}
 
@@ -302,6 +302,14 @@ class ParallelStep:
 
     run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
     return run
+
+
+def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
+  """XLA options the plan needs: on GPUs, an overlapped reduction needs the latency-hiding scheduler to move each
+  gradient's all-reduce start up into the last microbatch's backward pass."""
+  if plan.overlap_reduction and mesh.devices.flat[0].platform == "gpu":
+    return {"xla_gpu_enable_latency_hiding_scheduler": True}
+  return None
 
 
 def _is_graph_node(x: Any) -> bool:
