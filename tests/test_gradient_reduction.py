@@ -371,3 +371,51 @@ def test_mixed_precision_model_runs_weighted_and_reduced_in_bfloat16():
   for e, a in zip(jax.tree.leaves(ref["params"]), jax.tree.leaves(state["params"])):
     assert a.dtype == jnp.float32
     assert float(np.max(np.abs(np.asarray(e) - np.asarray(a)))) <= 2 * bound * lr * len(batches)
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_and_bfloat16_reductions_in_two_processes():
+  """2 processes x 4 CPU devices over gloo: the lm1b-style step overlapped (exact), and reduced in bfloat16."""
+  from multiprocess import run_processes
+
+  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 0), 2
+  batch = sum(counts) * microbatch
+  mine = sum(counts[:4]) * microbatch
+  results = run_processes(f"""
+      import functools, json
+      import numpy as np, jax
+      from jax.experimental import multihost_utils
+      import hetspmd as hs
+      import types
+      sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)  # keep 4 devices here
+      sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+      import test_unmodified_steps as t
+      fn = functools.partial(t.lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
+      batches, rng = t._token_batches({batch}), jax.random.key(7)
+      local = jax.local_devices()[0]
+      ref, ref_step = jax.device_put(t._lm_state(), local), jax.jit(fn)
+      for b in batches:
+        ref, ref_metrics = ref_step(ref, jax.device_put(b, local), dropout_rng=jax.device_put(rng, local))
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
+      out = {{}}
+      for name, options in (("overlap", dict(overlap_reduction=True)),
+                            ("bfloat16", dict(overlap_reduction=True, grad_reduce_dtype="bfloat16"))):
+        plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts},
+                           **options)
+        step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
+        state = step.shard_state(t._lm_state())
+        for b in batches:
+          state, metrics = step(state, {{k: v[mine] for k, v in b.items()}}, dropout_rng=rng)
+        got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
+        diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
+                   for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
+        out[name] = {{"loss": float(metrics["loss"]), "diff": diff}}
+      out["ref_loss"] = float(ref_metrics["loss"])
+      print(json.dumps(out))
+  """, num_processes=2, devices_per_process=4, timeout=240)
+  for r in results:
+    assert r["overlap"]["diff"] <= 1e-4
+    np.testing.assert_allclose(r["overlap"]["loss"], r["ref_loss"], rtol=1e-5)
+    np.testing.assert_allclose(r["bfloat16"]["loss"], r["ref_loss"], rtol=1e-2)
+    assert r["bfloat16"]["diff"] > 0  # reduced precision does round
