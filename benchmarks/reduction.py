@@ -1,9 +1,9 @@
 """Gradient reduction options side by side: overlapped with the last microbatch, and in bfloat16.
 
-    python benchmarks/reduction.py [--model gpt2-tiny] [--batch 64] [--microbatch 4] [--steps 31]
+    python benchmarks/reduction.py [--model gpt2-tiny] [--batch 48] [--microbatch 4] [--steps 31]
 
-Runs the zoo's unmodified train step on 8 emulated CPU devices under one uneven plan (counts 2:1 between
-the first and last four positions) four ways: float32 reduction after the loop (the plan as before),
+Runs the zoo's unmodified train step on 8 emulated CPU devices under one uneven plan (about 2:1 between
+the first and last four positions' microbatch counts) four ways: float32 reduction after the loop (the plan as before),
 overlapped, in bfloat16, and both. Steps rotate between them so machine noise hits all alike. Prints
 per variant the median step time, its ratio to the first, the bytes its collectives over ``data`` move
 per step (operands of the all-reduces and reduce-scatters the program asks XLA for), and the largest

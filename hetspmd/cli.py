@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
   search.add_argument("--top", type=_positive_int, default=5, help="plans to show (default: 5)")
   search.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="the model's compute dtype, float32 master weights either way (default: float32)")
-  search.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16", "float16", "search"),
+  search.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16", "search"),
                       default="float32",
                       help="dtype gradients cross the data axis in; 'search' lets the search pick float32 or "
                       "bfloat16 per plan; accumulation stays float32 (default: float32, exact)")
@@ -224,7 +224,7 @@ def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str 
           f"{counts}{suffix}")
 
 
-_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def _counts_summary(kinds, counts) -> str:

@@ -27,7 +27,7 @@ from hetspmd.plan import REMAT_POLICIES, zero_group
 REMAT_ACTIVATIONS = 0.25
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated in float32, and by default reduced in it
-REDUCE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per gradient element on the wire, by reduce dtype
+REDUCE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per gradient element on the wire, by reduce dtype
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:

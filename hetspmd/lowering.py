@@ -54,9 +54,8 @@ class Layout:
   lockstep: bool = False
   # (path, shape, dim) of the state leaves split along data (ZeRO): a gradient of that shape is reduce-scattered
   data_split: tuple[tuple[str, tuple[int, ...], int], ...] = ()
-  # gradients (final sums of a floating state leaf's shape, see _low_precision) cross data in this dtype
+  # gradients (final sums made by the backward pass, see _low_precision) cross data in this dtype
   reduce_dtype: str = "float32"
-  grad_shapes: frozenset = frozenset()
   # the final loop's last microbatch runs after the loop, so its gradients' reductions can overlap it
   overlap: bool = False
 
@@ -430,11 +429,13 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
       if s == final and prog.accumulated:
         extra = partials[len(mine):]
         partials = partials[:len(mine)]
-        low = [not prog.region and _low_precision(layout, x[0]) for x in extra]
+        low = [[not prog.region and _backward(prog, prog.producer.get(v)) and _low_precision(layout, x[0])]
+               for v, x in zip(prog.accumulated, extra)]
         accumulated = _reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only, low,
                                         layout.reduce_dtype)
-      low = [s == final and cut_outs[k].reduce == "sum" and not cut_outs[k].feedback and not cut_outs[k].local
-             and all(_low_precision(layout, x) for x in part) for k, part in zip(mine, partials)]
+      low = [[s == final and cut_outs[k].reduce == "sum" and not cut_outs[k].feedback and not cut_outs[k].local
+              and _backward(prog, cut_outs[k].index) and _low_precision(layout, x) for x in part]
+             for k, part in zip(mine, partials)]
       reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
                                   axis, single, data_only, low, layout.reduce_dtype)
       for k, values_k in zip(mine, reduced):
@@ -510,22 +511,27 @@ def _scatter_dim(prog, var, data_split) -> int | None:
   return None
 
 
-def _low_precision(layout: Layout, x) -> bool:
-  """Whether a final sum crosses ``data`` in ``layout.reduce_dtype``: a floating gradient of a state leaf's shape.
+def _backward(prog, index: int | None) -> bool:
+  """Whether equation ``index`` belongs to a transposed (gradient) pass, by its name stack."""
+  return index is not None and jx.phase(prog.eqns[index]) == "backward"
 
-  Scalars (the loss's sum and weight, token counts), sums that feed later
-  loops and per-microbatch statistics stay float32.
+
+def _low_precision(layout: Layout, x) -> bool:
+  """Whether a final sum made by the backward pass crosses ``data`` in ``layout.reduce_dtype``: a floating array.
+
+  Scalars (the loss's sum and weight, token counts), sums of the forward
+  pass (metrics), sums that feed later loops and per-microbatch statistics
+  stay float32; the callers check all but the first.
   """
-  return (layout.reduce_dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1
-          and (not layout.grad_shapes or tuple(x.shape) in layout.grad_shapes))
+  return layout.reduce_dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1
 
 
 def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only, low=None, dtype="float32"):
-  """Each partial reduced over ``axis``; ``low[k]``: partial ``k`` (a sum) crosses the wire in ``dtype``."""
+  """Each partial reduced over ``axis``; ``low[k][j]``: output ``j`` of partial ``k`` crosses the wire in ``dtype``."""
   if single:
     return partials
-  if low is not None and any(low):
-    narrow = [[x.astype(dtype) if lo else x for x in part] for part, lo in zip(partials, low)]
+  if low is not None and any(any(lo) for lo in low):
+    narrow = [[x.astype(dtype) if lo else x for x, lo in zip(part, los)] for part, los in zip(partials, low)]
     reduced = _manual_everywhere(lambda xs: _reduce_over_data(xs, reduces, scatter_dims, axis, single, data_only),
                                  narrow, axis)
     return [[y.astype(x.dtype) for x, y in zip(part, out)] for part, out in zip(partials, reduced)]
@@ -552,7 +558,7 @@ def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only, 
 def _manual_everywhere(fn, values, axis):
   """``fn(values)`` with every mesh axis manual (the data-only meshes reduced precision runs on).
 
-  XLA's CPU compiler widens a bfloat16/float16 all-reduce to float32 by
+  XLA's CPU compiler widens a bfloat16 all-reduce to float32 by
   cloning its reduction, and fails (``Invalid binary instruction opcode
   copy``) on the copy that a partially manual ``shard_map`` puts there; a
   fully manual region has none.

@@ -37,9 +37,11 @@ ZERO_STAGES = (0, 1, 3)
 # every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
 # dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")
 REMAT_POLICIES = ("none", "all_dots", "dots", "full")
-# The dtype gradients cross the data axis in: float32 (exact), or halved bytes on the wire (the
-# microbatch accumulation stays float32 either way; see hetspmd.lowering)
-GRAD_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+# The dtype gradients cross the data axis in: float32 (exact), or bfloat16, halving the bytes on the wire
+# (the microbatch accumulation stays float32 either way; see hetspmd.lowering). Not float16: without loss
+# scaling its range (6e-5 to 65504 for normal values) loses ordinary gradients to underflow and large ones
+# to overflow
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 SpecEntry = None | str | tuple[str, ...]
 Spec = tuple[SpecEntry, ...]
@@ -98,7 +100,9 @@ class Plan:
     if self.remat not in REMAT_POLICIES:
       raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
     if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-      raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}")
+      raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}"
+                              + (" (float16 has too little range for unscaled gradients)"
+                                 if self.grad_reduce_dtype == "float16" else ""))
     if self.grad_reduce_dtype != "float32" and math.prod(self.mesh_shape[1:]) > 1:
       raise InvalidValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a data-only mesh (every axis but "
                               f"{self.data_axis!r} of size 1), got mesh {dict(zip(self.axis_names, self.mesh_shape))}; "
@@ -270,7 +274,7 @@ class Plan:
           microbatch=int(data["microbatch"]), microbatch_counts=tuple(data["microbatch_counts"]),
           zero_stage=int(data["zero_stage"]), zero_shards=int(data.get("zero_shards", 0)), remat=str(data["remat"]),
           grad_reduce_dtype=str(data.get("grad_reduce_dtype", "float32")),
-          overlap_reduction=bool(data.get("overlap_reduction", False)),
+          overlap_reduction=_json_bool(data.get("overlap_reduction", False), "overlap_reduction"),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
           predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
@@ -310,6 +314,12 @@ class Plan:
 
 
 # --- building plans ------------------------------------------------------------
+
+
+def _json_bool(value: Any, key: str) -> bool:
+  if not isinstance(value, bool):
+    raise InvalidValueError(f"plan JSON's {key!r} must be true or false, got {value!r}")
+  return value
 
 
 def proportional_counts(weights: Sequence[float], total: int) -> tuple[int, ...]:

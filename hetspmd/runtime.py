@@ -94,8 +94,7 @@ class ParallelStep:
       elif requested == "auto":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
-                        specs=self.specs, grad_reduce_dtype="float32" if self.grad_reduce_dtype == "search"
-                        else self.grad_reduce_dtype)
+                        specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
       elif requested == "search":
         plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, search_fn, batch)
       else:
@@ -273,11 +272,9 @@ class ParallelStep:
     analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
     self._analysis = analysis
-    grad_shapes = frozenset(tuple(np.shape(x)) for x in jax.tree.leaves(call.state)
-                            if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating))
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
-                             grad_shapes=grad_shapes, overlap=plan.overlap_reduction)
+                             overlap=plan.overlap_reduction)
 
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
@@ -602,10 +599,11 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       averages the mean of the microbatches'; ``"exact"``: the global
       batch's, each computed in an extra loop over the microbatches.
     grad_reduce_dtype: the dtype gradients cross the data axis in (``"auto"``
-      and ``"search"`` plans): ``"float32"`` (exact), ``"bfloat16"`` or
-      ``"float16"`` (half the bytes; each element within a few units of the
-      reduce dtype's roundoff of the sum of the positions' magnitudes), or
-      ``"search"`` (the search picks float32 or bfloat16 per plan, by cost).
+      and ``"search"`` plans; a given plan carries its own): ``"float32"``
+      (exact), ``"bfloat16"`` (half the bytes; each element within a few
+      units of bfloat16's roundoff of the sum of the positions' magnitudes),
+      or ``"search"`` (``plan="search"`` only: the search picks float32 or
+      bfloat16 per plan, by cost).
       Accumulation over microbatches stays float32 either way. ``"search"``
       plans overlap the reduction with each position's last microbatch.
   """
@@ -615,9 +613,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
                             f"got {microbatch!r}")
 
-  if grad_reduce_dtype not in ("float32", "bfloat16", "float16", "search"):
-    raise InvalidValueError(f"grad_reduce_dtype must be 'float32', 'bfloat16', 'float16' or 'search', "
-                            f"got {grad_reduce_dtype!r}")
+  if grad_reduce_dtype not in ("float32", "bfloat16", "search"):
+    raise InvalidValueError(f"grad_reduce_dtype must be 'float32', 'bfloat16' or 'search', got {grad_reduce_dtype!r}")
+  if grad_reduce_dtype == "search" and plan != "search":
+    raise InvalidValueError("grad_reduce_dtype='search' lets the search choose: it needs plan='search'")
+  if grad_reduce_dtype != "float32" and not (isinstance(plan, str) and plan in ("auto", "search")):
+    raise InvalidValueError(f"grad_reduce_dtype={grad_reduce_dtype!r} applies to plan='auto' or 'search'; a given "
+                            "plan carries its own (Plan.replace(grad_reduce_dtype=...))")
   if batch_stats not in ("local", "exact"):
     raise InvalidValueError(f"batch_stats must be 'local' (each microbatch normalises with its own statistics, "
                             f"as per-device BatchNorm) or 'exact' (the global batch's), got {batch_stats!r}")

@@ -434,7 +434,8 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
     hidden = 0.0
     if peeled:  # all but the last collective can run under the busiest position's last backward pass
       kind = layout.kinds[busiest]
-      window = OVERLAP_EFFICIENCY * costs[kind].micro * costing.backward_share(kind, microbatch)
+      # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
+      window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
       hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, tp.m)))
     e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
                   reduce + gather, (memory,) * len(layout.devices), global_batch, tp,
