@@ -102,8 +102,8 @@ def main() -> None:
     comm = (best.comm_seconds - best.hidden_seconds) / best.step_seconds
     before = results["before"].plans[0]
     total_comm = before.comm_seconds / before.step_seconds  # the case's nature: float32, nothing hidden
-    rows.append((best.throughput / result.ideal_throughput, total_comm, min(speedup["dp_even"], speedup["homog"]),
-                 speedup["before"]))
+    rows.append((best.throughput / result.ideal_throughput, total_comm if dtype == "float32" else 1.0,
+                 min(speedup["dp_even"], speedup["homog"]), speedup["before"]))
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
           f"{comm:5.0%} {seconds:8.2f}  {mechanisms(best)}", flush=True)
   bound = [e for e, comm, _, _ in rows if comm < COMPUTE_BOUND]
@@ -111,7 +111,7 @@ def main() -> None:
   if bound:
     print(f"where compute dominates (communication under {COMPUTE_BOUND:.0%} of the step, {len(bound)} cases): "
           f"lowest efficiency {min(bound):.1%} (goal >= 90%: {'met' if min(bound) >= 0.9 else 'NOT met'})")
-    print("(a case is compute-bound by its best float32 plan without overlap, as before either existed)")
+    print("(a float32 case is compute-bound by its best plan without overlap, as before either existed)")
   else:
     print(f"no case where compute dominates (communication under {COMPUTE_BOUND:.0%} of the step)")
   print(f"lowest speedup over dp_even and best_homogeneous: {worst:.2f} (goal >= 1.00: "
