@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -59,22 +58,10 @@ def main() -> None:
           "jit": (plain, jit_batch)}
   states = {"hs": step.shard_state(state0), "unmodified": unmodified.shard_state(workload.init_state(0)),
             "jit": jax.device_put(workload.init_state(0), shardings)}
-  for _ in range(2):  # compile and warm up
-    for name, (fn, batch) in runs.items():
-      states[name], _ = fn(states[name], batch)
-  jax.block_until_ready(states)
+  from _steps import rotated_step_seconds
 
   names = list(runs)
-  times = {name: [] for name in names}
-  for i in range(args.steps):
-    order = names[i % len(names):] + names[:i % len(names)]  # every program runs first in turn
-    for name in order:
-      fn, batch = runs[name]
-      start = time.perf_counter()
-      states[name], _ = fn(states[name], batch)
-      jax.block_until_ready(states[name])
-      times[name].append(time.perf_counter() - start)
-
+  times = rotated_step_seconds(runs, states, args.steps)
   medians = {name: statistics.median(t) for name, t in times.items()}
   print(f"model {args.model}, global batch {args.batch}, mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, "
         f"{args.steps} steps each, {os.cpu_count()} CPUs")

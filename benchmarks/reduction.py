@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -77,21 +76,10 @@ def main() -> None:
     runs[name] = (step, step.shard_batch(host_batch))
   wire = {name: collective_bytes(step.lower(states[name], batch).as_text())
           for name, (step, batch) in runs.items()}
-  for _ in range(2):  # compile and warm up
-    for name, (step, batch) in runs.items():
-      states[name], _ = step(states[name], batch)
-  jax.block_until_ready(states)
+  from _steps import rotated_step_seconds
 
   names = list(runs)
-  times = {name: [] for name in names}
-  for i in range(args.steps):
-    for name in names[i % len(names):] + names[:i % len(names)]:
-      step, batch = runs[name]
-      start = time.perf_counter()
-      states[name], _ = step(states[name], batch)
-      jax.block_until_ready(states[name])
-      times[name].append(time.perf_counter() - start)
-
+  times = rotated_step_seconds(runs, states, args.steps)
   medians = {name: statistics.median(t) for name, t in times.items()}
   reference = jax.tree.leaves(states["float32"]["params"])
   print(f"model {args.model}, global batch {args.batch}, microbatch {args.microbatch}, counts {counts}, "

@@ -20,6 +20,7 @@ gradient element against that bound (plus float32 slack).
 
 import functools
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ import pytest
 
 import hetspmd as hs
 from conftest import require_devices
-from test_unmodified_steps import _close, _lm_state, _metrics_close, _token_batches, lm1b_train_step
+from test_unmodified_steps import (_close, _lm_state, _metrics_close, _token_batches, lm1b_in_processes,
+                                   lm1b_train_step)
 
 KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4
 UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16
@@ -459,21 +461,7 @@ def test_overlapped_and_bfloat16_reductions_in_two_processes():
   counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 0), 2
   batch = sum(counts) * microbatch
   mine = sum(counts[:4]) * microbatch
-  results = run_processes(f"""
-      import functools, json
-      import numpy as np, jax
-      from jax.experimental import multihost_utils
-      import hetspmd as hs
-      import types
-      sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)  # keep 4 devices here
-      sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-      import test_unmodified_steps as t
-      fn = functools.partial(t.lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
-      batches, rng = t._token_batches({batch}), jax.random.key(7)
-      local = jax.local_devices()[0]
-      ref, ref_step = jax.device_put(t._lm_state(), local), jax.jit(fn)
-      for b in batches:
-        ref, ref_metrics = ref_step(ref, jax.device_put(b, local), dropout_rng=jax.device_put(rng, local))
+  results = run_processes(lm1b_in_processes(batch) + textwrap.dedent(f"""
       cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
       mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
       out = {{}}
@@ -491,7 +479,7 @@ def test_overlapped_and_bfloat16_reductions_in_two_processes():
         out[name] = {{"loss": float(metrics["loss"]), "diff": diff}}
       out["ref_loss"] = float(ref_metrics["loss"])
       print(json.dumps(out))
-  """, num_processes=2, devices_per_process=4, timeout=240)
+  """), num_processes=2, devices_per_process=4, timeout=240)
   for r in results:
     assert r["overlap"]["diff"] <= 1e-4
     np.testing.assert_allclose(r["overlap"]["loss"], r["ref_loss"], rtol=1e-5)

@@ -6,6 +6,7 @@ and compares with the same step run on one device: parameters within 1e-4
 """
 
 import functools
+import textwrap
 
 import flax.linen as nn
 import jax
@@ -625,17 +626,12 @@ def test_batch_argnums_names_the_batch():
 # --- more than one process ---------------------------------------------------------------
 
 
-@pytest.mark.timeout(300)
-def test_unmodified_linen_step_in_two_processes():
-  """2 processes x 4 CPU devices over gloo, each feeding its own examples, an lm1b-style step."""
-  from multiprocess import run_processes
-
-  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
-  batch = sum(counts) * microbatch
-  mine = sum(counts[:4]) * microbatch
-  results = run_processes(f"""
+def lm1b_in_processes(batch: int) -> str:
+  """The start of a script for :func:`multiprocess.run_processes`: imports, this module as ``t``, the lm1b step
+  as ``fn``, its ``batches`` and ``rng``, and ``ref`` / ``ref_metrics`` after training on one local device."""
+  return textwrap.dedent(f"""
       import functools, json
-      import numpy as np, optax, jax
+      import numpy as np, jax
       from jax.experimental import multihost_utils
       import hetspmd as hs
       import types
@@ -644,12 +640,22 @@ def test_unmodified_linen_step_in_two_processes():
       import test_unmodified_steps as t
       fn = functools.partial(t.lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
       batches, rng = t._token_batches({batch}), jax.random.key(7)
-      ref = t._lm_state()
-      ref_step = jax.jit(fn)
-      ref = jax.device_put(ref, jax.local_devices()[0])
+      local = jax.local_devices()[0]
+      ref, ref_step = jax.device_put(t._lm_state(), local), jax.jit(fn)
       for b in batches:
-        ref, ref_metrics = ref_step(ref, jax.device_put(b, jax.local_devices()[0]),
-                                    dropout_rng=jax.device_put(rng, jax.local_devices()[0]))
+        ref, ref_metrics = ref_step(ref, jax.device_put(b, local), dropout_rng=jax.device_put(rng, local))
+  """)
+
+
+@pytest.mark.timeout(300)
+def test_unmodified_linen_step_in_two_processes():
+  """2 processes x 4 CPU devices over gloo, each feeding its own examples, an lm1b-style step."""
+  from multiprocess import run_processes
+
+  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
+  batch = sum(counts) * microbatch
+  mine = sum(counts[:4]) * microbatch
+  results = run_processes(lm1b_in_processes(batch) + textwrap.dedent(f"""
       cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
       plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts})
       step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
@@ -661,7 +667,7 @@ def test_unmodified_linen_step_in_two_processes():
       diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
                  for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
       print(json.dumps({{"loss": float(metrics["loss"]), "ref_loss": float(ref_metrics["loss"]), "diff": diff}}))
-  """, num_processes=2, devices_per_process=4, timeout=240)
+  """), num_processes=2, devices_per_process=4, timeout=240)
   for r in results:
     assert r["diff"] <= 1e-4
     np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
