@@ -414,36 +414,46 @@ def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Sol
 
 
 def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
-              global_batch: int, counts_rule: Any, name: str, reduce_dtype: str = "float32",
-              overlap: bool = False) -> Evaluated | None:
-  """One candidate costed. ``overlap``: each position's last microbatch runs after its loop (a position with
-  none runs one, masked), and the gradient reductions hide behind the busiest one's backward pass."""
+              global_batch: int, counts_rule: Any, name: str, reduce_dtypes: Sequence[str] = ("float32",),
+              overlap: bool = False) -> list[Evaluated]:
+  """One candidate costed once per reduce dtype (the counts and compute are the same for all).
+
+  ``overlap``: each position's last microbatch runs after its loop (a position with none runs one,
+  masked), and the gradient reductions hide behind the busiest one's backward pass.
+  """
   n = len(layout.groups)
   total = global_batch // microbatch
   costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
   counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
   if len(counts) != n or sum(counts) != total:
-    return None
-  reduce, gather = costing.gradient_seconds(layout, tp, zero, reduce_dtype)
-  memory = memory_per_device(costing.profile, n, microbatch, zero, remat, tp)
+    return []
+  memory = (memory_per_device(costing.profile, n, microbatch, zero, remat, tp),) * len(layout.devices)
+  # a masked microbatch on a position with none can cost more than the overlap saves: try both
   options = [False, True] if overlap and n > 1 and min(counts) == 0 else [overlap and n > 1]
-  best = None
-  for peeled in options:  # a masked microbatch on a position with none can cost more than the overlap saves
+  timed = []
+  for peeled in options:
     per_position = _position_seconds(costing, layout, costs, counts, peeled)
     busiest = max(range(n), key=lambda i: per_position[i])
-    hidden = 0.0
-    if peeled:  # all but the last collective can run under the busiest position's last backward pass
-      kind = layout.kinds[busiest]
-      # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
-      window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
-      hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, tp.m)))
-    e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
-                  reduce + gather, (memory,) * len(layout.devices), global_batch, tp,
-                  costs[layout.kinds[busiest]].model_comm * max(counts[busiest], int(peeled)), per_position,
-                  reduce_dtype, peeled and hidden > 0, hidden)
-    if best is None or e.step_seconds < best.step_seconds:
-      best = e
-  return best
+    kind = layout.kinds[busiest]
+    # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
+    window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
+    timed.append((peeled, per_position, busiest, window if peeled else 0.0))
+  reductions = gradient_reductions(costing.profile, tp.m)
+  out = []
+  for dtype in reduce_dtypes:
+    reduce, gather = costing.gradient_seconds(layout, tp, zero, dtype)
+    best = None
+    for peeled, per_position, busiest, window in timed:
+      # all but the last collective can run under the busiest position's last backward pass
+      hidden = min(window, reduce * (1 - 1 / reductions))
+      e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
+                    reduce + gather, memory, global_batch, tp,
+                    costs[layout.kinds[busiest]].model_comm * max(counts[busiest], int(peeled)), per_position,
+                    dtype, peeled and hidden > 0, hidden)
+      if best is None or e.step_seconds < best.step_seconds:
+        best = e
+    out.append(best)
+  return out
 
 
 def _position_seconds(costing: _Costing, layout: _Layout, costs: dict, counts: Sequence[int],
@@ -489,8 +499,9 @@ def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], m
   """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
   costing = _Costing(cluster, profile, microbatch)
   layout = _layout(cluster, name, positions, tensor_parallel.m)
-  return _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name,
-                   reduce_dtype, overlap)
+  found = _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name,
+                    (reduce_dtype,), overlap)
+  return found[0] if found else None
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -587,9 +598,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     fitting = [tp for tp in choices
                if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
     for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
-      for dtype in grad_reduce_dtypes if layout.m == 1 else ("float32",):
-        consider(_evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtype, overlap),
-                 layout, bucket)
+      dtypes = tuple(grad_reduce_dtypes) if layout.m == 1 else ("float32",)
+      for e in _evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes, overlap):
+        consider(e, layout, bucket)
 
   for n_done, microbatch in enumerate(sizes):
     total = global_batch // microbatch
@@ -606,9 +617,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
             fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
           if m == 1:
             for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
-              for dtype in grad_reduce_dtypes:
-                consider(_evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
-                                   global_batch, rule, bucket, dtype, overlap), layouts["all"], bucket)
+              for e in _evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
+                                 global_batch, rule, bucket, tuple(grad_reduce_dtypes), overlap):
+                consider(e, layouts["all"], bucket)
           fastest_fitting(layouts[f"only {fastest_kind}"], microbatch, zero, remat, even, "fastest_only" + suffix,
                           "fastest_only")
           for kind in cluster.kinds:
