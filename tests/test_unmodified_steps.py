@@ -178,15 +178,18 @@ def test_lm1b_masks_are_built_per_microbatch():
   assert f"tensor<{batch}x1x{SEQ}x{SEQ}x" not in program and f"tensor<{batch}x2x{SEQ}x{SEQ}x" not in program
 
 
-def test_lockstep_loop_is_exact():
-  """Where XLA puts a global-rendezvous collective in the loop, every position runs the largest count, masked."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["loop", "overlapped"])
+def test_lockstep_loop_is_exact(overlap):
+  """Where XLA puts a global-rendezvous collective in the loop, every position runs the largest count, masked
+  (overlapped: the last of them after the loop, masked too)."""
   counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 0), 2
   batch = sum(counts) * microbatch
   step_fn = functools.partial(lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
   b, rng = _token_batches(batch)[0], jax.random.key(3)
   ref, ref_m = jax.jit(step_fn)(_lm_state(), b, dropout_rng=rng)
   cluster = _cluster()
-  plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts,
+                     overlap_reduction=overlap)
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
   step._lockstep = True  # as if the compiled loop held a collective-permute
   state, metrics = step(step.shard_state(_lm_state()), b, dropout_rng=rng)
@@ -195,7 +198,8 @@ def test_lockstep_loop_is_exact():
   assert "in lockstep" in step.explain()
 
 
-def test_per_example_outputs_come_back_whole_in_global_order():
+@pytest.mark.parametrize("overlap", [False, True], ids=["loop", "overlapped"])
+def test_per_example_outputs_come_back_whole_in_global_order(overlap):
   counts, microbatch = (3, 1, 2, 2, 1, 0, 1, 2), 2
   batch = sum(counts) * microbatch
 
@@ -210,7 +214,8 @@ def test_per_example_outputs_come_back_whole_in_global_order():
   b = _token_batches(batch)[0]
   _, expected = jax.jit(step_fn)(_lm_state(), b)
   cluster = _cluster()
-  plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts)
+  plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts,
+                     overlap_reduction=overlap)
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
   _, metrics = step(step.shard_state(_lm_state()), b)
   assert metrics["per_example"].shape == (batch,)
