@@ -20,6 +20,10 @@ search tries every candidate of
   and remat: none, ``all_dots`` (every matmul output saved, reductions and
   gathers recomputed) or ``dots`` (weight-matmul outputs saved, the rest of
   the forward pass recomputed); not ``full``, which lowers no peak;
+* the gradients' reduce dtype, float32 or (where the caller allows it, on
+  data-only meshes) bfloat16; and the reduction overlapped with the last
+  microbatch or not, where a masked microbatch on an idle position would cost
+  more than the overlap hides;
 
 prunes those that overflow a device's memory, and for the rest chooses the
 integer microbatch count of every data position: minimise the slowest
@@ -33,7 +37,10 @@ compute with split operations at ``1/model``, plus the tensor-parallel
 collectives on its host's link, plus adding its gradients into the float32
 accumulator. Step time = slowest position's (per-step
 optimizer work + per-microbatch time × count) + the gradient reduction
-across data positions (not overlapped; :mod:`hetspmd.data_axis`): a ring
+across data positions (:mod:`hetspmd.data_axis`), less what of it hides
+behind the busiest position's last backward pass when the plan overlaps
+(``OVERLAP_EFFICIENCY`` of that pass; all but the last collective), in
+float32 or, where allowed, bfloat16 (half the bytes): a ring
 all-reduce within a host, hierarchical (reduce-scatter in hosts, all-reduce
 between hosts, all-gather in hosts) across hosts, each stage at the slowest
 link it crosses. Each device reduces its own gradient bytes (split
