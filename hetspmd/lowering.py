@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.microbatch import bucketed_psum, bucketed_psum_scatter
+from hetspmd.microbatch import reduce_over_data
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.microbatch import Analysis, Axis
 
@@ -431,12 +431,12 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
         partials = partials[:len(mine)]
         low = [[not prog.region and _backward(prog, prog.producer.get(v)) and _low_precision(layout, x[0])]
                for v, x in zip(prog.accumulated, extra)]
-        accumulated = _reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only, low,
+        accumulated = reduce_over_data(extra, ["sum"] * len(extra), acc_scatter, axis, single, data_only, low,
                                         layout.reduce_dtype)
       low = [[s == final and cut_outs[k].reduce == "sum" and not cut_outs[k].feedback and not cut_outs[k].local
               and _backward(prog, cut_outs[k].index) and _low_precision(layout, x) for x in part]
              for k, part in zip(mine, partials)]
-      reduced = _reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
+      reduced = reduce_over_data(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine],
                                   axis, single, data_only, low, layout.reduce_dtype)
       for k, values_k in zip(mine, reduced):
         totals[k] = values_k
@@ -524,50 +524,6 @@ def _low_precision(layout: Layout, x) -> bool:
   stay float32; the callers check all but the first.
   """
   return layout.reduce_dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1
-
-
-def _reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only, low=None, dtype="float32"):
-  """Each partial reduced over ``axis``; ``low[k][j]``: output ``j`` of partial ``k`` crosses the wire in ``dtype``."""
-  if single:
-    return partials
-  if low is not None and any(any(lo) for lo in low):
-    narrow = [[x.astype(dtype) if lo else x for x, lo in zip(part, los)] for part, los in zip(partials, low)]
-    reduced = _manual_everywhere(lambda xs: _reduce_over_data(xs, reduces, scatter_dims, axis, single, data_only),
-                                 narrow, axis)
-    return [[y.astype(x.dtype) for x, y in zip(part, out)] for part, out in zip(partials, reduced)]
-  out: list = [None] * len(partials)
-  sums = [k for k, r in enumerate(reduces) if r == "sum"]
-  whole = [k for k in sums if scatter_dims[k] is None]
-  flat = [x for k in whole for x in partials[k]]
-  summed = bucketed_psum(flat, axis) if data_only else jax.lax.psum(flat, axis)
-  it = iter(summed)
-  for k in whole:
-    out[k] = [next(it) for _ in partials[k]]
-  split = [k for k in sums if scatter_dims[k] is not None]
-  parts = bucketed_psum_scatter([partials[k][0] for k in split], [scatter_dims[k] for k in split], axis)
-  for k, x in zip(split, parts):
-    out[k] = [x]
-  for k, r in enumerate(reduces):
-    if r == "max":
-      out[k] = [jax.lax.pmax(x, axis) for x in partials[k]]
-    elif r == "min":
-      out[k] = [jax.lax.pmin(x, axis) for x in partials[k]]
-  return out
-
-
-def _manual_everywhere(fn, values, axis):
-  """``fn(values)`` with every mesh axis manual (the data-only meshes reduced precision runs on).
-
-  XLA's CPU compiler widens a bfloat16 all-reduce to float32 by
-  cloning its reduction, and fails (``Invalid binary instruction opcode
-  copy``) on the copy that a partially manual ``shard_map`` puts there; a
-  fully manual region has none.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  others = set(mesh.axis_names) - {axis}
-  if not others:
-    return fn(values)
-  return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=others, check_vma=False)(values)
 
 
 def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count, start, pe_outs):

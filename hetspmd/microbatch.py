@@ -12,7 +12,8 @@ Auxiliary metrics are reduced the same way: plain values as example means,
 
 The reductions over ``data`` after the microbatch loop live here too: one
 ``psum`` per bucket of small leaves (:func:`bucketed_psum`) and, under ZeRO,
-reduce-scatters onto the shards (:func:`bucketed_psum_scatter`).
+reduce-scatters onto the shards (:func:`bucketed_psum_scatter`); :func:`reduce_over_data` applies them to
+the cuts of a microbatch program, with gradients cast to a narrower dtype for the wire where asked.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from hetspmd._pytree import leaves_with_paths
 
@@ -314,3 +316,51 @@ def _grad_dtypes(flat, treedef, argnums):
 
 def _narrow(grads: Any, dtypes: Any) -> Any:
   return jax.tree.map(lambda g, d: g.astype(d) if d is not None else g, grads, dtypes)
+
+
+def reduce_over_data(partials, reduces, scatter_dims, axis, single, data_only, low=None, dtype="float32"):
+  """Each partial (a list of arrays) reduced over ``axis`` with its ``reduces[k]`` (sum, max or min).
+
+  Sums split along ``scatter_dims[k]`` are reduce-scattered there, the rest all-reduced (bucketed when
+  ``data_only``); ``low[k][j]``: output ``j`` of partial ``k`` crosses the wire in ``dtype``.
+  """
+  if single:
+    return partials
+  if low is not None and any(any(lo) for lo in low):
+    narrow = [[x.astype(dtype) if lo else x for x, lo in zip(part, los)] for part, los in zip(partials, low)]
+    reduced = _manual_everywhere(lambda xs: reduce_over_data(xs, reduces, scatter_dims, axis, single, data_only),
+                                 narrow, axis)
+    return [[y.astype(x.dtype) for x, y in zip(part, out)] for part, out in zip(partials, reduced)]
+  out: list = [None] * len(partials)
+  sums = [k for k, r in enumerate(reduces) if r == "sum"]
+  whole = [k for k in sums if scatter_dims[k] is None]
+  flat = [x for k in whole for x in partials[k]]
+  summed = bucketed_psum(flat, axis) if data_only else jax.lax.psum(flat, axis)
+  it = iter(summed)
+  for k in whole:
+    out[k] = [next(it) for _ in partials[k]]
+  split = [k for k in sums if scatter_dims[k] is not None]
+  parts = bucketed_psum_scatter([partials[k][0] for k in split], [scatter_dims[k] for k in split], axis)
+  for k, x in zip(split, parts):
+    out[k] = [x]
+  for k, r in enumerate(reduces):
+    if r == "max":
+      out[k] = [jax.lax.pmax(x, axis) for x in partials[k]]
+    elif r == "min":
+      out[k] = [jax.lax.pmin(x, axis) for x in partials[k]]
+  return out
+
+
+def _manual_everywhere(fn, values, axis):
+  """``fn(values)`` with every mesh axis manual (the data-only meshes reduced precision runs on).
+
+  XLA's CPU compiler widens a bfloat16 all-reduce to float32 by
+  cloning its reduction, and fails (``Invalid binary instruction opcode
+  copy``) on the copy that a partially manual ``shard_map`` puts there; a
+  fully manual region has none.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  others = set(mesh.axis_names) - {axis}
+  if not others:
+    return fn(values)
+  return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=others, check_vma=False)(values)
