@@ -176,7 +176,9 @@ def _run_search(args: argparse.Namespace) -> int:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
-  dtypes = ("float32", "bfloat16") if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
+  from hetspmd.plan import GRAD_REDUCE_DTYPES
+
+  dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   result = search_step(workload.make_train_step(), state, batch, cluster, global_batch=args.global_batch,
                        top=args.top, progress=progress, grad_reduce_dtypes=dtypes, overlap=not args.no_overlap)
   ideal = result.ideal_throughput

@@ -14,20 +14,21 @@ import functools
 import math
 from typing import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from hetspmd.cluster import Cluster
 from hetspmd.devices import Link
 from hetspmd.microbatch import buckets
 from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
-from hetspmd.plan import REMAT_POLICIES, zero_group
+from hetspmd.plan import GRAD_REDUCE_DTYPES, REMAT_POLICIES, zero_group
 
 # under a dots policy, besides the saved matmul outputs: the working set of recomputing one part of the
 # forward pass just before its backward, as a share of a microbatch's peak
 REMAT_ACTIVATIONS = 0.25
 WORKSPACE = 1.10              # allocator and workspace headroom on every device
 GRAD_BYTES = ACCUMULATOR_BYTES  # gradients are accumulated in float32, and by default reduced in it
-REDUCE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per gradient element on the wire, by reduce dtype
+REDUCE_BYTES = {d: np.dtype(jnp.dtype(d)).itemsize for d in GRAD_REDUCE_DTYPES}  # bytes per gradient element on the wire, by reduce dtype
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:

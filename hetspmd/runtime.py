@@ -36,7 +36,7 @@ from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.microbatch import remat_policy
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.plan import Plan, auto_state_specs, plan_for
+from hetspmd.plan import GRAD_REDUCE_DTYPES, Plan, auto_state_specs, plan_for
 
 
 class ShardedBatch(NamedTuple):
@@ -123,7 +123,7 @@ class ParallelStep:
     result = search(cluster, profile, self.global_batch, top=1,
                     remat_policies=SEARCHED_REMAT if calls else ("none",),
                     recompute=self._recompute(search_fn or self.fn, state, batch),
-                    grad_reduce_dtypes=(("float32", "bfloat16") if self.grad_reduce_dtype == "search"
+                    grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
                                         else (self.grad_reduce_dtype,)))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:

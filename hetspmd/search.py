@@ -323,6 +323,7 @@ class _Costing:
     self._remat: dict[tuple[str, int, str], float] = {}
     self._reductions: dict[tuple, float] = {}
     self._first: dict[tuple[str, int], float] = {}
+    self._backward: dict[tuple[str, int], float] = {}
 
   def gradient_seconds(self, layout: "_Layout", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -336,13 +337,13 @@ class _Costing:
 
   def backward_share(self, kind: str, microbatch: int) -> float:
     """The backward pass's share of a microbatch's compute (what an overlapped reduction can hide behind)."""
-    key = (kind, microbatch, "backward")
-    if key not in self._remat:
+    key = (kind, microbatch)
+    if key not in self._backward:
       seconds = self.node_seconds(kind, microbatch)
       plain = float(seconds.sum())
       backward = float(seconds[~self.profile.forward].sum()) if self.profile.forward.size else 2 * plain / 3
-      self._remat[key] = backward / plain if plain > 0 else 0.0
-    return self._remat[key]
+      self._backward[key] = backward / plain if plain > 0 else 0.0
+    return self._backward[key]
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
     key = (kind, microbatch)
