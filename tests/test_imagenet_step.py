@@ -23,7 +23,7 @@ from flax.training import train_state
 
 import hetspmd as hs
 
-from test_unmodified_steps import STEPS, _close, _cluster, _metrics_close
+from test_unmodified_steps import STEPS, _close, _cluster, run_planned
 
 CLASSES, SIZE = 5, 8
 WEIGHT_DECAY = 1e-2
@@ -104,14 +104,8 @@ def test_imagenet_step_is_exact(layout, counts, microbatch):
     ref, m = jax.jit(step_fn)(ref, b)
     ref_metrics.append(m)
 
-  cluster = _cluster()
-  state = _state(schedule)
-  plan = hs.plan_for(cluster, state, global_batch=batch, layout=layout, microbatch=microbatch, counts=counts)
-  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch, batch_stats="exact")
-  state = step.shard_state(state)
-  for b, expected in zip(batches, ref_metrics):
-    state, metrics = step(state, b)
-    _metrics_close(expected, metrics)
+  _, state = run_planned(step_fn, _state(schedule), batches, ref_metrics, layout, microbatch, counts,
+                         options={"batch_stats": "exact"})
   _close(ref.params, state.params)
   _close(ref.batch_stats, state.batch_stats)
   assert int(state.step) == STEPS

@@ -43,6 +43,21 @@ def _metrics_close(expected, actual, rtol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=1e-6)
 
 
+def run_planned(step_fn, state, batches, expected_metrics, layout=(8, 1), microbatch=1, counts=None, options=None,
+                **call_kwargs):
+  """Trains ``state`` on ``batches`` with ``step_fn`` under a plan on 8 emulated devices, checking every step's
+  metrics against ``expected_metrics``; the step and the final state."""
+  cluster = _cluster()
+  batch = sum(counts) * microbatch
+  plan = hs.plan_for(cluster, state, global_batch=batch, layout=layout, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch, **(options or {}))
+  state = step.shard_state(state)
+  for b, expected in zip(batches, expected_metrics):
+    state, metrics = step(state, b, **call_kwargs)
+    _metrics_close(expected, metrics)
+  return step, state
+
+
 def _token_batches(batch, seed=0):
   rs = np.random.RandomState(seed)
   out = []
@@ -124,14 +139,7 @@ def test_linen_lm1b_step_is_exact(layout, counts, microbatch, jitted):
     ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
     ref_metrics.append(m)
 
-  cluster = _cluster()
-  state = _lm_state()
-  plan = hs.plan_for(cluster, state, global_batch=batch, layout=layout, microbatch=microbatch, counts=counts)
-  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
-  state = step.shard_state(state)
-  for b, expected in zip(batches, ref_metrics):
-    state, metrics = step(state, b, dropout_rng=rng)
-    _metrics_close(expected, metrics)
+  step, state = run_planned(step_fn, _lm_state(), batches, ref_metrics, layout, microbatch, counts, dropout_rng=rng)
   _close(ref.params, state.params)
   assert int(state.step) == STEPS
   text = step.explain()

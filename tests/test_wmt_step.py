@@ -20,9 +20,7 @@ import optax
 import pytest
 from flax.training import train_state
 
-import hetspmd as hs
-
-from test_unmodified_steps import STEPS, _close, _cluster, _metrics_close
+from test_unmodified_steps import STEPS, _close, run_planned
 
 VOCAB, SRC, TGT, WIDTH, HEADS = 32, 7, 5, 16, 2
 
@@ -181,14 +179,8 @@ def test_wmt_step_is_exact(layout, counts, microbatch):
     ref_metrics.append(m)
   assert all(float(m["loss"]) > 0 and float(m["denominator"]) > 0 for m in ref_metrics)
 
-  cluster = _cluster()
-  state = _state(schedule)
-  plan = hs.plan_for(cluster, state, global_batch=batch, layout=layout, microbatch=microbatch, counts=counts)
-  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
-  state = step.shard_state(state)
-  for b, expected in zip(batches, ref_metrics):
-    state, metrics = step(state, b, dropout_rng=rng)
-    _metrics_close(expected, metrics)
+  step, state = run_planned(step_fn, _state(schedule), batches, ref_metrics, layout, microbatch, counts,
+                            dropout_rng=rng)
   # attention's key bias shifts every logit of a query's row alike, which softmax ignores: its gradient is zero
   # in exact arithmetic and rounding noise in float32, which a different summation order changes. Both runs
   # must leave it at noise level; every other leaf must match.
