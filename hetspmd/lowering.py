@@ -138,16 +138,18 @@ class _Program:
     for i, eqn in enumerate(self.eqns):
       if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
         self.after_local.add(i)
-    for v in self.jaxpr.outvars:
-      if not jx.is_literal(v) and v in analysis.loop_only:
-        raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
-                           "loop only (a value a scan body saves for the backward pass); return it from outside "
-                           "the scan")
+    self.hoisted = self._hoisted()
     # free equations that need no cut run before the loop; the others after a reduction
     needs_cut: set = set()
     self.pre = []
     self.post = []
     for i, eqn in enumerate(self.eqns):
+      if i in self.hoisted:
+        if any(v in needs_cut for v in self.hoisted[i].invars if not jx.is_literal(v)):
+          raise HetSpmdError(f"the step returns a value that {jx.primitive_name(eqn)} at "
+                             f"{jx.module_path(eqn) or jx.user_location(eqn)} makes inside the microbatch loop "
+                             "from a sum over the batch; return it from outside the loop")
+        self.pre.append(i)
       if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
         continue
       if analysis.decisions[i] is not None:
@@ -167,6 +169,34 @@ class _Program:
     self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
     # example-free work between loops (1/weight_sum): the post-cut equations later loops need
     self.middle = [self._middle(s) for s in range(analysis.loops)]
+
+  def _hoisted(self) -> dict[int, Any]:
+    """Equations to run before the loop for the example-free values the step returns from inside it.
+
+    A scan over layers can return, besides its per-example work, values that read no example: the
+    rng-stream counters an NNX model advances per layer. The loop makes them on every microbatch; the
+    step's output needs them once. The scan (or checkpoint) that makes them runs before the loop too,
+    pruned by JAX's dead-code elimination to those outputs, and so do the example-free equations
+    between it and the output. Keyed by equation index; the value is the equation to evaluate.
+    """
+    loop_only = self.analysis.loop_only
+    wanted = {v for v in self.jaxpr.outvars if not jx.is_literal(v) and v in loop_only}
+    hoisted: dict[int, Any] = {}
+    for i in reversed(range(len(self.eqns))):
+      eqn = self.eqns[i]
+      outs = [j for j, v in enumerate(eqn.outvars) if v in wanted]
+      if not outs:
+        continue
+      copy = eqn if self.analysis.decisions[i] is None else jx.pruned(eqn, outs)
+      reads = [] if copy is None else [v for v in copy.invars if not jx.is_literal(v)]
+      if copy is None or any(v in self.analysis.axes for v in reads):
+        v = eqn.outvars[outs[0]]
+        raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
+                           "loop only (a value a scan body saves for the backward pass); return it from outside "
+                           "the scan")
+      hoisted[i] = copy
+      wanted.update(v for v in reads if v in loop_only)
+    return hoisted
 
   def _fuse_sums(self) -> None:
     """Gradients that the step adds together (a tied embedding's lookup and output projection) are added in
@@ -325,7 +355,7 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
   for i, (v, x) in enumerate(zip(jaxpr.invars, inputs)):
     if i not in prog.batch_inputs:
       env[v] = x
-  jx.eval_equations([prog.eqns[i] for i in prog.pre], env)
+  jx.eval_equations([prog.hoisted.get(i, prog.eqns[i]) for i in prog.pre], env)
   loop_inputs = sorted({v for s in range(prog.analysis.loops) for v in prog.outside_inputs(s)
                         if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}
                        | set(prog.middle_inputs()), key=_order(prog))

@@ -396,6 +396,16 @@ def eval_equations(eqns: Sequence[Equation], env: dict[Any, Any],
     env.update(zip(eqn.outvars, out))
 
 
+def pruned(eqn: Equation, outputs: Sequence[int]) -> Equation | None:
+  """``eqn`` computing only its outputs at positions ``outputs``, its dead work removed (JAX's own DCE rules:
+  a scan keeps only the carries and bodies those outputs need); ``None`` if nothing of it is left."""
+  from jax._src.interpreters import partial_eval as pe
+
+  rule = pe.dce_rules.get(eqn.primitive, pe._default_dce_rule)
+  _, kept = rule([j in set(outputs) for j in range(len(eqn.outvars))], eqn)
+  return kept
+
+
 def aval_shape(value: Any) -> tuple[int, ...]:
   return tuple(int(d) for d in getattr(value.aval, "shape", ()))
 
