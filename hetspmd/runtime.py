@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -71,6 +72,7 @@ class ParallelStep:
   _analysis: Any = None
   _starts_array: Any = None
   _lockstep: bool | None = None  # decided from the first compiled program
+  bound: tuple = ()  # NNX objects bound ahead of each call's arguments (an nnx.cached_partial's)
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -253,7 +255,7 @@ class ParallelStep:
     return self._starts_array
 
   def _bind_call(self, args: tuple, kwargs: dict) -> "_Call":
-    return _Call.bind(self, args, kwargs)
+    return _Call.bind(self, self.bound + args, kwargs)
 
   def _executable(self, call: "_Call"):
     key = call.key
@@ -555,6 +557,23 @@ def _local_positions(mesh: Any, plan: Plan) -> list[int]:
   return [i for i in range(plan.data_size) if any(d.process_index == me for d in mesh.devices[i].ravel())]
 
 
+def _unbound(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple]:
+  """``(f, objects)`` of ``nnx.cached_partial(f, *objects)``; ``(fn, ())`` for any other callable.
+
+  The partial's objects are clones that hold the caller's ``Variable``s, so
+  the step's updates to them reach the caller's model and optimizer.
+  """
+  code = getattr(fn, "__code__", None)
+  if code is None or code.co_name != "cache_args_wrapper" or "flax" not in (getattr(fn, "__globals__", {})
+                                                                          .get("__name__") or ""):
+    return fn, ()
+  free = inspect.getclosurevars(fn).nonlocals
+  if "f" not in free or "cached_args" not in free:
+    raise HetSpmdError("this flax version's nnx.cached_partial keeps its function and objects where hetspmd does "
+                       "not look; parallelize the step itself and call it with the model and optimizer")
+  return free["f"], tuple(free["cached_args"])
+
+
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
@@ -567,7 +586,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   or ``jax.grad`` over a closure of the batch, ``functools.partial``-bound
   configuration, already ``jax.jit``-ed or not), or NNX in place
   ``train_step(model, optimizer, metrics, batch, ...)`` (``nnx.jit``-ed or
-  not), whose objects are updated after each call. Call it with the global
+  not, or bound to its objects by ``nnx.cached_partial``), whose objects
+  are updated after each call. Call it with the global
   batch; the microbatch program is derived from its jaxpr
   (:mod:`hetspmd.passes.microbatch`). A step that mixes examples in a way
   that does not split into microbatches (a sort along the batch) is refused
@@ -591,8 +611,10 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       rules)`` to respect a model's own sharding annotations.
     example_batch: for ``plan="search"``: the batch's structure, as arrays or
       ``jax.ShapeDtypeStruct``s with any leading batch size.
-    batch_argnums: the positional argument(s) holding the batch; default
-      every argument all of whose arrays lead with ``global_batch``.
+    batch_argnums: the positional argument(s) holding the batch (counted
+      among the call's own arguments, after any ``nnx.cached_partial``
+      binds); default every argument all of whose arrays lead with
+      ``global_batch``.
     batch_stats: ``"local"``: statistics over the batch that normalise
       activations (BatchNorm in training) are each microbatch's own, as
       per-device BatchNorm in data-parallel training, and the new running
@@ -627,9 +649,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
+    f, bound = _unbound(f)
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else (
         None if batch_argnums is None else tuple(batch_argnums))
+    if argnums is not None:  # counted among the call's own arguments
+      argnums = tuple(i + len(bound) for i in argnums)
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
-                        batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype)
+                        batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
+                        bound=bound)
 
   return wrap if fn is None else wrap(fn)

@@ -293,6 +293,28 @@ def test_nnx_in_place_step_is_exact(wrap, layout, counts):
   assert kernel.sharding.mesh.shape["data"] == layout[0]  # the objects now hold the plan's shardings
 
 
+@pytest.mark.parametrize("batch_argnums", [None, 0])
+def test_nnx_cached_partial_step_is_exact(batch_argnums):
+  """``nnx.cached_partial(train_step, model, optimizer, metrics)`` called with the batch alone, as Flax
+  suggests for repeated steps: the bound objects are the step's state, updated in place."""
+  counts, microbatch = (3, 3, 2, 2, 2, 1, 1, 0), 2
+  batch = sum(counts) * microbatch
+  batches = _image_batches(batch)
+  ref = _nnx_objects()
+  for b in batches:
+    nnx.jit(nnx_train_step)(*ref, b)
+  mine = _nnx_objects()
+  cached = nnx.cached_partial(nnx.jit(nnx_train_step), *mine)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, nnx.state(mine), global_batch=batch, microbatch=microbatch, counts=counts)
+  step = hs.parallelize(cached, cluster=cluster, plan=plan, global_batch=batch, batch_argnums=batch_argnums)
+  for b in batches:
+    assert step(b) is None
+  _metrics_close(ref[2].compute(), mine[2].compute())
+  _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
+  assert int(mine[1].step[...]) == STEPS
+
+
 def test_nnx_step_with_an_auto_plan_weights_by_speed():
   model, optimizer, metrics = _nnx_objects()
   step = hs.parallelize(nnx_train_step, cluster=_cluster(), global_batch=64)
