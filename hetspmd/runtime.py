@@ -285,7 +285,8 @@ class ParallelStep:
         outputs = program(call.inputs(dynamic), counts, starts)
         return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
 
-      return jax.jit(run, donate_argnums=(0,) if self.donate_state else (), compiler_options=_compiler_options(plan, mesh))
+      donate = (0,) if self.donate_state and call.returns_state(out_tree) else ()
+      return jax.jit(run, donate_argnums=donate, compiler_options=_compiler_options(plan, mesh))
 
     programs: dict = {}
 
@@ -449,6 +450,17 @@ class _Call:
     closed, shapes = jax.make_jaxpr(self._pure(), return_shape=True)(*abstract)
     return closed, jax.tree.structure(shapes)
 
+  def returns_state(self, out_tree: Any) -> bool:
+    """Whether the step hands back a new state (NNX objects, or a first output shaped like the state), whose
+    buffers may then be the old state's: a step returning only gradients (``grads, loss = apply_model(state,
+    ...)``, then an update of its own) must leave the state it was given alive."""
+    if self.graph_args:
+      return True
+    outputs = jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)
+    state = jax.tree.structure(self.state)
+    return jax.tree.structure(outputs) == state or (
+        isinstance(outputs, tuple) and bool(outputs) and jax.tree.structure(outputs[0]) == state)
+
   def constrain(self, outputs: Any, state_shardings: Any) -> Any:
     """The new state leaves of ``outputs`` held to the plan's shardings."""
     if self.graph_args:
@@ -605,7 +617,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       its peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
-    donate_state: let XLA reuse the input state's buffers for the output.
+    donate_state: let XLA reuse the input state's buffers for the new state
+      the step returns (a step that returns no new state donates nothing).
     specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match
       (``"auto"`` and ``"search"`` plans), e.g. ``hetspmd.annotated_specs(params,
       rules)`` to respect a model's own sharding annotations.

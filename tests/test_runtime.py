@@ -342,8 +342,10 @@ def test_bad_batch_is_refused_and_state_survives():
                                             r"leading dims \['12'\]"):
     step(state, workload.synthetic_batch(0, batch=12))
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  old = state
   state, metrics = step(state, workload.synthetic_batch(0, batch=16))  # still usable
   assert np.isfinite(float(metrics["loss"]))
+  assert all(x.is_deleted() for x in jax.tree.leaves(old["params"]))  # the new state took its buffers
 
 
 def test_state_mismatch_on_call_is_refused_before_running():
