@@ -134,23 +134,25 @@ class _Program:
                    for v in e.invars if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars
                                                                if not jx.is_literal(v)}
       self.accumulated = [v for v in sorted(made & consumers, key=_order(self))]
+    self.hoisted = self._hoisted()
+    self.loop_only = self._loop_only()
     # example-free work on values that exist only inside the loop (a scan's saved parameters) runs there
     for i, eqn in enumerate(self.eqns):
-      if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
+      if analysis.decisions[i] is None and any(v in self.loop_only for v in eqn.outvars):
         self.after_local.add(i)
-    self.hoisted = self._hoisted()
+    for v in self.jaxpr.outvars:
+      if not jx.is_literal(v) and v in self.loop_only:
+        raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
+                           "loop only (a value a scan body saves for the backward pass); return it from outside "
+                           "the scan")
     # free equations that need no cut run before the loop; the others after a reduction
     needs_cut: set = set()
     self.pre = []
     self.post = []
     for i, eqn in enumerate(self.eqns):
       if i in self.hoisted:
-        if any(v in needs_cut for v in self.hoisted[i].invars if not jx.is_literal(v)):
-          raise HetSpmdError(f"the step returns a value that {jx.primitive_name(eqn)} at "
-                             f"{jx.module_path(eqn) or jx.user_location(eqn)} makes inside the microbatch loop "
-                             "from a sum over the batch; return it from outside the loop")
         self.pre.append(i)
-      if analysis.decisions[i] is None and any(v in analysis.loop_only for v in eqn.outvars):
+      if analysis.decisions[i] is None and any(v in self.loop_only for v in eqn.outvars):
         continue
       if analysis.decisions[i] is not None:
         if i in self.cuts:
@@ -171,32 +173,53 @@ class _Program:
     self.middle = [self._middle(s) for s in range(analysis.loops)]
 
   def _hoisted(self) -> dict[int, Any]:
-    """Equations to run before the loop for the example-free values the step returns from inside it.
+    """Copies of in-loop equations, pruned to the example-free values read outside them, to run before the loop.
 
-    A scan over layers can return, besides its per-example work, values that read no example: the
-    rng-stream counters an NNX model advances per layer. The loop makes them on every microbatch; the
-    step's output needs them once. The scan (or checkpoint) that makes them runs before the loop too,
-    pruned by JAX's dead-code elimination to those outputs, and so do the example-free equations
-    between it and the output. Keyed by equation index; the value is the equation to evaluate.
+    A scan over layers can make, besides its per-example work, values that
+    read no example: the stacked parameters an NNX ``nnx.scan`` hands back
+    as the blocks' new state (which the optimizer update then reads), the
+    rng-stream counters it advances per layer. The loop makes them on every
+    microbatch; the work outside it needs them once. Each scan (or
+    checkpoint) with such outputs that example-free work or the step's
+    result reads also runs before the loop, pruned by JAX's dead-code
+    elimination to those outputs. Keyed by equation index.
     """
-    loop_only = self.analysis.loop_only
-    wanted = {v for v in self.jaxpr.outvars if not jx.is_literal(v) and v in loop_only}
+    decisions, axes = self.analysis.decisions, self.analysis.axes
+    outside = {v for i, e in enumerate(self.eqns) if decisions[i] is None for v in e.invars
+               if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars if not jx.is_literal(v)}
     hoisted: dict[int, Any] = {}
-    for i in reversed(range(len(self.eqns))):
-      eqn = self.eqns[i]
-      outs = [j for j, v in enumerate(eqn.outvars) if v in wanted]
-      if not outs:
+    late: set = set()  # values not ready before the loop: made only inside it, or from a sum over the batch
+    for i, eqn in enumerate(self.eqns):
+      decision = decisions[i]
+      reads_late = any(v in late for v in eqn.invars if not jx.is_literal(v))
+      if decision is None:
+        if reads_late:
+          late.update(eqn.outvars)
         continue
-      copy = eqn if self.analysis.decisions[i] is None else jx.pruned(eqn, outs)
+      if i in self.cuts or reads_late:
+        late.update(eqn.outvars)
+      wanted = [j for j in decision.invariant if eqn.outvars[j] in outside]
+      copy = jx.pruned(eqn, wanted) if wanted else None
       reads = [] if copy is None else [v for v in copy.invars if not jx.is_literal(v)]
-      if copy is None or any(v in self.analysis.axes for v in reads):
-        v = eqn.outvars[outs[0]]
-        raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
-                           "loop only (a value a scan body saves for the backward pass); return it from outside "
-                           "the scan")
-      hoisted[i] = copy
-      wanted.update(v for v in reads if v in loop_only)
+      if copy is not None and not any(v in axes or v in late for v in reads):
+        hoisted[i] = copy
+        late.difference_update(copy.outvars)
+      else:
+        late.update(eqn.outvars[j] for j in decision.invariant)
     return hoisted
+
+  def _loop_only(self) -> set:
+    """Example-free values that exist only inside the loop: in-loop equations' outputs that read no example
+    and are not made before the loop too (:meth:`_hoisted`), and the example-free work on them."""
+    early = {v for copy in self.hoisted.values() for v in copy.outvars}
+    loop_only: set = set()
+    for i, eqn in enumerate(self.eqns):
+      decision = self.analysis.decisions[i]
+      if decision is not None:
+        loop_only.update(eqn.outvars[j] for j in decision.invariant if eqn.outvars[j] not in early)
+      elif any(v in loop_only for v in eqn.invars if not jx.is_literal(v)):
+        loop_only.update(eqn.outvars)
+    return loop_only
 
   def _fuse_sums(self) -> None:
     """Gradients that the step adds together (a tied embedding's lookup and output projection) are added in

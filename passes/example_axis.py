@@ -145,7 +145,14 @@ def _reshape(eqn, axes, batch):
         return Decision((Axis(dim, size // batch),), (axis,) + (None,) * (len(eqn.invars) - 1))
       break
     running *= size
-  raise Mixing(f"it reshapes {_shape(eqn.invars[0])} to {out}, splitting or interleaving the examples")
+  shape = _shape(eqn.invars[0])
+  chunks = out[axis.dim] if before == 1 and axis.dim == 0 and len(out) > len(shape) else 0
+  if chunks > 1 and out[1] * chunks == shape[0] and tuple(out[2:]) == tuple(shape[1:]):
+    raise Mixing(f"it reshapes {shape} to {out}, splitting the batch into {chunks} chunks, as a gradient "
+                 "accumulation loop does. hetspmd accumulates over microbatches itself (the plan's microbatch "
+                 "size, on each device its own count): parallelize the step without its own accumulation (one "
+                 "chunk), at the global batch")
+  raise Mixing(f"it reshapes {shape} to {out}, splitting or interleaving the examples")
 
 
 def _prod(xs) -> int:

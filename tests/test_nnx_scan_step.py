@@ -2,11 +2,13 @@
 
 Each layer owns a dropout rng stream, so the stacked streams' counters
 advance inside the scan over layers: the step returns them (NNX writes
-them back into the model) although no example reaches them. hetspmd runs
-the scan per microbatch inside its loop and, for those counters, a copy of
-the scan pruned to them once before the loop. Three steps on 8 emulated
-devices against ``nnx.jit`` on one device: parameters, metrics and every
-rng counter.
+them back into the model) although no example reaches them. With
+``nnx.remat`` on the layers the scan also hands the stacked parameters back,
+and the optimizer update reads them from there. hetspmd runs the scan per
+microbatch inside its loop and, for such values, a copy of the scan pruned
+to them once before the loop. Three steps on 8 emulated devices against
+``nnx.jit`` on one device (Adam, and Adam under ``optax.MultiSteps``):
+parameters, metrics and every rng counter.
 """
 
 import jax
@@ -50,6 +52,19 @@ class ScannedMLP(nnx.Module):
     return self.head(run(self.blocks, x))
 
 
+class RematScannedMLP(ScannedMLP):
+  """The same stack, each layer checkpointed (``nnx.remat`` inside ``nnx.scan``): the scan then hands the
+  stacked parameters back as the blocks' new state, and the optimizer update reads them from it."""
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    @nnx.remat
+    def run(block, x):
+      return block(x)
+
+    return self.head(run(self.blocks, x))
+
+
 def loss_fn(model, batch):
   logits = model(batch["image"])
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), logits
@@ -61,21 +76,35 @@ def train_step(model, optimizer, metrics, batch):
   optimizer.update(model, grads)
 
 
-def _objects():
-  model = ScannedMLP(nnx.Rngs(params=0, dropout=1))
-  optimizer = nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+OPTIMIZERS = {"adam": lambda: optax.adam(1e-2, eps=1e-4),
+              "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2, eps=1e-4), every_k_schedule=2)}
+
+
+def _objects(model_class, optimizer):
+  model = model_class(nnx.Rngs(params=0, dropout=1))
+  optimizer = nnx.Optimizer(model, OPTIMIZERS[optimizer](), wrt=nnx.Param)
   return model, optimizer, nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
 
 
-@pytest.mark.parametrize("layout,counts", [((8, 1), (3, 3, 2, 2, 2, 1, 1, 0)), ((4, 2), (2, 2, 1, 1))])
-def test_scanned_nnx_layers_are_exact(layout, counts):
+CASES = [
+    # model, optimizer, (data, model) layout, counts
+    (ScannedMLP, "adam", (8, 1), (3, 3, 2, 2, 2, 1, 1, 0)),
+    (ScannedMLP, "adam", (4, 2), (2, 2, 1, 1)),
+    (RematScannedMLP, "adam", (8, 1), (3, 3, 2, 2, 2, 1, 1, 0)),
+    (RematScannedMLP, "multisteps", (8, 1), (3, 3, 2, 2, 2, 1, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("model_class,optimizer,layout,counts", CASES,
+                         ids=[f"{c[0].__name__}-{c[1]}-{c[2]}" for c in CASES])
+def test_scanned_nnx_layers_are_exact(model_class, optimizer, layout, counts):
   microbatch = 2
   batch = sum(counts) * microbatch
   batches = _image_batches(batch, shape=(WIDTH,), classes=CLASSES)
-  ref = _objects()
+  ref = _objects(model_class, optimizer)
   for b in batches:
     nnx.jit(train_step)(*ref, b)
-  mine = _objects()
+  mine = _objects(model_class, optimizer)
   plan = hs.plan_for(_cluster(), nnx.state(mine), global_batch=batch, layout=layout, microbatch=microbatch,
                      counts=counts)
   step = hs.parallelize(train_step, cluster=_cluster(), plan=plan, global_batch=batch)

@@ -528,6 +528,16 @@ def test_steps_that_mix_examples_are_refused_naming_the_primitive(primitive, los
     step(step.shard_state(_mlp_state()), data)
 
 
+def test_a_step_with_its_own_accumulation_loop_is_told_what_to_do():
+  def accumulated(out, b):  # the batch in 4 chunks, as a gradient accumulation scan takes it
+    return jax.lax.scan(lambda c, chunk: (c + chunk.mean(), None), 0.0, out.reshape((4, -1) + out.shape[1:]))[0]
+
+  step = hs.parallelize(_step_with_loss(accumulated), cluster=_cluster(), global_batch=16, microbatch=2)
+  with pytest.raises(hs.HetSpmdError, match=r"reshape .* splitting the batch into 4 chunks, as a gradient "
+                                            r"accumulation loop does.*without its own accumulation"):
+    step(step.shard_state(_mlp_state()), {"x": np.ones((16, 4), np.float32)})
+
+
 def _router_balance(out, b):
   """An MoE router's load-balancing term: the batch's expert density times its mean routing probability."""
   probs = jax.nn.softmax(out)
