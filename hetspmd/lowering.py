@@ -135,6 +135,7 @@ class _Program:
                                                                if not jx.is_literal(v)}
       self.accumulated = [v for v in sorted(made & consumers, key=_order(self))]
     self.hoisted = self._hoisted()
+    self.early = {v for copy in self.hoisted.values() for v in copy.outvars}  # made before the loop too
     self.loop_only = self._loop_only()
     # example-free work on values that exist only inside the loop (a scan's saved parameters) runs there
     for i, eqn in enumerate(self.eqns):
@@ -156,7 +157,7 @@ class _Program:
         continue
       if analysis.decisions[i] is not None:
         if i in self.cuts:
-          needs_cut.update(eqn.outvars)
+          needs_cut.update(v for v in eqn.outvars if v not in self.early)
         continue
       if any(v in needs_cut for v in eqn.invars if not jx.is_literal(v)):
         needs_cut.update(eqn.outvars)
@@ -185,8 +186,16 @@ class _Program:
     elimination to those outputs. Keyed by equation index.
     """
     decisions, axes = self.analysis.decisions, self.analysis.axes
-    outside = {v for i, e in enumerate(self.eqns) if decisions[i] is None for v in e.invars
-               if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars if not jx.is_literal(v)}
+    need = {v for i, e in enumerate(self.eqns) if decisions[i] is None for v in e.invars
+            if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars if not jx.is_literal(v)}
+    copies: dict[int, Any] = {}  # what each equation would run before the loop, and what those copies read
+    for i in reversed(range(len(self.eqns))):
+      decision = decisions[i]
+      wanted = [j for j in decision.invariant if self.eqns[i].outvars[j] in need] if decision is not None else []
+      copy = jx.pruned(self.eqns[i], wanted) if wanted else None
+      if copy is not None:
+        copies[i] = copy
+        need.update(v for v in copy.invars if not jx.is_literal(v))
     hoisted: dict[int, Any] = {}
     late: set = set()  # values not ready before the loop: made only inside it, or from a sum over the batch
     for i, eqn in enumerate(self.eqns):
@@ -198,20 +207,20 @@ class _Program:
         continue
       if i in self.cuts or reads_late:
         late.update(eqn.outvars)
-      wanted = [j for j in decision.invariant if eqn.outvars[j] in outside]
-      copy = jx.pruned(eqn, wanted) if wanted else None
-      reads = [] if copy is None else [v for v in copy.invars if not jx.is_literal(v)]
-      if copy is not None and not any(v in axes or v in late for v in reads):
+      invariant = [eqn.outvars[j] for j in decision.invariant]
+      copy = copies.get(i)
+      if copy is not None and not any(v in axes or v in late for v in copy.invars if not jx.is_literal(v)):
         hoisted[i] = copy
         late.difference_update(copy.outvars)
+        late.update(v for v in invariant if v not in copy.outvars)
       else:
-        late.update(eqn.outvars[j] for j in decision.invariant)
+        late.update(invariant)
     return hoisted
 
   def _loop_only(self) -> set:
     """Example-free values that exist only inside the loop: in-loop equations' outputs that read no example
     and are not made before the loop too (:meth:`_hoisted`), and the example-free work on them."""
-    early = {v for copy in self.hoisted.values() for v in copy.outvars}
+    early = self.early
     loop_only: set = set()
     for i, eqn in enumerate(self.eqns):
       decision = self.analysis.decisions[i]
@@ -380,7 +389,7 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
       env[v] = x
   jx.eval_equations([prog.hoisted.get(i, prog.eqns[i]) for i in prog.pre], env)
   loop_inputs = sorted({v for s in range(prog.analysis.loops) for v in prog.outside_inputs(s)
-                        if v not in prog.needs_cut and not (prog.producer.get(v) in prog.cuts)}
+                        if v not in prog.needs_cut and (v in prog.early or prog.producer.get(v) not in prog.cuts)}
                        | set(prog.middle_inputs()), key=_order(prog))
   cut_outs = [c for c in prog.analysis.cuts if c.index not in prog.absorbed]
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]

@@ -212,13 +212,13 @@ class ParallelStep:
     # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
     call = self._bind_call(args, kwargs)
     compiled = self._executable(call)
-    outputs = compiled(call.dynamic, call.batch.counts, self._starts())
+    outputs = compiled(*call.dynamic, call.batch.counts, self._starts())
     return call.finish(outputs)
 
   def lower(self, *args: Any, **kwargs: Any):
     """The ``jax.stages.Lowered`` program for these arguments."""
     call = self._bind_call(args, kwargs)
-    return self._executable(call).lower(call.dynamic, call.batch.counts, self._starts())
+    return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
 
   def explain(self) -> str:
     if self._lockstep:
@@ -281,11 +281,11 @@ class ParallelStep:
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
 
-      def run(dynamic, counts, starts):
-        outputs = program(call.inputs(dynamic), counts, starts)
+      def run(state, others, counts, starts):  # only the state's buffers may be donated
+        outputs = program(call.inputs((state, others)), counts, starts)
         return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
 
-      donate = (0,) if self.donate_state and call.returns_state(out_tree) else ()
+      donate = (0,) if self.donate_state and call.returns_state(out_tree, analysis.jaxpr) else ()
       return jax.jit(run, donate_argnums=donate, compiler_options=_compiler_options(plan, mesh))
 
     programs: dict = {}
@@ -295,10 +295,11 @@ class ParallelStep:
         programs[lockstep] = make(lockstep)
       return programs[lockstep]
 
-    def run(dynamic, counts, starts):
+    def run(state, others, counts, starts):
       if self._lockstep is None:
-        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(program(False).lower(dynamic, counts, starts))
-      return program(bool(self._lockstep))(dynamic, counts, starts)
+        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(
+            program(False).lower(state, others, counts, starts))
+      return program(bool(self._lockstep))(state, others, counts, starts)
 
     run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
     return run
@@ -450,16 +451,24 @@ class _Call:
     closed, shapes = jax.make_jaxpr(self._pure(), return_shape=True)(*abstract)
     return closed, jax.tree.structure(shapes)
 
-  def returns_state(self, out_tree: Any) -> bool:
-    """Whether the step hands back a new state (NNX objects, or a first output shaped like the state), whose
-    buffers may then be the old state's: a step returning only gradients (``grads, loss = apply_model(state,
-    ...)``, then an update of its own) must leave the state it was given alive."""
+  def returns_state(self, out_tree: Any, closed: Any) -> bool:
+    """Whether the step hands back a new state, whose buffers may then be the old state's: NNX objects, or a
+    first output shaped like the state that is not its gradient (made by the backward pass). A step returning
+    only gradients (``grads, loss = apply_model(state, ...)``, then an update of its own) must leave the state
+    it was given alive."""
     if self.graph_args:
       return True
-    outputs = jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)
+    outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
     state = jax.tree.structure(self.state)
-    return jax.tree.structure(outputs) == state or (
-        isinstance(outputs, tuple) and bool(outputs) and jax.tree.structure(outputs[0]) == state)
+    if jax.tree.structure(outputs) == state:
+      first = jax.tree.leaves(outputs)
+    elif isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == state:
+      first = jax.tree.leaves(outputs[0])
+    else:
+      return False
+    producer = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    made = [producer.get(closed.jaxpr.outvars[i]) for i in first]
+    return not all(e is not None and jx.phase(e) == "backward" for e in made)
 
   def constrain(self, outputs: Any, state_shardings: Any) -> Any:
     """The new state leaves of ``outputs`` held to the plan's shardings."""

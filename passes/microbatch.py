@@ -51,6 +51,7 @@ from typing import Any, Sequence
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes import self_indexing
 from hetspmd.passes.example_axis import RULES as RULES
 from hetspmd.passes.example_axis import Axis as Axis
 from hetspmd.passes.example_axis import Decision as Decision
@@ -216,11 +217,11 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
-    return _analyse(jx.inline_calls(closed, keep=_UNITS), batch_inputs, global_batch, batch_stats,
-                    float_state_inputs, (), _UNITS)
+    return _analyse(self_indexing.rewrite(jx.inline_calls(closed, keep=_UNITS)), batch_inputs, global_batch,
+                    batch_stats, float_state_inputs, (), _UNITS)
   except _Inline as e:
-    return _analyse(jx.inline_calls(closed), batch_inputs, global_batch, batch_stats, float_state_inputs, frozenset(),
-                    (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
+    return _analyse(self_indexing.rewrite(jx.inline_calls(closed)), batch_inputs, global_batch, batch_stats,
+                    float_state_inputs, frozenset(), (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
 _UNITS = frozenset({"remat2", "checkpoint"})

@@ -726,3 +726,33 @@ def test_zero_scatters_the_gradients_of_several_differentiated_arguments(zero_st
   want, want_metrics = jax.jit(make_step(jax.value_and_grad))(state, batch)
   np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-6)
   assert_states_close(want, _gathered(got))
+
+
+def test_only_a_returned_state_is_donated():
+  """A step returning gradients shaped like its state (plain parameters) keeps the state it was given, and an
+  extra array argument (a learning rate) is never donated; a step returning a new state donates the old."""
+  cluster = _cluster()
+  x = np.random.RandomState(0).randn(8, 4).astype(np.float32)
+  loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+
+  def gradients(params, x):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    return grads, value
+
+  def sgd(params, x, lr):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
+
+  params = {"w": jnp.full((4, 4), 0.1)}
+  plan = hs.plan_for(cluster, params, global_batch=8, microbatch=1, counts=(1,) * 8)
+  for fn in (gradients, jax.jit(gradients)):
+    step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch=8)
+    held = step.shard_state(params)
+    step(held, x)
+    assert not held["w"].is_deleted()
+  step = hs.parallelize(sgd, cluster=cluster, plan=plan, global_batch=8, batch_argnums=1)
+  lr = jnp.float32(0.1)
+  held = step.shard_state(params)
+  new, _ = step(held, x, lr)
+  assert held["w"].is_deleted() and not lr.is_deleted()
+  step(new, x, lr)  # the learning rate is still usable

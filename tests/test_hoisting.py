@@ -1,0 +1,61 @@
+"""Example-free outputs of scans inside the microbatch loop, read outside it, are made before the loop.
+
+Hand-written ``lax.scan`` steps with per-layer counters beside the
+per-example work, run under an uneven plan on 8 emulated devices against
+``jax.jit`` on one device: a counter one scan hands to another, and a
+counter of a scan that also sums over the batch, read by per-example work.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hetspmd as hs
+
+from test_unmodified_steps import _cluster
+
+BATCH, WIDTH, LAYERS = 16, 4, 3
+COUNTS = (3, 2, 1, 1, 1, 0, 0, 0)  # microbatch 2
+
+
+def chained_counters(state, x):
+  """Scan A advances a counter and hands back its layers scaled; scan B goes on from A's counter."""
+  def first(carry, w):
+    k, h = carry
+    return (k + 1, jnp.tanh(h @ w)), w * 2.0
+
+  def second(carry, w):
+    k, h = carry
+    return (k + 1, jnp.tanh(h @ w)), None
+
+  (k, h), doubled = jax.lax.scan(first, (state["count"], x), state["w"])
+  (k, h), _ = jax.lax.scan(second, (k, h), state["w"])
+  return {"w": doubled * 0.5 - 1e-2 * jnp.sign(h.sum()), "count": k}, h.sum()
+
+
+def counter_beside_a_sum(state, x):
+  """The scan sums over the batch in its outputs (a cut) and carries a counter that per-example work reads."""
+  def body(carry, w):
+    k, h = carry
+    h = jnp.tanh(h @ w)
+    return (k + 1, h), h.sum(0)
+
+  (k, h), sums = jax.lax.scan(body, (state["count"], x), state["w"])
+  scale = k.astype(jnp.float32) * 2.0
+  return {"w": state["w"], "count": k}, (h * scale).sum() + sums.sum()
+
+
+@pytest.mark.parametrize("step_fn", [chained_counters, counter_beside_a_sum], ids=lambda f: f.__name__)
+def test_scan_counters_outside_the_loop(step_fn):
+  state = {"w": jnp.asarray(np.random.RandomState(0).randn(LAYERS, WIDTH, WIDTH).astype(np.float32) * 0.3),
+           "count": jnp.int32(5)}
+  x = np.random.RandomState(1).randn(BATCH, WIDTH).astype(np.float32)
+  expected_state, expected_loss = jax.jit(step_fn)(state, x)
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, state, global_batch=BATCH, microbatch=2, counts=COUNTS)
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=BATCH)
+  new_state, loss = step(step.shard_state(state), x)
+  np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
+  assert int(new_state["count"]) == int(expected_state["count"])
+  np.testing.assert_allclose(np.asarray(new_state["w"]), np.asarray(expected_state["w"]), rtol=1e-6, atol=1e-7)
