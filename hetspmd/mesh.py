@@ -2,7 +2,7 @@
 
 The first axis (``data``) is the weighted one: position ``i`` along it is a
 group of devices (one row of the mesh) whose share of the batch follows the
-group's speed and memory. Every other axis (``model``) is unweighted: each
+group's speed. Every other axis (``model``) is unweighted: each
 group along it must be one device kind on one host, so that XLA's uniform
 partitioning inside the group is also balanced.
 
