@@ -332,7 +332,7 @@ def _invariant_outputs(prop: Propagation) -> tuple[int, ...]:
 
 
 def _checkpoint_rule(eqn, in_axes, batch, keep) -> Decision:
-  body = jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]), keep=keep)
+  body = self_indexing.rewrite(jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]), keep=keep))
   invars = list(body.jaxpr.invars)
   prop = propagate(body, {v: a for v, a in zip(invars, in_axes) if a is not None}, batch, keep=keep)
   try:
@@ -379,7 +379,7 @@ def _demanded(prop: Propagation) -> dict:
 
 def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
   parts = jx.scan_parts(eqn)
-  body = jx.inline_calls(parts.body, keep=keep)
+  body = self_indexing.rewrite(jx.inline_calls(parts.body, keep=keep))
   invars, outvars = list(body.jaxpr.invars), list(body.jaxpr.outvars)
   nc, nk = parts.num_consts, parts.num_carry
   for j, a in enumerate(in_axes[nc + nk:]):

@@ -29,7 +29,8 @@ _SCATTERS = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "
 
 def rewrite(closed: Any) -> Any:
   """``closed`` with every self-indexing gather or scatter at its top level in batched form (the same
-  closed jaxpr if it has none)."""
+  closed jaxpr if it has none). The analysis calls it on the step and on each scan or checkpoint body it
+  opens."""
   jaxpr = closed.jaxpr
   positions, pieces, producer = _provenance(jaxpr)
   plan = {}
