@@ -15,9 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-import hetspmd as hs
-
-from test_unmodified_steps import STEPS, _close, _cluster, _metrics_close
+from test_unmodified_steps import STEPS, _close, run_planned
 
 
 class Generator(nn.Module):
@@ -75,13 +73,8 @@ def test_gan_step_is_exact(batch_stats):
   for b in batches:
     ref, m = jax.jit(gan_train_step)(ref, b)
     expected.append(m)
-  cluster = _cluster()
-  plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, counts=counts)
-  step = hs.parallelize(gan_train_step, cluster=cluster, plan=plan, global_batch=batch, batch_stats=batch_stats)
-  state = step.shard_state(_state())
-  for b, e in zip(batches, expected):
-    state, metrics = step(state, b)
-    _metrics_close(e, metrics)
+  step, state = run_planned(gan_train_step, _state(), batches, expected, (8, 1), microbatch, counts,
+                            options={"batch_stats": batch_stats})
   _close(ref["g"], state["g"])
   _close(ref["d"], state["d"])
   assert "2 microbatch loop(s)" in step.explain()
