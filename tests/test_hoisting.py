@@ -59,3 +59,39 @@ def test_scan_counters_outside_the_loop(step_fn):
   np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
   assert int(new_state["count"]) == int(expected_state["count"])
   np.testing.assert_allclose(np.asarray(new_state["w"]), np.asarray(expected_state["w"]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(300)
+def test_scan_counters_in_two_processes():
+  """2 processes x 4 CPU devices over gloo, each feeding its own examples: the hoisted copies run on the
+  processes' shards of the state like the rest of the work before the loop."""
+  import textwrap
+
+  from multiprocess import run_processes
+
+  mine = sum(COUNTS[:4]) * 2
+  results = run_processes(textwrap.dedent(f"""
+      import json, types
+      import numpy as np, jax, jax.numpy as jnp
+      import hetspmd as hs
+      sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)  # keep 4 devices here
+      sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+      import test_hoisting as t
+      w = np.random.RandomState(0).randn(t.LAYERS, t.WIDTH, t.WIDTH).astype(np.float32) * 0.3
+      x = np.random.RandomState(1).randn(t.BATCH, t.WIDTH).astype(np.float32)
+      local = jax.local_devices()[0]
+      ref_state, ref_loss = jax.jit(t.chained_counters)(
+          jax.device_put({{"w": w, "count": np.int32(5)}}, local), jax.device_put(x, local))
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+      state = {{"w": jnp.asarray(w), "count": jnp.int32(5)}}
+      plan = hs.plan_for(cluster, state, global_batch=t.BATCH, microbatch=2, counts=t.COUNTS)
+      step = hs.parallelize(t.chained_counters, cluster=cluster, plan=plan, global_batch=t.BATCH)
+      part = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, t.BATCH)
+      new, loss = step(step.shard_state(state), x[part])
+      print(json.dumps({{"count": int(new["count"]), "ref_count": int(ref_state["count"]),
+                         "loss": float(loss), "ref_loss": float(ref_loss)}}))
+  """), num_processes=2, devices_per_process=4, timeout=240)
+  assert len(results) == 2
+  for r in results:
+    assert r["count"] == r["ref_count"] == 5 + 2 * LAYERS
+    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
