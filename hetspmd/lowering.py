@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from hetspmd import operands
 from hetspmd.errors import HetSpmdError
 from hetspmd.microbatch import reduce_over_data
 from hetspmd.passes import _jax_adapter as jx
@@ -71,26 +72,20 @@ class Layout:
 # --- rewriting one equation from the global batch to a microbatch ---------------------
 
 
-def _resize(shape: Sequence[int], axis: Axis, m: int) -> tuple[int, ...]:
-  out = list(shape)
-  out[axis.dim] = m * axis.per_example
-  return tuple(out)
-
-
 def _microbatch_params(eqn, decision, m: int) -> dict[str, Any]:
   name = jx.primitive_name(eqn)
   params = dict(eqn.params)
   out = decision.outputs[0] if decision.outputs else None
   if name == "broadcast_in_dim" and out is not None:
-    params["shape"] = _resize(params["shape"], out, m)
+    params["shape"] = operands.resize(params["shape"], out, m)
   elif name == "reshape" and out is not None:
-    params["new_sizes"] = _resize(params["new_sizes"], out, m)
+    params["new_sizes"] = operands.resize(params["new_sizes"], out, m)
   elif name in ("gather", "dynamic_slice") and decision.inputs[0] is not None:
     axis = decision.inputs[0]
     if params["slice_sizes"][axis.dim] == jx.aval_shape(eqn.invars[0])[axis.dim]:  # a whole window of examples
-      params["slice_sizes"] = _resize(params["slice_sizes"], axis, m)
+      params["slice_sizes"] = operands.resize(params["slice_sizes"], axis, m)
   elif name == "slice" and out is not None:
-    params["limit_indices"] = _resize(params["limit_indices"], out, m)
+    params["limit_indices"] = operands.resize(params["limit_indices"], out, m)
   return params
 
 
@@ -291,7 +286,7 @@ class _Program:
 
   def rebuilt(self, var: Any, axis: Axis | None) -> Any:
     """The broadcast that makes example-free ``var`` batch-sized along ``axis``, to rebuild at the microbatch size."""
-    return _rebuilt(self, var, axis)
+    return operands.rebuilt(self, var, axis)
 
   def _loop_equations(self, s: int) -> list[int]:
     """Equations loop ``s`` evaluates: the in-loop ancestors of its cuts (and, last, of per-example outputs)."""
@@ -328,8 +323,8 @@ class _Program:
         if jx.is_literal(v) or v in inside_out or v in batch_vars:
           continue
         chain = self.rebuilt(v, decision.inputs[j]) if decision is not None else None
-        needs = [v] if chain is None else _chain_inputs(chain)
-        if chain is not None and not _sliceable(chain):
+        needs = [v] if chain is None else operands.chain_inputs(chain)
+        if chain is not None and not operands.sliceable(chain):
           needs = [v]
         for u in needs:
           if u not in seen:
@@ -671,7 +666,7 @@ def _sum_outputs(decision) -> list[int]:
 
 def _apply(prog, eqn, decision, env, offset, m, zero_base: bool = False) -> list[Any]:
   """One per-example or cut equation on one microbatch: its outputs."""
-  invals = [_operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
+  invals = [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
   if zero_base:
     invals[decision.base] = jnp.zeros_like(invals[decision.base])
   if decision.body is not None:
@@ -697,11 +692,11 @@ class _Body:
     self.eqns = self.jaxpr.eqns
     self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
     self.presliced = body.presliced
-    self.analysis = self  # _operand reads .analysis.axes
+    self.analysis = self  # operands.operand reads .analysis.axes
     self.axes = prop.axes
 
   def rebuilt(self, var, axis):
-    return _rebuilt(self, var, axis)
+    return operands.rebuilt(self, var, axis)
 
   def run(self, inputs, offset, m) -> list[Any]:
     env = dict(zip(self.jaxpr.constvars, self.consts))
@@ -732,106 +727,3 @@ def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
   carry, ys = jax.lax.scan(step, init, xs, length=parts.length, reverse=eqn.params["reverse"],
                            unroll=eqn.params.get("unroll", 1))
   return list(carry) + list(ys)
-
-
-# Example-free equations a batch-sized value can be rebuilt through at the microbatch's size: those that
-# keep their operands' shape (scalars and size-1 dimensions broadcast).
-_REBUILT_THROUGH = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "xor",
-    "select_n", "convert_element_type", "bitcast_convert_type", "shift_right_logical", "shift_left", "neg",
-    "exp", "log", "floor", "ceil", "sign", "abs", "copy", "integer_pow", "clamp"})
-
-
-def _rebuilt(prog, var, axis, depth: int = 0):
-  """How to make the example-free, batch-sized ``var`` at the microbatch's size inside the loop, or None.
-
-  A tuple of ``(equation, axis of its output)`` in order, each rebuilt from the ones before: a broadcast
-  that creates the batch dimension (bound at the microbatch size), a random draw (only the microbatch's
-  slice of the full-batch draw: :func:`jx.random_bits_slice`), and the broadcasts, reshapes and
-  elementwise work between them and ``var`` (a dropout mask, a causal mask broadcast over the batch).
-  Everything else they read comes from outside the loop, unchanged.
-  """
-  producer = prog.producer.get(var)
-  if axis is None or var in prog.analysis.axes or producer is None or depth > 24:
-    return None
-  eqn = prog.eqns[producer]
-  name = jx.primitive_name(eqn)
-  shape = jx.aval_shape(var)
-  if name == "broadcast_in_dim":
-    dims = tuple(eqn.params["broadcast_dimensions"])
-    if axis.dim not in dims:
-      return ((eqn, axis),)
-    operand = eqn.invars[0]
-    j = dims.index(axis.dim)
-    if jx.is_literal(operand) or jx.aval_shape(operand)[j] != shape[axis.dim]:
-      return None
-    inner = _rebuilt(prog, operand, axis.moved(j), depth + 1)
-    return None if inner is None else inner + ((eqn, axis),)
-  if name == "reshape" and eqn.params.get("dimensions") is None:
-    operand = eqn.invars[0]
-    if jx.aval_shape(operand)[:axis.dim + 1] != shape[:axis.dim + 1]:
-      return None  # only reshapes that keep every dimension up to the examples'
-    inner = _rebuilt(prog, operand, axis, depth + 1)
-    return None if inner is None else inner + ((eqn, axis),)
-  if name == "random_bits" and jx.aval_shape(eqn.invars[0]) == ():
-    return ((eqn, axis),)
-  if name in _REBUILT_THROUGH and jx.aval_shape(eqn.outvars[0]) == shape:
-    chain: list = []
-    for v in eqn.invars:
-      operand = () if jx.is_literal(v) else jx.aval_shape(v)
-      if len(operand) != len(shape) or operand[axis.dim] != shape[axis.dim]:
-        continue  # a scalar, or broadcast along the examples: read as it is
-      inner = _rebuilt(prog, v, axis, depth + 1)
-      if inner is None:
-        return None
-      chain += [e for e in inner if e[0] not in {c[0] for c in chain}]
-    return tuple(chain) + ((eqn, axis),) if chain else None
-  return None
-
-
-def _chain_inputs(chain) -> list:
-  made = {v for e, _ in chain for v in e.outvars}
-  return list(dict.fromkeys(v for e, _ in chain for v in e.invars if not jx.is_literal(v) and v not in made))
-
-
-def _sliceable(chain) -> bool:
-  """Whether every random draw in ``chain`` can be drawn as a slice (known when tracing: the key's type)."""
-  return all(jx.draw_is_sliceable(e) for e, _ in chain if jx.primitive_name(e) == "random_bits")
-
-
-def _rebuild(prog, chain, var, axis, env, offset, m):
-  """Evaluates ``chain`` (from :func:`_rebuilt`) at the microbatch's size; ``var``'s value, or None."""
-  local: dict = {}
-  for eqn, at in chain:
-    name = jx.primitive_name(eqn)
-    invals = [jx.read(env, v) if jx.is_literal(v) or v not in local else local[v] for v in eqn.invars]
-    if name in ("broadcast_in_dim", "reshape"):
-      params = dict(eqn.params)
-      key = "shape" if name == "broadcast_in_dim" else "new_sizes"
-      params[key] = _resize(params[key], at, m)
-      out = jx.bind(eqn, invals, params)
-    elif name == "random_bits":
-      bits = jx.random_bits_slice(invals[0], eqn.params["bit_width"], eqn.params["shape"], at.dim,
-                                  offset * at.per_example, m * at.per_example)
-      if bits is None:
-        return None
-      out = [bits]
-    else:
-      out = jx.bind(eqn, invals)
-    local.update(zip(eqn.outvars, out))
-  return local[var]
-
-
-def _operand(prog, env, var, axis, offset, m):
-  """The value of ``var`` in one microbatch: its own, or an example-free batch-sized value rebuilt or sliced."""
-  if jx.is_literal(var):
-    return var.val
-  if var in prog.analysis.axes or axis is None or var in getattr(prog, "presliced", ()):
-    return env[var]
-  chain = prog.rebuilt(var, axis)
-  if chain is not None:
-    value = _rebuild(prog, chain, var, axis, env, offset, m)
-    if value is not None:
-      return value
-  value = env[var]
-  return jax.lax.dynamic_slice_in_dim(value, offset * axis.per_example, m * axis.per_example, axis.dim)

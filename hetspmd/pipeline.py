@@ -1,0 +1,203 @@
+"""Uneven pipeline stages in one SPMD program: a padded layer stack run with per-device trip counts.
+
+A stack of identical layers (the parameters of layer ``l`` are ``leaf[l]`` of every leaf of a stacked
+tree, as ``nn.scan``, ``nnx.vmap`` or a stacked zoo model hold them) is cut into consecutive stages of
+uneven length, one stage per row of a ``stage`` mesh axis. Every device runs the same program:
+
+* the stack is stored padded: stage ``s`` holds its ``layers[s]`` layers in a block of
+  ``max(layers)`` rows of a ``[stages * max(layers), ...]`` array sharded over ``stage``, the rest zeros;
+* the schedule is GPipe in lockstep ticks: ``M + S - 1`` forward ticks, then ``M + S - 1`` backward
+  ticks, for ``M`` microbatches and ``S`` stages. Each tick starts with one ``ppermute`` over ``stage``
+  (activations forward, their cotangents back), so every device meets every collective the same number
+  of times;
+* inside a tick a stage runs its own layers as a ``while`` loop with its own trip count (``layers[s]``,
+  or 0 in a tick where it has no microbatch), with no collective inside: a faster stage is given more
+  layers, and a stage with fewer layers really does less work (DESIGN.md, mechanism 6);
+* a stage keeps only each layer's input per microbatch; its backward recomputes the layer's forward
+  (``jax.vjp`` of one layer) and hands the input's cotangent on. The loss head runs on the last stage
+  (``lax.cond``), so its cost is that stage's alone;
+* a ``data`` axis inside a stage splits every microbatch's examples evenly; the stack's gradients are
+  summed over ``data`` once, after the ticks, among the devices of one stage.
+
+The result is the gradient of ``sum_m head(stack(xs[m]), targets[m])`` with respect to the stack, the head
+and every ``xs[m]``, equal to the single-device one up to the order of float sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from hetspmd.errors import InvalidValueError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+  """Consecutive layers per stage (uneven), and the microbatches that flow through them."""
+
+  layers: tuple[int, ...]
+  microbatches: int
+  stage_axis: str = "stage"
+  data_axis: str | None = "data"
+
+  def __post_init__(self):
+    if not self.layers or min(self.layers) < 1:
+      raise InvalidValueError(f"every stage needs at least one layer, got layers={self.layers}")
+    if self.microbatches < 1:
+      raise InvalidValueError(f"a pipeline needs at least one microbatch, got {self.microbatches}")
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.layers)
+
+  @property
+  def max_layers(self) -> int:
+    return max(self.layers)
+
+  @property
+  def total_layers(self) -> int:
+    return sum(self.layers)
+
+  @property
+  def ticks(self) -> int:
+    """Lockstep ticks of each direction: the last microbatch leaves the last stage at tick M + S - 2."""
+    return self.microbatches + self.num_stages - 1
+
+  def rows(self) -> np.ndarray:
+    """Row of the padded stack that holds each layer, in layer order."""
+    return np.concatenate([s * self.max_layers + np.arange(n) for s, n in enumerate(self.layers)]).astype(np.int32)
+
+
+def pack(stack: Any, stages: Stages) -> Any:
+  """The padded stack: ``[stages * max_layers, ...]`` per leaf, each stage's layers first in its block."""
+  rows = stages.rows()
+
+  def one(leaf):
+    if leaf.shape[0] != stages.total_layers:
+      raise InvalidValueError(f"a stacked leaf of shape {leaf.shape} has {leaf.shape[0]} layers; the stages "
+                              f"{stages.layers} hold {stages.total_layers}")
+    out = jnp.zeros((stages.num_stages * stages.max_layers,) + leaf.shape[1:], leaf.dtype)
+    return out.at[rows].set(leaf)
+
+  return jax.tree.map(one, stack)
+
+
+def unpack(padded: Any, stages: Stages) -> Any:
+  """The layers of a padded stack (or of its gradient) in order: the inverse of :func:`pack`."""
+  rows = stages.rows()
+  return jax.tree.map(lambda leaf: leaf[rows], padded)
+
+
+def _leaf(tree, index):
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False), tree)
+
+
+def _put(tree, index, value):
+  return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0), tree, value)
+
+
+def _add(tree, index, value):
+  return jax.tree.map(
+      lambda x, v: jax.lax.dynamic_update_index_in_dim(
+          x, jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False) + v.astype(x.dtype), index, 0), tree, value)
+
+
+def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[[Any, jax.Array, Any], jax.Array],
+                   stages: Stages, mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
+  """``(padded_stack, head_params, xs, targets) -> (loss, d_padded_stack, d_head_params, d_xs)``.
+
+  ``block(layer_params, h) -> h`` is one layer (same shape and dtype out as in); ``head(head_params, h,
+  target) -> loss`` sums its loss over the microbatch's examples. ``xs`` is ``[M, B, ...]``: ``M``
+  microbatches of ``B`` examples, split over ``data``; ``targets`` is any tree of ``[M, B, ...]`` leaves.
+  The loss and gradients are sums over all ``M * B`` examples.
+  """
+  S, M, L = stages.num_stages, stages.microbatches, stages.max_layers
+  st, da = stages.stage_axis, stages.data_axis
+  if mesh.shape.get(st) != S:
+    raise InvalidValueError(f"{S} stages need a mesh axis {st!r} of size {S}; the mesh has {dict(mesh.shape)}")
+  if da is not None and da not in mesh.shape:
+    raise InvalidValueError(f"the data axis {da!r} is not an axis of the mesh {dict(mesh.shape)}")
+  axes = (st,) if da is None else (st, da)
+  counts = jnp.asarray(stages.layers, jnp.int32)
+  forward_pairs = [(s, s + 1) for s in range(S - 1)]
+  backward_pairs = [(s + 1, s) for s in range(S - 1)]
+
+  def per_device(stack, head_params, xs, targets):
+    s = jax.lax.axis_index(st)
+    mine = counts[s]
+    first, last = s == 0, s == S - 1
+    h0 = jnp.zeros_like(xs[0])
+
+    def layers_forward(h, n, saved, m):
+      def body(l, carry):
+        h, saved = carry
+        saved = jax.tree.map(lambda buf, v: buf.at[m, l].set(v), saved, h)
+        return block(_leaf(stack, l), h), saved
+      return jax.lax.fori_loop(0, n, body, (h, saved))
+
+    def forward_tick(t, carry):
+      send, saved, loss, dhead, dtop = carry
+      recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
+      m = t - s
+      valid = (m >= 0) & (m < M)
+      mi = jnp.clip(m, 0, M - 1)
+      h = jnp.where(first, xs[mi], recv)
+      h, saved = layers_forward(h, jnp.where(valid, mine, 0), saved, mi)
+
+      def run_head(args):
+        loss, dhead, dtop = args
+        value, pull = jax.vjp(lambda p, x: head(p, x, _leaf(targets, mi)), head_params, h)
+        dp, dx = pull(jnp.ones_like(value))
+        return (loss + value.astype(jnp.float32), jax.tree.map(jnp.add, dhead, dp),
+                jax.lax.dynamic_update_index_in_dim(dtop, dx, mi, 0))
+
+      loss, dhead, dtop = jax.lax.cond(valid & last, run_head, lambda a: a, (loss, dhead, dtop))
+      return h, saved, loss, dhead, dtop
+
+    saved = jnp.zeros((M, L) + h0.shape, h0.dtype)
+    zeros_head = jax.tree.map(jnp.zeros_like, head_params)
+    carry = (h0, saved, jnp.zeros((), jnp.float32), zeros_head, jnp.zeros_like(xs))
+    _, saved, loss, dhead, dtop = jax.lax.fori_loop(0, stages.ticks, forward_tick, carry)
+
+    def layers_backward(g, n, dstack, m):
+      def body(i, carry):
+        g, dstack = carry
+        l = n - 1 - i
+        _, pull = jax.vjp(block, _leaf(stack, l), saved[m, l])
+        dp, g = pull(g)
+        return g, _add(dstack, l, dp)
+      return jax.lax.fori_loop(0, n, body, (g, dstack))
+
+    def backward_tick(t, carry):
+      send, dstack, dxs = carry
+      recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
+      m = t - (S - 1 - s)
+      valid = (m >= 0) & (m < M)
+      mi = jnp.clip(m, 0, M - 1)
+      g = jnp.where(last, dtop[mi], recv)
+      g, dstack = layers_backward(g, jnp.where(valid, mine, 0), dstack, mi)
+      dxs = jnp.where(valid & first, jax.lax.dynamic_update_index_in_dim(dxs, g, mi, 0), dxs)
+      return g, dstack, dxs
+
+    dstack = jax.tree.map(jnp.zeros_like, stack)
+    _, dstack, dxs = jax.lax.fori_loop(0, stages.ticks, backward_tick, (h0, dstack, jnp.zeros_like(xs)))
+    if da is not None:
+      dstack = jax.lax.psum(dstack, da)
+    loss = jax.lax.psum(loss, axes)
+    dhead = jax.lax.psum(dhead, axes)
+    return loss, dstack, dhead, dxs[None]
+
+  data = P(None, da)
+  mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(st), P(), data, data),
+                         out_specs=(P(), P(st), P(), P(st, None, da)), axis_names=set(axes), check_vma=False)
+
+  def run(padded_stack, head_params, xs, targets):
+    loss, dstack, dhead, dxs = mapped(padded_stack, head_params, xs, targets)
+    return loss, dstack, dhead, dxs[0]
+
+  return run
