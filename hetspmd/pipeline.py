@@ -13,8 +13,9 @@ uneven length, one stage per row of a ``stage`` mesh axis. Every device runs the
 * inside a tick a stage runs its own layers as a ``while`` loop with its own trip count (``layers[s]``,
   or 0 in a tick where it has no microbatch), with no collective inside: a faster stage is given more
   layers, and a stage with fewer layers really does less work (DESIGN.md, mechanism 6);
-* a stage keeps only each layer's input per microbatch; its backward recomputes the layer's forward
-  (``jax.vjp`` of one layer) and hands the input's cotangent on. The loss head runs on the last stage
+* a stage keeps each layer's input per microbatch and, with ``recompute=False``, the residuals of the
+  layer's ``jax.vjp`` too; its backward runs the layer's pullback (recomputing the forward first when the
+  residuals were not kept) and hands the input's cotangent on. The loss head runs on the last stage
   (``lax.cond``), so its cost is that stage's alone;
 * a ``data`` axis inside a stage splits every microbatch's examples evenly; the stack's gradients are
   summed over ``data`` once, after the ticks, among the devices of one stage.
@@ -44,6 +45,9 @@ class Stages:
   microbatches: int
   stage_axis: str = "stage"
   data_axis: str | None = "data"
+  # keep only each layer's input and recompute its forward in the backward pass (GPipe's choice), or keep
+  # every residual of the layer's forward (no recomputation, more memory)
+  recompute: bool = True
 
   def __post_init__(self):
     if not self.layers or min(self.layers) < 1:
@@ -107,6 +111,20 @@ def _add(tree, index, value):
           x, jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False) + v.astype(x.dtype), index, 0), tree, value)
 
 
+def _residuals(pull, inputs) -> tuple:
+  """The leaves of a ``jax.vjp`` pullback that are not the inputs themselves: what the backward needs kept."""
+  given = {id(x) for x in jax.tree.leaves(inputs)}
+  return tuple(r for r in jax.tree.leaves(pull) if id(r) not in given)
+
+
+def _with_residuals(pull, inputs, kept):
+  """``pull`` with its residuals replaced by ``kept`` (from :func:`_residuals` of the same function)."""
+  given = {id(x) for x in jax.tree.leaves(inputs)}
+  leaves, treedef = jax.tree.flatten(pull)
+  kept = iter(kept)
+  return jax.tree.unflatten(treedef, [r if id(r) in given else next(kept) for r in leaves])
+
+
 def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[[Any, jax.Array, Any], jax.Array],
                    stages: Stages, mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
   """``(padded_stack, head_params, xs, targets) -> (loss, d_padded_stack, d_head_params, d_xs)``.
@@ -136,8 +154,14 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
     def layers_forward(h, n, saved, m):
       def body(l, carry):
         h, saved = carry
-        saved = jax.tree.map(lambda buf, v: buf.at[m, l].set(v), saved, h)
-        return block(_leaf(stack, l), h), saved
+        p = _leaf(stack, l)
+        if stages.recompute:
+          out, kept = block(p, h), ()
+        else:
+          out, pull = jax.vjp(block, p, h)
+          kept = _residuals(pull, (p, h))
+        saved = jax.tree.map(lambda buf, v: buf.at[m, l].set(v), saved, (h, kept))
+        return out, saved
       return jax.lax.fori_loop(0, n, body, (h, saved))
 
     def forward_tick(t, carry):
@@ -159,7 +183,9 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
       loss, dhead, dtop = jax.lax.cond(valid & last, run_head, lambda a: a, (loss, dhead, dtop))
       return h, saved, loss, dhead, dtop
 
-    saved = jnp.zeros((M, L) + h0.shape, h0.dtype)
+    kept = () if stages.recompute else jax.eval_shape(
+        lambda p, h: _residuals(jax.vjp(block, p, h)[1], (p, h)), _leaf(stack, 0), h0)
+    saved = jax.tree.map(lambda a: jnp.zeros((M, L) + a.shape, a.dtype), (h0, kept))
     zeros_head = jax.tree.map(jnp.zeros_like, head_params)
     carry = (h0, saved, jnp.zeros((), jnp.float32), zeros_head, jnp.zeros_like(xs))
     _, saved, loss, dhead, dtop = jax.lax.fori_loop(0, stages.ticks, forward_tick, carry)
@@ -168,7 +194,11 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
       def body(i, carry):
         g, dstack = carry
         l = n - 1 - i
-        _, pull = jax.vjp(block, _leaf(stack, l), saved[m, l])
+        h, kept = jax.tree.map(lambda buf: buf[m, l], saved)
+        p = _leaf(stack, l)
+        _, pull = jax.vjp(block, p, h)  # with kept residuals, only its structure is used (the rest is dead)
+        if not stages.recompute:
+          pull = _with_residuals(pull, (p, h), kept)
         dp, g = pull(g)
         return g, _add(dstack, l, dp)
       return jax.lax.fori_loop(0, n, body, (g, dstack))
