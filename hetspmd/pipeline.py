@@ -27,7 +27,7 @@ and every ``xs[m]``, equal to the single-device one up to the order of float sum
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,25 @@ class Stages:
   def rows(self) -> np.ndarray:
     """Row of the padded stack that holds each layer, in layer order."""
     return np.concatenate([s * self.max_layers + np.arange(n) for s, n in enumerate(self.layers)]).astype(np.int32)
+
+
+def schedule_seconds(stages: Stages, forward: Sequence[float], backward: Sequence[float], head: float = 0.0,
+                     transfer: float = 0.0) -> float:
+  """Predicted seconds of :func:`pipelined_grad`'s ticks (the gradient reduction after them excluded).
+
+  ``forward[s]`` and ``backward[s]``: one layer's forward and backward (without its recomputed forward) on
+  one microbatch on stage ``s``'s devices; ``head``: the head's forward and backward on one microbatch on
+  the last stage; ``transfer``: one boundary send of a microbatch's activations. Every tick lasts as long
+  as its slowest stage, since the ``ppermute`` that starts the next one waits for every device.
+  """
+  if len(forward) != stages.num_stages or len(backward) != stages.num_stages:
+    raise InvalidValueError(f"one forward and one backward time per stage ({stages.num_stages}), got "
+                            f"{len(forward)} and {len(backward)}")
+  last = stages.num_stages - 1
+  tick_f = max(n * f + (head if s == last else 0.0) for s, (n, f) in enumerate(zip(stages.layers, forward)))
+  tick_b = max(n * (b + (f if stages.recompute else 0.0)) for n, f, b in zip(stages.layers, forward, backward))
+  sends = 2 * transfer if stages.num_stages > 1 else 0.0
+  return stages.ticks * (tick_f + tick_b + sends)
 
 
 def pack(stack: Any, stages: Stages) -> Any:

@@ -178,5 +178,15 @@ def test_kept_residuals_skip_the_recomputed_forward():
     run = jax.jit(pipeline.pipelined_grad(_block, _head, stages, mesh))
     text = run.lower(pipeline.pack(stack, stages), head, xs, targets).compile().as_text()
     dots[recompute] = text.count(" dot(")
-  # one layer's forward has 6 matmuls (q, k, v, scores, values, out) and the MLP's 2, less what XLA fuses
   assert dots[False] < dots[True], dots
+
+
+def test_schedule_is_priced_by_its_slowest_stage_per_tick():
+  stages = pipeline.Stages(layers=(3, 1), microbatches=4)
+  # stage 0: 3 layers of 1 s forward, 2 s backward (+1 s recomputed); stage 1: 1 layer of 2 + 4 (+2), head 1 s
+  seconds = pipeline.schedule_seconds(stages, forward=(1.0, 2.0), backward=(2.0, 4.0), head=1.0, transfer=0.5)
+  assert seconds == pytest.approx(5 * (max(3.0, 2.0 + 1.0) + max(9.0, 6.0) + 1.0))
+  kept = pipeline.Stages(layers=(3, 1), microbatches=4, recompute=False)
+  assert pipeline.schedule_seconds(kept, (1.0, 2.0), (2.0, 4.0), head=1.0) == pytest.approx(5 * (3.0 + 6.0))
+  with pytest.raises(InvalidValueError, match="one forward and one backward time per stage"):
+    pipeline.schedule_seconds(stages, (1.0,), (1.0, 1.0))
