@@ -58,6 +58,7 @@ class Units:
   boundary: tuple[float, ...]          # bytes per example crossing after unit i (forward; as many back)
   residual: tuple[float, ...]          # bytes per example unit i keeps from its forward for its backward
   params: tuple[float, ...]            # parameter elements read by unit i's forward
+  forward: tuple[np.ndarray, ...] = ()  # per unit: the forward part of ``nodes`` (recomputed by the built schedule)
 
 
 def units_of(profile) -> Units:
@@ -77,6 +78,8 @@ def units_of(profile) -> Units:
   per_node = np.array([index.get(u, last) for u in unit_of])  # moduleless work runs on the last stage
   micro = ~profile.per_step
   nodes = tuple(micro & (per_node == i) for i in range(len(order)))
+  is_forward = np.array([node.phase == "forward" for node in large.nodes])
+  forward = tuple(mask & is_forward for mask in nodes)
 
   def crossing(graph):
     """Bytes handed forward across each boundary (each value once, to its last forward reader), and kept
@@ -116,7 +119,7 @@ def units_of(profile) -> Units:
       if ref.source is Source.INPUT and ref.index in inputs and ref.index not in counted:
         counted.add(ref.index)
         params[per_node[node.id]] += math.prod(large.inputs[ref.index].type.shape)
-  return Units(tuple(order), nodes, boundary, residual, tuple(params))
+  return Units(tuple(order), nodes, boundary, residual, tuple(params), forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,7 @@ class PipelinePlan:
   microbatch: int
   microbatches: int
   reduce_dtype: str
+  recompute: bool = False
 
 
 def split_units(cost: np.ndarray, limit: np.ndarray | None = None) -> tuple[float, tuple[int, ...]] | None:
@@ -151,10 +155,15 @@ def split_units(cost: np.ndarray, limit: np.ndarray | None = None) -> tuple[floa
   return float(best[stages, n]), tuple(int(c) for c in reversed(counts))
 
 
-def estimate(cluster, profile, units: Units, batch: int, overlapped: bool = False) -> PipelinePlan | None:
+def estimate(cluster, profile, units: Units, batch: int, overlapped: bool = False,
+             schedule: str = "1f1b") -> PipelinePlan | None:
   """The fastest pipeline plan that fits; ``overlapped``: boundary transfers and gradient reductions hide behind
-  compute (a bound no schedule beats)."""
-  from hetspmd.data_axis import REDUCE_BYTES, WORKSPACE, allreduce_seconds
+  compute (a bound no schedule beats). ``schedule``: ``"1f1b"`` (each stage's forward and backward of a
+  microbatch per tick, ``min(M, S)`` microbatches in flight), or ``"gpipe"``, what
+  :func:`hetspmd.pipeline.pipelined_grad` runs: lockstep forward ticks then backward ticks, each as long
+  as its slowest stage, either every residual of all ``M`` microbatches kept, or only each unit's input
+  kept and its forward recomputed in the backward (whichever is faster and fits)."""
+  from hetspmd.data_axis import WORKSPACE
 
   hosts = list(range(len(cluster.hosts)))
   first_of = np.cumsum([0] + [h.count for h in cluster.hosts])
@@ -178,44 +187,70 @@ def estimate(cluster, profile, units: Units, batch: int, overlapped: bool = Fals
           continue
         m = batch // (d * microbatch)
         seconds = np.zeros((stages, n))
+        forward = np.zeros((stages, n))
         for s, g in enumerate(groups):
           specs = {cluster.hosts[h].device.name: cluster.hosts[h].device for h in g}
           per_kind = [profile.node_seconds(spec, microbatch) for spec in specs.values()]
           seconds[s] = [max(float(np.sum(t[mask])) for t in per_kind) for mask in units.nodes]
+          forward[s] = [max(float(np.sum(t[mask])) for t in per_kind) for mask in units.forward]
           if s not in optimizer:
             optimizer[s] = max(float(np.sum(profile.node_seconds(spec, 1)[profile.per_step])) for spec in specs.values())
-        prefix = np.concatenate([np.zeros((stages, 1)), np.cumsum(seconds, axis=1)], axis=1)
         params = np.concatenate([[0.0], np.cumsum(units.params)])
         kept = np.concatenate([[0.0], np.cumsum(units.residual)])
-        cost = np.full((stages, n + 1, n + 1), np.inf)
-        for s, g in enumerate(groups):
-          link = cluster.inter if len(hosts) > 1 else cluster.hosts[g[0]].intra
-          share = d // len(g)  # replicas on one host share its link
-          in_flight = min(m, stages)  # one SPMD program: every stage holds the first stage's buffers
-          for i in range(n):
-            for j in range(i + 1, n + 1):
-              held = (params[j] - params[i]) * state_per_param + in_flight * microbatch * (kept[j] - kept[i])
-              if held > memory:
-                continue
-              sends = (units.boundary[j - 1] if j < n else 0.0) + (units.boundary[i - 1] if i > 0 else 0.0)
-              transfer = share * microbatch * sends / link.bandwidth
-              compute = prefix[s, j] - prefix[s, i]
-              cost[s, i, j] = max(compute, transfer) if overlapped else compute + transfer
-        split = split_units(cost)
-        if split is None:
-          continue
-        tick, counts = split
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        for dtype, wire in REDUCE_BYTES.items():
-          reduce = max(allreduce_seconds(cluster, [p for h in g for p in range(first_of[h], first_of[h + 1])],
-                                         (params[bounds[s + 1]] - params[bounds[s]]) * wire)
-                       for s, g in enumerate(groups))
-          update = max(optimizer[s] * (params[bounds[s + 1]] - params[bounds[s]]) / params[-1] for s in range(stages))
-          step = (m + stages - 1) * tick + (0.0 if overlapped else reduce) + update
-          if best is None or step < best.step_seconds:
-            names = tuple("+".join(f"{cluster.hosts[h].count}x{cluster.hosts[h].device.name}" for h in g)
-                          for g in groups)
-            best = PipelinePlan(step, names, counts, microbatch, m, dtype)
+        inputs = np.concatenate([[0.0], np.cumsum((0.0,) + tuple(units.boundary[:-1]))])  # each unit's input
+        for recompute in ((False,) if schedule == "1f1b" else (False, True)):
+          work = seconds + forward if recompute else seconds
+          prefix = np.concatenate([np.zeros((stages, 1)), np.cumsum(work, axis=1)], axis=1)
+          prefix_f = np.concatenate([np.zeros((stages, 1)), np.cumsum(forward, axis=1)], axis=1)
+          cost = np.full((stages, n + 1, n + 1), np.inf)
+          sent = np.zeros((stages, n + 1, n + 1))
+          for s, g in enumerate(groups):
+            link = cluster.inter if len(hosts) > 1 else cluster.hosts[g[0]].intra
+            share = d // len(g)  # replicas on one host share its link
+            for i in range(n):
+              for j in range(i + 1, n + 1):
+                if schedule == "1f1b":  # one SPMD program: every stage holds the first stage's buffers
+                  buffers = min(m, stages) * microbatch * (kept[j] - kept[i])
+                elif recompute:
+                  buffers = m * microbatch * (inputs[j] - inputs[i]) + microbatch * max(units.residual[i:j])
+                else:
+                  buffers = m * microbatch * (kept[j] - kept[i])
+                if (params[j] - params[i]) * state_per_param + buffers > memory:
+                  continue
+                sends = (units.boundary[j - 1] if j < n else 0.0) + (units.boundary[i - 1] if i > 0 else 0.0)
+                sent[s, i, j] = share * microbatch * sends / link.bandwidth
+                compute = prefix[s, j] - prefix[s, i]
+                cost[s, i, j] = max(compute, sent[s, i, j]) if overlapped else compute + sent[s, i, j]
+          split = split_units(cost)
+          if split is None:
+            continue
+          tick, counts = split
+          bounds = np.concatenate([[0], np.cumsum(counts)])
+          if schedule == "gpipe":  # lockstep: the forward ticks and the backward ticks each wait for their slowest stage
+            span = [(bounds[s], bounds[s + 1]) for s in range(stages)]
+            tick_f = max(prefix_f[s, j] - prefix_f[s, i] for s, (i, j) in enumerate(span))
+            tick_b = max(prefix[s, j] - prefix[s, i] - (prefix_f[s, j] - prefix_f[s, i]) for s, (i, j) in enumerate(span))
+            moved = max(sent[s, i, j] for s, (i, j) in enumerate(span))
+            tick = max(tick_f + tick_b, moved) if overlapped else tick_f + tick_b + moved
+          best = _best_of(best, cluster, groups, counts, bounds, params, optimizer, first_of, m, stages, tick,
+                          microbatch, overlapped, recompute)
+  return best
+
+
+def _best_of(best, cluster, groups, counts, bounds, params, optimizer, first_of, m, stages, tick, microbatch,
+             overlapped, recompute):
+  """``best`` or this split at its fastest gradient-reduction dtype, whichever is faster."""
+  from hetspmd.data_axis import REDUCE_BYTES, allreduce_seconds
+
+  for dtype, wire in REDUCE_BYTES.items():
+    reduce = max(allreduce_seconds(cluster, [p for h in g for p in range(first_of[h], first_of[h + 1])],
+                                   (params[bounds[s + 1]] - params[bounds[s]]) * wire)
+                 for s, g in enumerate(groups))
+    update = max(optimizer[s] * (params[bounds[s + 1]] - params[bounds[s]]) / params[-1] for s in range(stages))
+    step = (m + stages - 1) * tick + (0.0 if overlapped else reduce) + update
+    if best is None or step < best.step_seconds:
+      names = tuple("+".join(f"{cluster.hosts[h].count}x{cluster.hosts[h].device.name}" for h in g) for g in groups)
+      best = PipelinePlan(step, names, counts, microbatch, m, dtype, recompute)
   return best
 
 
@@ -230,26 +265,29 @@ def main() -> None:
   from hetspmd import Cluster, models
   from hetspmd.search import profile_step, search
 
-  print(f"{'cluster':<15} {'model':<13} {'batch':>5} {'best plan s':>11} {'pipeline s':>10} {'ratio':>6} "
-        f"{'hidden s':>8} {'ratio':>6}  pipeline (transfers not hidden)")
+  print(f"{'cluster':<15} {'model':<13} {'batch':>5} {'best plan s':>11} {'1F1B s':>8} {'ratio':>6} "
+        f"{'hidden s':>8} {'ratio':>6} {'built s':>8} {'ratio':>6}  built schedule's plan (lockstep GPipe)")
   for preset, name, batch, seq in cases:
     w = models.get(name)
     profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, seq))
     cluster = Cluster.preset(preset)
     today = search(cluster, profile, batch, overlap=True, grad_reduce_dtypes=("float32", "bfloat16")).plans[0]
     units = units_of(profile)
-    plan = estimate(cluster, profile, units, batch)
-    hidden = estimate(cluster, profile, units, batch, overlapped=True)
-    if plan is None or hidden is None:
-      print(f"{preset:<15} {name:<13} {batch:>5} {today.step_seconds:11.3f} {'no fit':>10}")
-      continue
-    print(f"{preset:<15} {name:<13} {batch:>5} {today.step_seconds:11.3f} {plan.step_seconds:10.3f} "
-          f"{today.step_seconds / plan.step_seconds:6.2f} {hidden.step_seconds:8.3f} "
-          f"{today.step_seconds / hidden.step_seconds:6.2f}  {len(plan.stages)} stages [{', '.join(plan.stages)}], "
-          f"units {list(plan.units)}, {plan.microbatches} x microbatch {plan.microbatch}, "
-          f"{plan.reduce_dtype} reduction", flush=True)
-  print("ratio = today's best step / the pipeline estimate (> 1: a pipeline would be faster); "
-        "hidden: every boundary transfer and gradient reduction hidden behind compute (a bound)")
+    plans = [estimate(cluster, profile, units, batch), estimate(cluster, profile, units, batch, overlapped=True),
+             estimate(cluster, profile, units, batch, schedule="gpipe")]
+    row = f"{preset:<15} {name:<13} {batch:>5} {today.step_seconds:11.3f}"
+    for plan, width in zip(plans, (8, 8, 8)):
+      row += f" {'no fit':>{width}} {'':>6}" if plan is None else \
+          f" {plan.step_seconds:{width}.3f} {today.step_seconds / plan.step_seconds:6.2f}"
+    built = plans[2]
+    if built is not None:
+      row += (f"  {len(built.stages)} stages [{', '.join(built.stages)}], units {list(built.units)}, "
+              f"{built.microbatches} x microbatch {built.microbatch}, {built.reduce_dtype} reduction, "
+              f"{'forward recomputed' if built.recompute else 'residuals kept'}")
+    print(row, flush=True)
+  print("ratio = today's best step / the pipeline estimate (> 1: a pipeline would be faster); 1F1B: nothing "
+        "overlapped; hidden: 1F1B with every boundary transfer and gradient reduction hidden behind compute (a "
+        "bound); built: the schedule hetspmd.pipeline runs, nothing overlapped")
 
 
 if __name__ == "__main__":

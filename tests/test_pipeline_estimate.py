@@ -74,3 +74,21 @@ def test_units_of_gpt2_tiny(estimate):
   masks = np.array(units.nodes)
   assert not (masks.sum(axis=0) > 1).any()  # every node in one unit at most
   assert masks.any(axis=0).sum() == (~profile.per_step).sum()  # every per-microbatch node in one
+  forward = np.array(units.forward)
+  assert forward.any() and not (forward & ~masks).any()  # each unit's forward is part of it
+
+
+def test_lockstep_gpipe_is_never_faster_than_1f1b(estimate):
+  """The built schedule waits for the slowest stage twice a tick and keeps every microbatch's buffers."""
+  from hetspmd import Cluster, models
+  from hetspmd.search import profile_step
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 32))
+  units = estimate.units_of(profile)
+  cluster = Cluster.parse("1x4xV100-32GB+1x4xP100-16GB;inter=10Gbps")
+  one = estimate.estimate(cluster, profile, units, 64)
+  built = estimate.estimate(cluster, profile, units, 64, schedule="gpipe")
+  assert one is not None and built is not None
+  assert built.step_seconds >= one.step_seconds * (1 - 1e-9)
+  assert len(built.stages) == 2 and sum(built.units) == len(units.names)
