@@ -59,6 +59,9 @@ class Layout:
   reduce_dtype: str = "float32"
   # the final loop's last microbatch runs after the loop, so its gradients' reductions can overlap it
   overlap: bool = False
+  # layers per pipeline stage (hetspmd.staged): the mesh's ``stage_axis`` cuts the step's layer scan
+  stages: tuple[int, ...] = ()
+  stage_axis: str = "stage"
 
   @property
   def positions(self) -> int:
@@ -92,7 +95,7 @@ def _microbatch_params(eqn, decision, m: int) -> dict[str, Any]:
 class _Program:
   """The parts of the analysis the lowering needs, computed once."""
 
-  def __init__(self, analysis: Analysis, batch_inputs: Sequence[int]):
+  def __init__(self, analysis: Analysis, batch_inputs: Sequence[int], fuse: bool = True):
     self.analysis = analysis
     jaxpr = analysis.jaxpr.jaxpr
     self.jaxpr = jaxpr
@@ -162,7 +165,7 @@ class _Program:
         self.pre.append(i)
     self.needs_cut = needs_cut
     self.absorbed: set[int] = set()
-    if not local:
+    if not local and fuse:
       self._fuse_sums()
     self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
     # example-free work between loops (1/weight_sum): the post-cut equations later loops need
@@ -370,7 +373,7 @@ def build(analysis: Analysis, batch_inputs: Sequence[int], layout: Layout):
   microbatch count and first global example, ``int32[positions]`` sharded
   over ``data``.
   """
-  prog = _Program(analysis, batch_inputs)
+  prog = _Program(analysis, batch_inputs, fuse=not layout.stages)  # stages sum each group on its own stage
   return lambda inputs, counts, starts: _run(prog, layout, list(inputs), counts, starts)
 
 
@@ -388,8 +391,12 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
                        | set(prog.middle_inputs()), key=_order(prog))
   cut_outs = [c for c in prog.analysis.cuts if c.index not in prog.absorbed]
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
-  totals, pe_buffers = _loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
-                                  counts, starts, cut_outs, pe_outs)
+  loop_part = _loop_part
+  if layout.stages:
+    from hetspmd import staged
+    loop_part = staged.loop_part
+  totals, pe_buffers = loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
+                                 counts, starts, cut_outs, pe_outs)
   if prog.accumulated:
     pe_buffers, accumulated = pe_buffers
     env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))

@@ -1,0 +1,336 @@
+"""The microbatch loop of a train step run as uneven pipeline stages: the step's own layer scan, cut across ``stage``.
+
+A step whose model runs its layers as one scan over stacked parameters (Linen ``nn.scan``, NNX
+``nnx.scan``, ``lax.scan`` over a stacked tree) has, in its microbatch loop (see
+:mod:`hetspmd.lowering`), one forward scan ``F`` over the layers and its transpose ``B``, a reversed scan
+that hands the activation's cotangent down the layers and makes each layer's parameter gradients.
+Around them the loop's other equations fall into three groups:
+
+* ``pre``: everything that does not read ``F``'s results (the embedding, masks, one-hot labels);
+* ``mid``: what reads ``F``'s results up to ``B`` (the head, the loss and its gradient, which makes
+  ``B``'s incoming cotangent);
+* ``post``: what reads ``B``'s results (the embedding's gradient).
+
+The loop runs the schedule of :mod:`hetspmd.pipeline` with these pieces instead of a layer function and
+a head: in forward tick ``t`` stage ``s`` takes microbatch ``t - s``, runs ``pre`` (every stage: ``F``
+and ``B`` read its values, and it is cheap), then ``F``'s body for its own layers, one iteration per
+layer from its rows of the stack, keeping each iteration's outputs for ``B``; the last stage then runs
+``mid``. In backward tick ``t`` stage ``s`` takes microbatch ``t - (S - 1 - s)``, runs ``pre`` again,
+then ``B``'s body for its own layers in reverse, reading what ``F`` kept, adding each layer's gradient
+into its row; the first stage then runs ``post``. Activations and their cotangents cross stages by
+one ``ppermute`` per tick. Every sum over examples a group makes is kept on the one stage that runs
+the group, and reduced over ``stage`` and ``data`` after the ticks; the stacked gradients are reduced
+over ``data`` only and unpacked from the stages' rows.
+
+The same equations run on the same microbatches as in the unpipelined loop, so the result is the
+single-device step's up to the order of float sums. Steps outside this shape are refused with the
+reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from hetspmd import operands
+from hetspmd.errors import HetSpmdError
+from hetspmd.passes import _jax_adapter as jx
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """Where the layer stack is in a program's microbatch loop, and how the loop's other equations group."""
+
+  forward: int   # equation index of F
+  backward: int  # equation index of B
+  length: int    # layers
+  pre: tuple[int, ...]
+  mid: tuple[int, ...]
+  post: tuple[int, ...]
+  kept: tuple[tuple[int, int], ...]  # (B's input position, F's output position): what F keeps for B
+
+
+def _refuse(reason: str) -> HetSpmdError:
+  return HetSpmdError(f"pipeline stages need the step's layers as one scan over stacked parameters: {reason}")
+
+
+def find_stack(prog) -> Stack:
+  """The layer stack of ``prog``'s (single) microbatch loop, or a :class:`HetSpmdError` that says what differs."""
+  an = prog.analysis
+  if an.loops != 1:
+    raise _refuse("the step needs more than one microbatch loop (a sum over the batch that per-example work reads)")
+  if prog.region or prog.accumulated or prog.absorbed:
+    raise _refuse("the step keeps per-microbatch statistics (BatchNorm) or fused sums, which stages do not split")
+  loop = list(prog.loop_eqns[0])
+  scans = [i for i in loop if jx.primitive_name(prog.eqns[i]) == "scan" and an.decisions[i] is not None]
+  forwards = [i for i in scans if not prog.eqns[i].params["reverse"] and _stacked(prog, i)]
+  if len(forwards) != 1:
+    raise _refuse(f"found {len(forwards)} forward scans over stacked parameters with an activation carried "
+                  "through them; one is needed")
+  f = forwards[0]
+  f_out = set(prog.eqns[f].outvars)
+  backwards = [i for i in scans if prog.eqns[i].params["reverse"] and any(v in f_out for v in prog.eqns[i].invars)]
+  if len(backwards) != 1:
+    raise _refuse(f"found {len(backwards)} reversed scans reading the forward scan's results; its transpose is one")
+  b = backwards[0]
+  fe, be = prog.eqns[f], prog.eqns[b]
+  fp, bp = jx.scan_parts(fe), jx.scan_parts(be)
+  if bp.length != fp.length or bp.num_carry != 1:
+    raise _refuse("the reversed scan does not run once per layer with one carried cotangent")
+  if an.decisions[f].body.accumulators or an.decisions[b].body.accumulators:
+    raise _refuse("a scan over the layers sums over the examples in its carry")
+
+  after_f = _descendants(prog, loop, fe.outvars)
+  after_b = _descendants(prog, loop, be.outvars)
+  pre = tuple(i for i in loop if i not in after_f and i != f)
+  mid = tuple(i for i in loop if i in after_f and i != b and i not in after_b)
+  post = tuple(i for i in loop if i in after_b)
+  if f in after_f:
+    raise _refuse("the forward scan reads its own results")
+  made_mid = {v for i in mid for v in prog.eqns[i].outvars}
+  made_post_inputs = {v for i in post for v in prog.eqns[i].invars if not jx.is_literal(v)}
+  if made_post_inputs & (made_mid | set(fe.outvars)):
+    raise _refuse("work after the reversed scan (the embedding's gradient) reads the head's results or the "
+                  "forward scan's, which live on another stage")
+  mid_inputs = {v for i in mid for v in prog.eqns[i].invars if not jx.is_literal(v)}
+  if mid_inputs & set(fe.outvars[1:]):
+    raise _refuse("the head reads what the forward scan keeps per layer, not only its last activation")
+  carry_in = be.invars[bp.num_consts]
+  if carry_in not in made_mid:
+    raise _refuse("the reversed scan's cotangent does not come from the head")
+  kept = []
+  for j, v in enumerate(be.invars):
+    if jx.is_literal(v):
+      continue
+    if v in made_mid and j != bp.num_consts:
+      raise _refuse("the reversed scan reads the head's results beyond its cotangent")
+    if v in f_out:
+      k = fe.outvars.index(v)
+      if k < fp.num_carry or j < bp.num_consts + bp.num_carry:
+        raise _refuse("the reversed scan reads the forward scan's final activation, not per-layer values")
+      kept.append((j, k))
+  decision = an.decisions[b]
+  for j in range(bp.num_consts + bp.num_carry, len(be.invars)):
+    if decision.inputs[j] is not None and j not in dict(kept):
+      raise _refuse("the reversed scan reads per-example stacked values that the forward scan did not make")
+  if any(a is not None for a in decision.outputs[bp.num_carry:]):
+    raise _refuse("the reversed scan hands back per-example values per layer")
+  outputs = {v for v in prog.jaxpr.outvars if not jx.is_literal(v)}
+  if outputs & {v for i in loop for v in prog.eqns[i].outvars if v in an.axes}:
+    raise _refuse("the step returns per-example values")
+  return Stack(f, b, fp.length, pre, mid, post, tuple(kept))
+
+
+def _stacked(prog, index: int) -> bool:
+  """A forward layer scan: one per-example carry, every scanned input example-free (the stacked parameters)."""
+  eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
+  parts = jx.scan_parts(eqn)
+  carries = decision.inputs[parts.num_consts:parts.num_consts + parts.num_carry]
+  xs = decision.inputs[parts.num_consts + parts.num_carry:]
+  return (parts.num_carry == 1 and carries[0] is not None and bool(xs) and all(a is None for a in xs)
+          and jx.phase(eqn) == "forward" and parts.length >= 2)
+
+
+def _descendants(prog, loop, roots) -> set[int]:
+  made = set(roots)
+  out = set()
+  for i in loop:
+    if any(v in made for v in prog.eqns[i].invars if not jx.is_literal(v)):
+      out.add(i)
+      made.update(prog.eqns[i].outvars)
+  return out
+
+
+def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, counts, starts, cut_outs, pe_outs):
+  """:func:`hetspmd.lowering._loop_part` for a layout with ``stages``: the cuts' totals, reduced everywhere."""
+  from hetspmd import lowering as low
+
+  stack = find_stack(prog)
+  layers = tuple(layout.stages)
+  S, L, M, m = len(layers), max(layers), layout.max_count, layout.microbatch
+  if sum(layers) != stack.length:
+    raise HetSpmdError(f"the stages hold {sum(layers)} layers ({layers}); the step's layer scan has {stack.length}")
+  if layout.uniform_count is None:
+    raise HetSpmdError(f"pipeline stages need the same microbatch count on every data position, got {layout.counts}")
+  st, da = layout.stage_axis, layout.data_axis
+  axes = (st, da)
+  rows = np.zeros((S, L), np.int32)
+  first_row = np.cumsum((0,) + layers[:-1])
+  for s, n in enumerate(layers):
+    rows[s, :n] = first_row[s] + np.arange(n)
+  fe, be = prog.eqns[stack.forward], prog.eqns[stack.backward]
+  fd, bd = prog.analysis.decisions[stack.forward], prog.analysis.decisions[stack.backward]
+  fp, bp = jx.scan_parts(fe), jx.scan_parts(be)
+  f_body, b_body = low._Body(fd.body), low._Body(bd.body)
+  kept = dict(stack.kept)  # B input position -> F output position
+  group_of = {i: g for g, members in (("pre", stack.pre), ("mid", stack.mid), ("post", stack.post)) for i in members}
+  cut_group = [("stack" if c.index == stack.backward else group_of.get(c.index)) for c in cut_outs]
+  if None in cut_group:
+    raise _refuse("a sum over the examples is made by the layer scan itself")
+  stack_cut = cut_group.index("stack") if "stack" in cut_group else None
+  summed_b = low._sum_outputs(bd)
+  forward_pairs = [(s, s + 1) for s in range(S - 1)]
+  backward_pairs = [(s + 1, s) for s in range(S - 1)]
+
+  def per_device(values, buffers, counts, starts):
+    s = jax.lax.axis_index(st)
+    mine, first, last = jnp.asarray(layers, jnp.int32)[s], s == 0, s == S - 1
+    my_rows = jnp.asarray(rows)[s]
+    outer = dict(zip(loop_inputs, values))
+    outer.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
+
+    def microbatch_env(i):
+      env = dict(outer)
+      for v, buf in zip(batch_vars, buffers):
+        env[v] = jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+      return env, starts[0] + i * m
+
+    def run_group(indices, env, offset):
+      """Runs equations on one microbatch; the partial values of the cuts among them, by cut position."""
+      partial = {}
+      for index in indices:
+        eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
+        if decision is None:
+          jx.eval_equations([eqn], env)
+          continue
+        cut = prog.cuts.get(index)
+        out = low._apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
+        summed = low._sum_outputs(decision)
+        env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
+        if cut is not None:
+          partial[cut_position[index]] = [low._wide(out[j]) for j in summed]
+      return partial
+
+    cut_position = {c.index: k for k, c in enumerate(cut_outs)}
+
+    def scan_inputs(eqn, decision, env, offset):
+      return [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
+
+    def b_operands(env, offset):  # B's inputs but its cotangent and what F keeps
+      return {j: operands.operand(prog, env, v, a, offset, m) for j, (v, a) in enumerate(zip(be.invars, bd.inputs))
+              if j not in kept and j != bp.num_consts}
+
+    def local(x):  # this stage's rows of an example-free stacked value, padded to L
+      return jnp.take(x, my_rows, axis=0)
+
+    # shapes of one microbatch's group partials and of what F keeps per layer
+    def shapes():
+      env, offset = microbatch_env(0)
+      pre = run_group(stack.pre, env, offset)
+      fin = scan_inputs(fe, fd, env, offset)
+      consts, carry, xs = fin[:fp.num_consts], fin[fp.num_consts:fp.num_consts + 1], fin[fp.num_consts + 1:]
+      fout = f_body.run(list(consts) + list(carry) + [x[0] for x in xs], offset, m)
+      env.update({fe.outvars[0]: fout[0]})
+      mid = run_group(stack.mid, env, offset)
+      g = operands.operand(prog, env, be.invars[bp.num_consts], bd.inputs[bp.num_consts], offset, m)
+      env[be.outvars[0]] = g
+      post = run_group(stack.post, env, offset)
+      return {**pre, **mid, **post}, fout[1:], fout[0], g
+
+    part_shapes, kept_shapes, h_shape, g_shape = jax.eval_shape(shapes)
+    kinds = {k: cut_outs[k].reduce for k in part_shapes}
+    zero_parts = {k: [low._identity(kinds[k], x.shape, x.dtype) for x in v] for k, v in part_shapes.items()}
+
+    def masked(parts, keep):
+      return {k: [jnp.where(keep, x, low._identity(kinds[k], x.shape, x.dtype)) for x in v] for k, v in parts.items()}
+
+    def combine(acc, parts):
+      return {**acc, **{k: [low._combine(kinds[k])(a, x) for a, x in zip(acc[k], v)] for k, v in parts.items()}}
+
+    saved = [jnp.zeros((M, L) + x.shape, x.dtype) for x in kept_shapes]
+    h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
+    g_zero = jnp.zeros(g_shape.shape, g_shape.dtype)
+
+    def forward_tick(t, carry):
+      send, saved, acc, top = carry
+      recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
+      i = t - s
+      valid = (i >= 0) & (i < M)
+      ii = jnp.clip(i, 0, M - 1)
+      env, offset = microbatch_env(ii)
+      acc = combine(acc, masked(run_group(stack.pre, env, offset), valid & first))
+      fin = scan_inputs(fe, fd, env, offset)
+      consts, xs = fin[:fp.num_consts], [local(x) for x in fin[fp.num_consts + 1:]]
+      h = jnp.where(first, fin[fp.num_consts], recv)
+
+      def layer(l, c):
+        h, saved = c
+        out = f_body.run(list(consts) + [h] + [x[l] for x in xs], offset, m)
+        saved = [buf.at[ii, l].set(y) for buf, y in zip(saved, out[1:])]
+        return out[0], saved
+
+      h, saved = jax.lax.fori_loop(0, jnp.where(valid, mine, 0), layer, (h, saved))
+
+      def head(args):
+        acc, top = args
+        local_env = {**env, fe.outvars[0]: h}
+        parts = run_group(stack.mid, local_env, offset)
+        g = operands.operand(prog, local_env, be.invars[bp.num_consts], bd.inputs[bp.num_consts], offset, m)
+        return combine(acc, parts), jax.lax.dynamic_update_index_in_dim(top, g, ii, 0)
+
+      acc, top = jax.lax.cond(valid & last, head, lambda args: args, (acc, top))
+      return h, saved, acc, top
+
+    top = jnp.zeros((M,) + g_shape.shape, g_shape.dtype)
+    _, saved, acc, top = jax.lax.fori_loop(0, M + S - 1, forward_tick, (h_zero, saved, zero_parts, top))
+
+    grads = [jnp.zeros((L,) + x.shape[1:], jnp.float32) for x in (be.outvars[j].aval for j in summed_b)]
+
+    def backward_tick(t, carry):
+      send, grads, acc = carry
+      recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
+      i = t - (S - 1 - s)
+      valid = (i >= 0) & (i < M)
+      ii = jnp.clip(i, 0, M - 1)
+      env, offset = microbatch_env(ii)
+      run_group(stack.pre, env, offset)  # B reads its values (masks); its sums were taken in the forward tick
+      given = b_operands(env, offset)
+      consts, g = [given[j] for j in range(bp.num_consts)], jnp.where(last, top[ii], recv)
+      xs = {j: local(x) for j, x in given.items() if j >= bp.num_consts + 1}
+      n = jnp.where(valid, mine, 0)
+
+      def layer(r, c):
+        g, grads = c
+        l = n - 1 - r
+        x = [saved[kept[j] - fp.num_carry][ii, l] if j in kept else xs[j][l]
+             for j in range(bp.num_consts + 1, len(be.invars))]
+        out = b_body.run(list(consts) + [g] + x, offset, m)
+        grads = [jax.lax.dynamic_update_index_in_dim(a, a[l] + low._wide(out[j]), l, 0)
+                 for a, j in zip(grads, summed_b)]
+        return out[0], grads
+
+      g, grads = jax.lax.fori_loop(0, n, layer, (g, grads))
+
+      def tail(acc):
+        return combine(acc, run_group(stack.post, {**env, be.outvars[0]: g}, offset))
+
+      acc = jax.lax.cond(valid & first, tail, lambda a: a, acc)
+      return g, grads, acc
+
+    _, grads, acc = jax.lax.fori_loop(0, M + S - 1, backward_tick, (g_zero, grads, acc))
+    totals = {}
+    for k, parts in acc.items():
+      reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kinds[k]]
+      totals[k] = [reduce(x, axes) for x in parts]
+    grads = [jax.lax.psum(x, da) for x in grads]
+    return [totals[k] for k in order], grads
+
+  order = sorted(k for k in range(len(cut_outs)) if k != stack_cut)
+  out_specs = ([[P() for _ in low._sum_outputs(prog.analysis.decisions[cut_outs[k].index])] for k in order],
+               [P(st) for _ in summed_b])
+  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(da), P(da), P(da)), out_specs=out_specs,
+                         axis_names=set(axes), check_vma=False)
+  totals, grads = mapped(loop_values, buffers, counts, starts)
+  flat_rows = np.concatenate([s * L + np.arange(n) for s, n in enumerate(layers)])  # layer order in [S * L]
+  result = dict(zip(order, totals))
+  if stack_cut is not None:
+    result[stack_cut] = [g[flat_rows] for g in grads]
+  if pe_outs:
+    raise _refuse("the step returns per-example values")
+  return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
+           for t, j in zip(result[k], low._sum_outputs(prog.analysis.decisions[c.index]))]
+          for k, c in enumerate(cut_outs)], []
