@@ -60,6 +60,8 @@ class HetMesh:
     devices = self.cluster.devices
     grid = self.device_grid()
     for axis in range(1, len(self.shape)):
+      if self.axis_names[axis] == "stage":  # pipeline stages are groups of hosts by design
+        continue
       groups = np.moveaxis(grid, axis, -1).reshape(-1, self.shape[axis])
       for group in groups:
         members = [devices[i] for i in group]

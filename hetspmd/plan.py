@@ -30,8 +30,10 @@ from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.mesh import HetMesh, enumerate_layouts
 
-SCHEMA_VERSION = 3  # 2: zero_shards; 3: grad_reduce_dtype, overlap_reduction (older files load as float32, off)
-READABLE_SCHEMAS = (1, 2, 3)
+SCHEMA_VERSION = 4  # 2: zero_shards; 3: grad_reduce_dtype, overlap_reduction (older files load as float32, off);
+# 4: stages (older files load without)
+READABLE_SCHEMAS = (1, 2, 3, 4)
+STAGE_AXIS = "stage"
 ZERO_STAGES = (0, 1, 3)
 # What jax.checkpoint saves of a microbatch's forward pass, from most to least: everything ("none"),
 # every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
@@ -67,6 +69,8 @@ class Plan:
   grad_reduce_dtype: str = "float32"
   # the last microbatch runs outside the loop, so each gradient's reduction can start as it is ready
   overlap_reduction: bool = False
+  # layers per pipeline stage along the ``stage`` axis (hetspmd.staged); () for none
+  stages: tuple[int, ...] = ()
   device_kinds: tuple[str, ...] = ()
   predicted: tuple[tuple[str, float], ...] = ()
   predicted_per_position: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -109,12 +113,27 @@ class Plan:
                               "reduce in float32 or drop the model axis")
     if not isinstance(self.overlap_reduction, bool):
       raise InvalidValueError(f"overlap_reduction must be True or False, got {self.overlap_reduction!r}")
+    if self.stages:
+      self._check_stages()
     for key, values in self.predicted_per_position:
       if len(values) != self.mesh_shape[0]:
         raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {self.mesh_shape[0]} data positions")
     if self.schema not in READABLE_SCHEMAS:
       raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schemas "
                               f"{list(READABLE_SCHEMAS)}")
+
+  def _check_stages(self) -> None:
+    sizes = dict(zip(self.axis_names, self.mesh_shape))
+    if any(not isinstance(n, int) or n < 1 for n in self.stages):
+      raise InvalidValueError(f"every pipeline stage needs a positive number of layers, got stages={self.stages}")
+    if sizes.get(STAGE_AXIS) != len(self.stages) or len(sizes) != 2:
+      raise InvalidValueError(f"{len(self.stages)} pipeline stages need a mesh of ({self.data_axis!r}, {STAGE_AXIS!r}) "
+                              f"with {len(self.stages)} along {STAGE_AXIS!r}, got mesh {sizes}")
+    if not self.is_uniform:
+      raise InvalidValueError(f"pipeline stages run every data position in lockstep: give each the same microbatch "
+                              f"count, got {list(self.microbatch_counts)} (the stages' layers carry the weighting)")
+    if self.zero_stage or self.overlap_reduction:
+      raise InvalidValueError("pipeline stages run with ZeRO-0 and without the overlapped reduction")
 
   def replace(self, **changes: Any) -> "Plan":
     return dataclasses.replace(self, **changes)
@@ -255,6 +274,7 @@ class Plan:
         "remat": self.remat,
         "grad_reduce_dtype": self.grad_reduce_dtype,
         "overlap_reduction": self.overlap_reduction,
+        "stages": list(self.stages),
         "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
         "predicted": dict(self.predicted),
         "predicted_per_position": {k: list(v) for k, v in self.predicted_per_position},
@@ -275,6 +295,7 @@ class Plan:
           zero_stage=int(data["zero_stage"]), zero_shards=int(data.get("zero_shards", 0)), remat=str(data["remat"]),
           grad_reduce_dtype=str(data.get("grad_reduce_dtype", "float32")),
           overlap_reduction=_json_bool(data.get("overlap_reduction", False), "overlap_reduction"),
+          stages=tuple(int(n) for n in data.get("stages", ())),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
           predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
@@ -301,7 +322,8 @@ class Plan:
              f"{sum(self.microbatch_counts)} microbatches of {self.microbatch}, ZeRO-{self.zero_stage}"
              f"{f' (over groups of {self.zero_shards} where a leaf does not split {self.data_size} ways)' if self.zero_shards else ''}, "
              f"remat {self.remat}, gradients reduced in {self.grad_reduce_dtype}"
-             f"{' (overlapped with the last microbatch)' if self.overlap_reduction else ''}"]
+             f"{' (overlapped with the last microbatch)' if self.overlap_reduction else ''}"
+             f"{f', pipeline stages of {list(self.stages)} layers' if self.stages else ''}"]
     groups = np.asarray(self.device_ids).reshape(self.data_size, -1)
     kinds = np.asarray(self.device_kinds or ["?"] * len(self.device_ids), dtype=object).reshape(self.data_size, -1)
     for i, count in enumerate(self.microbatch_counts):
@@ -470,7 +492,8 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
 def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh | tuple[int, ...] | None = None,
              microbatch: int | None = None, counts: Sequence[int] | None = None, zero_stage: int = 0,
              remat: str = "none", dtype: str = "float32", grad_reduce_dtype: str = "float32",
-             overlap_reduction: bool = False, specs: Mapping[str, Sequence[SpecEntry]] | None = None) -> Plan:
+             overlap_reduction: bool = False, specs: Mapping[str, Sequence[SpecEntry]] | None = None,
+             stages: Sequence[int] = ()) -> Plan:
   """A plan over ``cluster`` with microbatch counts proportional to device speed.
 
   Args:
@@ -490,12 +513,20 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       (e.g. ``hetspmd.annotated_specs(params, rules)``: the model's own
       ``nnx.with_partitioning`` / ``nn.with_logical_partitioning``
       annotations); other leaves get hetspmd's choice.
+    stages: layers per pipeline stage, in order (e.g. ``(8, 4)``), for a
+      step whose model runs its layers as one scan over stacked parameters
+      (``nn.scan``, ``nnx.scan``): the devices form ``len(stages)``
+      consecutive groups (whole hosts first), and a faster group takes
+      more layers; each group splits every microbatch's examples evenly
+      (see :mod:`hetspmd.staged`). The state stays replicated.
   """
   if cluster.jax_device_ids is None:
     raise HetSpmdError("the cluster is not bound to JAX devices; use Cluster.from_devices(jax.devices()) or "
                        "Cluster.emulate(jax.devices(), kinds=[...]) to run on this machine")
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+  if stages:
+    return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, remat, grad_reduce_dtype)
   mesh = _layout(cluster, layout)
   if microbatch is None:
     microbatch = default_microbatch(global_batch, mesh.shape[0]) if counts is None else global_batch // max(
@@ -522,6 +553,30 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       overlap_reduction=overlap_reduction,
       device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids),
   )
+
+
+def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
+                 remat: str, grad_reduce_dtype: str) -> Plan:
+  n, S = cluster.num_devices, len(stages)
+  if n % S:
+    raise InvalidValueError(f"{n} devices do not form {S} stages of equal size; valid stage counts: "
+                            f"{[k for k in range(1, n + 1) if n % k == 0]}")
+  positions = n // S
+  if microbatch is None:
+    microbatch = default_microbatch(global_batch, positions)
+  if global_batch % (positions * microbatch):
+    raise InvalidValueError(f"global batch {global_batch} does not split into {positions} data positions of "
+                            f"microbatches of {microbatch}")
+  grid = np.arange(n).reshape(S, positions).T  # stage s holds devices s * positions ... (consecutive hosts)
+  mesh = HetMesh(cluster, ("data", STAGE_AXIS), (positions, S), tuple(int(i) for i in grid.ravel()))
+  devices = cluster.devices
+  return Plan(
+      axis_names=mesh.axis_names, mesh_shape=mesh.shape,
+      device_ids=tuple(cluster.jax_device_ids[i] for i in mesh.device_ids), global_batch=global_batch,
+      microbatch=microbatch, microbatch_counts=(global_batch // (positions * microbatch),) * positions,
+      state_specs=tuple((p, ()) for p, _ in leaves_with_paths(state)), remat=remat,
+      grad_reduce_dtype=grad_reduce_dtype, stages=stages,
+      device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids))
 
 
 def _layout(cluster: Cluster, layout: HetMesh | tuple[int, ...] | None) -> HetMesh:

@@ -59,13 +59,11 @@ def _refuse(reason: str) -> HetSpmdError:
 
 
 def find_stack(prog) -> Stack:
-  """The layer stack of ``prog``'s (single) microbatch loop, or a :class:`HetSpmdError` that says what differs."""
+  """The layer stack of ``prog``'s final microbatch loop, or a :class:`HetSpmdError` that says what differs."""
   an = prog.analysis
-  if an.loops != 1:
-    raise _refuse("the step needs more than one microbatch loop (a sum over the batch that per-example work reads)")
   if prog.region or prog.accumulated or prog.absorbed:
     raise _refuse("the step keeps per-microbatch statistics (BatchNorm) or fused sums, which stages do not split")
-  loop = list(prog.loop_eqns[0])
+  loop = list(prog.loop_eqns[an.loops - 1])
   scans = [i for i in loop if jx.primitive_name(prog.eqns[i]) == "scan" and an.decisions[i] is not None]
   forwards = [i for i in scans if not prog.eqns[i].params["reverse"] and _stacked(prog, i)]
   if len(forwards) != 1:
@@ -125,6 +123,30 @@ def find_stack(prog) -> Stack:
   return Stack(f, b, fp.length, pre, mid, post, tuple(kept))
 
 
+def _earlier_loops(prog, layout, outer, cut_outs, batch_vars, buffers, counts, starts) -> dict:
+  """Runs the loops before the final one (a token count that the loss divides by) as the unstaged program does,
+  every stage alike: their cuts' totals, reduced over ``data``, by cut position; feedback values put in ``outer``."""
+  from hetspmd import lowering as low
+
+  totals: dict = {}
+  for s in range(prog.analysis.loops - 1):
+    mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
+    partials, _ = low._one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, counts[0], starts[0], [])
+    for k, part in zip(mine, partials):
+      reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[cut_outs[k].reduce]
+      totals[k] = [reduce(x, layout.data_axis) for x in part]
+      if cut_outs[k].feedback:
+        eqn, decision = prog.eqns[cut_outs[k].index], prog.analysis.decisions[cut_outs[k].index]
+        made = [eqn.outvars[j] for j in low._sum_outputs(decision)]
+        value = low._with_bases(eqn, decision, totals[k], outer)
+        outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
+    for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
+      eqn = prog.eqns[i]
+      if all(jx.is_literal(v) or v in outer for v in eqn.invars) and not all(v in outer for v in eqn.outvars):
+        jx.eval_equations([eqn], outer)
+  return totals
+
+
 def _stacked(prog, index: int) -> bool:
   """A forward layer scan: one per-example carry, every scanned input example-free (the stacked parameters)."""
   eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
@@ -167,8 +189,10 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   fp, bp = jx.scan_parts(fe), jx.scan_parts(be)
   f_body, b_body = low._Body(fd.body), low._Body(bd.body)
   kept = dict(stack.kept)  # B input position -> F output position
+  final = prog.analysis.loops - 1
   group_of = {i: g for g, members in (("pre", stack.pre), ("mid", stack.mid), ("post", stack.post)) for i in members}
-  cut_group = [("stack" if c.index == stack.backward else group_of.get(c.index)) for c in cut_outs]
+  cut_group = [("stack" if c.index == stack.backward else group_of.get(c.index)) if c.loop == final else "earlier"
+               for c in cut_outs]
   if None in cut_group:
     raise _refuse("a sum over the examples is made by the layer scan itself")
   stack_cut = cut_group.index("stack") if "stack" in cut_group else None
@@ -181,6 +205,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     mine, first, last = jnp.asarray(layers, jnp.int32)[s], s == 0, s == S - 1
     my_rows = jnp.asarray(rows)[s]
     outer = dict(zip(loop_inputs, values))
+    totals = _earlier_loops(prog, layout, outer, cut_outs, batch_vars, buffers, counts, starts)
     outer.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
 
     def microbatch_env(i):
@@ -312,14 +337,13 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       return g, grads, acc
 
     _, grads, acc = jax.lax.fori_loop(0, M + S - 1, backward_tick, (g_zero, grads, acc))
-    totals = {}
     for k, parts in acc.items():
       reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kinds[k]]
       totals[k] = [reduce(x, axes) for x in parts]
     grads = [jax.lax.psum(x, da) for x in grads]
     return [totals[k] for k in order], grads
 
-  order = sorted(k for k in range(len(cut_outs)) if k != stack_cut)
+  order = sorted(k for k in range(len(cut_outs)) if k != stack_cut)  # the others are reduced inside
   out_specs = ([[P() for _ in low._sum_outputs(prog.analysis.decisions[cut_outs[k].index])] for k in order],
                [P(st) for _ in summed_b])
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(da), P(da), P(da)), out_specs=out_specs,

@@ -1,0 +1,140 @@
+"""Pipeline stages derived from an unmodified train step whose model scans its layers.
+
+A Linen decoder in the shape of Flax's lm1b example (token embedding, a
+padding-and-causal attention mask, pre-LayerNorm blocks stacked with
+``nn.scan``, a weighted cross-entropy normalised by the token count, a
+``TrainState`` updated from ``jax.value_and_grad`` of a closure) trains 3
+steps under plans of 2 and 4 uneven stages with a data axis inside each,
+against the same step on one device: parameters within 1e-4 of the
+largest entry of their leaf, metrics within 1e-5.
+
+The optimizer is SGD with momentum: the attention's key bias has a zero
+gradient in exact arithmetic (softmax ignores a shift shared by every
+key), so under Adam its update is the sign of rounding noise, different
+on every summation order.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import hetspmd as hs
+from hetspmd.errors import HetSpmdError
+
+from conftest import require_devices
+from test_unmodified_steps import KINDS, _close, _cluster, _metrics_close
+
+VOCAB, SEQ, WIDTH, LAYERS, STEPS = 23, 8, 16, 4, 3
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, h, mask):
+    y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=WIDTH, deterministic=True)(
+        nn.LayerNorm()(h), mask=mask)
+    h = h + y
+    y = nn.Dense(2 * WIDTH)(nn.LayerNorm()(h))
+    return h + nn.Dense(WIDTH)(nn.relu(y)), None
+
+
+class Decoder(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    mask = nn.combine_masks(nn.make_attention_mask(tokens > 0, tokens > 0), nn.make_causal_mask(tokens))
+    h = nn.Embed(VOCAB, WIDTH)(tokens)
+    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=nn.broadcast, length=LAYERS)
+    h, _ = layers(name="blocks")(h, mask)
+    return nn.Dense(VOCAB)(nn.LayerNorm()(h))
+
+
+def train_step(state, batch):
+  inputs, targets = batch["inputs"], batch["targets"]
+  weights = jnp.where(targets > 0, 1.0, 0.0)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
+    return loss.sum() / weights.sum(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  accuracy = ((jnp.argmax(logits, -1) == targets) * weights).sum() / weights.sum()
+  return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
+
+
+def _state():
+  model = Decoder()
+  params = model.init(jax.random.key(0), jnp.ones((1, SEQ), jnp.int32))["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.3, momentum=0.9))
+
+
+def _batches(batch):
+  rs = np.random.RandomState(1)
+  out = []
+  for _ in range(STEPS):
+    tokens = rs.randint(1, VOCAB, (batch, SEQ + 1)).astype(np.int32)
+    tokens[:, -3:] *= rs.randint(0, 2, (batch, 1))  # padding at the end of some rows
+    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  return out
+
+
+CASES = [  # (layers per stage, microbatch, microbatches per data position)
+    ((3, 1), 2, 3),
+    ((1, 3), 1, 2),
+    ((1, 2, 1), 1, 1),
+    ((1, 1, 1, 1), 2, 2),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stages,microbatch,count", CASES, ids=[f"{'-'.join(map(str, c[0]))}-mb{c[1]}x{c[2]}" for c in CASES])
+def test_stages_train_like_one_device(stages, microbatch, count):
+  devices = 8 - 8 % len(stages)  # 3 stages of 2 on 6 of the 8 devices
+  require_devices(devices)
+  cluster = hs.Cluster.emulate(jax.devices()[:devices], kinds=KINDS[:devices // 2] + KINDS[-(devices // 2):])
+  positions = devices // len(stages)
+  batch = positions * microbatch * count
+  batches = _batches(batch)
+  ref, ref_metrics = _state(), []
+  for b in batches:
+    ref, m = jax.jit(train_step)(ref, b)
+    ref_metrics.append(m)
+
+  plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages)
+  assert plan.mesh_shape == (positions, len(stages)) and plan.stages == stages
+  step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
+  state = step.shard_state(_state())
+  for b, expected in zip(batches, ref_metrics):
+    state, metrics = step(state, b)
+    _metrics_close(expected, metrics)
+  _close(ref.params, state.params)
+  _close(ref.opt_state, state.opt_state)
+
+
+def test_a_step_without_a_layer_scan_is_refused():
+  from test_unmodified_steps import _lm_state, lm1b_train_step  # an MLP block, no scan over layers
+
+  cluster = _cluster()
+  state = _lm_state()
+  step_fn = functools.partial(lm1b_train_step, config=None, learning_rate_fn=lambda s: 1e-3)
+  plan = hs.plan_for(cluster, state, global_batch=8, microbatch=1, stages=(1, 1))
+  step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=8)
+  tokens = np.ones((8, 6), np.int32)
+  with pytest.raises(HetSpmdError, match="one scan over stacked parameters"):
+    step(step.shard_state(state), {"inputs": tokens, "targets": tokens}, dropout_rng=jax.random.key(1))
+
+
+def test_stage_plans_check_their_shape():
+  cluster = _cluster()
+  with pytest.raises(hs.InvalidValueError, match="do not form 3 stages"):
+    hs.plan_for(cluster, _state(), global_batch=8, stages=(1, 2, 1))
+  plan = hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1))
+  assert hs.Plan.from_json(plan.to_json()) == plan
+  with pytest.raises(hs.InvalidValueError, match="same microbatch count"):
+    plan.replace(microbatch_counts=(3, 1, 2, 2))
