@@ -189,6 +189,8 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   fp, bp = jx.scan_parts(fe), jx.scan_parts(be)
   f_body, b_body = low._Body(fd.body), low._Body(bd.body)
   kept = dict(stack.kept)  # B input position -> F output position
+  slices = {k: bd.inputs[j] for j, k in stack.kept  # F outputs B slices to the microbatch (not per-example)
+            if bd.inputs[j] is not None and fe.outvars[k] not in prog.analysis.axes}
   final = prog.analysis.loops - 1
   group_of = {i: g for g, members in (("pre", stack.pre), ("mid", stack.mid), ("post", stack.post)) for i in members}
   cut_group = [("stack" if c.index == stack.backward else group_of.get(c.index)) if c.loop == final else "earlier"
@@ -266,6 +268,13 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     def combine(acc, parts):
       return {**acc, **{k: [low._combine(kinds[k])(a, x) for a, x in zip(acc[k], v)] for k, v in parts.items()}}
 
+    def keep(k, y, offset):
+      """What F's output ``k`` keeps of one layer: an example-free value of batch size (a dropout mask drawn at
+      the global batch) only its microbatch's slice, as B's scan would read it."""
+      a = slices.get(k)
+      return y if a is None else jax.lax.dynamic_slice_in_dim(y, offset * a.per_example, m * a.per_example, a.dim - 1)
+
+    kept_shapes = [jax.eval_shape(lambda y, k=k: keep(k, y, 0), x) for k, x in enumerate(kept_shapes, fp.num_carry)]
     saved = [jnp.zeros((M, L) + x.shape, x.dtype) for x in kept_shapes]
     h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
     g_zero = jnp.zeros(g_shape.shape, g_shape.dtype)
@@ -285,7 +294,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       def layer(l, c):
         h, saved = c
         out = f_body.run(list(consts) + [h] + [x[l] for x in xs], offset, m)
-        saved = [buf.at[ii, l].set(y) for buf, y in zip(saved, out[1:])]
+        saved = [buf.at[ii, l].set(keep(k, y, offset)) for k, (buf, y) in enumerate(zip(saved, out[1:]), fp.num_carry)]
         return out[0], saved
 
       h, saved = jax.lax.fori_loop(0, jnp.where(valid, mine, 0), layer, (h, saved))

@@ -1,8 +1,8 @@
 """Pipeline stages derived from an unmodified train step whose model scans its layers.
 
 A Linen decoder in the shape of Flax's lm1b example (token embedding, a
-padding-and-causal attention mask, pre-LayerNorm blocks stacked with
-``nn.scan``, a weighted cross-entropy normalised by the token count, a
+padding-and-causal attention mask, pre-LayerNorm blocks with dropout
+stacked with ``nn.scan``, a weighted cross-entropy normalised by the token count, a
 ``TrainState`` updated from ``jax.value_and_grad`` of a closure) trains 3
 steps under plans of 2 and 4 uneven stages with a data axis inside each,
 against the same step on one device: parameters within 1e-4 of the
@@ -34,32 +34,37 @@ VOCAB, SEQ, WIDTH, LAYERS, STEPS = 23, 8, 16, 4, 3
 
 
 class Block(nn.Module):
+  deterministic: bool = False
+
   @nn.compact
   def __call__(self, h, mask):
     y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=WIDTH, deterministic=True)(
         nn.LayerNorm()(h), mask=mask)
-    h = h + y
+    h = h + nn.Dropout(0.1)(y, deterministic=self.deterministic)
     y = nn.Dense(2 * WIDTH)(nn.LayerNorm()(h))
     return h + nn.Dense(WIDTH)(nn.relu(y)), None
 
 
 class Decoder(nn.Module):
+  deterministic: bool = False
+
   @nn.compact
   def __call__(self, tokens):
     mask = nn.combine_masks(nn.make_attention_mask(tokens > 0, tokens > 0), nn.make_causal_mask(tokens))
     h = nn.Embed(VOCAB, WIDTH)(tokens)
-    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                      in_axes=nn.broadcast, length=LAYERS)
-    h, _ = layers(name="blocks")(h, mask)
+    h, _ = layers(self.deterministic, name="blocks")(h, mask)
     return nn.Dense(VOCAB)(nn.LayerNorm()(h))
 
 
-def train_step(state, batch):
+def train_step(state, batch, dropout_rng):
   inputs, targets = batch["inputs"], batch["targets"]
   weights = jnp.where(targets > 0, 1.0, 0.0)
+  dropout_rng = jax.random.fold_in(dropout_rng, state.step)
 
   def loss_fn(params):
-    logits = state.apply_fn({"params": params}, inputs)
+    logits = state.apply_fn({"params": params}, inputs, rngs={"dropout": dropout_rng})
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
     return loss.sum() / weights.sum(), logits
 
@@ -70,7 +75,7 @@ def train_step(state, batch):
 
 def _state():
   model = Decoder()
-  params = model.init(jax.random.key(0), jnp.ones((1, SEQ), jnp.int32))["params"]
+  params = Decoder(deterministic=True).init(jax.random.key(0), jnp.ones((1, SEQ), jnp.int32))["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.3, momentum=0.9))
 
 
@@ -102,8 +107,9 @@ def test_stages_train_like_one_device(stages, microbatch, count):
   batch = positions * microbatch * count
   batches = _batches(batch)
   ref, ref_metrics = _state(), []
+  rng = jax.random.key(7)
   for b in batches:
-    ref, m = jax.jit(train_step)(ref, b)
+    ref, m = jax.jit(train_step)(ref, b, rng)
     ref_metrics.append(m)
 
   plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages)
@@ -111,7 +117,7 @@ def test_stages_train_like_one_device(stages, microbatch, count):
   step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(_state())
   for b, expected in zip(batches, ref_metrics):
-    state, metrics = step(state, b)
+    state, metrics = step(state, b, rng)
     _metrics_close(expected, metrics)
   _close(ref.params, state.params)
   _close(ref.opt_state, state.opt_state)
@@ -138,3 +144,40 @@ def test_stage_plans_check_their_shape():
   assert hs.Plan.from_json(plan.to_json()) == plan
   with pytest.raises(hs.InvalidValueError, match="same microbatch count"):
     plan.replace(microbatch_counts=(3, 1, 2, 2))
+
+
+NNX_CASES = [  # (model, layers per stage): 3 layers stacked with nnx.vmap, run with nnx.scan, dropout in each
+    ("ScannedMLP", (2, 1)),
+    ("ScannedMLP", (1, 1, 1)),
+    ("RematScannedMLP", (1, 2)),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_name,stages", NNX_CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1]))}" for c in NNX_CASES])
+def test_nnx_stages_train_in_place_like_one_device(model_name, stages):
+  """NNX in place (``nnx.Optimizer``, ``nnx.MultiMetric``): parameters, metrics and each layer's rng counter."""
+  from flax import nnx
+
+  import test_nnx_scan_step as t
+  from test_unmodified_steps import _image_batches
+
+  devices = 8 - 8 % len(stages)
+  require_devices(devices)
+  cluster = hs.Cluster.emulate(jax.devices()[:devices], kinds=KINDS[:devices // 2] + KINDS[-(devices // 2):])
+  model_class = getattr(t, model_name)
+  microbatch = 2
+  batch = devices // len(stages) * microbatch * 2
+  batches = _image_batches(batch, shape=(t.WIDTH,), classes=t.CLASSES)
+  ref = t._objects(model_class, "adam")
+  for b in batches:
+    nnx.jit(t.train_step)(*ref, b)
+  mine = t._objects(model_class, "adam")
+  plan = hs.plan_for(cluster, nnx.state(mine), global_batch=batch, microbatch=microbatch, stages=stages)
+  step = hs.parallelize(t.train_step, cluster=cluster, plan=plan, global_batch=batch)
+  for b in batches:
+    assert step(*mine, b) is None
+  _metrics_close(ref[2].compute(), mine[2].compute())
+  _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
+  for e, a in zip(jax.tree.leaves(nnx.state(ref[0], nnx.RngCount)), jax.tree.leaves(nnx.state(mine[0], nnx.RngCount))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
