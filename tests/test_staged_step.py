@@ -181,3 +181,46 @@ def test_nnx_stages_train_in_place_like_one_device(model_name, stages):
   _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
   for e, a in zip(jax.tree.leaves(nnx.state(ref[0], nnx.RngCount)), jax.tree.leaves(nnx.state(mine[0], nnx.RngCount))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+@pytest.mark.timeout(300)
+def test_stages_on_two_processes():
+  """Each process holds one stage (4 devices, the data axis inside it) and feeds the whole batch; the
+  activations and cotangents between the stages cross gloo."""
+  import textwrap
+
+  from multiprocess import run_processes
+
+  results = run_processes(textwrap.dedent(f"""
+      import json, types
+      import numpy as np, jax
+      import hetspmd as hs
+      sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)
+      sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+      import test_staged_step as t
+      rng = jax.random.key(7)
+      batches = t._batches(8)
+      local = jax.local_devices()[0]
+      ref = jax.device_put(t._state(), local)
+      ref_loss = []
+      for b in batches:
+        ref, m = jax.jit(t.train_step)(ref, jax.device_put(b, local), jax.device_put(rng, local))
+        ref_loss.append(float(m["loss"]))
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=t.KINDS)
+      plan = hs.plan_for(cluster, t._state(), global_batch=8, microbatch=1, stages=(3, 1))
+      stage_of = {{d: s for s in range(2) for d in np.asarray(plan.device_ids).reshape(4, 2)[:, s]}}
+      assert {{stage_of[d.id] for d in jax.local_devices()}} == {{jax.process_index()}}
+      step = hs.parallelize(t.train_step, cluster=cluster, plan=plan, global_batch=8)
+      state, losses = step.shard_state(t._state()), []
+      for b in batches:
+        state, m = step(state, b, rng)
+        losses.append(float(m["loss"]))
+      from jax.experimental import multihost_utils
+      params = multihost_utils.process_allgather(state.params, tiled=True)
+      err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(e))) / max(float(np.max(np.abs(np.asarray(e)))), 1e-3))
+                for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(ref.params))))
+      print(json.dumps({{"losses": losses, "ref_losses": ref_loss, "param_err": err}}))
+  """), num_processes=2, devices_per_process=4, timeout=240)
+  for r in results:
+    np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-5)
+    assert r["param_err"] < 1e-4, r
