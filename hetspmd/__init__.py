@@ -20,6 +20,7 @@ from hetspmd.microbatch import weighted as weighted
 from hetspmd.passes import Graph as Graph
 from hetspmd.plan import Plan as Plan
 from hetspmd.plan import plan_for as plan_for
+from hetspmd.plan import stage_layers as stage_layers
 from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.profiler import profile as profile
@@ -30,7 +31,8 @@ from hetspmd.runtime import parallelize as parallelize
 
 __all__ = [
     "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
-    "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "value_and_grad",
+    "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
+    "value_and_grad",
     "search", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",

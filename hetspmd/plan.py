@@ -555,6 +555,29 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
   )
 
 
+def stage_layers(cluster: Cluster, stages: int, layers: int, dtype: str = "float32") -> tuple[int, ...]:
+  """Layers per stage for ``stages`` equal groups of consecutive devices (as ``plan_for(stages=...)`` forms them).
+
+  A stage's tick lasts its layer count over its speed, the peak FLOP/s in ``dtype`` of its slowest device
+  (every device of a stage runs an equal share of each microbatch); the split minimises the slowest
+  stage: one layer each, then every further layer to the stage that would finish it first.
+  """
+  n = cluster.num_devices
+  if stages < 1 or n % stages:
+    raise InvalidValueError(f"{n} devices do not form {stages} stages of equal size; valid stage counts: "
+                            f"{[k for k in range(1, n + 1) if n % k == 0]}")
+  if layers < stages:
+    raise InvalidValueError(f"{layers} layers cannot fill {stages} stages; every stage needs at least one")
+  width = n // stages
+  devices = cluster.devices
+  speed = [min(devices[i].spec.peak_flops(dtype) for i in range(s * width, (s + 1) * width)) for s in range(stages)]
+  counts = [1] * stages
+  for _ in range(layers - stages):
+    s = min(range(stages), key=lambda k: ((counts[k] + 1) / speed[k], k))
+    counts[s] += 1
+  return tuple(counts)
+
+
 def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
                  remat: str, grad_reduce_dtype: str) -> Plan:
   n, S = cluster.num_devices, len(stages)

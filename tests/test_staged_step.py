@@ -224,3 +224,25 @@ def test_stages_on_two_processes():
   for r in results:
     np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-5)
     assert r["param_err"] < 1e-4, r
+
+
+@pytest.mark.parametrize("kinds,layers,expected", [
+    (["V100-32GB"] * 4 + ["P100-16GB"] * 4, 12, None),
+    (["P100-16GB"] * 4 + ["V100-32GB"] * 4, 12, None),
+    (["V100-32GB"] * 8, 7, (4, 3)),
+])
+def test_stage_layers_follow_the_stages_speed(kinds, layers, expected):
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=kinds)
+  split = hs.stage_layers(cluster, 2, layers)
+  assert sum(split) == layers and min(split) >= 1
+  speed = [cluster.devices[0].spec.peak_flops("float32"), cluster.devices[4].spec.peak_flops("float32")]
+  if expected is not None:
+    assert split == expected
+  # no other split has a faster slowest stage
+  best = min(max(n / speed[0], (layers - n) / speed[1]) for n in range(1, layers))
+  assert max(split[0] / speed[0], split[1] / speed[1]) == pytest.approx(best)
+  if speed[0] != speed[1]:
+    assert (split[0] > split[1]) == (speed[0] > speed[1])
+  with pytest.raises(hs.InvalidValueError, match="cannot fill 4 stages"):
+    hs.stage_layers(cluster, 4, 2)
