@@ -518,7 +518,10 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       (``nn.scan``, ``nnx.scan``): the devices form ``len(stages)``
       consecutive groups (whole hosts first), and a faster group takes
       more layers; each group splits every microbatch's examples evenly
-      (see :mod:`hetspmd.staged`). The state stays replicated.
+      (see :mod:`hetspmd.staged`). State leaves of ``sum(stages)`` rows
+      (the stacked layers and their optimizer moments) are split over the
+      stages in equal blocks when the stage count divides the layers; the
+      rest of the state is replicated.
   """
   if cluster.jax_device_ids is None:
     raise HetSpmdError("the cluster is not bound to JAX devices; use Cluster.from_devices(jax.devices()) or "
@@ -578,6 +581,13 @@ def stage_layers(cluster: Cluster, stages: int, layers: int, dtype: str = "float
   return tuple(counts)
 
 
+def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:
+  """A state leaf of the layer stack (parameters, their optimizer moments): split over ``stage`` in even blocks,
+  which the staged program moves to the stages' uneven layers and back (``hetspmd.staged``)."""
+  layers = sum(stages)
+  return np.ndim(leaf) >= 1 and np.shape(leaf)[0] == layers and layers % len(stages) == 0
+
+
 def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
                  remat: str, grad_reduce_dtype: str) -> Plan:
   n, S = cluster.num_devices, len(stages)
@@ -597,7 +607,8 @@ def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_b
       axis_names=mesh.axis_names, mesh_shape=mesh.shape,
       device_ids=tuple(cluster.jax_device_ids[i] for i in mesh.device_ids), global_batch=global_batch,
       microbatch=microbatch, microbatch_counts=(global_batch // (positions * microbatch),) * positions,
-      state_specs=tuple((p, ()) for p, _ in leaves_with_paths(state)), remat=remat,
+      state_specs=tuple((p, (STAGE_AXIS,) if _stacked_leaf(leaf, stages) else ()) for p, leaf in leaves_with_paths(state)),
+      remat=remat,
       grad_reduce_dtype=grad_reduce_dtype, stages=stages,
       device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids))
 

@@ -221,7 +221,10 @@ class ParallelStep:
     return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
 
   def explain(self) -> str:
-    if self._lockstep:
+    if self.plan.stages:
+      mode = (f"pipeline stages of {list(self.plan.stages)} layers along 'stage', lockstep GPipe ticks (one "
+              "ppermute each), every stage running its own layers of the step's layer scan")
+    elif self._lockstep:
       mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
               "(XLA placed a collective-permute or all-to-all inside the loop)")
     else:

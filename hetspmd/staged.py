@@ -167,6 +167,78 @@ def _descendants(prog, loop, roots) -> set[int]:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+  """Moves layer rows between the even blocks a ``stage``-sharded stack is stored in (``length / S`` rows each)
+  and each stage's own uneven layers (padded to the largest stage), with one ``ppermute`` per distance between
+  a layer's owner and its user. Padding rows travel as zeros and are added, so every real row arrives exact."""
+
+  layers: tuple[int, ...]
+  axis: str
+
+  @property
+  def block(self) -> int:
+    return sum(self.layers) // len(self.layers)
+
+  def shifts(self):
+    """Per distance ``d`` (owner ``t = s + d`` of rows stage ``s`` runs): rows sent, and per stage the
+    owner's offset (indexed by the owner), the user's offset and count (indexed by the user)."""
+    S, Q = len(self.layers), self.block
+    starts = np.cumsum((0,) + self.layers[:-1])
+    out = []
+    for d in range(-(S - 1), S):
+      src, dst, cnt = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+      for user in range(S):
+        owner = user + d
+        if not 0 <= owner < S:
+          continue
+        lo, hi = max(starts[user], owner * Q), min(starts[user] + self.layers[user], (owner + 1) * Q)
+        if hi > lo:
+          src[owner], dst[user], cnt[user] = lo - owner * Q, lo - starts[user], hi - lo
+      if cnt.any():
+        pairs = [(u + d, u) for u in range(S) if cnt[u]]
+        out.append((d, int(cnt.max()), src, dst, cnt, pairs))
+    return out
+
+  def gather(self, block, stage):
+    """This stage's layers, padded to ``max(layers)`` rows, from the blocks (``block``: this stage's)."""
+    if jax.dtypes.issubdtype(block.dtype, jax.dtypes.prng_key):  # per-layer rng keys travel as their bits
+      return jax.random.wrap_key_data(self.gather(jax.random.key_data(block), stage), impl=jax.random.key_impl(block))
+    L = max(self.layers)
+    shifts = self.shifts()
+    extra = max(r for _, r, *_ in shifts)
+    source = _pad_rows(block, extra)
+    out = jnp.zeros((L + extra,) + block.shape[1:], block.dtype)
+    for d, rows, src, dst, cnt, pairs in shifts:
+      send = jax.lax.dynamic_slice_in_dim(source, jnp.asarray(src)[stage], rows, 0)
+      recv = send if d == 0 else jax.lax.ppermute(send, self.axis, pairs)
+      recv = _first_rows(recv, jnp.asarray(cnt)[stage])
+      out = out + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(out), recv, jnp.asarray(dst)[stage], 0)
+    return out[:L]
+
+  def scatter(self, padded, stage):
+    """The inverse of :meth:`gather` for gradients: each stage's rows sent back to and added into their block."""
+    Q = self.block
+    shifts = self.shifts()
+    extra = max(r for _, r, *_ in shifts)
+    source = _pad_rows(padded, extra)
+    out = jnp.zeros((Q + extra,) + padded.shape[1:], padded.dtype)
+    for d, rows, src, dst, cnt, pairs in shifts:
+      send = _first_rows(jax.lax.dynamic_slice_in_dim(source, jnp.asarray(dst)[stage], rows, 0), jnp.asarray(cnt)[stage])
+      recv = send if d == 0 else jax.lax.ppermute(send, self.axis, [(b, a) for a, b in pairs])
+      out = out + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(out), recv, jnp.asarray(src)[stage], 0)
+    return out[:Q]
+
+
+def _pad_rows(x, extra: int):
+  return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+
+
+def _first_rows(x, count):
+  keep = (jnp.arange(x.shape[0]) < count).reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.where(keep, x, jnp.zeros_like(x))
+
+
 def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, counts, starts, cut_outs, pe_outs):
   """:func:`hetspmd.lowering._loop_part` for a layout with ``stages``: the cuts' totals, reduced everywhere."""
   from hetspmd import lowering as low
@@ -199,6 +271,16 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     raise _refuse("a sum over the examples is made by the layer scan itself")
   stack_cut = cut_group.index("stack") if "stack" in cut_group else None
   summed_b = low._sum_outputs(bd)
+  # stacked loop inputs only the scans read are taken as even blocks over stage (ZeRO-like: the state's stacked
+  # leaves stay there) and exchanged into each stage's layers; their gradients go back the same way
+  even = stack.length % S == 0
+  f_stacked = {v for v in fe.invars[fp.num_consts + 1:] if not jx.is_literal(v)}
+  b_stacked = {v for j, v in enumerate(be.invars) if j > bp.num_consts and j not in kept and not jx.is_literal(v)}
+  others = {v for i in stack.pre + stack.mid + stack.post for v in prog.eqns[i].invars if not jx.is_literal(v)}
+  sharded = {v for v in loop_inputs if even and v in (f_stacked | b_stacked) - others
+             and jx.aval_shape(v)[:1] == (stack.length,)}
+  exchange = _Exchange(layers, st)
+  blocked_grads = even and stack_cut is not None
   forward_pairs = [(s, s + 1) for s in range(S - 1)]
   backward_pairs = [(s + 1, s) for s in range(S - 1)]
 
@@ -207,6 +289,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     mine, first, last = jnp.asarray(layers, jnp.int32)[s], s == 0, s == S - 1
     my_rows = jnp.asarray(rows)[s]
     outer = dict(zip(loop_inputs, values))
+    padded = {v: exchange.gather(outer[v], s) for v in loop_inputs if v in sharded}
     totals = _earlier_loops(prog, layout, outer, cut_outs, batch_vars, buffers, counts, starts)
     outer.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
 
@@ -288,7 +371,8 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       env, offset = microbatch_env(ii)
       acc = combine(acc, masked(run_group(stack.pre, env, offset), valid & first))
       fin = scan_inputs(fe, fd, env, offset)
-      consts, xs = fin[:fp.num_consts], [local(x) for x in fin[fp.num_consts + 1:]]
+      consts = fin[:fp.num_consts]
+      xs = [padded[v] if v in padded else local(x) for v, x in zip(fe.invars[fp.num_consts + 1:], fin[fp.num_consts + 1:])]
       h = jnp.where(first, fin[fp.num_consts], recv)
 
       def layer(l, c):
@@ -324,7 +408,8 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       run_group(stack.pre, env, offset)  # B reads its values (masks); its sums were taken in the forward tick
       given = b_operands(env, offset)
       consts, g = [given[j] for j in range(bp.num_consts)], jnp.where(last, top[ii], recv)
-      xs = {j: local(x) for j, x in given.items() if j >= bp.num_consts + 1}
+      xs = {j: padded[be.invars[j]] if be.invars[j] in padded else local(x)
+            for j, x in given.items() if j >= bp.num_consts + 1}
       n = jnp.where(valid, mine, 0)
 
       def layer(r, c):
@@ -349,19 +434,22 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     for k, parts in acc.items():
       reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kinds[k]]
       totals[k] = [reduce(x, axes) for x in parts]
+    if blocked_grads:
+      grads = [exchange.scatter(x, s) for x in grads]
     grads = [jax.lax.psum(x, da) for x in grads]
     return [totals[k] for k in order], grads
 
   order = sorted(k for k in range(len(cut_outs)) if k != stack_cut)  # the others are reduced inside
   out_specs = ([[P() for _ in low._sum_outputs(prog.analysis.decisions[cut_outs[k].index])] for k in order],
                [P(st) for _ in summed_b])
-  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(da), P(da), P(da)), out_specs=out_specs,
-                         axis_names=set(axes), check_vma=False)
+  value_specs = [P(st) if v in sharded else P() for v in loop_inputs]
+  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(value_specs, P(da), P(da), P(da)),
+                         out_specs=out_specs, axis_names=set(axes), check_vma=False)
   totals, grads = mapped(loop_values, buffers, counts, starts)
   flat_rows = np.concatenate([s * L + np.arange(n) for s, n in enumerate(layers)])  # layer order in [S * L]
   result = dict(zip(order, totals))
   if stack_cut is not None:
-    result[stack_cut] = [g[flat_rows] for g in grads]
+    result[stack_cut] = grads if blocked_grads else [g[flat_rows] for g in grads]
   if pe_outs:
     raise _refuse("the step returns per-example values")
   return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)

@@ -121,6 +121,11 @@ def test_stages_train_like_one_device(stages, microbatch, count):
     _metrics_close(expected, metrics)
   _close(ref.params, state.params)
   _close(ref.opt_state, state.opt_state)
+  kernel = state.params["blocks"]["Dense_0"]["kernel"]  # [layers, ...]: split over the stages when they divide it
+  split = LAYERS % len(stages) == 0
+  assert kernel.sharding.spec == (jax.sharding.PartitionSpec("stage") if split else jax.sharding.PartitionSpec())
+  assert state.params["Embed_0"]["embedding"].sharding.is_fully_replicated
+  assert f"pipeline stages of {list(stages)} layers" in step.explain()
 
 
 def test_a_step_without_a_layer_scan_is_refused():
@@ -246,3 +251,31 @@ def test_stage_layers_follow_the_stages_speed(kinds, layers, expected):
     assert (split[0] > split[1]) == (speed[0] > speed[1])
   with pytest.raises(hs.InvalidValueError, match="cannot fill 4 stages"):
     hs.stage_layers(cluster, 4, 2)
+
+
+@pytest.mark.parametrize("layers", [(3, 1), (1, 3), (2, 2), (5, 1, 2, 4), (1, 1, 1, 5)])
+def test_rows_move_between_even_blocks_and_uneven_stages(layers):
+  """Each stage gets exactly its layers from the even blocks, and gradients go back added into their block."""
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from hetspmd.staged import _Exchange
+
+  S = len(layers)
+  require_devices(S)
+  mesh = Mesh(np.array(jax.devices()[:S]), ("stage",))
+  total, L = sum(layers), max(layers)
+  rows = np.arange(total * 3, dtype=np.float32).reshape(total, 3) + 1
+  exchange = _Exchange(layers, "stage")
+
+  def both(block):
+    s = jax.lax.axis_index("stage")
+    mine = exchange.gather(block, s)
+    return mine[None], exchange.scatter(mine * 2, s)
+
+  mine, back = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("stage"), out_specs=(P("stage"), P("stage")),
+                                     check_vma=False))(rows)
+  starts = np.cumsum((0,) + layers[:-1])
+  for s, n in enumerate(layers):
+    np.testing.assert_array_equal(np.asarray(mine)[s, :n], rows[starts[s]:starts[s] + n])
+    assert not np.asarray(mine)[s, n:].any()
+  np.testing.assert_array_equal(np.asarray(back), rows * 2)
