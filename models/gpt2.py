@@ -31,6 +31,8 @@ class GPT2Config:
   vocab_size: int = 50257
   n_ctx: int = 1024
   dtype: str = "float32"
+  # the blocks stacked (nnx.vmap) and run by one nnx.scan, as pipeline stages need (hetspmd.staged)
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.d_model % self.n_head:
@@ -91,15 +93,32 @@ class GPT2(nnx.Module):
   def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
     self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
     self.wpe = nnx.Embed(cfg.n_ctx, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
-    self.h = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.n_layer)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def stack(rngs: nnx.Rngs):
+        return Block(cfg, rngs)
+
+      self.h = stack(rngs)
+    else:
+      self.h = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+    self.scan_layers = cfg.scan_layers
     self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, dtype=cfg.dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     with jax.named_scope("embed"):
       x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1])[None, :])
-    for i, block in enumerate(self.h):
-      with jax.named_scope(f"h_{i}"):
-        x = block(x)
+    if self.scan_layers:
+      @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+      def run(block, x):
+        return block(x)
+
+      with jax.named_scope("h"):
+        x = run(self.h, x)
+    else:
+      for i, block in enumerate(self.h):
+        with jax.named_scope(f"h_{i}"):
+          x = block(x)
     with jax.named_scope("ln_f"):
       x = self.ln_f(x)
     with jax.named_scope("lm_head"):
@@ -122,6 +141,7 @@ def lm_batch_spec(cfg: GPT2Config, batch: int, seq: int | None):
 CONFIGS = {
     # name: (config, published parameter count or None)
     "gpt2-tiny": (GPT2Config(n_layer=2, n_head=4, d_model=64, vocab_size=512, n_ctx=128), None),
+    "gpt2-tiny-scan": (GPT2Config(n_layer=4, n_head=4, d_model=64, vocab_size=512, n_ctx=128, scan_layers=True), None),
     "gpt2-small": (GPT2Config(n_layer=12, n_head=12, d_model=768), 124_439_808),
     "gpt2-medium": (GPT2Config(n_layer=24, n_head=16, d_model=1024), 354_823_168),
     "gpt2-large": (GPT2Config(n_layer=36, n_head=20, d_model=1280), 774_030_080),
@@ -139,8 +159,8 @@ def workloads() -> list[Workload]:
           loss=lm_loss,
           batch_spec=lm_batch_spec,
           make_optimizer=lambda: optax.adam(3e-4),
-          default_batch=2 if name == "gpt2-tiny" else 8,
-          default_seq=32 if name == "gpt2-tiny" else 1024,
+          default_batch=2 if name.startswith("gpt2-tiny") else 8,
+          default_seq=32 if name.startswith("gpt2-tiny") else 1024,
           max_seq=cfg.n_ctx,
           published_params=published,
           source="GPT-2 (Radford et al., 2019); released checkpoints" if published else "test size",
