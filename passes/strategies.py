@@ -491,6 +491,8 @@ def _strategies(analysis: _Analysis, sites: Sequence[int], sizes: dict, m: int) 
   node = analysis.graph.nodes[sites[0]]
   out = [REPLICATED]
   for param_dim, size in enumerate(sizes[param].shape):
+    if param_dim not in dims:  # a stacked parameter's layer dimension: the site reads one layer of it
+      continue
     named = None if size % m else SITE_RULES[node.primitive].options(node, operand, dims.index(param_dim))
     if named is not None and all(_splits_evenly(analysis, s, param_dim, m) for s in sites):
       out.append(named)

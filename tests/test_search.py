@@ -371,3 +371,17 @@ def test_search_and_plans_choose_the_same_zero_groups(n, zero, tiny_profile):
 
   profile, w = tiny_profile, models.get("gpt2-tiny")
   assert zero_shards_for(w.abstract_state(), ("data", "model"), (n, 1), zero) == zero_split(profile, n).shards
+
+
+def test_a_model_with_scanned_layers_is_searched_like_its_unrolled_twin():
+  """A stacked parameter's layer dimension is read one layer at a time: no split of it is offered (the search
+  once failed on it), and the step costs the FLOPs of every layer."""
+  scanned = models.get("gpt2-tiny-scan")
+  unrolled = dataclasses.replace(scanned, name="gpt2-tiny-unrolled",
+                                 config=dataclasses.replace(scanned.config, scan_layers=False))
+  profiles = [profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 32))
+              for w in (scanned, unrolled)]
+  assert profiles[0].param_count == profiles[1].param_count
+  assert profiles[0].flops.per_example == pytest.approx(profiles[1].flops.per_example, rel=0.01)
+  result = search(Cluster.preset("hap-v100-p100"), profiles[0], 64)
+  assert result.plans and result.plans[0].step_seconds > 0
