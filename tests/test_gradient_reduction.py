@@ -458,26 +458,12 @@ def test_overlapped_and_bfloat16_reductions_in_two_processes():
   """2 processes x 4 CPU devices over gloo: the lm1b-style step overlapped (exact), and reduced in bfloat16."""
   from multiprocess import run_processes
 
-  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 0), 2
-  batch = sum(counts) * microbatch
-  mine = sum(counts[:4]) * microbatch
-  results = run_processes(lm1b_in_processes(batch) + textwrap.dedent(f"""
-      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
-      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
-      out = {{}}
+  results = run_processes(lm1b_in_processes((3, 2, 2, 1, 1, 1, 1, 0), 2) + textwrap.dedent("""
+      out = {"ref_loss": float(ref_metrics["loss"])}
       for name, options in (("overlap", dict(overlap_reduction=True)),
                             ("bfloat16", dict(overlap_reduction=True, grad_reduce_dtype="bfloat16"))):
-        plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts},
-                           **options)
-        step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
-        state = step.shard_state(t._lm_state())
-        for b in batches:
-          state, metrics = step(state, {{k: v[mine] for k, v in b.items()}}, dropout_rng=rng)
-        got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
-        diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
-                   for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
-        out[name] = {{"loss": float(metrics["loss"]), "diff": diff}}
-      out["ref_loss"] = float(ref_metrics["loss"])
+        loss, diff = train_planned(**options)
+        out[name] = {"loss": loss, "diff": diff}
       print(json.dumps(out))
   """), num_processes=2, devices_per_process=4, timeout=240)
   for r in results:

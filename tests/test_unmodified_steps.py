@@ -671,9 +671,13 @@ def test_batch_argnums_names_the_batch():
 # --- more than one process ---------------------------------------------------------------
 
 
-def lm1b_in_processes(batch: int) -> str:
+def lm1b_in_processes(counts, microbatch: int) -> str:
   """The start of a script for :func:`multiprocess.run_processes`: imports, this module as ``t``, the lm1b step
-  as ``fn``, its ``batches`` and ``rng``, and ``ref`` / ``ref_metrics`` after training on one local device."""
+  as ``fn``, its ``batches`` and ``rng``, ``ref`` / ``ref_metrics`` after training on one local device, and
+  ``train_planned(**plan_options) -> (last loss, largest parameter difference from ref)`` training under a plan
+  with ``counts`` over 4 V100s and 4 P100s, each process feeding its own positions' examples."""
+  batch = sum(counts) * microbatch
+  mine = sum(counts[:4]) * microbatch
   return textwrap.dedent(f"""
       import functools, json
       import numpy as np, jax
@@ -689,6 +693,20 @@ def lm1b_in_processes(batch: int) -> str:
       ref, ref_step = jax.device_put(t._lm_state(), local), jax.jit(fn)
       for b in batches:
         ref, ref_metrics = ref_step(ref, jax.device_put(b, local), dropout_rng=jax.device_put(rng, local))
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
+
+      def train_planned(**options):
+        plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch},
+                           counts={tuple(counts)}, **options)
+        step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
+        state = step.shard_state(t._lm_state())
+        for b in batches:
+          state, metrics = step(state, {{k: v[mine] for k, v in b.items()}}, dropout_rng=rng)
+        got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
+        diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
+                   for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
+        return float(metrics["loss"]), diff
   """)
 
 
@@ -697,21 +715,9 @@ def test_unmodified_linen_step_in_two_processes():
   """2 processes x 4 CPU devices over gloo, each feeding its own examples, an lm1b-style step."""
   from multiprocess import run_processes
 
-  counts, microbatch = (3, 2, 2, 1, 1, 1, 1, 1), 2
-  batch = sum(counts) * microbatch
-  mine = sum(counts[:4]) * microbatch
-  results = run_processes(lm1b_in_processes(batch) + textwrap.dedent(f"""
-      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
-      plan = hs.plan_for(cluster, t._lm_state(), global_batch={batch}, microbatch={microbatch}, counts={counts})
-      step = hs.parallelize(fn, cluster=cluster, plan=plan, global_batch={batch})
-      state = step.shard_state(t._lm_state())
-      mine = slice(0, {mine}) if jax.process_index() == 0 else slice({mine}, {batch})
-      for b in batches:
-        state, metrics = step(state, {{k: v[mine] for k, v in b.items()}}, dropout_rng=rng)
-      got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
-      diff = max(float(np.max(np.abs(np.asarray(a) - b)) / max(float(np.max(np.abs(a))), 1e-3))
-                 for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got)))
-      print(json.dumps({{"loss": float(metrics["loss"]), "ref_loss": float(ref_metrics["loss"]), "diff": diff}}))
+  results = run_processes(lm1b_in_processes((3, 2, 2, 1, 1, 1, 1, 1), 2) + textwrap.dedent("""
+      loss, diff = train_planned()
+      print(json.dumps({"loss": loss, "ref_loss": float(ref_metrics["loss"]), "diff": diff}))
   """), num_processes=2, devices_per_process=4, timeout=240)
   for r in results:
     assert r["diff"] <= 1e-4
