@@ -164,7 +164,8 @@ def _run_profile(args: argparse.Namespace) -> int:
 def _run_search(args: argparse.Namespace) -> int:
   from hetspmd import models
   from hetspmd.cluster import Cluster
-  from hetspmd.search import BASELINES, plan_from, search_step
+  from hetspmd.search import BASELINES, plan_from, profile_step, search
+  from hetspmd.stage_search import describe, search_stages
 
   cluster = Cluster.resolve(args.cluster)
   workload = models.get(args.model).with_dtype(args.dtype)
@@ -179,8 +180,11 @@ def _run_search(args: argparse.Namespace) -> int:
   from hetspmd.plan import GRAD_REDUCE_DTYPES
 
   dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
-  result = search_step(workload.make_train_step(), state, batch, cluster, global_batch=args.global_batch,
-                       top=args.top, progress=progress, grad_reduce_dtypes=dtypes, overlap=not args.no_overlap)
+  progress("tracing the step at two batch sizes")
+  profile = profile_step(workload.make_train_step(), state, batch)
+  result = search(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
+                  overlap=not args.no_overlap)
+  stage_plans = search_stages(cluster, profile, args.global_batch, top=3)
   ideal = result.ideal_throughput
   best = result.plans[0]
   if args.out:
@@ -192,6 +196,7 @@ def _run_search(args: argparse.Namespace) -> int:
       "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
                            result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
       "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
+      "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
   }
   if args.json:
     print(json.dumps(report, indent=2))
@@ -213,6 +218,12 @@ def _run_search(args: argparse.Namespace) -> int:
     if name in result.baselines:
       b = result.baselines[name]
       print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
+  if stage_plans:
+    print()
+    print(f"{'':>2} pipeline stages (the step scans its layers; run with plan_for(..., stages=layers))")
+    for p in stage_plans:
+      print(f"{'':>2} {describe(p, cluster):<60} {p.step_seconds:8.3f} s {args.global_batch / p.step_seconds:10.1f} "
+            f"samples/s {p.memory_bytes / 1e9:6.2f} GB/dev  {best.step_seconds / p.step_seconds:.2f}x the best plan")
   if args.out:
     print(f"\nwrote the best plan to {args.out}")
   return 0

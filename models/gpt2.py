@@ -141,12 +141,15 @@ def lm_batch_spec(cfg: GPT2Config, batch: int, seq: int | None):
 CONFIGS = {
     # name: (config, published parameter count or None)
     "gpt2-tiny": (GPT2Config(n_layer=2, n_head=4, d_model=64, vocab_size=512, n_ctx=128), None),
-    "gpt2-tiny-scan": (GPT2Config(n_layer=4, n_head=4, d_model=64, vocab_size=512, n_ctx=128, scan_layers=True), None),
     "gpt2-small": (GPT2Config(n_layer=12, n_head=12, d_model=768), 124_439_808),
     "gpt2-medium": (GPT2Config(n_layer=24, n_head=16, d_model=1024), 354_823_168),
     "gpt2-large": (GPT2Config(n_layer=36, n_head=20, d_model=1280), 774_030_080),
     "gpt2-xl": (GPT2Config(n_layer=48, n_head=25, d_model=1600), 1_557_611_200),
+    # the same blocks stacked with nnx.vmap and run by one nnx.scan: what pipeline stages need
+    "gpt2-tiny-scan": (GPT2Config(n_layer=4, n_head=4, d_model=64, vocab_size=512, n_ctx=128, scan_layers=True), None),
 }
+CONFIGS.update({f"{name}-scan": (dataclasses.replace(cfg, scan_layers=True), published)
+                for name, (cfg, published) in list(CONFIGS.items()) if published})
 
 
 def workloads() -> list[Workload]:

@@ -1,0 +1,77 @@
+"""Stage plans for a step that scans its layers: where the stack is in the profile, the layer split, the price."""
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from hetspmd import Cluster, models
+from hetspmd.cli import main
+from hetspmd.search import profile_step
+from hetspmd.stage_search import find_stack, price, search_stages, split_layers
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def scanned():
+  w = models.get("gpt2-tiny-scan")
+  return w, profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, SEQ))
+
+
+def test_the_stack_is_found_with_its_boundary(scanned):
+  w, profile = scanned
+  stack = find_stack(profile)
+  assert stack.layers == w.config.n_layer
+  masks = np.array([stack.forward, stack.backward, stack.first, stack.last])
+  assert not (masks.sum(axis=0) > 1).any()  # every node in one part
+  assert (masks.any(axis=0) == ~profile.per_step).all()  # every per-microbatch node in one
+  assert stack.carry == SEQ * w.config.d_model * 4  # the residual stream enters the stack, float32
+  per_layer = sum(np.prod(s) for s in profile.param_leaf_shapes if s and s[0] == w.config.n_layer)
+  assert stack.stack_params == per_layer and stack.kept > 0
+
+
+def test_unrolled_layers_have_no_stack(scanned):
+  w, _ = scanned
+  unrolled = dataclasses.replace(w, name="unrolled", config=dataclasses.replace(w.config, scan_layers=False))
+  assert find_stack(profile_step(unrolled.make_train_step(), unrolled.abstract_state(),
+                                 unrolled.example_batch(2, SEQ))) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_minimises_the_slowest_stage(seed):
+  rng = np.random.default_rng(seed)
+  stages, layers = int(rng.integers(2, 5)), int(rng.integers(5, 12))
+  per_layer, fixed = rng.uniform(0.5, 2.0, stages), rng.uniform(0.0, 2.0, stages)
+  split = split_layers(per_layer, fixed, layers)
+  assert sum(split) == layers and min(split) >= 1
+  best = min(max(f + n * c for f, n, c in zip(fixed, counts, per_layer))
+             for counts in itertools.product(range(1, layers + 1), repeat=stages) if sum(counts) == layers)
+  assert max(f + n * c for f, n, c in zip(fixed, split, per_layer)) == pytest.approx(best)
+
+
+def test_faster_hosts_take_more_layers_and_the_price_adds_up(scanned):
+  _, profile = scanned
+  cluster = Cluster.parse("1x4xV100-32GB+1x4xP100-16GB;inter=10Gbps")
+  plans = search_stages(cluster, profile, 64)
+  assert plans and [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
+  best = plans[0]
+  assert best.stages[0] >= best.stages[1]  # the V100 host first, at least as many layers
+  assert best.step_seconds >= (best.microbatches + 1) * best.tick_seconds
+  assert best.transfer_seconds > 0 and best.reduce_seconds > 0
+  stack = find_stack(profile)
+  slower = price(cluster, profile, stack, best.hosts, best.stages[::-1], best.microbatch, 64)
+  assert slower is None or slower.step_seconds >= best.step_seconds * (1 - 1e-9)
+  assert price(cluster, profile, stack, best.hosts, best.stages, 3, 64) is None  # 64 does not split by 4 x 3
+
+
+def test_search_cli_ranks_stage_plans_for_a_scanned_model(capsys):
+  assert main(["search", "--model", "gpt2-tiny-scan", "--cluster", "hap-v100-p100", "--global-batch", "64",
+               "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["stage_plans"] and all(sum(p["stages"]) == 4 for p in report["stage_plans"])
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", "hap-v100-p100", "--global-batch", "64",
+               "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["stage_plans"] == []
