@@ -1,10 +1,43 @@
-"""Shared by the benchmarks: time a parallelized train step."""
+"""Shared by the benchmarks: time a parallelized train step; run a worker script on a slowed pair of cores."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from typing import Any
+from typing import Any, Sequence
+
+
+def run_slowed_pair(worker: str, worker_args: Sequence[Any], slowdown_seconds: int) -> dict:
+  """Runs ``worker`` (a script taking ``rank port *worker_args``) as two processes pinned to cores 0 and 1, with a
+  busy loop sharing core 1 for at most ``slowdown_seconds``; the JSON line rank 0 prints last. Exits with a
+  message when the machine lacks ``taskset`` or a second core, or a worker fails."""
+  if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+    sys.exit("needs taskset and at least 2 cores")
+  busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c",
+                           f"import time\nend = time.time() + {slowdown_seconds}\nwhile time.time() < end: pass"])
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  workers = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, "-c", worker, str(rank), str(port),
+                               *map(str, worker_args)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+  try:
+    outputs = [w.communicate(timeout=slowdown_seconds) for w in workers]
+  finally:
+    for p in workers + [busy]:
+      if p.poll() is None:
+        p.kill()
+  for w, (_, err) in zip(workers, outputs):
+    if w.returncode != 0:
+      sys.exit(f"worker failed:\n{err[-3000:]}")
+  return json.loads([line for line in outputs[0][0].splitlines() if line.startswith("{")][-1])
 
 
 def median_step_seconds(step: Any, state: Any, batch: Any, steps: int) -> tuple[Any, float]:

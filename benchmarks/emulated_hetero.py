@@ -31,12 +31,6 @@ step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import textwrap
 
 WORKER = textwrap.dedent("""
@@ -119,12 +113,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=8192)
@@ -132,26 +120,9 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=7)
   parser.add_argument("--slowdown-seconds", type=int, default=240)
   args = parser.parse_args()
-  if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
-    sys.exit("needs taskset and at least 2 cores")
+  from _steps import run_slowed_pair
 
-  busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c",
-                           f"import time\nend = time.time() + {args.slowdown_seconds}\nwhile time.time() < end: pass"])
-  port = _port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  workers = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, "-c", WORKER, str(rank), str(port),
-                               str(args.batch), str(args.steps), str(args.microbatch)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
-  try:
-    outputs = [w.communicate(timeout=args.slowdown_seconds) for w in workers]
-  finally:
-    for p in workers + [busy]:
-      if p.poll() is None:
-        p.kill()
-  for w, (out, err) in zip(workers, outputs):
-    if w.returncode != 0:
-      sys.exit(f"worker failed:\n{err[-3000:]}")
-  result = json.loads([l for l in outputs[0][0].splitlines() if l.startswith("{")][-1])
+  result = run_slowed_pair(WORKER, (args.batch, args.steps, args.microbatch), args.slowdown_seconds)
 
   rates, alone_rates = result["rates"], result["alone_rates"]
   ideal = args.batch / sum(rates)

@@ -130,6 +130,13 @@ def _add(tree, index, value):
           x, jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False) + v.astype(x.dtype), index, 0), tree, value)
 
 
+def tick_slot(t, lag, microbatches: int):
+  """``(valid, index)``: the microbatch a stage takes in tick ``t`` when it runs ``lag`` ticks behind the first
+  (its index clipped into range, for reading buffers; ``valid`` says whether it has one)."""
+  m = t - lag
+  return (m >= 0) & (m < microbatches), jnp.clip(m, 0, microbatches - 1)
+
+
 def _residuals(pull, inputs) -> tuple:
   """The leaves of a ``jax.vjp`` pullback that are not the inputs themselves: what the backward needs kept."""
   given = {id(x) for x in jax.tree.leaves(inputs)}
@@ -186,9 +193,7 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
     def forward_tick(t, carry):
       send, saved, loss, dhead, dtop = carry
       recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
-      m = t - s
-      valid = (m >= 0) & (m < M)
-      mi = jnp.clip(m, 0, M - 1)
+      valid, mi = tick_slot(t, s, M)
       h = jnp.where(first, xs[mi], recv)
       h, saved = layers_forward(h, jnp.where(valid, mine, 0), saved, mi)
 
@@ -225,9 +230,7 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
     def backward_tick(t, carry):
       send, dstack, dxs = carry
       recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
-      m = t - (S - 1 - s)
-      valid = (m >= 0) & (m < M)
-      mi = jnp.clip(m, 0, M - 1)
+      valid, mi = tick_slot(t, S - 1 - s, M)
       g = jnp.where(last, dtop[mi], recv)
       g, dstack = layers_backward(g, jnp.where(valid, mine, 0), dstack, mi)
       dxs = jnp.where(valid & first, jax.lax.dynamic_update_index_in_dim(dxs, g, mi, 0), dxs)

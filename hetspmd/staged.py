@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from hetspmd import operands
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.pipeline import tick_slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,9 +366,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     def forward_tick(t, carry):
       send, saved, acc, top = carry
       recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
-      i = t - s
-      valid = (i >= 0) & (i < M)
-      ii = jnp.clip(i, 0, M - 1)
+      valid, ii = tick_slot(t, s, M)
       env, offset = microbatch_env(ii)
       acc = combine(acc, masked(run_group(stack.pre, env, offset), valid & first))
       fin = scan_inputs(fe, fd, env, offset)
@@ -401,9 +400,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     def backward_tick(t, carry):
       send, grads, acc = carry
       recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
-      i = t - (S - 1 - s)
-      valid = (i >= 0) & (i < M)
-      ii = jnp.clip(i, 0, M - 1)
+      valid, ii = tick_slot(t, S - 1 - s, M)
       env, offset = microbatch_env(ii)
       run_group(stack.pre, env, offset)  # B reads its values (masks); its sums were taken in the forward tick
       given = b_operands(env, offset)
