@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan import Plan
@@ -74,6 +76,15 @@ def explain_text(plan: Plan) -> str:
            f", remat {plan.remat}",
            f"gradients reduced over {plan.data_axis} in {plan.grad_reduce_dtype} (accumulated in float32)"
            + (", overlapped with each position's last microbatch" if plan.overlap_reduction else "")]
+  if plan.stages:
+    grid = np.asarray(plan.device_ids).reshape(plan.mesh_shape)
+    kinds = np.asarray(plan.device_kinds or ["?"] * len(plan.device_ids), dtype=object).reshape(plan.mesh_shape)
+    stage = plan.axis_names.index("stage")
+    lines += ["", "pipeline stages (lockstep GPipe ticks; every data position below spans them all)"]
+    for s, layers in enumerate(plan.stages):
+      ids, names = np.take(grid, s, axis=stage), np.take(kinds, s, axis=stage)
+      lines.append(f"  stage[{s}] devices {list(map(int, ids))} ({', '.join(sorted(set(names)))}): {layers} layer"
+                   f"{'s' if layers != 1 else ''} {_bar(layers, max(plan.stages))}")
   if predicted:
     parts = [f"step {predicted['step_seconds']:.4g} s" if "step_seconds" in predicted else "",
              f"{predicted['throughput']:.4g} samples/s" if "throughput" in predicted else "",

@@ -147,6 +147,9 @@ def test_stage_plans_check_their_shape():
     hs.plan_for(cluster, _state(), global_batch=8, stages=(1, 2, 1))
   plan = hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1))
   assert hs.Plan.from_json(plan.to_json()) == plan
+  from hetspmd.report import explain_text
+  text = explain_text(plan)
+  assert "stage[0] devices [0, 1, 2, 3] (V100-32GB): 3 layers" in text and "stage[1]" in text
   with pytest.raises(hs.InvalidValueError, match="same microbatch count"):
     plan.replace(microbatch_counts=(3, 1, 2, 2))
 
