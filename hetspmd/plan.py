@@ -529,6 +529,11 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if stages:
+    given = {"layout": layout is not None, "counts": counts is not None, "zero_stage": zero_stage != 0,
+             "overlap_reduction": overlap_reduction, "specs": specs is not None, "dtype": dtype != "float32"}
+    if any(given.values()):
+      raise InvalidValueError(f"pipeline stages choose their own mesh, counts and state layout and run with ZeRO-0 "
+                              f"and no overlap; drop {[k for k, v in given.items() if v]} or drop stages")
     return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, remat, grad_reduce_dtype)
   mesh = _layout(cluster, layout)
   if microbatch is None:

@@ -277,7 +277,10 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   even = stack.length % S == 0
   f_stacked = {v for v in fe.invars[fp.num_consts + 1:] if not jx.is_literal(v)}
   b_stacked = {v for j, v in enumerate(be.invars) if j > bp.num_consts and j not in kept and not jx.is_literal(v)}
-  others = {v for i in stack.pre + stack.mid + stack.post for v in prog.eqns[i].invars if not jx.is_literal(v)}
+  elsewhere = set(stack.pre + stack.mid + stack.post)  # and earlier loops, and the work between loops
+  elsewhere |= {i for t in range(final) for i in prog.loop_eqns[t]}
+  elsewhere |= {i for t in range(final + 1) for i in prog.middle[t]}
+  others = {v for i in elsewhere for v in prog.eqns[i].invars if not jx.is_literal(v)}
   sharded = {v for v in loop_inputs if even and v in (f_stacked | b_stacked) - others
              and jx.aval_shape(v)[:1] == (stack.length,)}
   exchange = _Exchange(layers, st)

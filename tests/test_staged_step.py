@@ -266,7 +266,7 @@ def test_rows_move_between_even_blocks_and_uneven_stages(layers):
   S = len(layers)
   require_devices(S)
   mesh = Mesh(np.array(jax.devices()[:S]), ("stage",))
-  total, L = sum(layers), max(layers)
+  total = sum(layers)
   rows = np.arange(total * 3, dtype=np.float32).reshape(total, 3) + 1
   exchange = _Exchange(layers, "stage")
 
@@ -316,3 +316,52 @@ def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages):
     return params
 
   _close(without_key_bias(ref["params"]), without_key_bias(state["params"]))
+
+
+def _scanned_mlp_step(state, batch):
+  """A ``lax.scan`` over stacked layers whose loss divides by a sum over the batch that reads the stacked weights:
+  that sum runs in an earlier loop, every stage alike, and needs all the layers there."""
+  tx = optax.sgd(0.1, momentum=0.9)
+
+  def loss_fn(p):
+    h = p["emb"][batch["x"]]
+    h, _ = jax.lax.scan(lambda h, wb: (h + jnp.tanh(h @ wb[0] + wb[1]), None), h, (p["w"], p["b"]))
+    ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], batch["y"])
+    scale = jax.nn.sigmoid(jnp.einsum("btd,lde->btle", p["emb"][batch["x"]], p["w"])).sum()
+    return ce.sum() / jax.lax.stop_gradient(scale)
+
+  loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+  updates, opt = tx.update(grads, state["opt"], state["params"])
+  return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+
+def _scanned_mlp_state(layers=4, vocab=13, width=8):
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"emb": jax.random.normal(keys[0], (vocab, width)), "w": jax.random.normal(keys[1], (layers, width, width)) * 0.3,
+            "b": jax.random.normal(keys[2], (layers, width)) * 0.1, "out": jax.random.normal(keys[3], (width, vocab))}
+  return {"params": params, "opt": optax.sgd(0.1, momentum=0.9).init(params)}
+
+
+@pytest.mark.timeout(300)
+def test_an_earlier_loop_reading_the_stacked_layers_sees_them_all():
+  cluster = _cluster()
+  rs = np.random.RandomState(0)
+  batches = [{"x": rs.randint(0, 13, (12, 4)).astype(np.int32), "y": rs.randint(0, 13, (12, 4)).astype(np.int32)}
+             for _ in range(2)]
+  ref, ref_metrics = _scanned_mlp_state(), []
+  for b in batches:
+    ref, m = jax.jit(_scanned_mlp_step)(ref, b)
+    ref_metrics.append(m)
+  plan = hs.plan_for(cluster, _scanned_mlp_state(), global_batch=12, microbatch=1, stages=(3, 1))
+  step = hs.parallelize(_scanned_mlp_step, cluster=cluster, plan=plan, global_batch=12)
+  state = step.shard_state(_scanned_mlp_state())
+  for b, expected in zip(batches, ref_metrics):
+    state, metrics = step(state, b)
+    _metrics_close(expected, metrics)
+  _close(ref, state)
+
+
+def test_stage_plans_refuse_options_they_do_not_take():
+  cluster = _cluster()
+  with pytest.raises(hs.InvalidValueError, match=r"drop \['counts', 'zero_stage'\] or drop stages"):
+    hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1), counts=(2, 2, 2, 2), zero_stage=1)
