@@ -361,8 +361,10 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       a = slices.get(k)
       return y if a is None else jax.lax.dynamic_slice_in_dim(y, offset * a.per_example, m * a.per_example, a.dim - 1)
 
-    kept_shapes = [jax.eval_shape(lambda y, k=k: keep(k, y, 0), x) for k, x in enumerate(kept_shapes, fp.num_carry)]
-    saved = [jnp.zeros((M, L) + x.shape, x.dtype) for x in kept_shapes]
+    read = set(kept.values())  # F's outputs B reads: only those are kept, per microbatch and layer
+    saved = {k: jnp.zeros((M, L) + y.shape, y.dtype) for k, y in (
+        (k, jax.eval_shape(lambda y, k=k: keep(k, y, 0), x)) for k, x in enumerate(kept_shapes, fp.num_carry))
+             if k in read}
     h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
     g_zero = jnp.zeros(g_shape.shape, g_shape.dtype)
 
@@ -380,7 +382,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       def layer(l, c):
         h, saved = c
         out = f_body.run(list(consts) + [h] + [x[l] for x in xs], offset, m)
-        saved = [buf.at[ii, l].set(keep(k, y, offset)) for k, (buf, y) in enumerate(zip(saved, out[1:]), fp.num_carry)]
+        saved = {k: buf.at[ii, l].set(keep(k, out[k], offset)) for k, buf in saved.items()}
         return out[0], saved
 
       h, saved = jax.lax.fori_loop(0, jnp.where(valid, mine, 0), layer, (h, saved))
@@ -415,7 +417,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       def layer(r, c):
         g, grads = c
         l = n - 1 - r
-        x = [saved[kept[j] - fp.num_carry][ii, l] if j in kept else xs[j][l]
+        x = [saved[kept[j]][ii, l] if j in kept else xs[j][l]
              for j in range(bp.num_consts + 1, len(be.invars))]
         out = b_body.run(list(consts) + [g] + x, offset, m)
         grads = [jax.lax.dynamic_update_index_in_dim(a, a[l] + low._wide(out[j]), l, 0)
