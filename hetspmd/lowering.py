@@ -504,18 +504,10 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
                                   axis, single, data_only, low, layout.reduce_dtype)
       for k, values_k in zip(mine, reduced):
         totals[k] = values_k
-        eqn = prog.eqns[cut_outs[k].index]
-        decision = prog.analysis.decisions[cut_outs[k].index]
-        if cut_outs[k].feedback:  # later loops read it: with its base, in its own dtype
-          made = [eqn.outvars[j] for j in _sum_outputs(decision)]
-          value = _with_bases(eqn, decision, values_k, outer)
-          outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
-      if s < final:  # example-free work between loops (1/weight_sum) for the loops that need it
-        for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
-          eqn = prog.eqns[i]
-          ready = all(jx.is_literal(v) or v in outer for v in eqn.invars)
-          if ready and not all(v in outer for v in eqn.outvars):  # the rest wait for a later loop's reductions
-            jx.eval_equations([eqn], outer)
+        if cut_outs[k].feedback:
+          feed_back(prog, cut_outs[k], values_k, outer)
+      if s < final:
+        between_loops(prog, s, outer)
       pe_result = outs
     if prog.accumulated:
       pe_result = (pe_result, [x[0] for x in accumulated])
@@ -534,6 +526,23 @@ def _loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, coun
   return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
            for t, j in zip(tt, _sum_outputs(prog.analysis.decisions[c.index]))]
           for tt, c in zip(totals, cut_outs)], pe
+
+
+def feed_back(prog, cut, values, outer: dict) -> None:
+  """Puts a reduced cut that later loops read into ``outer``: with its base, in its own dtype."""
+  eqn, decision = prog.eqns[cut.index], prog.analysis.decisions[cut.index]
+  made = [eqn.outvars[j] for j in _sum_outputs(decision)]
+  value = _with_bases(eqn, decision, values, outer)
+  outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
+
+
+def between_loops(prog, s: int, outer: dict) -> None:
+  """The example-free work after loop ``s`` (1/weight_sum) that later loops need, as far as its inputs are ready."""
+  for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
+    eqn = prog.eqns[i]
+    ready = all(jx.is_literal(v) or v in outer for v in eqn.invars)
+    if ready and not all(v in outer for v in eqn.outvars):  # the rest wait for a later loop's reductions
+      jx.eval_equations([eqn], outer)
 
 
 # Equations a gradient passes through on its way from the cut to the optimizer, its dimensions kept in order

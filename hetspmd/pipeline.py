@@ -120,10 +120,6 @@ def _leaf(tree, index):
   return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False), tree)
 
 
-def _put(tree, index, value):
-  return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0), tree, value)
-
-
 def _add(tree, index, value):
   return jax.tree.map(
       lambda x, v: jax.lax.dynamic_update_index_in_dim(

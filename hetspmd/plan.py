@@ -579,11 +579,9 @@ def stage_layers(cluster: Cluster, stages: int, layers: int, dtype: str = "float
   width = n // stages
   devices = cluster.devices
   speed = [min(devices[i].spec.peak_flops(dtype) for i in range(s * width, (s + 1) * width)) for s in range(stages)]
-  counts = [1] * stages
-  for _ in range(layers - stages):
-    s = min(range(stages), key=lambda k: ((counts[k] + 1) / speed[k], k))
-    counts[s] += 1
-  return tuple(counts)
+  from hetspmd.stage_search import split_layers
+
+  return split_layers([1.0 / v for v in speed], [0.0] * stages, layers)
 
 
 def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:

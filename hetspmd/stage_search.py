@@ -123,9 +123,23 @@ def find_stack(profile) -> Stack | None:
   return Stack(int(layers), f_mask, b_mask, first, last, max(0.0, (c1 - c0) / (b1 - b0)), kept, float(stack_params))
 
 
+def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], microbatch: int) -> list:
+  """Per stage, on its slowest device kind, seconds of one microbatch's: a layer's forward, a layer's backward,
+  the first stage's work before the stack, its gradient, and the last stage's work."""
+  costs = []
+  for g in hosts:
+    specs = {cluster.hosts[h].device.name: cluster.hosts[h].device for h in g}
+    seconds = [profile.node_seconds(spec, microbatch) for spec in specs.values()]
+    part = lambda mask: max(float(np.sum(t[mask])) for t in seconds)
+    costs.append((part(stack.forward) / stack.layers, part(stack.backward) / stack.layers,
+                  part(stack.first & profile.forward), part(stack.first & ~profile.forward), part(stack.last)))
+  return costs
+
+
 def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], stages: Sequence[int],
-          microbatch: int, global_batch: int) -> StagePlan | None:
-  """One stage plan's predicted step; None when it does not fit memory or the batch does not split."""
+          microbatch: int, global_batch: int, costs: list | None = None) -> StagePlan | None:
+  """One stage plan's predicted step; None when it does not fit memory or the batch does not split.
+  ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known."""
   from hetspmd.data_axis import GRAD_BYTES, WORKSPACE, allreduce_seconds
 
   S = len(stages)
@@ -134,13 +148,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
     return None
   M = global_batch // (width * microbatch)
   first_of = np.cumsum([0] + [h.count for h in cluster.hosts])
-  costs = []
-  for g in hosts:
-    specs = {cluster.hosts[h].device.name: cluster.hosts[h].device for h in g}
-    seconds = [profile.node_seconds(spec, microbatch) for spec in specs.values()]
-    part = lambda mask: max(float(np.sum(t[mask])) for t in seconds)
-    costs.append((part(stack.forward) / stack.layers, part(stack.backward) / stack.layers,
-                  part(stack.first & profile.forward), part(stack.first & ~profile.forward), part(stack.last)))
+  costs = _stage_costs(cluster, profile, stack, hosts, microbatch) if costs is None else costs
   tick_f = max(n * c[0] + (c[2] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0)
                for s, (n, c) in enumerate(zip(stages, costs)))
   tick_b = max(n * c[1] + (c[3] if s == 0 else 0.0) for s, (n, c) in enumerate(zip(stages, costs)))
@@ -191,13 +199,11 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
       continue
     groups = [hosts[k * len(hosts) // S:(k + 1) * len(hosts) // S] for k in range(S)]
     for m in microbatches:
-      seconds = [[profile.node_seconds(cluster.hosts[h].device, m) for h in g] for g in groups]
-      slowest = lambda s, mask: max(float(np.sum(t[mask])) for t in seconds[s])
-      per_layer = [slowest(s, stack.forward | stack.backward) / stack.layers for s in range(S)]
-      fixed = [(slowest(0, stack.first) if s == 0 else 0.0) + (slowest(s, stack.last) if s == S - 1 else 0.0)
-               for s in range(S)]
+      costs = _stage_costs(cluster, profile, stack, groups, m)
+      per_layer = [c[0] + c[1] for c in costs]
+      fixed = [(c[2] + c[3] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0) for s, c in enumerate(costs)]
       stages = split_layers(per_layer, fixed, stack.layers)
-      plan = price(cluster, profile, stack, groups, stages, m, global_batch)
+      plan = price(cluster, profile, stack, groups, stages, m, global_batch, costs)
       if plan is not None:
         found.append(plan)
   found.sort(key=lambda p: p.step_seconds)

@@ -39,7 +39,10 @@ from jax.sharding import PartitionSpec as P
 from hetspmd import operands
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.pipeline import tick_slot
+from hetspmd.pipeline import Stages, tick_slot
+
+
+_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +137,10 @@ def _earlier_loops(prog, layout, outer, cut_outs, batch_vars, buffers, counts, s
     mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
     partials, _ = low._one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, counts[0], starts[0], [])
     for k, part in zip(mine, partials):
-      reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[cut_outs[k].reduce]
-      totals[k] = [reduce(x, layout.data_axis) for x in part]
+      totals[k] = [_REDUCE[cut_outs[k].reduce](x, layout.data_axis) for x in part]
       if cut_outs[k].feedback:
-        eqn, decision = prog.eqns[cut_outs[k].index], prog.analysis.decisions[cut_outs[k].index]
-        made = [eqn.outvars[j] for j in low._sum_outputs(decision)]
-        value = low._with_bases(eqn, decision, totals[k], outer)
-        outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
-    for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
-      eqn = prog.eqns[i]
-      if all(jx.is_literal(v) or v in outer for v in eqn.invars) and not all(v in outer for v in eqn.outvars):
-        jx.eval_equations([eqn], outer)
+        low.feed_back(prog, cut_outs[k], totals[k], outer)
+    low.between_loops(prog, s, outer)
   return totals
 
 
@@ -434,8 +430,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
 
     _, grads, acc = jax.lax.fori_loop(0, M + S - 1, backward_tick, (g_zero, grads, acc))
     for k, parts in acc.items():
-      reduce = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kinds[k]]
-      totals[k] = [reduce(x, axes) for x in parts]
+      totals[k] = [_REDUCE[kinds[k]](x, axes) for x in parts]
     if blocked_grads:
       grads = [exchange.scatter(x, s) for x in grads]
     grads = [jax.lax.psum(x, da) for x in grads]
@@ -448,7 +443,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(value_specs, P(da), P(da), P(da)),
                          out_specs=out_specs, axis_names=set(axes), check_vma=False)
   totals, grads = mapped(loop_values, buffers, counts, starts)
-  flat_rows = np.concatenate([s * L + np.arange(n) for s, n in enumerate(layers)])  # layer order in [S * L]
+  flat_rows = Stages(layers, M).rows()  # layer order in the padded [S * L]
   result = dict(zip(order, totals))
   if stack_cut is not None:
     result[stack_cut] = grads if blocked_grads else [g[flat_rows] for g in grads]
