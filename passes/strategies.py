@@ -15,6 +15,13 @@ and what each does at a site:
   dimension: the output is feature-sharded and the input must be whole;
   ``row``, a contracting dimension: the input must be sharded the same way,
   the output is a partial sum that is all-reduced over ``model``;
+  ``expert``, a batch dimension (a stack of expert weights applied
+  batch-wise, ``einsum("ebcd,edf->ebcf")``): the other operand's matching
+  dimension must be sharded the same way (its slots are sliced, for free,
+  from a whole dispatch) and the output comes out sharded along it; the
+  combine that contracts the expert dimension is then all-reduced over
+  ``model``. The tokens of a group's microbatch are on every device of the
+  group, so no all-to-all moves them;
 * ``gather``: ``vocab``, the indexed table dimension: every device looks up
   the rows it holds and an all-reduce adds the masked results; ``column``, a
   sliced dimension kept whole by the lookup: the output is feature-sharded.
@@ -49,7 +56,12 @@ data-parallel cost model:
   both passes; a lookup on the stream then has its table gradient scattered
   feature-sharded, which meets a vocabulary split of the table only through
   an all-to-all. Such pairs are excluded like permutes (seen on GPT-2 with
-  a tied embedding split by vocabulary).
+  a tied embedding split by vocabulary). So are an ``expert`` split and a
+  split that shards the stream before the experts' last site (a
+  feature-split embedding, a ``row`` split of the final projection, whose
+  input gradient shards the cotangent stream from the top of the backward
+  pass): the experts would meet feature-sharded tokens through an
+  all-to-all (seen on BERT-MoE).
 
 The backward pass needs no rules of its own: a weight's input-gradient
 matmul reads the weight, so it is a site (``column`` gives a partial input
@@ -143,7 +155,11 @@ class Option:
   split_elements: int                     # parameter elements those splits cover
   activation_share: float                 # share of intermediate bytes made sharded
   permute: bool                           # needs a collective-permute
-  spreads: bool = False                   # its sharded value joins another region's stream
+  spreads_at: int | None = None           # first node where its sharded value joins another region's stream
+
+  @property
+  def spreads(self) -> bool:
+    return self.spreads_at is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,13 +207,16 @@ class SiteRule(NamedTuple):
 
 def _dot_option(node: Node, operand: int, dim: int) -> Strategy | None:
   contracting, batch, _, _ = _dot_parts(node, operand)
-  return None if dim in batch else Strategy("row" if dim in contracting else "column", dim)
+  name = "expert" if dim in batch else "row" if dim in contracting else "column"
+  return Strategy(name, dim)
 
 
 def _dot_effect(node: Node, operand: int, dim: int) -> SiteEffect | None:
   contracting, batch, free, offset = _dot_parts(node, operand)
-  if dim in batch:
-    return None
+  if dim in batch:  # a stack of weights applied batch-wise (experts): the other operand's matching rows
+    other = 1 - operand
+    k = batch.index(dim)
+    return SiteEffect(k, False, (other, _dot_parts(node, other)[1][k]))
   if dim in contracting:
     other = 1 - operand
     other_contracting = _dot_parts(node, other)[0]
@@ -232,7 +251,7 @@ class _Region:
   followers: tuple[tuple[int, int], ...]   # (graph input, dim)
   permute: bool
   sharded_bytes: int
-  spreads: bool
+  spreads_at: int | None
 
 
 class _Analysis:
@@ -274,7 +293,7 @@ class _Analysis:
     nodes = self.graph.nodes
     layout: dict[tuple[int, int], int] = {(site, 0): dim}
     scaled, followers = [], []
-    traffic, permute, spreads, sharded_bytes = NO_TRAFFIC, False, False, 0
+    traffic, permute, spreads_at, sharded_bytes = NO_TRAFFIC, False, None, 0
     for n in self.owned.get(site, ()):
       node = nodes[n]
       in_dims = [layout.get((r.index, r.output)) if r.source is Source.NODE else None for r in node.operands]
@@ -296,10 +315,11 @@ class _Analysis:
       if node.primitive in ELEMENTWISE and flow.out and flow.out[0] is not None:
         if node.module_path == nodes[site].module_path:
           followers += self._followers(node, in_dims, flow.out[0])
-        spreads |= self._joins_stream(node, in_dims, flow.out[0], site)
+        if spreads_at is None and self._joins_stream(node, in_dims, flow.out[0], site):
+          spreads_at = n
     arrivals = {(s, j): layout[(r.index, r.output)] for s, j, r in self.fed.get(site, ())
                 if (r.index, r.output) in layout}
-    return _Region(tuple(scaled), traffic, arrivals, tuple(followers), permute, sharded_bytes, spreads)
+    return _Region(tuple(scaled), traffic, arrivals, tuple(followers), permute, sharded_bytes, spreads_at)
 
   def upstream_permutes(self, site: int, operand: int, dim: int) -> bool:
     """Whether sharding ``site``'s ``operand`` along ``dim`` reaches, upstream, a split along it.
@@ -446,7 +466,7 @@ def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
     decisions.append(Decision(graph.inputs[key].path, options, tuple(sites), params))
   reshardings = _reshardings(analysis, keys, decision_of, strategies_of, region)
   decisions = [_fold_self_pairs(d, i, reshardings) for i, d in enumerate(decisions)]
-  reshardings += _lookup_conflicts(analysis, decisions)
+  reshardings += _stream_conflicts(analysis, decisions)
   paths = {i.index: i.path.split("/", 1)[-1] for i in graph.inputs if i.role is Role.PARAM}
   return StrategySpace(m, tuple(decisions), tuple(r for r in reshardings if r.src != r.dst), paths,
                        graph.elements_with_role(Role.PARAM))
@@ -510,7 +530,7 @@ def _option(analysis: _Analysis, sites: Sequence[int], strategy: Strategy, regio
   if strategy.dim is None:
     return Option(strategy, np.zeros(0, np.int64), NO_TRAFFIC, (), 0, 0.0, False)
   scaled, splits = [], {}
-  traffic, permute, spreads, sharded = NO_TRAFFIC, False, False, 0
+  traffic, permute, spreads_at, sharded = NO_TRAFFIC, False, None, 0
   for site in sites:
     node = analysis.graph.nodes[site]
     param = analysis.sites[site][1]
@@ -526,13 +546,14 @@ def _option(analysis: _Analysis, sites: Sequence[int], strategy: Strategy, regio
       scaled += r.scaled
       traffic += r.traffic
       permute |= r.permute
-      spreads |= r.spreads
+      if r.spreads_at is not None:
+        spreads_at = r.spreads_at if spreads_at is None else min(spreads_at, r.spreads_at)
       sharded += r.sharded_bytes + node.outputs[0].nbytes * node.count
       for p, d in r.followers:
         splits.setdefault(p, d)
   elements = sum(sizes[p].size for p in splits)
   return Option(strategy, np.array(sorted(set(scaled)), np.int64), traffic, tuple(sorted(splits.items())), elements,
-                sharded / analysis.intermediate_bytes, permute, spreads)
+                sharded / analysis.intermediate_bytes, permute, spreads_at)
 
 
 def _reshardings(analysis: _Analysis, keys: dict, decision_of: dict, strategies_of: list, region
@@ -560,28 +581,45 @@ def _reshardings(analysis: _Analysis, keys: dict, decision_of: dict, strategies_
           for (src, dst), table in sorted(pairs.items())]
 
 
-def _lookup_conflicts(analysis: _Analysis, decisions: Sequence[Decision]) -> list[Resharding]:
-  """Options that spread a feature sharding along a stream, against table splits of a lookup on it.
+def _stream_conflicts(analysis: _Analysis, decisions: Sequence[Decision]) -> list[Resharding]:
+  """Options that spread a feature sharding along a stream, against splits that meet it by an all-to-all.
 
   A sharded value added into another region's stream (a residual) lets
-  XLA's propagation shard that stream, in both passes. A lookup feeding the
-  stream then gets its table gradient scattered feature-sharded, and a table
-  split along its indexed (vocabulary) dimension must meet it through an
-  all-to-all: a collective-permute-like exchange that forces lockstep.
+  XLA's propagation shard that stream by features, in both passes. Two
+  kinds of split then meet it only through an all-to-all, a
+  collective-permute-like exchange that forces lockstep:
+
+  * a lookup feeding the stream gets its table gradient scattered
+    feature-sharded, against a table split along its indexed (vocabulary)
+    dimension;
+  * the tokens an MoE block dispatches from the stream (or, in the backward
+    pass, the cotangents its combine reads) reach its experts
+    feature-sharded, against an ``expert`` split, which needs them sharded
+    by expert (seen on BERT-MoE). Only a stream sharded before the experts'
+    last site in program order reaches them: a split that first joins the
+    stream in the backward pass of an earlier layer (an MLP's ``row``, a
+    query's ``row``) comes after every expert site and is free to pair with
+    them, as are other expert splits (the combine contracts the expert
+    dimension).
   """
-  lookups = {}
+  victims: dict[int, list[int]] = {}
   for d, decision in enumerate(decisions):
     for o, option in enumerate(decision.options):
-      if option.strategy.dim is not None and any(
+      if option.strategy.dim is not None and (option.strategy.name == "expert" or any(
           analysis.graph.nodes[s].primitive == "gather" and _effect(analysis, s, option.strategy.dim).partial
-          for s in decision.sites):
-        lookups.setdefault(d, []).append(o)
+          for s in decision.sites)):
+        victims.setdefault(d, []).append(o)
   out = []
   for u, decision in enumerate(decisions):
-    spreading = [o for o, option in enumerate(decision.options) if option.spreads]
-    for v, options in lookups.items():
-      if v != u and spreading:
-        out.append(Resharding(u, v, tuple(Pair(s, t, NO_TRAFFIC, True) for s in spreading for t in options)))
+    for v, options in victims.items():
+      if v == u:
+        continue
+      last_expert_site = max(decisions[v].sites)
+      pairs = tuple(Pair(s, t, NO_TRAFFIC, True) for s, spreader in enumerate(decision.options) if spreader.spreads
+                    for t in options if decisions[v].options[t].strategy.name != "expert" or (
+                        spreader.strategy.name != "expert" and spreader.spreads_at < last_expert_site))
+      if pairs:
+        out.append(Resharding(u, v, pairs))
   return out
 
 
