@@ -107,7 +107,8 @@ class Plan:
       raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}"
                               + (" (float16 has too little range for unscaled gradients)"
                                  if self.grad_reduce_dtype == "float16" else ""))
-    if self.grad_reduce_dtype != "float32" and math.prod(self.mesh_shape[1:]) > 1:
+    if self.grad_reduce_dtype != "float32" and math.prod(
+        n for a, n in zip(self.axis_names[1:], self.mesh_shape[1:]) if a != STAGE_AXIS) > 1:
       raise InvalidValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a data-only mesh (every axis but "
                               f"{self.data_axis!r} of size 1), got mesh {dict(zip(self.axis_names, self.mesh_shape))}; "
                               "reduce in float32 or drop the model axis")

@@ -236,6 +236,17 @@ def _first_rows(x, count):
   return jnp.where(keep, x, jnp.zeros_like(x))
 
 
+def _reduce(op, x, axes, layout=None):
+  """``op(x, axes)``; a gradient (``layout`` given) crosses in ``layout.reduce_dtype`` where
+  :func:`hetspmd.lowering._low_precision` says so, and comes back in its own dtype. The staged program is
+  manual over every axis, so XLA's CPU compiler takes the narrow all-reduce."""
+  from hetspmd import lowering as low
+
+  if layout is None or not low._low_precision(layout, x):
+    return op(x, axes)
+  return op(x.astype(layout.reduce_dtype), axes).astype(x.dtype)
+
+
 def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, counts, starts, cut_outs, pe_outs):
   """:func:`hetspmd.lowering._loop_part` for a layout with ``stages``: the cuts' totals, reduced everywhere."""
   from hetspmd import lowering as low
@@ -430,10 +441,12 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
 
     _, grads, acc = jax.lax.fori_loop(0, M + S - 1, backward_tick, (g_zero, grads, acc))
     for k, parts in acc.items():
-      totals[k] = [_REDUCE[kinds[k]](x, axes) for x in parts]
+      c = cut_outs[k]
+      narrow = kinds[k] == "sum" and not c.feedback and not c.local and low._backward(prog, c.index)
+      totals[k] = [_reduce(_REDUCE[kinds[k]], x, axes, layout if narrow else None) for x in parts]
     if blocked_grads:
       grads = [exchange.scatter(x, s) for x in grads]
-    grads = [jax.lax.psum(x, da) for x in grads]
+    grads = [_reduce(jax.lax.psum, x, da, layout) for x in grads]
     return [totals[k] for k in order], grads
 
   order = sorted(k for k in range(len(cut_outs)) if k != stack_cut)  # the others are reduced inside
