@@ -37,7 +37,7 @@ def main() -> None:
     profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
     cluster = Cluster.preset(preset)
     best = search(cluster, profile, batch, overlap=True, grad_reduce_dtypes=("float32", "bfloat16")).plans[0]
-    stages = search_stages(cluster, profile, batch, top=1)
+    stages = search_stages(cluster, profile, batch, top=1, grad_reduce_dtypes=("float32", "bfloat16"))
     if not stages:
       print(f"{preset:<15} {name:<18} {batch:>5} {best.step_seconds:11.3f} {'no fit':>9}", flush=True)
       continue

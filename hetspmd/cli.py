@@ -185,7 +185,7 @@ def _run_search(args: argparse.Namespace) -> int:
   profile = profile_step(workload.make_train_step(), state, batch)
   result = search(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
                   overlap=not args.no_overlap)
-  stage_plans = search_stages(cluster, profile, args.global_batch, top=3)
+  stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
   ideal = result.ideal_throughput
   best = result.plans[0]
   if args.out:

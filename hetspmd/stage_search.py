@@ -60,12 +60,14 @@ class StagePlan:
   transfer_seconds: float       # of one tick's sends, each way
   reduce_seconds: float
   memory_bytes: float           # per device
+  reduce_dtype: str = "float32"  # gradients cross the data axis (and the stages' shared leaves all devices) in it
 
   def to_json(self) -> dict:
     return {"stages": list(self.stages), "hosts": [list(h) for h in self.hosts], "microbatch": self.microbatch,
             "microbatches": self.microbatches, "step_seconds": self.step_seconds,
             "tick_seconds": self.tick_seconds, "transfer_seconds": self.transfer_seconds,
-            "reduce_seconds": self.reduce_seconds, "memory_bytes": self.memory_bytes}
+            "reduce_seconds": self.reduce_seconds, "memory_bytes": self.memory_bytes,
+            "grad_reduce_dtype": self.reduce_dtype}
 
 
 def find_stack(profile) -> Stack | None:
@@ -137,10 +139,12 @@ def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequen
 
 
 def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], stages: Sequence[int],
-          microbatch: int, global_batch: int, costs: list | None = None) -> StagePlan | None:
+          microbatch: int, global_batch: int, costs: list | None = None, reduce_dtype: str = "float32"
+          ) -> StagePlan | None:
   """One stage plan's predicted step; None when it does not fit memory or the batch does not split.
-  ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known."""
-  from hetspmd.data_axis import GRAD_BYTES, WORKSPACE, allreduce_seconds
+  ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``reduce_dtype``:
+  the dtype gradients cross in (:func:`hetspmd.staged` casts them for the wire, accumulation stays float32)."""
+  from hetspmd.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
 
   S = len(stages)
   width = sum(cluster.hosts[h].count for h in hosts[0])
@@ -159,8 +163,8 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   others = profile.param_count - stack.stack_params
   block = stack.stack_params / S
   reduce = max(allreduce_seconds(cluster, [p for h in g for p in range(first_of[h], first_of[h + 1])],
-                                 block * GRAD_BYTES) for g in hosts)
-  reduce += allreduce_seconds(cluster, list(range(cluster.num_devices)), others * GRAD_BYTES)
+                                 block * REDUCE_BYTES[reduce_dtype]) for g in hosts)
+  reduce += allreduce_seconds(cluster, list(range(cluster.num_devices)), others * REDUCE_BYTES[reduce_dtype])
   update = max(float(np.sum(profile.node_seconds(cluster.hosts[h].device, 1)[profile.per_step]))
                for g in hosts for h in g) * (others + block) / max(profile.param_count, 1)
   step = ticks * (tick_f + tick_b + 2 * transfer) + reduce + update
@@ -171,7 +175,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   if memory * WORKSPACE > min(h.device.memory_bytes for h in cluster.hosts):
     return None
   return StagePlan(tuple(stages), tuple(tuple(g) for g in hosts), microbatch, M, step, tick_f + tick_b + 2 * transfer,
-                   transfer, reduce, memory)
+                   transfer, reduce, memory, reduce_dtype)
 
 
 def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int) -> tuple[int, ...]:
@@ -187,8 +191,10 @@ def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int
 
 
 def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
-                  microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> list[StagePlan]:
-  """The fastest stage plans that fit, best first; [] when the step has no layer scan or one host only."""
+                  microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                  grad_reduce_dtypes: Sequence[str] = ("float32",)) -> list[StagePlan]:
+  """The fastest stage plans that fit, best first; [] when the step has no layer scan or one host only.
+  ``grad_reduce_dtypes``: the dtypes gradients may cross in (each plan takes the fastest)."""
   stack = find_stack(profile)
   hosts = list(range(len(cluster.hosts)))
   if stack is None or len(hosts) < 2:
@@ -203,9 +209,11 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
       per_layer = [c[0] + c[1] for c in costs]
       fixed = [(c[2] + c[3] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0) for s, c in enumerate(costs)]
       stages = split_layers(per_layer, fixed, stack.layers)
-      plan = price(cluster, profile, stack, groups, stages, m, global_batch, costs)
-      if plan is not None:
-        found.append(plan)
+      priced = [price(cluster, profile, stack, groups, stages, m, global_batch, costs, dtype)
+                for dtype in grad_reduce_dtypes]
+      priced = [p for p in priced if p is not None]
+      if priced:
+        found.append(min(priced, key=lambda p: p.step_seconds))
   found.sort(key=lambda p: p.step_seconds)
   return found[:top]
 
@@ -213,4 +221,5 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
 def describe(plan: StagePlan, cluster: Cluster) -> str:
   kinds = ["+".join(f"{cluster.hosts[h].count}x{cluster.hosts[h].device.name}" for h in g) for g in plan.hosts]
   return (f"{len(plan.stages)} stages [{', '.join(kinds)}], layers {list(plan.stages)}, "
-          f"{plan.microbatches} x microbatch {plan.microbatch}")
+          f"{plan.microbatches} x microbatch {plan.microbatch}"
+          + (f", {plan.reduce_dtype} reduction" if plan.reduce_dtype != "float32" else ""))
