@@ -9,6 +9,8 @@ the microbatch shares.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,18 @@ def _runs(plan: Plan, rows: list[dict]) -> list[tuple[str, dict]]:
   return out
 
 
+def _model_splits(plan: Plan) -> list[tuple[str, int]]:
+  """(parameter path, dimension) of every parameter the plan splits over a ``model`` axis."""
+  if "model" not in plan.axis_names or plan.mesh_shape[plan.axis_names.index("model")] < 2:
+    return []
+  out = []
+  for path, spec in plan.state_specs:
+    if path.startswith("params/"):
+      dims = [d for d, entry in enumerate(spec) if entry == "model" or (isinstance(entry, tuple) and "model" in entry)]
+      out += [(path[len("params/"):], d) for d in dims[:1]]
+  return out
+
+
 def explain_text(plan: Plan) -> str:
   """The plan as text: header, then per-position bars for work, time and memory.
 
@@ -76,6 +90,11 @@ def explain_text(plan: Plan) -> str:
            f", remat {plan.remat}",
            f"gradients reduced over {plan.data_axis} in {plan.grad_reduce_dtype} (accumulated in float32)"
            + (", overlapped with each position's last microbatch" if plan.overlap_reduction else "")]
+  split = _model_splits(plan)
+  if split:
+    # layers' indices folded: one entry per place in a repeated layer
+    folded = dict.fromkeys(f"{re.sub(r'/[0-9]+/', '/*/', f'/{path}/').strip('/')} (dim {dim})" for path, dim in split)
+    lines.append(f"parameters split over model ({len(split)}): {', '.join(folded)}")
   if plan.stages:
     grid = np.asarray(plan.device_ids).reshape(plan.mesh_shape)
     kinds = np.asarray(plan.device_kinds or ["?"] * len(plan.device_ids), dtype=object).reshape(plan.mesh_shape)

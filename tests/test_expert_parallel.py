@@ -20,6 +20,7 @@ import pytest
 import hetspmd as hs
 from hetspmd import Cluster, models
 from hetspmd.passes import strategy_ilp
+from hetspmd.report import explain_text
 from hetspmd.search import plan_from, profile_step, search
 
 from conftest import require_devices
@@ -105,6 +106,7 @@ def test_searched_expert_parallel_plan_matches_single_device(moe_profile, m, cou
   specs = dict(plan.state_specs)
   assert specs["params/layers/1/mlp/wi"] == ("model",) and specs["params/layers/1/mlp/bo"] == ("model",)
   assert specs["opt_state/0/mu/layers/1/mlp/wi"] == ("model",)   # Adam's moments live with their experts
+  assert "layers/*/mlp/wi (dim 0)" in explain_text(plan)            # hetspmd explain names the split
   batches = [w.synthetic_batch(i, batch=global_batch) for i in range(STEPS)]
   expected, expected_losses = _reference(w, batches)
 
