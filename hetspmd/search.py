@@ -532,11 +532,18 @@ def device_sets(cluster: Cluster, profile: StepProfile, microbatch: int) -> dict
   return sets
 
 
-def microbatch_sizes(global_batch: int, limit: int = 10) -> list[int]:
+def microbatch_sizes(global_batch: int, limit: int = 16) -> list[int]:
+  """The microbatch sizes the search tries: every divisor of the global batch, or ``limit`` spread evenly in log size.
+
+  A power-of-two batch keeps all its divisors (2048 has 12): with the overlap the best size is often the
+  largest one every device can run once (32 for 64 devices at 2048), so none may be skipped.
+  """
   divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
   if len(divisors) <= limit:
     return divisors
-  picks = np.unique(np.round(np.geomspace(1, len(divisors), limit)).astype(int) - 1)
+  logs = np.log(divisors)
+  targets = np.linspace(0.0, logs[-1], limit)
+  picks = np.unique(np.abs(logs[None, :] - targets[:, None]).argmin(axis=1))
   return [divisors[i] for i in picks]
 
 

@@ -16,7 +16,7 @@ from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroSplit, _h
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
 from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, balanced_counts, evaluate, even_counts,
-                            milp_counts, plan_from, profile_step, search)
+                            microbatch_sizes, milp_counts, plan_from, profile_step, search)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,21 @@ def test_balanced_counts_match_the_milp():
 
 def test_even_counts():
   assert even_counts(3, 8) == (3, 3, 2)
+
+
+@pytest.mark.parametrize("batch", [1, 32, 128, 2048, 4096, 2 * 3 * 5 * 7])
+def test_microbatch_sizes_keep_every_divisor_of_a_small_set(batch):
+  """2048's 32 is the size at which 64 devices each run one overlapped microbatch: none may be skipped."""
+  assert microbatch_sizes(batch) == [d for d in range(1, batch + 1) if batch % d == 0]
+
+
+@pytest.mark.parametrize("batch", [720720, 1680, 5040])
+def test_microbatch_sizes_of_a_composite_batch_spread_evenly_in_log_size(batch):
+  sizes = microbatch_sizes(batch)
+  assert len(sizes) == 16 and sizes[0] == 1 and sizes[-1] == batch
+  assert all(batch % d == 0 for d in sizes) and sizes == sorted(set(sizes))
+  step = math.log(batch) / 15
+  assert max(np.diff(np.log(sizes))) < 2.5 * step  # no gap far wider than the even spacing
 
 
 def test_allreduce_is_bounded_by_the_slowest_link():
