@@ -64,7 +64,9 @@ def mechanisms(e) -> str:
   if e.model > 1:
     used.append(f"tensor parallel: {e.tensor_parallel.description[:60]}")
   if e.overlap and e.hidden_seconds > 0:
-    used.append(f"overlap hides {e.hidden_seconds / e.comm_seconds:.0%} of comm")
+    used.append(f"overlap hides {e.hidden_seconds / e.comm_seconds:.0%} of comm"
+                + (f" behind the last {e.overlap_microbatches} microbatches as one pass of "
+                   f"{e.overlap_microbatches * e.microbatch}" if e.overlap_microbatches > 1 else ""))
   if e.grad_reduce_dtype != "float32":
     used.append(f"{e.grad_reduce_dtype} reduction")
   return "; ".join(used)

@@ -232,6 +232,8 @@ def _run_search(args: argparse.Namespace) -> int:
 
 def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
   counts = _counts_summary(p.kinds, p.counts)
+  if p.overlap_microbatches > 1:
+    counts += f"; last {p.overlap_microbatches} as one pass"
   return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} "
           f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
           f"{p.hidden_seconds:7.3f} {_DTYPE_SHORT[p.grad_reduce_dtype]:>6} {_si(max(p.memory_bytes), 'B'):>9}  "

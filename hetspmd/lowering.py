@@ -59,6 +59,8 @@ class Layout:
   reduce_dtype: str = "float32"
   # the final loop's last microbatch runs after the loop, so its gradients' reductions can overlap it
   overlap: bool = False
+  # the peeled pass runs this many microbatches as one batch (every position has at least this many)
+  overlap_microbatches: int = 1
   # layers per pipeline stage (hetspmd.staged): the mesh's ``stage_axis`` cuts the step's layer scan
   stages: tuple[int, ...] = ()
   stage_axis: str = "stage"
@@ -606,11 +608,16 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
   indices = prog.loop_eqns[s]
   targets = {cut_outs[k].index: k for k in mine}
 
-  def one(i):
+  def one(i, k: int = 1):
+    """Microbatches ``i .. i + k - 1`` of this device, run as one batch of ``k * m`` examples."""
+    size = k * m
     env = dict(outer)
     env.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
     for v, b in zip(batch_vars, buffers):
-      env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+      if k == 1:
+        env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+      else:
+        env[v] = jax.lax.dynamic_slice_in_dim(b, i, k, 0).reshape((size,) + b.shape[2:])
     offset = start + i * m
     partial: dict[int, list] = {}
     for index, eqn in zip(indices, eqns):
@@ -619,7 +626,7 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
         jx.eval_equations([eqn], env)
         continue
       cut = prog.cuts.get(index)
-      out = _apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
+      out = _apply(prog, eqn, decision, env, offset, size, zero_base=cut is not None and cut.base is not None)
       summed = _sum_outputs(decision)
       env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
       if index in targets:
@@ -633,7 +640,8 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
         env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
     # per-microbatch statistics' results are averaged over microbatches; fused sums are summed
     averaged = [[_wide(env[v]) * (m / prog.batch) if prog.region else _wide(env[v])] for v in accumulated]
-    return [partial[k] for k in mine] + averaged, [env[v] for v in pe_outs]
+    outs = [env[v] if k == 1 else env[v].reshape((k, m) + env[v].shape[1:]) for v in pe_outs]
+    return [partial[k_] for k_ in mine] + averaged, outs
 
   accumulated = prog.accumulated if s == prog.analysis.loops - 1 else []
   kinds = [cut_outs[k].reduce for k in mine] + ["sum"] * len(accumulated)
@@ -641,18 +649,35 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
   zeros = [[_identity(r, x.shape, x.dtype) for x in part] for r, part in zip(kinds, shapes[0])]
   pe_zero = [jnp.zeros((layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
 
-  def body(i, carry, masked: bool):
+  def body(i, carry, masked: bool, k: int = 1, limit=None):
     acc, pe = carry
-    part, outs = one(i)
-    if masked:
-      valid = i < count
+    part, outs = one(i, k)
+    if masked:  # slots from ``limit`` (default: the count) on are padding
+      valid = i < (count if limit is None else limit)
       part = [[jnp.where(valid, x, _identity(r, x.shape, x.dtype)) for x in p] for r, p in zip(kinds, part)]
     acc = [[_combine(r)(a, x) for a, x in zip(aa, xx)] for r, aa, xx in zip(kinds, acc, part)]
-    pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
+    if k == 1:
+      pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
+    else:
+      pe = [jax.lax.dynamic_update_slice_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
     return acc, pe
 
   uniform = layout.uniform_count
-  peel = layout.overlap and s == prog.analysis.loops - 1  # the last microbatch after the loop
+  peel = layout.overlap and s == prog.analysis.loops - 1  # the last microbatch(es) after the loop
+  k = layout.overlap_microbatches if peel else 1
+  if k > 1:  # every position has at least k microbatches (Plan checks): its last k run as one batch, unmasked
+    if prog.region:
+      raise HetSpmdError(f"overlap_microbatches={k} would compute batch statistics over {k} microbatches at once; "
+                         "a step with per-microbatch statistics (BatchNorm, batch_stats='local') needs "
+                         "overlap_microbatches=1")
+    first = (uniform if uniform is not None else count) - k
+    if uniform is not None:
+      carry = jax.lax.fori_loop(0, first, lambda i, c: body(i, c, False), (zeros, pe_zero))
+    elif layout.lockstep:
+      carry = jax.lax.fori_loop(0, layout.max_count - k, lambda i, c: body(i, c, True, limit=first), (zeros, pe_zero))
+    else:
+      carry = jax.lax.fori_loop(0, first, lambda i, c: body(i, c, False), (zeros, pe_zero))
+    return body(first, carry, False, k)
   if uniform == 1:
     return body(0, (zeros, pe_zero), False)
   if uniform is not None:

@@ -69,6 +69,9 @@ class Plan:
   grad_reduce_dtype: str = "float32"
   # the last microbatch runs outside the loop, so each gradient's reduction can start as it is ready
   overlap_reduction: bool = False
+  # with the overlap, the last pass runs this many microbatches as one batch of ``k * microbatch`` examples: a
+  # longer backward pass to hide the reduction under, while the loop's small microbatches carry the weighting
+  overlap_microbatches: int = 1
   # layers per pipeline stage along the ``stage`` axis (hetspmd.staged); () for none
   stages: tuple[int, ...] = ()
   device_kinds: tuple[str, ...] = ()
@@ -114,6 +117,7 @@ class Plan:
                               "reduce in float32 or drop the model axis")
     if not isinstance(self.overlap_reduction, bool):
       raise InvalidValueError(f"overlap_reduction must be True or False, got {self.overlap_reduction!r}")
+    self._check_overlap_microbatches()
     if self.stages:
       self._check_stages()
     for key, values in self.predicted_per_position:
@@ -122,6 +126,18 @@ class Plan:
     if self.schema not in READABLE_SCHEMAS:
       raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schemas "
                               f"{list(READABLE_SCHEMAS)}")
+
+  def _check_overlap_microbatches(self) -> None:
+    k = self.overlap_microbatches
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+      raise InvalidValueError(f"overlap_microbatches must be a positive integer, got {k!r}")
+    if k > 1 and not self.overlap_reduction:
+      raise InvalidValueError(f"overlap_microbatches={k} fuses the last microbatches of the overlapped pass; it needs "
+                              "overlap_reduction=True (or overlap_microbatches=1)")
+    if k > 1 and k > min(self.microbatch_counts):
+      raise InvalidValueError(f"overlap_microbatches={k} needs every data position to run at least {k} microbatches, "
+                              f"got counts {list(self.microbatch_counts)}; lower it to {min(self.microbatch_counts)} "
+                              "or less, or give every position that many")
 
   def _check_stages(self) -> None:
     sizes = dict(zip(self.axis_names, self.mesh_shape))
@@ -135,6 +151,14 @@ class Plan:
                               f"count, got {list(self.microbatch_counts)} (the stages' layers carry the weighting)")
     if self.zero_stage or self.overlap_reduction:
       raise InvalidValueError("pipeline stages run with ZeRO-0 and without the overlapped reduction")
+
+  def _overlap_text(self) -> str:
+    if not self.overlap_reduction:
+      return ""
+    if self.overlap_microbatches == 1:
+      return " (overlapped with the last microbatch)"
+    return (f" (overlapped with the last {self.overlap_microbatches} microbatches, run as one batch of "
+            f"{self.overlap_microbatches * self.microbatch})")
 
   def replace(self, **changes: Any) -> "Plan":
     return dataclasses.replace(self, **changes)
@@ -275,6 +299,7 @@ class Plan:
         "remat": self.remat,
         "grad_reduce_dtype": self.grad_reduce_dtype,
         "overlap_reduction": self.overlap_reduction,
+        "overlap_microbatches": self.overlap_microbatches,
         "stages": list(self.stages),
         "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
         "predicted": dict(self.predicted),
@@ -296,6 +321,7 @@ class Plan:
           zero_stage=int(data["zero_stage"]), zero_shards=int(data.get("zero_shards", 0)), remat=str(data["remat"]),
           grad_reduce_dtype=str(data.get("grad_reduce_dtype", "float32")),
           overlap_reduction=_json_bool(data.get("overlap_reduction", False), "overlap_reduction"),
+          overlap_microbatches=int(data.get("overlap_microbatches", 1)),
           stages=tuple(int(n) for n in data.get("stages", ())),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
@@ -323,7 +349,7 @@ class Plan:
              f"{sum(self.microbatch_counts)} microbatches of {self.microbatch}, ZeRO-{self.zero_stage}"
              f"{f' (over groups of {self.zero_shards} where a leaf does not split {self.data_size} ways)' if self.zero_shards else ''}, "
              f"remat {self.remat}, gradients reduced in {self.grad_reduce_dtype}"
-             f"{' (overlapped with the last microbatch)' if self.overlap_reduction else ''}"
+             f"{self._overlap_text()}"
              f"{f', pipeline stages of {list(self.stages)} layers' if self.stages else ''}"]
     groups = np.asarray(self.device_ids).reshape(self.data_size, -1)
     kinds = np.asarray(self.device_kinds or ["?"] * len(self.device_ids), dtype=object).reshape(self.data_size, -1)
@@ -494,7 +520,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
              microbatch: int | None = None, counts: Sequence[int] | None = None, zero_stage: int = 0,
              remat: str = "none", dtype: str = "float32", grad_reduce_dtype: str = "float32",
              overlap_reduction: bool = False, specs: Mapping[str, Sequence[SpecEntry]] | None = None,
-             stages: Sequence[int] = ()) -> Plan:
+             stages: Sequence[int] = (), overlap_microbatches: int = 1) -> Plan:
   """A plan over ``cluster`` with microbatch counts proportional to device speed.
 
   Args:
@@ -510,6 +536,10 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       (:data:`GRAD_REDUCE_DTYPES`); accumulation stays float32.
     overlap_reduction: run each position's last microbatch outside its loop,
       so that gradient reductions can overlap its backward pass.
+    overlap_microbatches: with ``overlap_reduction``, how many of each
+      position's microbatches that last pass runs, as one batch (every
+      position runs at least this many): a longer backward pass to hide the
+      reductions under, beside small microbatches that weight the devices.
     specs: ``{path suffix: spec}`` kept as given for the leaves they match
       (e.g. ``hetspmd.annotated_specs(params, rules)``: the model's own
       ``nnx.with_partitioning`` / ``nn.with_logical_partitioning``
@@ -531,7 +561,8 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if stages:
     given = {"layout": layout is not None, "counts": counts is not None, "zero_stage": zero_stage != 0,
-             "overlap_reduction": overlap_reduction, "specs": specs is not None, "dtype": dtype != "float32"}
+             "overlap_reduction": overlap_reduction, "specs": specs is not None, "dtype": dtype != "float32",
+             "overlap_microbatches": overlap_microbatches != 1}
     if any(given.values()):
       raise InvalidValueError(f"pipeline stages choose their own mesh, counts and state layout and run with ZeRO-0 "
                               f"and no overlap; drop {[k for k, v in given.items() if v]} or drop stages")
@@ -560,6 +591,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       remat=remat,
       grad_reduce_dtype=grad_reduce_dtype,
       overlap_reduction=overlap_reduction,
+      overlap_microbatches=overlap_microbatches,
       device_kinds=tuple(devices[i].spec.name for i in mesh.device_ids),
   )
 

@@ -89,7 +89,10 @@ def explain_text(plan: Plan) -> str:
            f"{f' (groups of {plan.zero_shards} where a leaf does not split {plan.data_size} ways)' if plan.zero_shards else ''}"
            f", remat {plan.remat}",
            f"gradients reduced over {plan.data_axis} in {plan.grad_reduce_dtype} (accumulated in float32)"
-           + (", overlapped with each position's last microbatch" if plan.overlap_reduction else "")]
+           + (", overlapped with each position's last microbatch" if plan.overlap_reduction
+              and plan.overlap_microbatches == 1 else "")
+           + (f", overlapped with each position's last {plan.overlap_microbatches} microbatches, run as one batch of "
+              f"{plan.overlap_microbatches * plan.microbatch}" if plan.overlap_microbatches > 1 else "")]
   split = _model_splits(plan)
   if split:
     # layers' indices folded: one entry per place in a repeated layer

@@ -279,7 +279,8 @@ class ParallelStep:
     self._analysis = analysis
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
-                             overlap=plan.overlap_reduction, stages=plan.stages)
+                             overlap=plan.overlap_reduction, overlap_microbatches=plan.overlap_microbatches,
+                             stages=plan.stages)
 
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))

@@ -114,6 +114,7 @@ class Evaluated:
   grad_reduce_dtype: str = "float32"  # the dtype gradients cross data in
   overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
   hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
+  overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
 
   @property
   def model(self) -> int:
@@ -137,6 +138,7 @@ class Evaluated:
         "hidden_communication_seconds": self.hidden_seconds,
         "grad_reduce_dtype": self.grad_reduce_dtype,
         "overlap_reduction": self.overlap,
+        "overlap_microbatches": self.overlap_microbatches,
         "model_communication_seconds": self.model_comm_seconds,
         "efficiency": self.throughput / ideal,
         "mesh": {"data": len(self.counts), "model": self.model},
@@ -423,11 +425,12 @@ def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Sol
 
 def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
               global_batch: int, counts_rule: Any, name: str, reduce_dtypes: Sequence[str] = ("float32",),
-              overlap: bool = False) -> list[Evaluated]:
+              overlap: bool = False, fuse: bool = False) -> list[Evaluated]:
   """One candidate costed once per reduce dtype (the counts and compute are the same for all).
 
   ``overlap``: each position's last microbatch runs after its loop (a position with none runs one,
-  masked), and the gradient reductions hide behind the busiest one's backward pass.
+  masked), and the gradient reductions hide behind the busiest one's backward pass. ``fuse`` (weighted
+  counts only): also try that last pass as ``k`` microbatches run as one batch (:func:`_fused`).
   """
   n = len(layout.groups)
   total = global_batch // microbatch
@@ -445,22 +448,65 @@ def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch
     kind = layout.kinds[busiest]
     # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
     window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
-    timed.append((peeled, per_position, busiest, window if peeled else 0.0))
+    model_comm = costs[kind].model_comm * max(counts[busiest], int(peeled))
+    timed.append((peeled, tuple(counts), per_position, busiest, window if peeled else 0.0, model_comm, memory, 1))
+  if fuse and overlap and n > 1:
+    timed += _fused(costing, layout, tp, microbatch, zero, remat, total)
   reductions = gradient_reductions(costing.profile, tp.m)
   out = []
   for dtype in reduce_dtypes:
     reduce, gather = costing.gradient_seconds(layout, tp, zero, dtype)
     best = None
-    for peeled, per_position, busiest, window in timed:
+    for peeled, counts, per_position, busiest, window, model_comm, memory, k in timed:
       # all but the last collective can run under the busiest position's last backward pass
       hidden = min(window, reduce * (1 - 1 / reductions))
-      e = Evaluated(name, layout.devices, layout.kinds, microbatch, tuple(counts), zero, remat, per_position[busiest],
-                    reduce + gather, memory, global_batch, tp,
-                    costs[layout.kinds[busiest]].model_comm * max(counts[busiest], int(peeled)), per_position,
-                    dtype, peeled and hidden > 0, hidden)
+      if k > 1 and hidden <= 0:  # a fused pass with nothing to hide is only a coarser weighting
+        continue
+      e = Evaluated(name, layout.devices, layout.kinds, microbatch, counts, zero, remat, per_position[busiest],
+                    reduce + gather, memory, global_batch, tp, model_comm, per_position,
+                    dtype, peeled and hidden > 0, hidden, k)
       if best is None or e.step_seconds < best.step_seconds:
         best = e
     out.append(best)
+  return out
+
+
+# the fused pass's sizes tried, as shares of the most microbatches every position can run
+FUSED_SHARES = (1.0, 0.875, 0.75, 0.5, 0.25)
+
+
+def _fused(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
+           total: int) -> list[tuple]:
+  """Timings of the candidate with its overlapped last pass fused: ``k`` microbatches run as one batch.
+
+  A bigger last pass has a longer backward pass to hide the gradient reductions under, while the loop's
+  small microbatches still weight the positions: position ``i`` runs ``counts[i] - k`` microbatches in
+  its loop, then ``k * microbatch`` examples at once. Every position runs the fused pass, so the counts
+  are the weighted counts of the other ``total - n k`` microbatches, on top of ``k`` each.
+  """
+  n = len(layout.groups)
+  most = total // n
+  out = []
+  for k in sorted({max(2, round(share * most)) for share in FUSED_SHARES if share * most >= 2}):
+    if total == n * k:  # the fused pass is all of every position's work: the plain plan at k * microbatch
+      continue
+    size = k * microbatch
+    memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
+    if memory[0] > layout.memory:
+      continue
+    costs, fused = {}, {}
+    for kind in dict.fromkeys(layout.kinds):
+      loop, last = costing.kind_cost(kind, tp, microbatch, remat, zero, n), costing.kind_cost(kind, tp, size, remat,
+                                                                                           zero, n)
+      costs[kind] = _KindCost(loop.micro, loop.fixed + last.first + last.micro, loop.model_comm)
+      fused[kind] = last
+    extra = balanced_counts(layout.kinds, costs, total - n * k)
+    per_position = _position_seconds(costing, layout, costs, extra, False)
+    busiest = max(range(n), key=lambda i: per_position[i])
+    kind = layout.kinds[busiest]
+    window = OVERLAP_EFFICIENCY * fused[kind].micro / costing.recompute * costing.backward_share(kind, size)
+    model_comm = costs[kind].model_comm * extra[busiest] + fused[kind].model_comm
+    out.append((True, tuple(c + k for c in extra), per_position, busiest, window, model_comm, memory, k))
   return out
 
 
@@ -607,14 +653,15 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       best[bucket] = e
 
   def fastest_fitting(layout: _Layout, microbatch: int, zero: int, remat: str, rule: Any, name: str,
-                      bucket: str | None) -> None:
+                      bucket: str | None, fuse: bool = False) -> None:
     """The layout's candidates with every tensor-parallel choice that fits (the leanest if none does)."""
     choices = costing.choices(layout.m)
     fitting = [tp for tp in choices
                if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
     for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
       dtypes = tuple(grad_reduce_dtypes) if layout.m == 1 else ("float32",)
-      for e in _evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes, overlap):
+      for e in _evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes, overlap,
+                         fuse=fuse):
         consider(e, layout, bucket)
 
   for n_done, microbatch in enumerate(sizes):
@@ -629,7 +676,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       for zero in ZERO_STAGES:
         for remat in remat_policies:
           for set_name, layout in layouts.items():
-            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None)
+            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None, fuse=True)
           if m == 1:
             for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
               for e in _evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
@@ -644,12 +691,10 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {candidates} candidates costed")
   if not plans:
     raise PlanDoesNotFitError(_overflow_message(cluster, overflow))
-  plans.sort(key=lambda e: e.step_seconds)
+  plans.sort(key=lambda e: (float(f"{e.step_seconds:.9g}"), sum(e.counts)))  # a tie: fewer, larger microbatches
   unique: list[Evaluated] = []
   for e in plans:
-    if not any(e.device_positions == u.device_positions and e.counts == u.counts and e.microbatch == u.microbatch
-               and e.tensor_parallel.choice == u.tensor_parallel.choice and e.grad_reduce_dtype == u.grad_reduce_dtype
-               for u in unique):
+    if not any(_same_plan(e, u) for u in unique):
       unique.append(e)
     if len(unique) == top:
       break
@@ -657,6 +702,19 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   per_kind = {k: share / profile.microbatch_seconds(s, share) for k, s in specs.items()}
   ideal = sum(per_kind[d.spec.name] for d in cluster.devices)
   return SearchResult(tuple(unique), best, ideal, time.perf_counter() - start, candidates)
+
+
+def _same_plan(a: Evaluated, b: Evaluated) -> bool:
+  """Whether two results are one plan for the table: the same counts, or the same examples per position at the
+  same cost (a fused last pass of ``k`` microbatches of ``m`` is the same work as ``k / 2`` of ``2 m``)."""
+  if (a.device_positions != b.device_positions or a.tensor_parallel.choice != b.tensor_parallel.choice
+      or a.grad_reduce_dtype != b.grad_reduce_dtype):
+    return False
+  if a.counts == b.counts and a.microbatch == b.microbatch and a.overlap_microbatches == b.overlap_microbatches:
+    return True
+  examples = lambda e: tuple(c * e.microbatch for c in e.counts)
+  return (examples(a) == examples(b) and a.overlap_microbatches * a.microbatch == b.overlap_microbatches * b.microbatch
+          and f"{a.step_seconds:.9g}" == f"{b.step_seconds:.9g}")
 
 
 def _overflow_message(cluster: Cluster, overflow: Sequence[Evaluated]) -> str:
@@ -739,7 +797,7 @@ def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float |
               state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims), shards),
               zero_stage=evaluated.zero_stage, zero_shards=shards, remat=evaluated.remat,
               grad_reduce_dtype=evaluated.grad_reduce_dtype,
-              overlap_reduction=evaluated.overlap,
+              overlap_reduction=evaluated.overlap, overlap_microbatches=evaluated.overlap_microbatches,
               device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
               predicted_per_position=per_position)
 

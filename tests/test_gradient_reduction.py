@@ -96,6 +96,57 @@ def test_overlapped_reduction_gives_the_loops_numbers(layout, counts, microbatch
   assert "overlapped with the last microbatch" in overlapped.plan.summary()
 
 
+FUSED_CASES = [
+    # (data, model) layout, counts, microbatch, overlap_microbatches, lockstep
+    ((8, 1), (4, 4, 3, 3, 2, 2, 2, 2), 2, 2, False),  # per-device trip counts before the fused pass
+    ((8, 1), (4, 4, 3, 3, 2, 2, 2, 2), 2, 2, True),   # every position runs the largest loop, padding masked
+    ((8, 1), (3,) * 8, 2, 3, False),                  # uniform: the loop is empty, all of it is one pass
+    ((4, 2), (3, 2, 2, 2), 2, 2, False),              # with the model axis
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,counts,microbatch,k,lockstep", FUSED_CASES,
+                         ids=[f"{c[0]}-{c[1]}-mb{c[2]}-k{c[3]}{'-lockstep' if c[4] else ''}" for c in FUSED_CASES])
+def test_fused_overlapped_microbatches_give_the_loops_numbers(layout, counts, microbatch, k, lockstep):
+  """The last ``k`` microbatches run as one batch: the same examples, summed in a different grouping."""
+  batch = sum(counts) * microbatch
+  batches = _token_batches(batch)
+  rng = jax.random.key(7)
+  step_fn, plain, state0 = _lm1b(batch, layout, counts, microbatch)
+  _, fused, _ = _lm1b(batch, layout, counts, microbatch, overlap_reduction=True, overlap_microbatches=k)
+  fused._lockstep = lockstep or None  # True: as if the compiled loop held a collective-permute
+  ref, ref_metrics = _lm_state(), []
+  for b in batches:
+    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
+    ref_metrics.append(m)
+  a, b_ = plain.shard_state(state0), fused.shard_state(_lm_state())
+  for b, expected in zip(batches, ref_metrics):
+    a, metrics_a = plain(a, b, dropout_rng=rng)
+    b_, metrics_b = fused(b_, b, dropout_rng=rng)
+    _metrics_close(expected, metrics_b)
+    _metrics_close(metrics_a, metrics_b, rtol=1e-5)
+  _close(ref.params, b_.params)
+  _close(a.params, b_.params, rtol=1e-5)
+  # the fused pass is traced at k microbatches' size: its activations have k * microbatch rows
+  seq = jax.tree.leaves(batches[0])[0].shape[1]
+  rows = rf"tensor<{k * microbatch}x{seq}x\d+xf32>"  # activations of k * microbatch sequences
+  assert re.search(rows, fused.lower(b_, batches[0], dropout_rng=rng).as_text())
+  assert not re.search(rows, plain.lower(a, batches[0], dropout_rng=rng).as_text())
+  assert f"overlapped with the last {k} microbatches, run as one batch of {k * microbatch}" in fused.plan.summary()
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(overlap_microbatches=2), "needs overlap_reduction=True"),
+    (dict(overlap_reduction=True, overlap_microbatches=3), "at least 3 microbatches"),
+    (dict(overlap_reduction=True, overlap_microbatches=0), "positive integer"),
+])
+def test_fused_overlap_checks_its_options(options, message):
+  cluster = _cluster()
+  with pytest.raises(hs.InvalidValueError, match=message):
+    hs.plan_for(cluster, _lm_state(), global_batch=24, microbatch=2, counts=(2, 2, 2, 2, 1, 1, 1, 1), **options)
+
+
 def _mlp_step(params, batch):
   def loss_fn(p):
     h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
@@ -345,6 +396,38 @@ def test_overlap_hides_at_most_the_last_backward_pass():
   assert idle.step_seconds <= evaluate(*args[:7], (4,) * 8 + (0,) * 8, "x").step_seconds
 
 
+@pytest.fixture(scope="module")
+def small_profile():
+  from hetspmd import models
+  from hetspmd.search import profile_step
+
+  w = models.get("gpt2-small")
+  return w, profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
+
+
+def test_search_fuses_the_last_pass_where_its_longer_backward_hides_more(small_profile):
+  from hetspmd.search import OVERLAP_EFFICIENCY, evaluate, plan_from, search
+
+  w, profile = small_profile
+  cluster = hs.Cluster.parse("2x4xV100-32GB+2x4xP100-16GB;inter=40Gbps")
+  result = search(cluster, profile, 1024)
+  best, k = result.plans[0], result.plans[0].overlap_microbatches
+  assert best.overlap and k > 1 and min(best.counts) >= k and sum(best.counts) * best.microbatch == 1024
+  assert len(set(best.counts)) > 1  # the loop's microbatches weight V100s against P100s
+  # the same counts with a last pass of one microbatch: less hidden, a slower step
+  one = evaluate(cluster, profile, best.device_positions, best.microbatch, best.zero_stage, best.remat, 1024,
+                 best.counts, "x", overlap=True)
+  assert one.overlap_microbatches == 1 and one.hidden_seconds < best.hidden_seconds
+  assert best.step_seconds < one.step_seconds and best.step_seconds < result.baselines["dp_even"].step_seconds
+  # what hides is at most the efficiency times the busiest position's fused pass (its k * microbatch examples)
+  fused_pass = evaluate(cluster, profile, best.device_positions, k * best.microbatch, best.zero_stage, best.remat,
+                        k * best.microbatch * len(best.counts), (1,) * len(best.counts), "x")
+  assert best.hidden_seconds <= OVERLAP_EFFICIENCY * fused_pass.compute_seconds
+  plan = plan_from(best, cluster, w.abstract_state())
+  assert plan.overlap_reduction and plan.overlap_microbatches == k
+  assert hs.Plan.from_json(plan.to_json()).overlap_microbatches == k
+
+
 def test_search_takes_reduced_precision_only_when_allowed(tiny_profile):
   from hetspmd.search import search
 
@@ -391,27 +474,36 @@ def test_zoo_models_take_a_compute_dtype():
     models.get("mlp-tiny").with_dtype("float16")
 
 
+WIDTH = 512
+
+
+def _wide_params():  # w1 is 2 MiB: a bucket of its own, whose reduction can overlap the rest of the backward pass
+  k = jax.random.split(jax.random.key(3), 2)
+  return {"w1": jax.random.normal(k[0], (WIDTH, 1024)) * 0.05, "b1": jnp.zeros(1024),
+          "w2": jax.random.normal(k[1], (1024, 4)) * 0.05}
+
+
+def _wide_batches(batch_size):
+  rs = np.random.RandomState(1)
+  return [{"x": rs.randn(batch_size, WIDTH).astype(np.float32), "y": rs.randn(batch_size, 4).astype(np.float32)}
+          for _ in range(3)]
+
+
+def _slow_pair_cluster():
+  """Two slow kinds, one twice the other; every device a host of its own, so no model axis."""
+  require_devices(8)
+  slow = {k: hs.DeviceSpec(k, flops, flops, 2**30, 1e10) for k, flops in (("SlowA", 2e9), ("SlowB", 1e9))}
+  return hs.Cluster.emulate(jax.devices()[:8], kinds=["SlowA", "SlowB"] * 4, custom=slow)
+
+
 @pytest.mark.timeout(240)
 def test_searched_plan_with_reduced_precision_trains_like_one_device():
   """parallelize(plan="search", grad_reduce_dtype="search"): bfloat16, overlapped, and close to one device."""
-  batch_size, width = 4096, 512
-  rs = np.random.RandomState(1)
-  batches = [{"x": rs.randn(batch_size, width).astype(np.float32), "y": rs.randn(batch_size, 4).astype(np.float32)}
-             for _ in range(3)]
-
-  def wide_params():  # w1 is 2 MiB: a bucket of its own, whose reduction can overlap the rest of the backward pass
-    k = jax.random.split(jax.random.key(3), 2)
-    return {"w1": jax.random.normal(k[0], (width, 1024)) * 0.05, "b1": jnp.zeros(1024),
-            "w2": jax.random.normal(k[1], (1024, 4)) * 0.05}
-
-  require_devices(8)
-  slow = {k: hs.DeviceSpec(k, flops, flops, 2**30, 1e10) for k, flops in (("SlowA", 2e9), ("SlowB", 1e9))}
-  # alternating kinds: every device a host of its own, so no model axis (it stays within a host)
-  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["SlowA", "SlowB"] * 4, custom=slow)
-  step = hs.parallelize(_mlp_step, cluster=cluster, plan="search", global_batch=batch_size,
+  batch_size = 4096
+  step = hs.parallelize(_mlp_step, cluster=_slow_pair_cluster(), plan="search", global_batch=batch_size,
                         grad_reduce_dtype="search")
-  params, ref = wide_params(), wide_params()
-  for b in batches:
+  params, ref = _wide_params(), _wide_params()
+  for b in _wide_batches(batch_size):
     params, metrics = step(params, b)
     ref, ref_metrics = jax.jit(_mlp_step)(ref, b)
     # the loss is computed before the step's reduction, from parameters that differ by the earlier steps'
@@ -419,6 +511,25 @@ def test_searched_plan_with_reduced_precision_trains_like_one_device():
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-2)
   plan = step.plan
   assert plan.data_size > 1 and plan.grad_reduce_dtype == "bfloat16" and plan.overlap_reduction, plan.summary()
+
+
+@pytest.mark.timeout(300)
+def test_searched_plan_fuses_the_overlapped_pass_and_trains_like_one_device():
+  """The search runs each position's last microbatches as one batch: weighted counts of small microbatches
+  in the loop, a large pass to hide the reduction under, and the single-device numbers."""
+  batch_size = 4096
+  step = hs.parallelize(_mlp_step, cluster=_slow_pair_cluster(), plan="search", global_batch=batch_size)
+  params, ref = _wide_params(), _wide_params()
+  for b in _wide_batches(batch_size):
+    params, metrics = step(params, b)
+    ref, ref_metrics = jax.jit(_mlp_step)(ref, b)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+  for leaf, expected in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(leaf), np.asarray(expected), rtol=1e-4, atol=1e-6)
+  plan, k = step.plan, step.plan.overlap_microbatches
+  assert plan.overlap_reduction and k > 1 and min(plan.microbatch_counts) >= k, plan.summary()
+  assert len(set(plan.microbatch_counts)) > 1  # the loop still weights the kinds
+  assert f"last {k} microbatches, run as one batch of {k * plan.microbatch}" in step.explain()
 
 
 @pytest.mark.timeout(300)
