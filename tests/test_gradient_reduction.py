@@ -582,3 +582,17 @@ def test_overlapped_and_bfloat16_reductions_in_two_processes():
     np.testing.assert_allclose(r["overlap"]["loss"], r["ref_loss"], rtol=1e-5)
     np.testing.assert_allclose(r["bfloat16"]["loss"], r["ref_loss"], rtol=1e-2)
     assert r["bfloat16"]["diff"] > 0  # reduced precision does round
+
+
+@pytest.mark.timeout(300)
+def test_fused_overlapped_pass_in_two_processes():
+  """2 processes x 4 CPU devices over gloo: the last 2 microbatches of every position run as one batch."""
+  from multiprocess import run_processes
+
+  results = run_processes(lm1b_in_processes((4, 4, 3, 3, 2, 2, 2, 2), 2) + textwrap.dedent("""
+      loss, diff = train_planned(overlap_reduction=True, overlap_microbatches=2)
+      print(json.dumps({"ref_loss": float(ref_metrics["loss"]), "loss": loss, "diff": diff}))
+  """), num_processes=2, devices_per_process=4, timeout=240)
+  for r in results:
+    assert r["diff"] <= 1e-4
+    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
