@@ -129,3 +129,36 @@ def test_the_weight_penalty_is_added_once():
   kernel = np.asarray(_state(schedule).params["Dense_0"]["kernel"])
   moved = np.asarray(state.params["Dense_0"]["kernel"]) - kernel
   np.testing.assert_allclose(moved, -0.1 * 1.9 * WEIGHT_DECAY * kernel, rtol=1e-4, atol=1e-9)
+
+
+def _fused_step(schedule, batch_stats):
+  counts, microbatch = (3, 3, 2, 2, 2, 2, 2, 2), 2
+  batch = sum(counts) * microbatch
+  cluster = _cluster()
+  plan = hs.plan_for(cluster, _state(schedule), global_batch=batch, microbatch=microbatch, counts=counts,
+                     overlap_reduction=True, overlap_microbatches=2)
+  step_fn = functools.partial(imagenet_train_step, learning_rate_fn=schedule)
+  return step_fn, hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch, batch_stats=batch_stats)
+
+
+@pytest.mark.timeout(300)
+def test_fused_overlapped_pass_with_exact_batch_statistics():
+  """Exact statistics are the global batch's, made in earlier loops: the final loop's last 2 microbatches may
+  run as one batch."""
+  schedule = optax.constant_schedule(0.1)
+  step_fn, step = _fused_step(schedule, "exact")
+  batches = _batches(step.plan.global_batch)
+  ref, state = _state(schedule), step.shard_state(_state(schedule))
+  for b in batches:
+    ref, expected = jax.jit(step_fn)(ref, b)
+    state, metrics = step(state, b)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-5)
+  _close(ref.params, state.params)
+  _close(ref.batch_stats, state.batch_stats)
+
+
+def test_fused_overlapped_pass_is_refused_per_microbatch_statistics():
+  schedule = optax.constant_schedule(0.1)
+  _, step = _fused_step(schedule, "local")
+  with pytest.raises(hs.HetSpmdError, match="overlap_microbatches=2 would compute batch statistics over 2"):
+    step(step.shard_state(_state(schedule)), _batches(step.plan.global_batch)[0])
