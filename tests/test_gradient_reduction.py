@@ -56,6 +56,31 @@ def _lm1b(batch, layout, counts, microbatch, **plan_options):
   return step_fn, hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch), state
 
 
+def _beside_the_loop(layout, counts, microbatch, rtol, lockstep=False, **plan_options):
+  """Trains the lm1b step under a plain plan and under ``plan_options`` side by side, each step's metrics
+  against one device's, the parameters after the run against one device's and against each other to
+  ``rtol``; returns both steps and states, a batch and the dropout key."""
+  batch = sum(counts) * microbatch
+  batches = _token_batches(batch)
+  rng = jax.random.key(7)
+  step_fn, plain, state0 = _lm1b(batch, layout, counts, microbatch)
+  _, other, _ = _lm1b(batch, layout, counts, microbatch, **plan_options)
+  other._lockstep = lockstep or None  # True: as if the compiled loop held a collective-permute
+  ref, ref_metrics = _lm_state(), []
+  for b in batches:
+    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
+    ref_metrics.append(m)
+  a, b_ = plain.shard_state(state0), other.shard_state(_lm_state())
+  for b, expected in zip(batches, ref_metrics):
+    a, metrics_a = plain(a, b, dropout_rng=rng)
+    b_, metrics_b = other(b_, b, dropout_rng=rng)
+    _metrics_close(expected, metrics_b)
+    _metrics_close(metrics_a, metrics_b, rtol=rtol)
+  _close(ref.params, b_.params)
+  _close(a.params, b_.params, rtol=rtol)
+  return plain, a, other, b_, batches[0], rng
+
+
 OVERLAP_CASES = [
     # (data, model) layout, counts, microbatch
     ((8, 1), (3, 3, 2, 2, 1, 1, 1, 0), 2),   # a position with no microbatch runs one, masked
@@ -69,25 +94,9 @@ OVERLAP_CASES = [
 @pytest.mark.parametrize("layout,counts,microbatch", OVERLAP_CASES,
                          ids=[f"{c[0]}-{c[1]}-mb{c[2]}" for c in OVERLAP_CASES])
 def test_overlapped_reduction_gives_the_loops_numbers(layout, counts, microbatch):
-  batch = sum(counts) * microbatch
-  batches = _token_batches(batch)
-  rng = jax.random.key(7)
-  step_fn, plain, state0 = _lm1b(batch, layout, counts, microbatch)
-  _, overlapped, _ = _lm1b(batch, layout, counts, microbatch, overlap_reduction=True)
-  ref, ref_metrics = _lm_state(), []
-  for b in batches:
-    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
-    ref_metrics.append(m)
-  a, b_ = plain.shard_state(state0), overlapped.shard_state(_lm_state())
-  for b, expected in zip(batches, ref_metrics):
-    a, metrics_a = plain(a, b, dropout_rng=rng)
-    b_, metrics_b = overlapped(b_, b, dropout_rng=rng)
-    _metrics_close(expected, metrics_b)
-    _metrics_close(metrics_a, metrics_b, rtol=1e-6)
-  _close(ref.params, b_.params)
-  _close(a.params, b_.params, rtol=1e-6)
+  plain, a, overlapped, b_, batch, rng = _beside_the_loop(layout, counts, microbatch, 1e-6, overlap_reduction=True)
   # the last microbatch's work is outside the loop: the program holds a second copy of the microbatch
-  dots = [s.lower(st, batches[0], dropout_rng=rng).as_text().count("dot_general") for s, st in
+  dots = [s.lower(st, batch, dropout_rng=rng).as_text().count("dot_general") for s, st in
           ((plain, a), (overlapped, b_))]
   if max(counts) > 1:
     assert dots[1] > dots[0]
@@ -110,29 +119,13 @@ FUSED_CASES = [
                          ids=[f"{c[0]}-{c[1]}-mb{c[2]}-k{c[3]}{'-lockstep' if c[4] else ''}" for c in FUSED_CASES])
 def test_fused_overlapped_microbatches_give_the_loops_numbers(layout, counts, microbatch, k, lockstep):
   """The last ``k`` microbatches run as one batch: the same examples, summed in a different grouping."""
-  batch = sum(counts) * microbatch
-  batches = _token_batches(batch)
-  rng = jax.random.key(7)
-  step_fn, plain, state0 = _lm1b(batch, layout, counts, microbatch)
-  _, fused, _ = _lm1b(batch, layout, counts, microbatch, overlap_reduction=True, overlap_microbatches=k)
-  fused._lockstep = lockstep or None  # True: as if the compiled loop held a collective-permute
-  ref, ref_metrics = _lm_state(), []
-  for b in batches:
-    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
-    ref_metrics.append(m)
-  a, b_ = plain.shard_state(state0), fused.shard_state(_lm_state())
-  for b, expected in zip(batches, ref_metrics):
-    a, metrics_a = plain(a, b, dropout_rng=rng)
-    b_, metrics_b = fused(b_, b, dropout_rng=rng)
-    _metrics_close(expected, metrics_b)
-    _metrics_close(metrics_a, metrics_b, rtol=1e-5)
-  _close(ref.params, b_.params)
-  _close(a.params, b_.params, rtol=1e-5)
+  plain, a, fused, b_, batch, rng = _beside_the_loop(layout, counts, microbatch, 1e-5, lockstep,
+                                                     overlap_reduction=True, overlap_microbatches=k)
   # the fused pass is traced at k microbatches' size: its activations have k * microbatch rows
-  seq = jax.tree.leaves(batches[0])[0].shape[1]
+  seq = jax.tree.leaves(batch)[0].shape[1]
   rows = rf"tensor<{k * microbatch}x{seq}x\d+xf32>"  # activations of k * microbatch sequences
-  assert re.search(rows, fused.lower(b_, batches[0], dropout_rng=rng).as_text())
-  assert not re.search(rows, plain.lower(a, batches[0], dropout_rng=rng).as_text())
+  assert re.search(rows, fused.lower(b_, batch, dropout_rng=rng).as_text())
+  assert not re.search(rows, plain.lower(a, batch, dropout_rng=rng).as_text())
   assert f"overlapped with the last {k} microbatches, run as one batch of {k * microbatch}" in fused.plan.summary()
 
 
