@@ -640,7 +640,7 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
         env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
     # per-microbatch statistics' results are averaged over microbatches; fused sums are summed
     averaged = [[_wide(env[v]) * (m / prog.batch) if prog.region else _wide(env[v])] for v in accumulated]
-    outs = [env[v] if k == 1 else env[v].reshape((k, m) + env[v].shape[1:]) for v in pe_outs]
+    outs = [env[v] if k == 1 else _split_fused(env[v], prog.analysis.axes[v].dim, k) for v in pe_outs]
     return [partial[k_] for k_ in mine] + averaged, outs
 
   accumulated = prog.accumulated if s == prog.analysis.loops - 1 else []
@@ -666,7 +666,7 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
   peel = layout.overlap and s == prog.analysis.loops - 1  # the last microbatch(es) after the loop
   k = layout.overlap_microbatches if peel else 1
   if k > 1:  # every position has at least k microbatches (Plan checks): its last k run as one batch, unmasked
-    if prog.region:
+    if prog.region or any(c.local for c in prog.analysis.cuts):
       raise HetSpmdError(f"overlap_microbatches={k} would compute batch statistics over {k} microbatches at once; "
                          "a step with per-microbatch statistics (BatchNorm, batch_stats='local') needs "
                          "overlap_microbatches=1")
@@ -690,6 +690,12 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
     return jax.lax.fori_loop(0, count, lambda i, c: body(i, c, False), (zeros, pe_zero))
   last = jnp.maximum(count - 1, 0)  # a device with no microbatch runs one, masked to nothing
   return body(last, jax.lax.fori_loop(0, last, lambda i, c: body(i, c, False), (zeros, pe_zero)), True)
+
+
+def _split_fused(x, dim: int, k: int):
+  """A per-example output of ``k`` microbatches run as one, its examples along ``dim`` → ``[k, *one's shape]``."""
+  shape = x.shape
+  return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
 
 
 def _is_zero_broadcast(prog, var) -> bool:

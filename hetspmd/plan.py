@@ -321,7 +321,7 @@ class Plan:
           zero_stage=int(data["zero_stage"]), zero_shards=int(data.get("zero_shards", 0)), remat=str(data["remat"]),
           grad_reduce_dtype=str(data.get("grad_reduce_dtype", "float32")),
           overlap_reduction=_json_bool(data.get("overlap_reduction", False), "overlap_reduction"),
-          overlap_microbatches=int(data.get("overlap_microbatches", 1)),
+          overlap_microbatches=_json_int(data.get("overlap_microbatches", 1), "overlap_microbatches"),
           stages=tuple(int(n) for n in data.get("stages", ())),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
@@ -368,6 +368,12 @@ class Plan:
 def _json_bool(value: Any, key: str) -> bool:
   if not isinstance(value, bool):
     raise InvalidValueError(f"plan JSON's {key!r} must be true or false, got {value!r}")
+  return value
+
+
+def _json_int(value: Any, key: str) -> int:
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise InvalidValueError(f"plan JSON's {key!r} must be an integer, got {value!r}")
   return value
 
 

@@ -122,11 +122,13 @@ class ParallelStep:
                          "call the step (before shard_state) so that its first batch is used")
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
       profile = profile_step(search_fn or self.fn, state, batch)
+    fn = search_fn or self.fn
     result = search(cluster, profile, self.global_batch, top=1,
                     remat_policies=SEARCHED_REMAT if calls else ("none",),
-                    recompute=self._recompute(search_fn or self.fn, state, batch),
+                    recompute=self._recompute(fn, state, batch),
                     grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
-                                        else (self.grad_reduce_dtype,)))
+                                        else (self.grad_reduce_dtype,)),
+                    fuse_overlap=not self._per_microbatch_statistics(fn, state, batch))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
@@ -139,16 +141,17 @@ class ParallelStep:
     if self.batch_stats != "exact":
       return 1.0
     from hetspmd import lowering
-    from hetspmd.passes import _jax_adapter as jx
-    from hetspmd.passes import microbatch as pass_
-    from hetspmd.search import PROFILE_BATCHES, _with_batch
 
-    size = PROFILE_BATCHES[-1]
-    closed = jax.make_jaxpr(fn)(jx.to_abstract(state), _with_batch(batch, size))
-    first = len(jax.tree.leaves(state))
-    inputs = range(first, first + len(jax.tree.leaves(batch)))
-    analysis = pass_.analyse(closed, inputs, size, batch_stats="exact")
+    analysis, inputs = _profile_analysis(fn, state, batch, "exact")
     return lowering.recompute_factor(analysis, inputs)
+
+  def _per_microbatch_statistics(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> bool:
+    """Whether the step normalises by statistics of each microbatch (BatchNorm, ``batch_stats="local"``),
+    which a fused overlapped pass would compute over several microbatches at once."""
+    if self.batch_stats != "local":
+      return False
+    analysis, _ = _profile_analysis(fn, state, batch, "local")
+    return any(c.local for c in analysis.cuts)
 
   # --- placing data ----------------------------------------------------------------
 
@@ -569,6 +572,20 @@ def _positions_array(mesh: Any, plan: Plan, values: np.ndarray) -> jax.Array:
 # not just the participating pairs: inside a loop with per-device trip counts
 # they would deadlock or pair up the wrong iterations.
 _GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
+
+
+def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, batch_stats: str):
+  """The microbatch analysis of ``fn`` traced at the profile's batch size, and its batch inputs."""
+  from hetspmd.passes import _jax_adapter as jx
+  from hetspmd.passes import microbatch as pass_
+  from hetspmd.search import PROFILE_BATCHES, _with_batch
+
+  size = PROFILE_BATCHES[-1]
+  closed = jax.make_jaxpr(fn)(jx.to_abstract(state), _with_batch(batch, size))
+  leaves = jax.tree.leaves(state)
+  inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
+  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(_dtype(x), jnp.floating)]  # statistics live here
+  return pass_.analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
 
 
 def _loop_needs_lockstep(lowered: Any) -> bool:

@@ -494,14 +494,18 @@ def _fused(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: i
     memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
     if memory[0] > layout.memory:
       continue
-    costs, fused = {}, {}
+    costs, fused, loop_costs = {}, {}, {}
     for kind in dict.fromkeys(layout.kinds):
       loop, last = costing.kind_cost(kind, tp, microbatch, remat, zero, n), costing.kind_cost(kind, tp, size, remat,
                                                                                            zero, n)
-      costs[kind] = _KindCost(loop.micro, loop.fixed + last.first + last.micro, loop.model_comm)
-      fused[kind] = last
+      # for the counts: every position runs the fused pass, then its share of the loop
+      costs[kind] = _KindCost(loop.micro, loop.fixed + last.micro, loop.model_comm, max(loop.first, last.first))
+      fused[kind], loop_costs[kind] = last, loop
     extra = balanced_counts(layout.kinds, costs, total - n * k)
-    per_position = _position_seconds(costing, layout, costs, extra, False)
+    # the fused pass, then the loop (its first microbatch writing to fresh memory), or the pass alone first
+    work = [fused[kind].micro + (loop_costs[kind].first + loop_costs[kind].micro * c if c else fused[kind].first)
+            for kind, c in zip(layout.kinds, extra)]
+    per_position = _shared_seconds(costing, layout, loop_costs, work)
     busiest = max(range(n), key=lambda i: per_position[i])
     kind = layout.kinds[busiest]
     window = OVERLAP_EFFICIENCY * fused[kind].micro / costing.recompute * costing.backward_share(kind, size)
@@ -514,6 +518,11 @@ def _position_seconds(costing: _Costing, layout: _Layout, costs: dict, counts: S
                       peeled: bool) -> tuple[float, ...]:
   """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
   work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
+  return _shared_seconds(costing, layout, costs, work)
+
+
+def _shared_seconds(costing: _Costing, layout: _Layout, costs: dict, work: list[float]) -> tuple[float, ...]:
+  """Each position's per-step seconds plus its microbatch ``work``, on hosts whose devices share compute."""
   cluster = costing.cluster
   for h in layout.hosts:
     host = cluster.hosts[h]
@@ -603,12 +612,15 @@ def model_sizes(cluster: Cluster) -> tuple[int, ...]:
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None,
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
-           grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True) -> SearchResult:
+           grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
+           fuse_overlap: bool = True) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
   "bfloat16")`` lets the search halve the bytes where that pays); ``overlap``: every plan, baselines
-  included, overlaps its reductions with the last microbatch's backward pass, as PyTorch DDP does.
+  included, overlaps its reductions with the last microbatch's backward pass, as PyTorch DDP does;
+  ``fuse_overlap``: weighted plans may run that pass as several microbatches at once
+  (``Plan.overlap_microbatches``; not for steps with per-microbatch batch statistics).
 
   ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
@@ -676,7 +688,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       for zero in ZERO_STAGES:
         for remat in remat_policies:
           for set_name, layout in layouts.items():
-            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None, fuse=True)
+            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None,
+                            fuse=fuse_overlap)
           if m == 1:
             for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
               for e in _evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
@@ -836,8 +849,12 @@ def _model_specs(state: Any, axis_names: Sequence[str], model_dims: dict[str, in
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
                 top: int = 5, progress: Callable[[str], None] | None = None,
                 models: Sequence[int] | None = None, grad_reduce_dtypes: Sequence[str] = ("float32",),
-                overlap: bool = True) -> SearchResult:
-  """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``."""
+                overlap: bool = True, fuse_overlap: bool = True) -> SearchResult:
+  """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``.
+
+  ``fuse_overlap=False`` for a step with per-microbatch batch statistics (BatchNorm under
+  ``batch_stats="local"``): a fused overlapped pass would compute them over several microbatches.
+  """
   if not isinstance(global_batch, int) or global_batch < 1:
     from hetspmd.errors import InvalidValueError
 
@@ -845,4 +862,4 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
   if progress:
     progress("tracing the step at two batch sizes")
   return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
-                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap)
+                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap)

@@ -140,6 +140,47 @@ def test_fused_overlap_checks_its_options(options, message):
     hs.plan_for(cluster, _lm_state(), global_batch=24, microbatch=2, counts=(2, 2, 2, 2, 1, 1, 1, 1), **options)
 
 
+def test_plan_json_keeps_a_fused_overlap_and_checks_it():
+  plan = hs.plan_for(_cluster(), _lm_state(), global_batch=32, microbatch=2, counts=(2,) * 8,
+                     overlap_reduction=True, overlap_microbatches=2)
+  data = plan.to_json()
+  assert hs.Plan.from_json(data) == plan
+  for bad in (2.5, True, "2"):
+    with pytest.raises(hs.InvalidValueError, match="'overlap_microbatches' must be an integer"):
+      hs.Plan.from_json({**data, "overlap_microbatches": bad})
+
+
+def _per_token_step(params, batch):
+  """Per-example outputs with the examples on dimension 1 ([T, B]) and several rows per example ([B * T])."""
+  def loss_fn(p):
+    per_token = ((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2).mean(-1)  # [B, T]
+    return per_token.mean(), per_token
+
+  (loss, per_token), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  return new, {"loss": loss, "by_token": per_token.T, "flat": per_token.reshape(-1)}
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_fused_pass_returns_per_example_outputs_in_global_order(lockstep):
+  counts, microbatch, tokens = (4, 4, 3, 3, 2, 2, 2, 2), 2, 3
+  batch = sum(counts) * microbatch
+  rs = np.random.RandomState(2)
+  data = {"x": rs.randn(batch, tokens, 4).astype(np.float32), "y": rs.randn(batch, tokens, 5).astype(np.float32)}
+  k = jax.random.split(jax.random.key(0))
+  params = {"w1": jax.random.normal(k[0], (4, 8)) * 0.3, "w2": jax.random.normal(k[1], (8, 5)) * 0.3}
+  ref_params, ref = jax.jit(_per_token_step)(params, data)
+  plan = hs.plan_for(_cluster(), params, global_batch=batch, microbatch=microbatch, counts=counts,
+                     overlap_reduction=True, overlap_microbatches=2)
+  step = hs.parallelize(_per_token_step, cluster=_cluster(), plan=plan, global_batch=batch)
+  step._lockstep = lockstep or None
+  new, out = step(step.shard_state(params), data)
+  for key in ("by_token", "flat"):
+    assert out[key].shape == ref[key].shape
+    np.testing.assert_allclose(np.asarray(out[key]), np.asarray(ref[key]), rtol=1e-6, atol=1e-7)
+  _close(ref_params, new)
+
+
 def _mlp_step(params, batch):
   def loss_fn(p):
     h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])

@@ -162,3 +162,44 @@ def test_fused_overlapped_pass_is_refused_per_microbatch_statistics():
   _, step = _fused_step(schedule, "local")
   with pytest.raises(hs.HetSpmdError, match="overlap_microbatches=2 would compute batch statistics over 2"):
     step(step.shard_state(_state(schedule)), _batches(step.plan.global_batch)[0])
+
+
+class _NormedMLP(nn.Module):
+  width: int = 1024
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Dense(self.width)(x)))
+    return nn.Dense(CLASSES)(nn.relu(nn.Dense(self.width)(x)))
+
+
+def _normed_state():
+  model = _NormedMLP()
+  variables = model.init(jax.random.key(0), jnp.zeros((2, 64)), train=False)
+  return State.create(apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"],
+                      tx=optax.sgd(0.01))
+
+
+def _normed_step(state, batch):
+  def loss_fn(params):
+    logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, batch["x"],
+                                     mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), updates
+
+  (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"]), {"loss": loss}
+
+
+@pytest.mark.timeout(300)
+def test_search_keeps_the_overlapped_pass_unfused_under_per_microbatch_statistics():
+  """The search would fuse the overlapped pass here (wide layers, uneven kinds) but for the BatchNorm."""
+  batch_size = 4096
+  rs = np.random.RandomState(0)
+  batch = {"x": rs.randn(batch_size, 64).astype(np.float32), "label": rs.randint(0, CLASSES, batch_size)}
+  for batch_stats, fused in (("local", False), ("exact", True)):
+    step = hs.parallelize(_normed_step, cluster=_cluster(), plan="search", global_batch=batch_size,
+                          example_batch=batch, batch_stats=batch_stats)
+    state = step.shard_state(_normed_state())
+    assert (step.plan.overlap_microbatches > 1) == fused, (batch_stats, step.plan.summary())
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
