@@ -671,9 +671,7 @@ def _one_loop(prog, layout, s, outer, mine, cut_outs, batch_vars, buffers, count
                          "a step with per-microbatch statistics (BatchNorm, batch_stats='local') needs "
                          "overlap_microbatches=1")
     first = (uniform if uniform is not None else count) - k
-    if uniform is not None:
-      carry = jax.lax.fori_loop(0, first, lambda i, c: body(i, c, False), (zeros, pe_zero))
-    elif layout.lockstep:
+    if layout.lockstep and uniform is None:  # every position runs the longest loop, its own slots from first masked
       carry = jax.lax.fori_loop(0, layout.max_count - k, lambda i, c: body(i, c, True, limit=first), (zeros, pe_zero))
     else:
       carry = jax.lax.fori_loop(0, first, lambda i, c: body(i, c, False), (zeros, pe_zero))
