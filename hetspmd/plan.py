@@ -146,9 +146,6 @@ class Plan:
     if sizes.get(STAGE_AXIS) != len(self.stages) or len(sizes) != 2:
       raise InvalidValueError(f"{len(self.stages)} pipeline stages need a mesh of ({self.data_axis!r}, {STAGE_AXIS!r}) "
                               f"with {len(self.stages)} along {STAGE_AXIS!r}, got mesh {sizes}")
-    if not self.is_uniform:
-      raise InvalidValueError(f"pipeline stages run every data position in lockstep: give each the same microbatch "
-                              f"count, got {list(self.microbatch_counts)} (the stages' layers carry the weighting)")
     if self.zero_stage or self.overlap_reduction:
       raise InvalidValueError("pipeline stages run with ZeRO-0 and without the overlapped reduction")
 
@@ -555,7 +552,10 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       (``nn.scan``, ``nnx.scan``): the devices form ``len(stages)``
       consecutive groups (whole hosts first), and a faster group takes
       more layers; each group splits every microbatch's examples evenly
-      (see :mod:`hetspmd.staged`). State leaves of ``sum(stages)`` rows
+      (see :mod:`hetspmd.staged`). ``counts`` default to the global batch's
+      microbatches spread as evenly as they go (the ticks are lockstep,
+      so weighting the data positions would not pay; a position past its
+      count skips the ticks' work). State leaves of ``sum(stages)`` rows
       (the stacked layers and their optimizer moments) are split over the
       stages in equal blocks when the stage count divides the layers; the
       rest of the state is replicated.
@@ -566,13 +566,13 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if stages:
-    given = {"layout": layout is not None, "counts": counts is not None, "zero_stage": zero_stage != 0,
+    given = {"layout": layout is not None, "zero_stage": zero_stage != 0,
              "overlap_reduction": overlap_reduction, "specs": specs is not None, "dtype": dtype != "float32",
              "overlap_microbatches": overlap_microbatches != 1}
     if any(given.values()):
-      raise InvalidValueError(f"pipeline stages choose their own mesh, counts and state layout and run with ZeRO-0 "
+      raise InvalidValueError(f"pipeline stages choose their own mesh and state layout and run with ZeRO-0 "
                               f"and no overlap; drop {[k for k, v in given.items() if v]} or drop stages")
-    return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, remat, grad_reduce_dtype)
+    return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, counts, remat, grad_reduce_dtype)
   mesh = _layout(cluster, layout)
   if microbatch is None:
     microbatch = default_microbatch(global_batch, mesh.shape[0]) if counts is None else global_batch // max(
@@ -630,25 +630,36 @@ def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:
   return np.ndim(leaf) >= 1 and np.shape(leaf)[0] == layers and layers % len(stages) == 0
 
 
+def balanced_counts(microbatches: int, positions: int) -> tuple[int, ...]:
+  """``microbatches`` spread over ``positions`` as evenly as they go, the first positions taking one more."""
+  base, extra = divmod(microbatches, positions)
+  return tuple(base + (p < extra) for p in range(positions))
+
+
 def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
-                 remat: str, grad_reduce_dtype: str) -> Plan:
+                 counts: Sequence[int] | None, remat: str, grad_reduce_dtype: str) -> Plan:
   n, S = cluster.num_devices, len(stages)
   if n % S:
     raise InvalidValueError(f"{n} devices do not form {S} stages of equal size; valid stage counts: "
                             f"{[k for k in range(1, n + 1) if n % k == 0]}")
   positions = n // S
   if microbatch is None:
-    microbatch = default_microbatch(global_batch, positions)
-  if global_batch % (positions * microbatch):
-    raise InvalidValueError(f"global batch {global_batch} does not split into {positions} data positions of "
-                            f"microbatches of {microbatch}")
+    microbatch = default_microbatch(global_batch, positions) if counts is None else global_batch // max(
+        1, sum(counts))
+  if global_batch % microbatch or global_batch < positions * microbatch:
+    raise InvalidValueError(f"global batch {global_batch} does not split into microbatches of {microbatch} with at "
+                            f"least one for each of the {positions} data positions; valid microbatches: "
+                            f"{[d for d in range(1, global_batch // positions + 1) if global_batch % d == 0]}")
+  # every tick is lockstep across the data positions, so the fastest split is the most even one (the
+  # stages' layers carry the weighting); a position past its count skips the ticks' work
+  counts = balanced_counts(global_batch // microbatch, positions) if counts is None else tuple(counts)
   grid = np.arange(n).reshape(S, positions).T  # stage s holds devices s * positions ... (consecutive hosts)
   mesh = HetMesh(cluster, ("data", STAGE_AXIS), (positions, S), tuple(int(i) for i in grid.ravel()))
   devices = cluster.devices
   return Plan(
       axis_names=mesh.axis_names, mesh_shape=mesh.shape,
       device_ids=tuple(cluster.jax_device_ids[i] for i in mesh.device_ids), global_batch=global_batch,
-      microbatch=microbatch, microbatch_counts=(global_batch // (positions * microbatch),) * positions,
+      microbatch=microbatch, microbatch_counts=tuple(int(c) for c in counts),
       state_specs=tuple((p, (STAGE_AXIS,) if _stacked_leaf(leaf, stages) else ()) for p, leaf in leaves_with_paths(state)),
       remat=remat,
       grad_reduce_dtype=grad_reduce_dtype, stages=stages,

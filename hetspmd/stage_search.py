@@ -9,7 +9,8 @@ runs:
   (the loops' node seconds over ``L``), the work before the stack (modules ahead of it in forward order:
   the embedding) on the first stage, its gradient there too, and everything else per microbatch (the
   head, the loss, their gradients, work outside any module) on the last stage;
-* ``M + S - 1`` lockstep forward ticks, each as long as its slowest stage, then as many backward ticks;
+* ``M + S - 1`` lockstep forward ticks (``M`` the most microbatches a data position runs), each as long as
+  its slowest stage, then as many backward ticks;
   each tick also sends one microbatch's activations (the bytes the stack's forward reads from before
   it, per example) between neighbouring stages: over the cluster's inter-host link, all of a host's
   devices of a stage sharing it;
@@ -33,6 +34,7 @@ import numpy as np
 
 from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError
+from hetspmd.plan import balanced_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +56,18 @@ class StagePlan:
   stages: tuple[int, ...]       # layers per stage
   hosts: tuple[tuple[int, ...], ...]  # cluster host indices of each stage
   microbatch: int
-  microbatches: int             # per data position
+  microbatches: int             # the most any data position runs: the ticks are lockstep
   step_seconds: float
   tick_seconds: float           # one forward and one backward tick, transfers included
   transfer_seconds: float       # of one tick's sends, each way
   reduce_seconds: float
   memory_bytes: float           # per device
   reduce_dtype: str = "float32"  # gradients cross the data axis (and the stages' shared leaves all devices) in it
+  counts: tuple[int, ...] = ()  # microbatches per data position, as plan_for(stages=...) spreads them
 
   def to_json(self) -> dict:
     return {"stages": list(self.stages), "hosts": [list(h) for h in self.hosts], "microbatch": self.microbatch,
-            "microbatches": self.microbatches, "step_seconds": self.step_seconds,
+            "microbatches": self.microbatches, "counts": list(self.counts), "step_seconds": self.step_seconds,
             "tick_seconds": self.tick_seconds, "transfer_seconds": self.transfer_seconds,
             "reduce_seconds": self.reduce_seconds, "memory_bytes": self.memory_bytes,
             "grad_reduce_dtype": self.reduce_dtype}
@@ -141,16 +144,20 @@ def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequen
 def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], stages: Sequence[int],
           microbatch: int, global_batch: int, costs: list | None = None, reduce_dtype: str = "float32"
           ) -> StagePlan | None:
-  """One stage plan's predicted step; None when it does not fit memory or the batch does not split.
+  """One stage plan's predicted step; None when it does not fit memory or the batch does not split into
+  microbatches of ``microbatch``, at least one per data position. A batch the positions do not divide is
+  spread as :func:`hetspmd.plan.balanced_counts` spreads it, and runs as many ticks as the most any takes.
   ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``reduce_dtype``:
   the dtype gradients cross in (:func:`hetspmd.staged` casts them for the wire, accumulation stays float32)."""
   from hetspmd.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
 
   S = len(stages)
   width = sum(cluster.hosts[h].count for h in hosts[0])
-  if any(sum(cluster.hosts[h].count for h in g) != width for g in hosts) or global_batch % (width * microbatch):
+  if (any(sum(cluster.hosts[h].count for h in g) != width for g in hosts) or global_batch % microbatch
+      or global_batch < width * microbatch):
     return None
-  M = global_batch // (width * microbatch)
+  counts = balanced_counts(global_batch // microbatch, width)
+  M = counts[0]
   first_of = np.cumsum([0] + [h.count for h in cluster.hosts])
   costs = _stage_costs(cluster, profile, stack, hosts, microbatch) if costs is None else costs
   tick_f = max(n * c[0] + (c[2] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0)
@@ -175,7 +182,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   if memory * WORKSPACE > min(h.device.memory_bytes for h in cluster.hosts):
     return None
   return StagePlan(tuple(stages), tuple(tuple(g) for g in hosts), microbatch, M, step, tick_f + tick_b + 2 * transfer,
-                   transfer, reduce, memory, reduce_dtype)
+                   transfer, reduce, memory, reduce_dtype, counts)
 
 
 def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int) -> tuple[int, ...]:
@@ -221,5 +228,6 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
 def describe(plan: StagePlan, cluster: Cluster) -> str:
   kinds = ["+".join(f"{cluster.hosts[h].count}x{cluster.hosts[h].device.name}" for h in g) for g in plan.hosts]
   return (f"{len(plan.stages)} stages [{', '.join(kinds)}], layers {list(plan.stages)}, "
-          f"{plan.microbatches} x microbatch {plan.microbatch}"
+          f"{plan.microbatches}{' (some positions one fewer)' if len(set(plan.counts)) > 1 else ''} x microbatch "
+          f"{plan.microbatch}"
           + (f", {plan.reduce_dtype} reduction" if plan.reduce_dtype != "float32" else ""))

@@ -18,7 +18,9 @@ layer from its rows of the stack, keeping each iteration's outputs for ``B``; th
 ``mid``. In backward tick ``t`` stage ``s`` takes microbatch ``t - (S - 1 - s)``, runs ``pre`` again,
 then ``B``'s body for its own layers in reverse, reading what ``F`` kept, adding each layer's gradient
 into its row; the first stage then runs ``post``. Activations and their cotangents cross stages by
-one ``ppermute`` per tick. Every sum over examples a group makes is kept on the one stage that runs
+one ``ppermute`` per tick. A data position with fewer microbatches than the most (a batch the positions do
+not divide, or counts given) runs the same ticks, and its row of stages skips the work of those past its count.
+Every sum over examples a group makes is kept on the one stage that runs
 the group, and reduced over ``stage`` and ``data`` after the ticks; the stacked gradients are reduced
 over ``data`` only and unpacked from the stages' rows.
 
@@ -256,8 +258,6 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   S, L, M, m = len(layers), max(layers), layout.max_count, layout.microbatch
   if sum(layers) != stack.length:
     raise HetSpmdError(f"the stages hold {sum(layers)} layers ({layers}); the step's layer scan has {stack.length}")
-  if layout.uniform_count is None:
-    raise HetSpmdError(f"pipeline stages need the same microbatch count on every data position, got {layout.counts}")
   st, da = layout.stage_axis, layout.data_axis
   axes = (st, da)
   rows = np.zeros((S, L), np.int32)
@@ -298,6 +298,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
   def per_device(values, buffers, counts, starts):
     s = jax.lax.axis_index(st)
     mine, first, last = jnp.asarray(layers, jnp.int32)[s], s == 0, s == S - 1
+    count = counts[0]  # this data position's microbatches: its row of stages skips the ticks past them
     my_rows = jnp.asarray(rows)[s]
     outer = dict(zip(loop_inputs, values))
     padded = {v: exchange.gather(outer[v], s) for v in loop_inputs if v in sharded}
@@ -379,6 +380,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       send, saved, acc, top = carry
       recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
       valid, ii = tick_slot(t, s, M)
+      valid = valid & (ii < count)
       env, offset = microbatch_env(ii)
       acc = combine(acc, masked(run_group(stack.pre, env, offset), valid & first))
       fin = scan_inputs(fe, fd, env, offset)
@@ -413,6 +415,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
       send, grads, acc = carry
       recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
       valid, ii = tick_slot(t, S - 1 - s, M)
+      valid = valid & (ii < count)
       env, offset = microbatch_env(ii)
       run_group(stack.pre, env, offset)  # B reads its values (masks); its sums were taken in the forward tick
       given = b_operands(env, offset)

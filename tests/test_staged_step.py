@@ -89,22 +89,31 @@ def _batches(batch):
   return out
 
 
-CASES = [  # (layers per stage, microbatch, microbatches per data position)
+CASES = [  # (layers per stage, microbatch, microbatches per data position: one count for all, or one each)
     ((3, 1), 2, 3),
     ((1, 3), 1, 2),
     ((1, 2, 1), 1, 1),
     ((1, 1, 1, 1), 2, 2),
+    ((3, 1), 2, (3, 1, 2, 2)),     # uneven data counts: a position runs its own microbatches, skips the rest
+    ((1, 2, 1), 1, (2, 0)),        # a position with none
+    ((1, 1, 1, 1), 1, (3, 2)),
 ]
 
 
+def _case_id(c):
+  counts = c[2] if isinstance(c[2], int) else "-".join(map(str, c[2]))
+  return f"{'-'.join(map(str, c[0]))}-mb{c[1]}x{counts}"
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stages,microbatch,count", CASES, ids=[f"{'-'.join(map(str, c[0]))}-mb{c[1]}x{c[2]}" for c in CASES])
+@pytest.mark.parametrize("stages,microbatch,count", CASES, ids=[_case_id(c) for c in CASES])
 def test_stages_train_like_one_device(stages, microbatch, count):
   devices = 8 - 8 % len(stages)  # 3 stages of 2 on 6 of the 8 devices
   require_devices(devices)
   cluster = hs.Cluster.emulate(jax.devices()[:devices], kinds=KINDS[:devices // 2] + KINDS[-(devices // 2):])
   positions = devices // len(stages)
-  batch = positions * microbatch * count
+  counts = (count,) * positions if isinstance(count, int) else count
+  batch = sum(counts) * microbatch
   batches = _batches(batch)
   ref, ref_metrics = _state(), []
   rng = jax.random.key(7)
@@ -112,8 +121,10 @@ def test_stages_train_like_one_device(stages, microbatch, count):
     ref, m = jax.jit(train_step)(ref, b, rng)
     ref_metrics.append(m)
 
-  plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages)
+  plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages,
+                     counts=None if isinstance(count, int) else counts)
   assert plan.mesh_shape == (positions, len(stages)) and plan.stages == stages
+  assert plan.microbatch_counts == counts
   step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(_state())
   for b, expected in zip(batches, ref_metrics):
@@ -150,8 +161,7 @@ def test_stage_plans_check_their_shape():
   from hetspmd.report import explain_text
   text = explain_text(plan)
   assert "stage[0] devices [0, 1, 2, 3] (V100-32GB): 3 layers" in text and "stage[1]" in text
-  with pytest.raises(hs.InvalidValueError, match="same microbatch count"):
-    plan.replace(microbatch_counts=(3, 1, 2, 2))
+  assert plan.replace(microbatch_counts=(3, 1, 2, 2)).microbatch_counts == (3, 1, 2, 2)  # lockstep, skipped ticks
 
 
 NNX_CASES = [  # (model, layers per stage): 3 layers stacked with nnx.vmap, run with nnx.scan, dropout in each
@@ -194,7 +204,8 @@ def test_nnx_stages_train_in_place_like_one_device(model_name, stages):
 @pytest.mark.timeout(300)
 def test_stages_on_two_processes():
   """Each process holds one stage (4 devices, the data axis inside it) and feeds the whole batch; the
-  activations and cotangents between the stages cross gloo."""
+  activations and cotangents between the stages cross gloo. 7 examples: the last data position runs one
+  microbatch fewer."""
   import textwrap
 
   from multiprocess import run_processes
@@ -207,7 +218,7 @@ def test_stages_on_two_processes():
       sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
       import test_staged_step as t
       rng = jax.random.key(7)
-      batches = t._batches(8)
+      batches = t._batches(7)
       local = jax.local_devices()[0]
       ref = jax.device_put(t._state(), local)
       ref_loss = []
@@ -215,10 +226,11 @@ def test_stages_on_two_processes():
         ref, m = jax.jit(t.train_step)(ref, jax.device_put(b, local), jax.device_put(rng, local))
         ref_loss.append(float(m["loss"]))
       cluster = hs.Cluster.emulate(jax.devices(), kinds=t.KINDS)
-      plan = hs.plan_for(cluster, t._state(), global_batch=8, microbatch=1, stages=(3, 1))
+      plan = hs.plan_for(cluster, t._state(), global_batch=7, microbatch=1, stages=(3, 1))
+      assert plan.microbatch_counts == (2, 2, 2, 1)
       stage_of = {{d: s for s in range(2) for d in np.asarray(plan.device_ids).reshape(4, 2)[:, s]}}
       assert {{stage_of[d.id] for d in jax.local_devices()}} == {{jax.process_index()}}
-      step = hs.parallelize(t.train_step, cluster=cluster, plan=plan, global_batch=8)
+      step = hs.parallelize(t.train_step, cluster=cluster, plan=plan, global_batch=7)
       state, losses = step.shard_state(t._state()), []
       for b in batches:
         state, m = step(state, b, rng)
@@ -285,10 +297,12 @@ def test_rows_move_between_even_blocks_and_uneven_stages(layers):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stages", [(3, 1), (1, 1, 1, 1)])
-def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages):
+@pytest.mark.parametrize("stages,counts", [((3, 1), None), ((1, 1, 1, 1), None), ((3, 1), (3, 1, 2, 2)),
+                                           ((1, 1, 1, 1), (5, 3))])
+def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages, counts):
   """The zoo's GPT-2 (tied embedding: its lookup on the first stage, its output projection on the last) with
-  ``scan_layers``, its own ``jax.value_and_grad`` step and Adam."""
+  ``scan_layers``, its own ``jax.value_and_grad`` step and Adam; even data counts, and uneven ones (its loss
+  counts every token, so a padded microbatch that was not skipped would show)."""
   from hetspmd import models
 
   cluster = _cluster()
@@ -300,7 +314,8 @@ def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages):
   for b in batches:
     ref, m = jax.jit(step_fn)(ref, b)
     ref_metrics.append(m)
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=batch, microbatch=microbatch, stages=stages)
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=batch, microbatch=microbatch, stages=stages, counts=counts)
+  assert counts is None or plan.microbatch_counts == counts
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(w.init_state(0))
   for b, expected in zip(batches, ref_metrics):
@@ -343,17 +358,20 @@ def _scanned_mlp_state(layers=4, vocab=13, width=8):
 
 
 @pytest.mark.timeout(300)
-def test_an_earlier_loop_reading_the_stacked_layers_sees_them_all():
+@pytest.mark.parametrize("batch,counts", [(12, (3, 3, 3, 3)), (10, (3, 3, 2, 2))])
+def test_an_earlier_loop_reading_the_stacked_layers_sees_them_all(batch, counts):
+  """Also a batch the data positions do not divide: the plan spreads its microbatches as evenly as they go."""
   cluster = _cluster()
   rs = np.random.RandomState(0)
-  batches = [{"x": rs.randint(0, 13, (12, 4)).astype(np.int32), "y": rs.randint(0, 13, (12, 4)).astype(np.int32)}
+  batches = [{"x": rs.randint(0, 13, (batch, 4)).astype(np.int32), "y": rs.randint(0, 13, (batch, 4)).astype(np.int32)}
              for _ in range(2)]
   ref, ref_metrics = _scanned_mlp_state(), []
   for b in batches:
     ref, m = jax.jit(_scanned_mlp_step)(ref, b)
     ref_metrics.append(m)
-  plan = hs.plan_for(cluster, _scanned_mlp_state(), global_batch=12, microbatch=1, stages=(3, 1))
-  step = hs.parallelize(_scanned_mlp_step, cluster=cluster, plan=plan, global_batch=12)
+  plan = hs.plan_for(cluster, _scanned_mlp_state(), global_batch=batch, microbatch=1, stages=(3, 1))
+  assert plan.microbatch_counts == counts
+  step = hs.parallelize(_scanned_mlp_step, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(_scanned_mlp_state())
   for b, expected in zip(batches, ref_metrics):
     state, metrics = step(state, b)
@@ -363,8 +381,12 @@ def test_an_earlier_loop_reading_the_stacked_layers_sees_them_all():
 
 def test_stage_plans_refuse_options_they_do_not_take():
   cluster = _cluster()
-  with pytest.raises(hs.InvalidValueError, match=r"drop \['counts', 'zero_stage'\] or drop stages"):
-    hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1), counts=(2, 2, 2, 2), zero_stage=1)
+  with pytest.raises(hs.InvalidValueError, match=r"drop \['layout', 'zero_stage'\] or drop stages"):
+    hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1), layout=(4, 2), zero_stage=1)
+  with pytest.raises(hs.InvalidValueError, match="at least one for each of the 4 data positions"):
+    hs.plan_for(cluster, _state(), global_batch=6, microbatch=2, stages=(3, 1))
+  with pytest.raises(hs.InvalidValueError, match="cover 10 examples, not the global batch of 8"):
+    hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1), counts=(4, 2, 2, 2))
 
 
 @pytest.mark.timeout(600)
