@@ -13,7 +13,10 @@ communication); its speedup over dp_even with the same options, over
 dp_even as DDP runs it (overlap, float32), over fastest_only and
 best_homogeneous, and over the best plan of the ``before`` search; the
 share of its step spent in communication that is not hidden; the longest of
-the three search times; and the mechanisms the plan uses. Models and
+the three search times; and the mechanisms the plan uses. ``ceiling`` is
+ideal / dp_even (same options): the most any plan could be over dp_even,
+with every device busy on its own share and nothing left of communication
+(up to the gain of larger microbatches on the faster devices). Models and
 clusters follow the reference experiments: HAP's BERT-base, ViT-B/16, VGG19
 and BERT-MoE on 16 V100 + 48 P100 at HAP's batch of 2048, AMP's GPT-2
 medium on T4 + V100 at AMP's batch of 32 and at 128, GPT-2 XL and GPT 1.3B
@@ -79,7 +82,7 @@ def main() -> None:
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)
   print(f"{'cluster':<17} {'model':<13} {'batch':>5} {'dtype':>7} {'eff':>6} {'vs dp_even':>10} {'vs ddp f32':>10} "
-        f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'comm':>5} {'search s':>8}  best plan")
+        f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'search s':>8}  best plan")
   for preset, name, batch, seq, dtype in CASES:
     w = models.get(name).with_dtype(dtype)
     if w.name not in profiles:
@@ -101,13 +104,15 @@ def main() -> None:
                "fastest": over(result, "fastest_only"), "homog": over(result, "best_homogeneous"),
                "before": best.throughput / results["before"].plans[0].throughput}
     cells = " ".join(f"{v:10.2f}" if v < math.inf else f"{'no fit':>10}" for v in speedup.values())
+    ceiling = (f"{result.ideal_throughput / result.baselines['dp_even'].throughput:7.2f}"
+               if "dp_even" in result.baselines else f"{'-':>7}")
     comm = (best.comm_seconds - best.hidden_seconds) / best.step_seconds
     ddp = results["ddp"].baselines["dp_even"]  # the case's nature: every device on data, float32, hidden or not
     total_comm = ddp.comm_seconds / (ddp.compute_seconds + ddp.comm_seconds)
     rows.append((best.throughput / result.ideal_throughput, total_comm if dtype == "float32" else 1.0,
                  min(speedup["dp_even"], speedup["homog"]), speedup["before"]))
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
-          f"{comm:5.0%} {seconds:8.2f}  {mechanisms(best)}", flush=True)
+          f"{ceiling} {comm:5.0%} {seconds:8.2f}  {mechanisms(best)}", flush=True)
   bound = [e for e, comm, _, _ in rows if comm < COMPUTE_BOUND]
   worst = min(r[2] for r in rows)
   if bound:
