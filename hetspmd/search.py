@@ -61,96 +61,33 @@ any layout).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from hetspmd.cluster import Cluster
-from hetspmd.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel, gather_seconds, gradient_reductions,
-                               gradient_seconds, memory_per_device, zero_split)
+from hetspmd.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.errors import HetSpmdError
-from hetspmd.passes import _jax_adapter as jx, strategies, strategy_ilp
+from hetspmd.passes import _jax_adapter as jx, strategies
 from hetspmd.passes.cost import StepProfile
 from hetspmd.plan import REMAT_POLICIES
+from hetspmd.pricing import (Costing, DeviceGroups, Evaluated, balanced_counts, device_groups, even_counts,
+                             price_candidate, proportional)
+# pricing names callers reach through the search
+from hetspmd.pricing import (OVERLAP_EFFICIENCY as OVERLAP_EFFICIENCY, evaluate as evaluate,
+                             milp_counts as milp_counts, shared_finish_times as shared_finish_times)
 
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
 # data_axis.activation_share), so it never wins and is not searched
 SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
 ZERO_STAGES = (0, 1, 3)
-# Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
-# collectives' kernels share the device with the backward's (not yet calibrated on a device)
-OVERLAP_EFFICIENCY = 0.8
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
-FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
 
 
 class PlanDoesNotFitError(HetSpmdError):
   """No candidate fits device memory."""
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Evaluated:
-  """One costed candidate plan."""
-
-  name: str
-  device_positions: tuple[int, ...]   # cluster device ids in mesh order (data-major)
-  kinds: tuple[str, ...]              # per data position
-  microbatch: int
-  counts: tuple[int, ...]             # per data position
-  zero_stage: int
-  remat: str                          # a plan remat policy: one of hetspmd.plan.REMAT_POLICIES
-  compute_seconds: float              # slowest position, tensor-parallel collectives included
-  comm_seconds: float                 # gradient reduction over data
-  memory_bytes: tuple[int, ...]       # per device
-  global_batch: int
-  tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
-  model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
-  position_seconds: tuple[float, ...] = ()  # per data position: its microbatches' time
-  grad_reduce_dtype: str = "float32"  # the dtype gradients cross data in
-  overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
-  hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
-  overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
-
-  @property
-  def model(self) -> int:
-    return self.tensor_parallel.m
-
-  @property
-  def step_seconds(self) -> float:
-    return self.compute_seconds + self.comm_seconds - self.hidden_seconds
-
-  @property
-  def throughput(self) -> float:
-    return self.global_batch / self.step_seconds
-
-  def to_json(self, ideal: float) -> dict[str, Any]:
-    return {
-        "name": self.name,
-        "throughput": self.throughput,
-        "predicted_step_seconds": self.step_seconds,
-        "compute_seconds": self.compute_seconds,
-        "communication_seconds": self.comm_seconds,
-        "hidden_communication_seconds": self.hidden_seconds,
-        "grad_reduce_dtype": self.grad_reduce_dtype,
-        "overlap_reduction": self.overlap,
-        "overlap_microbatches": self.overlap_microbatches,
-        "model_communication_seconds": self.model_comm_seconds,
-        "efficiency": self.throughput / ideal,
-        "mesh": {"data": len(self.counts), "model": self.model},
-        "tensor_parallel": self.tensor_parallel.description,
-        "devices": list(self.device_positions),
-        "kinds": list(self.kinds),
-        "microbatch": self.microbatch,
-        "microbatch_counts": list(self.counts),
-        "zero_stage": self.zero_stage,
-        "remat": self.remat,
-        "memory_bytes": list(self.memory_bytes),
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,411 +97,6 @@ class SearchResult:
   ideal_throughput: float
   search_seconds: float
   candidates: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _KindCost:
-  micro: float  # seconds per microbatch
-  fixed: float  # seconds per step
-  model_comm: float = 0.0  # of micro: tensor-parallel collectives
-  first: float = 0.0  # seconds the first microbatch costs over a later one
-
-  def at(self, count: int) -> float:
-    """Seconds of a position with ``count`` microbatches."""
-    return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)
-
-
-# --- counts -------------------------------------------------------------------------
-
-
-def milp_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -> tuple[int, ...]:
-  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP).
-
-  Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
-  of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
-  ``z_k``; and the makespan ``T >= fixed_k + micro_k (c_k + z_k)``, where
-  ``fixed_k`` includes the first microbatch's extra (:attr:`_KindCost.first`).
-  """
-  from scipy.optimize import Bounds, LinearConstraint, milp
-
-  order = list(dict.fromkeys(kinds))
-  n = {k: kinds.count(k) for k in order}
-  K = len(order)
-  # x = [c_0..c_K-1, e_0.., z_0.., T]
-  size = 3 * K + 1
-  c_idx, e_idx, z_idx, t_idx = (lambda i: i), (lambda i: K + i), (lambda i: 2 * K + i), 3 * K
-  rows, lower, upper = [], [], []
-  cover = np.zeros(size)
-  for i, k in enumerate(order):
-    cover[c_idx(i)], cover[e_idx(i)] = n[k], 1
-  rows.append(cover), lower.append(total), upper.append(total)
-  for i, k in enumerate(order):
-    link = np.zeros(size)
-    link[e_idx(i)], link[z_idx(i)] = 1, -n[k]
-    rows.append(link), lower.append(-np.inf), upper.append(0)
-    makespan = np.zeros(size)
-    makespan[t_idx], makespan[c_idx(i)], makespan[z_idx(i)] = 1, -costs[k].micro, -costs[k].micro
-    rows.append(makespan), lower.append(costs[k].fixed + costs[k].first), upper.append(np.inf)
-  objective = np.zeros(size)
-  objective[t_idx] = 1
-  integrality = np.ones(size)
-  integrality[t_idx] = 0
-  ub = np.full(size, np.inf)
-  for i, k in enumerate(order):
-    ub[e_idx(i)], ub[z_idx(i)] = n[k], 1
-  result = milp(objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
-                bounds=Bounds(np.zeros(size), ub))
-  if not result.success:
-    raise HetSpmdError(f"count MILP failed: {result.message}")
-  x = np.round(result.x).astype(int)
-  counts, extra_left = [], {k: x[e_idx(i)] for i, k in enumerate(order)}
-  for kind in kinds:
-    i = order.index(kind)
-    bump = 1 if extra_left[kind] > 0 else 0
-    extra_left[kind] -= bump
-    counts.append(int(x[c_idx(i)] + bump))
-  return tuple(counts)
-
-
-def balanced_counts(kinds: Sequence[str], costs: dict[str, _KindCost], total: int) -> tuple[int, ...]:
-  """Per-position counts minimising the slowest position's time; ``sum == total``.
-
-  Start from the continuous bound on the makespan ``T`` (every position busy
-  until ``T``, no one below its per-step work) and step through the
-  breakpoints ``fixed_k + micro_k c`` until the capacity ``sum_k n_k
-  floor((T - fixed_k) / micro_k)`` covers ``total``; then take the surplus,
-  one microbatch at a time, from the kind whose busiest position finishes
-  last. Counts within a kind differ by at most one, the first positions of a
-  kind taking the larger. ``fixed_k`` includes the first microbatch's extra.
-  """
-  order = list(dict.fromkeys(kinds))
-  n = {k: kinds.count(k) for k in order}
-  micro = {k: max(costs[k].micro, 1e-300) for k in order}
-  fixed = {k: costs[k].fixed + costs[k].first for k in order}
-  rate = sum(n[k] / micro[k] for k in order)
-  bound = max(max(fixed.values()), (total + sum(n[k] * fixed[k] / micro[k] for k in order)) / rate)
-  top = {k: max(0, math.floor((bound - fixed[k]) / micro[k] * (1 - 1e-12))) for k in order}
-  capacity = sum(n[k] * top[k] for k in order)
-  while capacity < total:
-    kind = min(order, key=lambda k: fixed[k] + micro[k] * (top[k] + 1))
-    top[kind] += 1
-    capacity += n[kind]
-  full = dict(n)  # positions of each kind at the top count; the rest hold one less
-  surplus = capacity - total
-  while surplus > 0:
-    kind = max((k for k in order if top[k] > 0), key=lambda k: fixed[k] + micro[k] * top[k])
-    take = min(surplus, full[kind])
-    full[kind] -= take
-    surplus -= take
-    if full[kind] == 0:
-      top[kind] -= 1
-      full[kind] = n[kind]
-  counts, seen = [], {k: 0 for k in order}
-  for kind in kinds:
-    counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
-    seen[kind] += 1
-  return tuple(counts)
-
-
-def even_counts(n: int, total: int) -> tuple[int, ...]:
-  return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
-
-
-def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
-  from hetspmd.plan import proportional_counts
-
-  return proportional_counts(weights, total)
-
-
-# --- layouts and tensor-parallel choices -------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """A device set cut into model groups (data positions)."""
-
-  name: str
-  groups: tuple[tuple[int, ...], ...]
-  kinds: tuple[str, ...]        # per group
-  hosts: dict[int, int]         # host -> groups in it
-  memory: int                   # smallest device memory
-  devices: tuple[int, ...]      # the groups, flattened
-
-  @property
-  def m(self) -> int:
-    return len(self.groups[0])
-
-
-def _layout(cluster: Cluster, name: str, positions: Sequence[int], m: int) -> _Layout:
-  devices = cluster.devices
-  groups = tuple(tuple(positions[i:i + m]) for i in range(0, len(positions), m))
-  for g in groups:
-    if len(g) != m or len({devices[i].host for i in g}) != 1:
-      raise HetSpmdError(f"devices {list(g)} do not form a model group of {m} in one host")
-  hosts: dict[int, int] = {}
-  for g in groups:
-    hosts[devices[g[0]].host] = hosts.get(devices[g[0]].host, 0) + 1
-  return _Layout(name, groups, tuple(devices[g[0]].spec.name for g in groups), hosts,
-                 min(devices[i].spec.memory_bytes for i in positions), tuple(positions))
-
-
-class _Costing:
-  """Per-search caches: per-node seconds, strategy spaces, ILP frontiers, assessed choices."""
-
-  def __init__(self, cluster: Cluster, profile: StepProfile, reference_microbatch: int, recompute: float = 1.0):
-    self.cluster, self.profile, self.reference = cluster, profile, reference_microbatch
-    self.recompute = recompute
-    self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
-    self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
-                  for k in cluster.kinds}
-    self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
-    self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
-    self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
-    self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
-    self._assessed: dict[tuple, strategy_ilp.Solution] = {}
-    self._remat: dict[tuple[str, int, str], float] = {}
-    self._reductions: dict[tuple, float] = {}
-    self._first: dict[tuple[str, int], float] = {}
-    self._backward: dict[tuple[str, int], float] = {}
-
-  def gradient_seconds(self, layout: "_Layout", tp: TensorParallel, zero: int,
-                       reduce_dtype: str = "float32") -> tuple[float, float]:
-    """(:func:`gradient_seconds` in ``reduce_dtype``, ZeRO's parameter gather: :func:`gather_seconds`)."""
-    key = (tuple(sorted(layout.hosts.items())), tp.m, tp.param_share, min(zero, 1), reduce_dtype)
-    if key not in self._reductions:
-      reduce = gradient_seconds(self.cluster, layout.hosts, self.profile, tp, zero, REDUCE_BYTES[reduce_dtype])
-      gather = gather_seconds(self.cluster, layout.hosts, self.profile, tp) if zero >= 1 else 0.0
-      self._reductions[key] = (reduce, gather)
-    return self._reductions[key]
-
-  def backward_share(self, kind: str, microbatch: int) -> float:
-    """The backward pass's share of a microbatch's compute (what an overlapped reduction can hide behind)."""
-    key = (kind, microbatch)
-    if key not in self._backward:
-      seconds = self.node_seconds(kind, microbatch)
-      plain = float(seconds.sum())
-      backward = float(seconds[~self.profile.forward].sum()) if self.profile.forward.size else 2 * plain / 3
-      self._backward[key] = backward / plain if plain > 0 else 0.0
-    return self._backward[key]
-
-  def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
-    key = (kind, microbatch)
-    if key not in self._node_seconds:
-      self._node_seconds[key] = self.profile.node_seconds(self.specs[kind], microbatch) * ~self.profile.per_step
-    return self._node_seconds[key]
-
-  def space(self, m: int) -> strategies.StrategySpace:
-    """Prepared by :func:`profile_step` for :data:`MODEL_SIZES`; built here (once) for other sizes."""
-    if m not in self._spaces:
-      self._spaces[m] = strategies.strategy_space(self.profile, m)
-    return self._spaces[m]
-
-  def choices(self, m: int) -> tuple[TensorParallel, ...]:
-    """The union over kinds of each kind's time/memory frontier on a model axis of ``m``."""
-    if m == 1:
-      return (NO_TENSOR_PARALLEL,)
-    if m not in self._frontiers:
-      space, found = self.space(m), {}
-      for kind in self.cluster.kinds:
-        for solution in strategy_ilp.frontier(space, self.node_seconds(kind, self.reference), self.links[kind],
-                                            self.reference, FRONTIER_POINTS + 1):
-          found.setdefault(solution.choice, solution)
-      self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
-    return self._frontiers[m]
-
-  def first_extra(self, kind: str, microbatch: int) -> float:
-    """The first microbatch's extra seconds over a later one (writes to fresh memory), without tensor parallelism."""
-    key = (kind, microbatch)
-    if key not in self._first:
-      self._first[key] = self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch)
-    return self._first[key]
-
-  def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:
-    """Compute with the policy's recomputation over compute without."""
-    key = (kind, microbatch, remat)
-    if key not in self._remat:
-      seconds = self.node_seconds(kind, microbatch)
-      plain = float(seconds.sum())
-      again = float(seconds[self.profile.recomputed(remat)].sum())
-      self._remat[key] = (1.0 + again / plain if plain > 0 else 1.0) * self.recompute
-    return self._remat[key]
-
-  def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> _KindCost:
-    remat_factor = self.remat_factor(kind, microbatch, remat)
-    zs = zero_split(self.profile, n, tp)
-    fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
-    if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
-      fixed += self.profile.param_bytes * zs.gathered * tp.param_share / self.specs[kind].write_rate
-    accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
-    plain = float(self.node_seconds(kind, microbatch).sum())
-    first = self.first_extra(kind, microbatch) * remat_factor
-    if tp.m == 1:
-      return _KindCost(plain * remat_factor + accumulate, fixed, first=first)
-    key = (tp.m, tp.choice, kind, microbatch)
-    if key not in self._assessed:
-      self._assessed[key] = strategy_ilp.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
-                                              self.links[kind], microbatch)
-    solution = self._assessed[key]
-    share = solution.compute_seconds / plain if plain > 0 else 1.0
-    return _KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds + accumulate, fixed,
-                     solution.comm_seconds, first * share)
-
-
-def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
-  m = space.m
-  sharded = sum(d.options[o].activation_share for d, o in zip(space.decisions, solution.choice))
-  return TensorParallel(
-      m=m, choice=solution.choice, description=strategy_ilp.describe(space, solution.choice),
-      model_dims=tuple(sorted(strategy_ilp.param_dims(space, solution.choice).items())),
-      param_share=solution.param_elements / max(1, space.param_elements),
-      activation_share=max(1 / m, 1 - min(1.0, sharded) * (1 - 1 / m)))
-
-
-# --- evaluation ------------------------------------------------------------------------
-
-
-def _evaluate(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
-              global_batch: int, counts_rule: Any, name: str, reduce_dtypes: Sequence[str] = ("float32",),
-              overlap: bool = False, fuse: bool = False) -> list[Evaluated]:
-  """One candidate costed once per reduce dtype (the counts and compute are the same for all).
-
-  ``overlap``: each position's last microbatch runs after its loop (a position with none runs one,
-  masked), and the gradient reductions hide behind the busiest one's backward pass. ``fuse`` (weighted
-  counts only): also try that last pass as ``k`` microbatches run as one batch (:func:`_fused`).
-  """
-  n = len(layout.groups)
-  total = global_batch // microbatch
-  costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
-  counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
-  if len(counts) != n or sum(counts) != total:
-    return []
-  memory = (memory_per_device(costing.profile, n, microbatch, zero, remat, tp),) * len(layout.devices)
-  # a masked microbatch on a position with none can cost more than the overlap saves: try both
-  options = [False, True] if overlap and n > 1 and min(counts) == 0 else [overlap and n > 1]
-  timed = []
-  for peeled in options:
-    per_position = _position_seconds(costing, layout, costs, counts, peeled)
-    busiest = max(range(n), key=lambda i: per_position[i])
-    kind = layout.kinds[busiest]
-    # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
-    window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
-    model_comm = costs[kind].model_comm * max(counts[busiest], int(peeled))
-    timed.append((peeled, tuple(counts), per_position, busiest, window if peeled else 0.0, model_comm, memory, 1))
-  if fuse and overlap and n > 1:
-    timed += _fused(costing, layout, tp, microbatch, zero, remat, total)
-  reductions = gradient_reductions(costing.profile, tp.m)
-  out = []
-  for dtype in reduce_dtypes:
-    reduce, gather = costing.gradient_seconds(layout, tp, zero, dtype)
-    best = None
-    for peeled, counts, per_position, busiest, window, model_comm, memory, k in timed:
-      # all but the last collective can run under the busiest position's last backward pass
-      hidden = min(window, reduce * (1 - 1 / reductions))
-      if k > 1 and hidden <= 0:  # a fused pass with nothing to hide is only a coarser weighting
-        continue
-      e = Evaluated(name, layout.devices, layout.kinds, microbatch, counts, zero, remat, per_position[busiest],
-                    reduce + gather, memory, global_batch, tp, model_comm, per_position,
-                    dtype, peeled and hidden > 0, hidden, k)
-      if best is None or e.step_seconds < best.step_seconds:
-        best = e
-    out.append(best)
-  return out
-
-
-# the fused pass's sizes tried, as shares of the most microbatches every position can run
-FUSED_SHARES = (1.0, 0.875, 0.75, 0.5, 0.25)
-
-
-def _fused(costing: _Costing, layout: _Layout, tp: TensorParallel, microbatch: int, zero: int, remat: str,
-           total: int) -> list[tuple]:
-  """Timings of the candidate with its overlapped last pass fused: ``k`` microbatches run as one batch.
-
-  A bigger last pass has a longer backward pass to hide the gradient reductions under, while the loop's
-  small microbatches still weight the positions: position ``i`` runs ``counts[i] - k`` microbatches in
-  its loop, then ``k * microbatch`` examples at once. Every position runs the fused pass, so the counts
-  are the weighted counts of the other ``total - n k`` microbatches, on top of ``k`` each.
-  """
-  n = len(layout.groups)
-  most = total // n
-  out = []
-  for k in sorted({max(2, round(share * most)) for share in FUSED_SHARES if share * most >= 2}):
-    if total == n * k:  # the fused pass is all of every position's work: the plain plan at k * microbatch
-      continue
-    size = k * microbatch
-    memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
-    if memory[0] > layout.memory:
-      continue
-    costs, fused, loop_costs = {}, {}, {}
-    for kind in dict.fromkeys(layout.kinds):
-      loop, last = costing.kind_cost(kind, tp, microbatch, remat, zero, n), costing.kind_cost(kind, tp, size, remat,
-                                                                                           zero, n)
-      # for the counts: every position runs the fused pass, then its share of the loop
-      costs[kind] = _KindCost(loop.micro, loop.fixed + last.micro, loop.model_comm, max(loop.first, last.first))
-      fused[kind], loop_costs[kind] = last, loop
-    extra = balanced_counts(layout.kinds, costs, total - n * k)
-    # the fused pass, then the loop (its first microbatch writing to fresh memory), or the pass alone first
-    work = [fused[kind].micro + (loop_costs[kind].first + loop_costs[kind].micro * c if c else fused[kind].first)
-            for kind, c in zip(layout.kinds, extra)]
-    per_position = _shared_seconds(costing, layout, loop_costs, work)
-    busiest = max(range(n), key=lambda i: per_position[i])
-    kind = layout.kinds[busiest]
-    window = OVERLAP_EFFICIENCY * fused[kind].micro / costing.recompute * costing.backward_share(kind, size)
-    model_comm = costs[kind].model_comm * extra[busiest] + fused[kind].model_comm
-    out.append((True, tuple(c + k for c in extra), per_position, busiest, window, model_comm, memory, k))
-  return out
-
-
-def _position_seconds(costing: _Costing, layout: _Layout, costs: dict, counts: Sequence[int],
-                      peeled: bool) -> tuple[float, ...]:
-  """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
-  work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
-  return _shared_seconds(costing, layout, costs, work)
-
-
-def _shared_seconds(costing: _Costing, layout: _Layout, costs: dict, work: list[float]) -> tuple[float, ...]:
-  """Each position's per-step seconds plus its microbatch ``work``, on hosts whose devices share compute."""
-  cluster = costing.cluster
-  for h in layout.hosts:
-    host = cluster.hosts[h]
-    if host.alone_speedup > 1.0:
-      mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
-      finish = shared_finish_times([work[i] for i in mine], layout.m, host.count, host.alone_speedup)
-      for i, f in zip(mine, finish):
-        work[i] = f
-  return tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
-
-
-def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, speedup: float) -> tuple[float, ...]:
-  """When each position finishes its work on a host whose devices share compute.
-
-  ``seconds[i]``: position ``i``'s work at the rate of one device while all
-  ``capacity`` devices of the host are busy; a position occupies ``group``
-  devices. Processor sharing: while ``k`` positions are unfinished each runs
-  ``min(speedup, capacity / (k × group))`` times that rate, so positions that
-  finish early leave their share to the rest.
-  """
-  order = sorted(range(len(seconds)), key=lambda i: seconds[i])
-  finish = [0.0] * len(seconds)
-  now = done = 0.0
-  for rank, i in enumerate(order):
-    active = len(order) - rank
-    rate = min(speedup, capacity / (active * group))
-    now += (seconds[i] - done) / max(rate, 1e-12)
-    done = seconds[i]
-    finish[i] = now
-  return tuple(finish)
-
-
-def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
-             remat: str, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
-             name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL, reduce_dtype: str = "float32",
-             overlap: bool = False) -> Evaluated | None:
-  """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
-  costing = _Costing(cluster, profile, microbatch)
-  layout = _layout(cluster, name, positions, tensor_parallel.m)
-  found = _evaluate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule, name,
-                    (reduce_dtype,), overlap)
-  return found[0] if found else None
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -636,7 +168,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   peak = {k: s.f32_matmul_flops(reduced) for k, s in specs.items()}  # float32 matmuls' peak: dp_proportional
   fastest_kind = min(cluster.kinds, key=lambda k: profile.microbatch_seconds(specs[k], 1))
   sizes = microbatch_sizes(global_batch)
-  costing = _Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   tensor_parallel = bool(profile.traces or profile.strategy_spaces)  # a hand-made profile has no graph to split
   ms = tuple(m for m in model_sizes(cluster) if (models is None or m in models) and (m == 1 or tensor_parallel))
   plans: list[Evaluated] = []
@@ -644,14 +176,14 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   overflow: list[Evaluated] = []
   candidates = 0
 
-  made: dict[tuple, _Layout] = {}
+  made: dict[tuple, DeviceGroups] = {}
 
-  def layout_of(name: str, positions: tuple[int, ...], m: int) -> _Layout:
+  def layout_of(name: str, positions: tuple[int, ...], m: int) -> DeviceGroups:
     if (positions, m) not in made:
-      made[(positions, m)] = _layout(cluster, name, positions, m)
+      made[(positions, m)] = device_groups(cluster, name, positions, m)
     return dataclasses.replace(made[(positions, m)], name=name)
 
-  def consider(e: Evaluated | None, layout: _Layout, bucket: str | None) -> None:
+  def consider(e: Evaluated | None, layout: DeviceGroups, bucket: str | None) -> None:
     nonlocal candidates
     if e is None:
       return
@@ -664,7 +196,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     elif bucket not in best or e.step_seconds < best[bucket].step_seconds:
       best[bucket] = e
 
-  def fastest_fitting(layout: _Layout, microbatch: int, zero: int, remat: str, rule: Any, name: str,
+  def fastest_fitting(layout: DeviceGroups, microbatch: int, zero: int, remat: str, rule: Any, name: str,
                       bucket: str | None, fuse: bool = False) -> None:
     """The layout's candidates with every tensor-parallel choice that fits (the leanest if none does)."""
     choices = costing.choices(layout.m)
@@ -672,8 +204,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
     for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
       dtypes = tuple(grad_reduce_dtypes) if layout.m == 1 else ("float32",)
-      for e in _evaluate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes, overlap,
-                         fuse=fuse):
+      for e in price_candidate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes,
+                               overlap, fuse=fuse):
         consider(e, layout, bucket)
 
   for n_done, microbatch in enumerate(sizes):
@@ -692,8 +224,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                             fuse=fuse_overlap)
           if m == 1:
             for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
-              for e in _evaluate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
-                                 global_batch, rule, bucket, tuple(grad_reduce_dtypes), overlap):
+              for e in price_candidate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
+                                       global_batch, rule, bucket, tuple(grad_reduce_dtypes), overlap):
                 consider(e, layouts["all"], bucket)
           fastest_fitting(layouts[f"only {fastest_kind}"], microbatch, zero, remat, even, "fastest_only" + suffix,
                           "fastest_only")

@@ -15,7 +15,8 @@ from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroSplit, _h
                                allreduce_seconds, gather_seconds, zero_split)
 from hetspmd.devices import DEVICE_PRESETS
 from hetspmd.passes import cost
-from hetspmd.search import (BASELINES, PlanDoesNotFitError, _KindCost, balanced_counts, evaluate, even_counts,
+from hetspmd.pricing import KindCost
+from hetspmd.search import (BASELINES, PlanDoesNotFitError, balanced_counts, evaluate, even_counts,
                             microbatch_sizes, milp_counts, plan_from, profile_step, search)
 
 
@@ -100,7 +101,7 @@ def test_step_profile_splits_per_step_and_per_microbatch_work(gpt_profile):
 ])
 def test_milp_counts_minimise_the_makespan(micro, fixed, total, expected):
   kinds = ["A", "A", "B", "B"]
-  costs = {k: _KindCost(micro[k], fixed[k]) for k in micro}
+  costs = {k: KindCost(micro[k], fixed[k]) for k in micro}
   counts = milp_counts(kinds, costs, total)
   assert sum(counts) == total
   makespan = max(costs[k].fixed + costs[k].micro * c for k, c in zip(kinds, counts))
@@ -113,7 +114,7 @@ def test_balanced_counts_match_the_milp():
   rng = np.random.default_rng(0)
   for _ in range(200):
     kinds = [f"k{i}" for i in rng.integers(0, 3, size=rng.integers(1, 7))]
-    costs = {k: _KindCost(float(rng.uniform(0.1, 5)), float(rng.choice([0.0, rng.uniform(0, 3)]))) for k in kinds}
+    costs = {k: KindCost(float(rng.uniform(0.1, 5)), float(rng.choice([0.0, rng.uniform(0, 3)]))) for k in kinds}
     total = int(rng.integers(1, 30))
     counts = balanced_counts(kinds, costs, total)
     assert sum(counts) == total and min(counts) >= 0

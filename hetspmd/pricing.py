@@ -1,0 +1,516 @@
+"""Pricing one candidate plan: per-kind costs, microbatch counts, the overlapped and fused last pass.
+
+A candidate is a device set cut into model groups (:class:`DeviceGroups`, one data position each), a
+tensor-parallel choice, a microbatch size, a ZeRO stage and a remat policy. :class:`Costing` holds the
+search's caches (per-node seconds, strategy spaces, ILP frontiers); :func:`price_candidate` turns one
+candidate into an :class:`Evaluated` per reduce dtype: counts per position (:func:`balanced_counts`, or a
+baseline's rule), each position's seconds on hosts whose devices share compute, the gradient reduction and
+what of it hides behind the busiest position's last backward pass, and memory per device. The model behind
+the numbers is described in :mod:`hetspmd.search` and ``docs/cost-model.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hetspmd.cluster import Cluster
+from hetspmd.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel, gather_seconds, gradient_reductions,
+                               gradient_seconds, memory_per_device, zero_split)
+from hetspmd.errors import HetSpmdError
+from hetspmd.passes import strategies, strategy_ilp
+from hetspmd.passes.cost import StepProfile
+
+# Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
+# collectives' kernels share the device with the backward's (not yet calibrated on a device)
+OVERLAP_EFFICIENCY = 0.8
+FRONTIER_POINTS = 3           # tensor-parallel choices per (model size, kind) below the fastest
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluated:
+  """One costed candidate plan."""
+
+  name: str
+  device_positions: tuple[int, ...]   # cluster device ids in mesh order (data-major)
+  kinds: tuple[str, ...]              # per data position
+  microbatch: int
+  counts: tuple[int, ...]             # per data position
+  zero_stage: int
+  remat: str                          # a plan remat policy: one of hetspmd.plan.REMAT_POLICIES
+  compute_seconds: float              # slowest position, tensor-parallel collectives included
+  comm_seconds: float                 # gradient reduction over data
+  memory_bytes: tuple[int, ...]       # per device
+  global_batch: int
+  tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
+  model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
+  position_seconds: tuple[float, ...] = ()  # per data position: its microbatches' time
+  grad_reduce_dtype: str = "float32"  # the dtype gradients cross data in
+  overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
+  hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
+  overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
+
+  @property
+  def model(self) -> int:
+    return self.tensor_parallel.m
+
+  @property
+  def step_seconds(self) -> float:
+    return self.compute_seconds + self.comm_seconds - self.hidden_seconds
+
+  @property
+  def throughput(self) -> float:
+    return self.global_batch / self.step_seconds
+
+  def to_json(self, ideal: float) -> dict[str, Any]:
+    return {
+        "name": self.name,
+        "throughput": self.throughput,
+        "predicted_step_seconds": self.step_seconds,
+        "compute_seconds": self.compute_seconds,
+        "communication_seconds": self.comm_seconds,
+        "hidden_communication_seconds": self.hidden_seconds,
+        "grad_reduce_dtype": self.grad_reduce_dtype,
+        "overlap_reduction": self.overlap,
+        "overlap_microbatches": self.overlap_microbatches,
+        "model_communication_seconds": self.model_comm_seconds,
+        "efficiency": self.throughput / ideal,
+        "mesh": {"data": len(self.counts), "model": self.model},
+        "tensor_parallel": self.tensor_parallel.description,
+        "devices": list(self.device_positions),
+        "kinds": list(self.kinds),
+        "microbatch": self.microbatch,
+        "microbatch_counts": list(self.counts),
+        "zero_stage": self.zero_stage,
+        "remat": self.remat,
+        "memory_bytes": list(self.memory_bytes),
+    }
+
+
+
+@dataclasses.dataclass(frozen=True)
+class KindCost:
+  micro: float  # seconds per microbatch
+  fixed: float  # seconds per step
+  model_comm: float = 0.0  # of micro: tensor-parallel collectives
+  first: float = 0.0  # seconds the first microbatch costs over a later one
+
+  def at(self, count: int) -> float:
+    """Seconds of a position with ``count`` microbatches."""
+    return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)
+
+
+# --- counts -------------------------------------------------------------------------
+
+
+def milp_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) -> tuple[int, ...]:
+  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP).
+
+  Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
+  of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
+  ``z_k``; and the makespan ``T >= fixed_k + micro_k (c_k + z_k)``, where
+  ``fixed_k`` includes the first microbatch's extra (:attr:`KindCost.first`).
+  """
+  from scipy.optimize import Bounds, LinearConstraint, milp
+
+  order = list(dict.fromkeys(kinds))
+  n = {k: kinds.count(k) for k in order}
+  K = len(order)
+  # x = [c_0..c_K-1, e_0.., z_0.., T]
+  size = 3 * K + 1
+  c_idx, e_idx, z_idx, t_idx = (lambda i: i), (lambda i: K + i), (lambda i: 2 * K + i), 3 * K
+  rows, lower, upper = [], [], []
+  cover = np.zeros(size)
+  for i, k in enumerate(order):
+    cover[c_idx(i)], cover[e_idx(i)] = n[k], 1
+  rows.append(cover), lower.append(total), upper.append(total)
+  for i, k in enumerate(order):
+    link = np.zeros(size)
+    link[e_idx(i)], link[z_idx(i)] = 1, -n[k]
+    rows.append(link), lower.append(-np.inf), upper.append(0)
+    makespan = np.zeros(size)
+    makespan[t_idx], makespan[c_idx(i)], makespan[z_idx(i)] = 1, -costs[k].micro, -costs[k].micro
+    rows.append(makespan), lower.append(costs[k].fixed + costs[k].first), upper.append(np.inf)
+  objective = np.zeros(size)
+  objective[t_idx] = 1
+  integrality = np.ones(size)
+  integrality[t_idx] = 0
+  ub = np.full(size, np.inf)
+  for i, k in enumerate(order):
+    ub[e_idx(i)], ub[z_idx(i)] = n[k], 1
+  result = milp(objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
+                bounds=Bounds(np.zeros(size), ub))
+  if not result.success:
+    raise HetSpmdError(f"count MILP failed: {result.message}")
+  x = np.round(result.x).astype(int)
+  counts, extra_left = [], {k: x[e_idx(i)] for i, k in enumerate(order)}
+  for kind in kinds:
+    i = order.index(kind)
+    bump = 1 if extra_left[kind] > 0 else 0
+    extra_left[kind] -= bump
+    counts.append(int(x[c_idx(i)] + bump))
+  return tuple(counts)
+
+
+def balanced_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) -> tuple[int, ...]:
+  """Per-position counts minimising the slowest position's time; ``sum == total``.
+
+  Start from the continuous bound on the makespan ``T`` (every position busy
+  until ``T``, no one below its per-step work) and step through the
+  breakpoints ``fixed_k + micro_k c`` until the capacity ``sum_k n_k
+  floor((T - fixed_k) / micro_k)`` covers ``total``; then take the surplus,
+  one microbatch at a time, from the kind whose busiest position finishes
+  last. Counts within a kind differ by at most one, the first positions of a
+  kind taking the larger. ``fixed_k`` includes the first microbatch's extra.
+  """
+  order = list(dict.fromkeys(kinds))
+  n = {k: kinds.count(k) for k in order}
+  micro = {k: max(costs[k].micro, 1e-300) for k in order}
+  fixed = {k: costs[k].fixed + costs[k].first for k in order}
+  rate = sum(n[k] / micro[k] for k in order)
+  bound = max(max(fixed.values()), (total + sum(n[k] * fixed[k] / micro[k] for k in order)) / rate)
+  top = {k: max(0, math.floor((bound - fixed[k]) / micro[k] * (1 - 1e-12))) for k in order}
+  capacity = sum(n[k] * top[k] for k in order)
+  while capacity < total:
+    kind = min(order, key=lambda k: fixed[k] + micro[k] * (top[k] + 1))
+    top[kind] += 1
+    capacity += n[kind]
+  full = dict(n)  # positions of each kind at the top count; the rest hold one less
+  surplus = capacity - total
+  while surplus > 0:
+    kind = max((k for k in order if top[k] > 0), key=lambda k: fixed[k] + micro[k] * top[k])
+    take = min(surplus, full[kind])
+    full[kind] -= take
+    surplus -= take
+    if full[kind] == 0:
+      top[kind] -= 1
+      full[kind] = n[kind]
+  counts, seen = [], {k: 0 for k in order}
+  for kind in kinds:
+    counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
+    seen[kind] += 1
+  return tuple(counts)
+
+
+def even_counts(n: int, total: int) -> tuple[int, ...]:
+  return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+
+
+def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
+  from hetspmd.plan import proportional_counts
+
+  return proportional_counts(weights, total)
+
+
+# --- layouts and tensor-parallel choices -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroups:
+  """A device set cut into model groups (data positions)."""
+
+  name: str
+  groups: tuple[tuple[int, ...], ...]
+  kinds: tuple[str, ...]        # per group
+  hosts: dict[int, int]         # host -> groups in it
+  memory: int                   # smallest device memory
+  devices: tuple[int, ...]      # the groups, flattened
+
+  @property
+  def m(self) -> int:
+    return len(self.groups[0])
+
+
+def device_groups(cluster: Cluster, name: str, positions: Sequence[int], m: int) -> DeviceGroups:
+  devices = cluster.devices
+  groups = tuple(tuple(positions[i:i + m]) for i in range(0, len(positions), m))
+  for g in groups:
+    if len(g) != m or len({devices[i].host for i in g}) != 1:
+      raise HetSpmdError(f"devices {list(g)} do not form a model group of {m} in one host")
+  hosts: dict[int, int] = {}
+  for g in groups:
+    hosts[devices[g[0]].host] = hosts.get(devices[g[0]].host, 0) + 1
+  return DeviceGroups(name, groups, tuple(devices[g[0]].spec.name for g in groups), hosts,
+                 min(devices[i].spec.memory_bytes for i in positions), tuple(positions))
+
+
+class Costing:
+  """Per-search caches: per-node seconds, strategy spaces, ILP frontiers, assessed choices."""
+
+  def __init__(self, cluster: Cluster, profile: StepProfile, reference_microbatch: int, recompute: float = 1.0):
+    self.cluster, self.profile, self.reference = cluster, profile, reference_microbatch
+    self.recompute = recompute
+    self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
+    self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
+                  for k in cluster.kinds}
+    self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
+    self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
+    self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
+    self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
+    self._assessed: dict[tuple, strategy_ilp.Solution] = {}
+    self._remat: dict[tuple[str, int, str], float] = {}
+    self._reductions: dict[tuple, float] = {}
+    self._first: dict[tuple[str, int], float] = {}
+    self._backward: dict[tuple[str, int], float] = {}
+
+  def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
+                       reduce_dtype: str = "float32") -> tuple[float, float]:
+    """(:func:`gradient_seconds` in ``reduce_dtype``, ZeRO's parameter gather: :func:`gather_seconds`)."""
+    key = (tuple(sorted(layout.hosts.items())), tp.m, tp.param_share, min(zero, 1), reduce_dtype)
+    if key not in self._reductions:
+      reduce = gradient_seconds(self.cluster, layout.hosts, self.profile, tp, zero, REDUCE_BYTES[reduce_dtype])
+      gather = gather_seconds(self.cluster, layout.hosts, self.profile, tp) if zero >= 1 else 0.0
+      self._reductions[key] = (reduce, gather)
+    return self._reductions[key]
+
+  def backward_share(self, kind: str, microbatch: int) -> float:
+    """The backward pass's share of a microbatch's compute (what an overlapped reduction can hide behind)."""
+    key = (kind, microbatch)
+    if key not in self._backward:
+      seconds = self.node_seconds(kind, microbatch)
+      plain = float(seconds.sum())
+      backward = float(seconds[~self.profile.forward].sum()) if self.profile.forward.size else 2 * plain / 3
+      self._backward[key] = backward / plain if plain > 0 else 0.0
+    return self._backward[key]
+
+  def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
+    key = (kind, microbatch)
+    if key not in self._node_seconds:
+      self._node_seconds[key] = self.profile.node_seconds(self.specs[kind], microbatch) * ~self.profile.per_step
+    return self._node_seconds[key]
+
+  def space(self, m: int) -> strategies.StrategySpace:
+    """Prepared by :func:`hetspmd.search.profile_step` for :data:`hetspmd.search.MODEL_SIZES`; built here (once)
+    for other sizes."""
+    if m not in self._spaces:
+      self._spaces[m] = strategies.strategy_space(self.profile, m)
+    return self._spaces[m]
+
+  def choices(self, m: int) -> tuple[TensorParallel, ...]:
+    """The union over kinds of each kind's time/memory frontier on a model axis of ``m``."""
+    if m == 1:
+      return (NO_TENSOR_PARALLEL,)
+    if m not in self._frontiers:
+      space, found = self.space(m), {}
+      for kind in self.cluster.kinds:
+        for solution in strategy_ilp.frontier(space, self.node_seconds(kind, self.reference), self.links[kind],
+                                            self.reference, FRONTIER_POINTS + 1):
+          found.setdefault(solution.choice, solution)
+      self._frontiers[m] = tuple(_tensor_parallel(space, s) for s in found.values())
+    return self._frontiers[m]
+
+  def first_extra(self, kind: str, microbatch: int) -> float:
+    """The first microbatch's extra seconds over a later one (writes to fresh memory), without tensor parallelism."""
+    key = (kind, microbatch)
+    if key not in self._first:
+      self._first[key] = self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch)
+    return self._first[key]
+
+  def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:
+    """Compute with the policy's recomputation over compute without."""
+    key = (kind, microbatch, remat)
+    if key not in self._remat:
+      seconds = self.node_seconds(kind, microbatch)
+      plain = float(seconds.sum())
+      again = float(seconds[self.profile.recomputed(remat)].sum())
+      self._remat[key] = (1.0 + again / plain if plain > 0 else 1.0) * self.recompute
+    return self._remat[key]
+
+  def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:
+    remat_factor = self.remat_factor(kind, microbatch, remat)
+    zs = zero_split(self.profile, n, tp)
+    fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
+    if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
+      fixed += self.profile.param_bytes * zs.gathered * tp.param_share / self.specs[kind].write_rate
+    accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
+    plain = float(self.node_seconds(kind, microbatch).sum())
+    first = self.first_extra(kind, microbatch) * remat_factor
+    if tp.m == 1:
+      return KindCost(plain * remat_factor + accumulate, fixed, first=first)
+    key = (tp.m, tp.choice, kind, microbatch)
+    if key not in self._assessed:
+      self._assessed[key] = strategy_ilp.assess(self.space(tp.m), tp.choice, self.node_seconds(kind, microbatch),
+                                              self.links[kind], microbatch)
+    solution = self._assessed[key]
+    share = solution.compute_seconds / plain if plain > 0 else 1.0
+    return KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds + accumulate, fixed,
+                     solution.comm_seconds, first * share)
+
+
+def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
+  m = space.m
+  sharded = sum(d.options[o].activation_share for d, o in zip(space.decisions, solution.choice))
+  return TensorParallel(
+      m=m, choice=solution.choice, description=strategy_ilp.describe(space, solution.choice),
+      model_dims=tuple(sorted(strategy_ilp.param_dims(space, solution.choice).items())),
+      param_share=solution.param_elements / max(1, space.param_elements),
+      activation_share=max(1 / m, 1 - min(1.0, sharded) * (1 - 1 / m)))
+
+
+# --- evaluation ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """One way to run a candidate's microbatches, before the gradient reduction is priced."""
+
+  peeled: bool                         # each position's last pass runs after its loop, overlapping the reduction
+  counts: tuple[int, ...]              # microbatches per position
+  position_seconds: tuple[float, ...]  # per position: its per-step work and its microbatches
+  busiest: int                         # the position that finishes last
+  window: float                        # seconds of the busiest position's last backward pass that hide reductions
+  model_comm: float                    # the busiest position's tensor-parallel collectives
+  memory: tuple[int, ...]              # per device
+  fused: int = 1                       # microbatches the last pass runs as one batch
+
+  def evaluated(self, name: str, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int, remat: str,
+                global_batch: int, dtype: str, reduce: float, hidden: float) -> Evaluated:
+    return Evaluated(name, layout.devices, layout.kinds, microbatch, self.counts, zero, remat,
+                     self.position_seconds[self.busiest], reduce, self.memory, global_batch, tp, self.model_comm,
+                     self.position_seconds, dtype, self.peeled and hidden > 0, hidden, self.fused)
+
+
+def price_candidate(costing: Costing, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int,
+                    remat: str, global_batch: int, counts_rule: Any, name: str,
+                    reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = False,
+                    fuse: bool = False) -> list[Evaluated]:
+  """One candidate costed once per reduce dtype (the counts and compute are the same for all).
+
+  ``overlap``: each position's last microbatch runs after its loop (a position with none runs one,
+  masked), and the gradient reductions hide behind the busiest one's backward pass. ``fuse`` (weighted
+  counts only): also try that last pass as ``k`` microbatches run as one batch (:func:`fused_timings`).
+  """
+  n = len(layout.groups)
+  total = global_batch // microbatch
+  costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
+  counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
+  if len(counts) != n or sum(counts) != total:
+    return []
+  memory = (memory_per_device(costing.profile, n, microbatch, zero, remat, tp),) * len(layout.devices)
+  # a masked microbatch on a position with none can cost more than the overlap saves: try both
+  options = [False, True] if overlap and n > 1 and min(counts) == 0 else [overlap and n > 1]
+  timed = []
+  for peeled in options:
+    per_position = _position_seconds(costing, layout, costs, counts, peeled)
+    busiest = max(range(n), key=lambda i: per_position[i])
+    kind = layout.kinds[busiest]
+    # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
+    window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
+    model_comm = costs[kind].model_comm * max(counts[busiest], int(peeled))
+    timed.append(Timing(peeled, tuple(counts), per_position, busiest, window if peeled else 0.0, model_comm, memory))
+  if fuse and overlap and n > 1:
+    timed += fused_timings(costing, layout, tp, microbatch, zero, remat, total)
+  reductions = gradient_reductions(costing.profile, tp.m)
+  out = []
+  for dtype in reduce_dtypes:
+    reduce, gather = costing.gradient_seconds(layout, tp, zero, dtype)
+    best = None
+    for timing in timed:
+      # all but the last collective can run under the busiest position's last backward pass
+      hidden = min(timing.window, reduce * (1 - 1 / reductions))
+      if timing.fused > 1 and hidden <= 0:  # a fused pass with nothing to hide is only a coarser weighting
+        continue
+      e = timing.evaluated(name, layout, tp, microbatch, zero, remat, global_batch, dtype, reduce + gather, hidden)
+      if best is None or e.step_seconds < best.step_seconds:
+        best = e
+    out.append(best)
+  return out
+
+
+# the fused pass's sizes tried, as shares of the most microbatches every position can run
+FUSED_SHARES = (1.0, 0.875, 0.75, 0.5, 0.25)
+
+
+def fused_timings(costing: Costing, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int,
+                  remat: str, total: int) -> list[Timing]:
+  """Timings of the candidate with its overlapped last pass fused: ``k`` microbatches run as one batch.
+
+  A bigger last pass has a longer backward pass to hide the gradient reductions under, while the loop's
+  small microbatches still weight the positions: position ``i`` runs ``counts[i] - k`` microbatches in
+  its loop, then ``k * microbatch`` examples at once. Every position runs the fused pass, so the counts
+  are the weighted counts of the other ``total - n k`` microbatches, on top of ``k`` each.
+  """
+  n = len(layout.groups)
+  most = total // n
+  out = []
+  for k in sorted({max(2, round(share * most)) for share in FUSED_SHARES if share * most >= 2}):
+    if total == n * k:  # the fused pass is all of every position's work: the plain plan at k * microbatch
+      continue
+    size = k * microbatch
+    memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
+    if memory[0] > layout.memory:
+      continue
+    costs, fused, loop_costs = {}, {}, {}
+    for kind in dict.fromkeys(layout.kinds):
+      loop, last = costing.kind_cost(kind, tp, microbatch, remat, zero, n), costing.kind_cost(kind, tp, size, remat,
+                                                                                           zero, n)
+      # for the counts: every position runs the fused pass, then its share of the loop
+      costs[kind] = KindCost(loop.micro, loop.fixed + last.micro, loop.model_comm, max(loop.first, last.first))
+      fused[kind], loop_costs[kind] = last, loop
+    extra = balanced_counts(layout.kinds, costs, total - n * k)
+    # the fused pass, then the loop (its first microbatch writing to fresh memory), or the pass alone first
+    work = [fused[kind].micro + (loop_costs[kind].first + loop_costs[kind].micro * c if c else fused[kind].first)
+            for kind, c in zip(layout.kinds, extra)]
+    per_position = _shared_seconds(costing, layout, loop_costs, work)
+    busiest = max(range(n), key=lambda i: per_position[i])
+    kind = layout.kinds[busiest]
+    window = OVERLAP_EFFICIENCY * fused[kind].micro / costing.recompute * costing.backward_share(kind, size)
+    model_comm = costs[kind].model_comm * extra[busiest] + fused[kind].model_comm
+    out.append(Timing(True, tuple(c + k for c in extra), per_position, busiest, window, model_comm, memory, k))
+  return out
+
+
+def _position_seconds(costing: Costing, layout: DeviceGroups, costs: dict, counts: Sequence[int],
+                      peeled: bool) -> tuple[float, ...]:
+  """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
+  work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
+  return _shared_seconds(costing, layout, costs, work)
+
+
+def _shared_seconds(costing: Costing, layout: DeviceGroups, costs: dict, work: list[float]) -> tuple[float, ...]:
+  """Each position's per-step seconds plus its microbatch ``work``, on hosts whose devices share compute."""
+  cluster = costing.cluster
+  for h in layout.hosts:
+    host = cluster.hosts[h]
+    if host.alone_speedup > 1.0:
+      mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
+      finish = shared_finish_times([work[i] for i in mine], layout.m, host.count, host.alone_speedup)
+      for i, f in zip(mine, finish):
+        work[i] = f
+  return tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
+
+
+def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, speedup: float) -> tuple[float, ...]:
+  """When each position finishes its work on a host whose devices share compute.
+
+  ``seconds[i]``: position ``i``'s work at the rate of one device while all
+  ``capacity`` devices of the host are busy; a position occupies ``group``
+  devices. Processor sharing: while ``k`` positions are unfinished each runs
+  ``min(speedup, capacity / (k × group))`` times that rate, so positions that
+  finish early leave their share to the rest.
+  """
+  order = sorted(range(len(seconds)), key=lambda i: seconds[i])
+  finish = [0.0] * len(seconds)
+  now = done = 0.0
+  for rank, i in enumerate(order):
+    active = len(order) - rank
+    rate = min(speedup, capacity / (active * group))
+    now += (seconds[i] - done) / max(rate, 1e-12)
+    done = seconds[i]
+    finish[i] = now
+  return tuple(finish)
+
+
+def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
+             remat: str, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
+             name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL, reduce_dtype: str = "float32",
+             overlap: bool = False) -> Evaluated | None:
+  """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
+  costing = Costing(cluster, profile, microbatch)
+  layout = device_groups(cluster, name, positions, tensor_parallel.m)
+  found = price_candidate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule,
+                          name, (reduce_dtype,), overlap)
+  return found[0] if found else None
