@@ -577,9 +577,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
   if microbatch is None:
     microbatch = default_microbatch(global_batch, mesh.shape[0]) if counts is None else global_batch // max(
         1, sum(counts))
-  if global_batch % microbatch:
-    raise InvalidValueError(f"global batch {global_batch} is not divisible by the microbatch {microbatch}; "
-                            f"valid microbatches: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}")
+  _check_microbatch(global_batch, microbatch, counts)
   if counts is None:
     counts = proportional_counts(mesh.speed_weights(dtype), global_batch // microbatch)
   devices = cluster.devices
@@ -630,10 +628,20 @@ def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:
   return np.ndim(leaf) >= 1 and np.shape(leaf)[0] == layers and layers % len(stages) == 0
 
 
-def balanced_counts(microbatches: int, positions: int) -> tuple[int, ...]:
-  """``microbatches`` spread over ``positions`` as evenly as they go, the first positions taking one more."""
-  base, extra = divmod(microbatches, positions)
-  return tuple(base + (p < extra) for p in range(positions))
+def even_counts(n: int, total: int) -> tuple[int, ...]:
+  """``total`` microbatches spread over ``n`` positions as evenly as they go, the first positions taking one more."""
+  return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+
+
+def _check_microbatch(global_batch: int, microbatch: int, counts: Sequence[int] | None) -> None:
+  """The microbatch a plan's counts are in divides the global batch (a clear error before the Plan's own checks)."""
+  if counts is not None and microbatch < 1:
+    raise InvalidValueError(f"microbatch counts {list(counts)} hold {sum(counts)} microbatches, more than the global "
+                            f"batch of {global_batch} examples; give counts whose sum times the microbatch is "
+                            f"{global_batch}")
+  if microbatch < 1 or global_batch % microbatch:
+    raise InvalidValueError(f"global batch {global_batch} is not divisible by the microbatch {microbatch}; "
+                            f"valid microbatches: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}")
 
 
 def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
@@ -646,13 +654,14 @@ def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_b
   if microbatch is None:
     microbatch = default_microbatch(global_batch, positions) if counts is None else global_batch // max(
         1, sum(counts))
-  if global_batch % microbatch or global_batch < positions * microbatch:
+  _check_microbatch(global_batch, microbatch, counts)
+  if counts is None and global_batch < positions * microbatch:
     raise InvalidValueError(f"global batch {global_batch} does not split into microbatches of {microbatch} with at "
                             f"least one for each of the {positions} data positions; valid microbatches: "
                             f"{[d for d in range(1, global_batch // positions + 1) if global_batch % d == 0]}")
   # every tick is lockstep across the data positions, so the fastest split is the most even one (the
   # stages' layers carry the weighting); a position past its count skips the ticks' work
-  counts = balanced_counts(global_batch // microbatch, positions) if counts is None else tuple(counts)
+  counts = even_counts(positions, global_batch // microbatch) if counts is None else tuple(counts)
   grid = np.arange(n).reshape(S, positions).T  # stage s holds devices s * positions ... (consecutive hosts)
   mesh = HetMesh(cluster, ("data", STAGE_AXIS), (positions, S), tuple(int(i) for i in grid.ravel()))
   devices = cluster.devices

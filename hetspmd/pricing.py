@@ -23,6 +23,7 @@ from hetspmd.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel,
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import strategies, strategy_ilp
 from hetspmd.passes.cost import StepProfile
+from hetspmd.plan import even_counts as even_counts  # the baselines' rule
 
 # Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
 # collectives' kernels share the device with the backward's (not yet calibrated on a device)
@@ -88,7 +89,6 @@ class Evaluated:
         "remat": self.remat,
         "memory_bytes": list(self.memory_bytes),
     }
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,10 +193,6 @@ def balanced_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int
     counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
     seen[kind] += 1
   return tuple(counts)
-
-
-def even_counts(n: int, total: int) -> tuple[int, ...]:
-  return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
 
 
 def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:

@@ -304,7 +304,8 @@ class ParallelStep:
 
     def run(state, others, counts, starts):
       if self._lockstep is None:
-        self._lockstep = not plan.is_uniform and _loop_needs_lockstep(
+        # a stage plan's ticks are lockstep by construction: its positions' counts only mask work
+        self._lockstep = not plan.is_uniform and not plan.stages and _loop_needs_lockstep(
             program(False).lower(state, others, counts, starts))
       return program(bool(self._lockstep))(state, others, counts, starts)
 

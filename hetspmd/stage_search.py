@@ -34,7 +34,7 @@ import numpy as np
 
 from hetspmd.cluster import Cluster
 from hetspmd.errors import HetSpmdError
-from hetspmd.plan import balanced_counts
+from hetspmd.plan import even_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
           ) -> StagePlan | None:
   """One stage plan's predicted step; None when it does not fit memory or the batch does not split into
   microbatches of ``microbatch``, at least one per data position. A batch the positions do not divide is
-  spread as :func:`hetspmd.plan.balanced_counts` spreads it, and runs as many ticks as the most any takes.
+  spread as :func:`hetspmd.plan.even_counts` spreads it, and runs as many ticks as the most any takes.
   ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``reduce_dtype``:
   the dtype gradients cross in (:func:`hetspmd.staged` casts them for the wire, accumulation stays float32)."""
   from hetspmd.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
@@ -156,7 +156,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   if (any(sum(cluster.hosts[h].count for h in g) != width for g in hosts) or global_batch % microbatch
       or global_batch < width * microbatch):
     return None
-  counts = balanced_counts(global_batch // microbatch, width)
+  counts = even_counts(width, global_batch // microbatch)
   M = counts[0]
   first_of = np.cumsum([0] + [h.count for h in cluster.hosts])
   costs = _stage_costs(cluster, profile, stack, hosts, microbatch) if costs is None else costs

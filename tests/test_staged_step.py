@@ -132,6 +132,7 @@ def test_stages_train_like_one_device(stages, microbatch, count):
     _metrics_close(expected, metrics)
   _close(ref.params, state.params)
   _close(ref.opt_state, state.opt_state)
+  assert step._lockstep is False  # the ticks are lockstep already: uneven counts compile one program, not two
   kernel = state.params["blocks"]["Dense_0"]["kernel"]  # [layers, ...]: split over the stages when they divide it
   split = LAYERS % len(stages) == 0
   assert kernel.sharding.spec == (jax.sharding.PartitionSpec("stage") if split else jax.sharding.PartitionSpec())
@@ -387,6 +388,12 @@ def test_stage_plans_refuse_options_they_do_not_take():
     hs.plan_for(cluster, _state(), global_batch=6, microbatch=2, stages=(3, 1))
   with pytest.raises(hs.InvalidValueError, match="cover 10 examples, not the global batch of 8"):
     hs.plan_for(cluster, _state(), global_batch=8, microbatch=1, stages=(3, 1), counts=(4, 2, 2, 2))
+  # counts given may leave positions empty; counts that hold more microbatches than examples say so
+  plan = hs.plan_for(cluster, _state(), global_batch=4, microbatch=2, stages=(3, 1), counts=(2, 0, 0, 0))
+  assert plan.microbatch_counts == (2, 0, 0, 0)
+  for stages in ((3, 1), ()):
+    with pytest.raises(hs.InvalidValueError, match="hold 6 microbatches, more than the global batch of 4"):
+      hs.plan_for(cluster, _state(), global_batch=4, stages=stages, counts=(3, 3) + (0,) * (2 if stages else 6))
 
 
 @pytest.mark.timeout(600)
