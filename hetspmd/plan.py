@@ -574,10 +574,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
                               f"and no overlap; drop {[k for k, v in given.items() if v]} or drop stages")
     return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, counts, remat, grad_reduce_dtype)
   mesh = _layout(cluster, layout)
-  if microbatch is None:
-    microbatch = default_microbatch(global_batch, mesh.shape[0]) if counts is None else global_batch // max(
-        1, sum(counts))
-  _check_microbatch(global_batch, microbatch, counts)
+  microbatch = _microbatch_for(global_batch, mesh.shape[0], microbatch, counts)
   if counts is None:
     counts = proportional_counts(mesh.speed_weights(dtype), global_batch // microbatch)
   devices = cluster.devices
@@ -633,15 +630,21 @@ def even_counts(n: int, total: int) -> tuple[int, ...]:
   return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
 
 
-def _check_microbatch(global_batch: int, microbatch: int, counts: Sequence[int] | None) -> None:
-  """The microbatch a plan's counts are in divides the global batch (a clear error before the Plan's own checks)."""
-  if counts is not None and microbatch < 1:
-    raise InvalidValueError(f"microbatch counts {list(counts)} hold {sum(counts)} microbatches, more than the global "
-                            f"batch of {global_batch} examples; give counts whose sum times the microbatch is "
-                            f"{global_batch}")
+def _microbatch_for(global_batch: int, positions: int, microbatch: int | None, counts: Sequence[int] | None) -> int:
+  """The plan's microbatch: as given, else what ``counts`` imply, else :func:`default_microbatch`; it must divide
+  the global batch (a clear error before the Plan's own checks)."""
+  if microbatch is None:
+    if counts is None:
+      return default_microbatch(global_batch, positions)
+    if sum(counts) > global_batch:
+      raise InvalidValueError(f"microbatch counts {list(counts)} hold {sum(counts)} microbatches, more than the "
+                              f"global batch of {global_batch} examples; give counts whose sum times the microbatch "
+                              f"is {global_batch}")
+    microbatch = global_batch // max(1, sum(counts))
   if microbatch < 1 or global_batch % microbatch:
     raise InvalidValueError(f"global batch {global_batch} is not divisible by the microbatch {microbatch}; "
                             f"valid microbatches: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}")
+  return microbatch
 
 
 def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
@@ -651,10 +654,7 @@ def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_b
     raise InvalidValueError(f"{n} devices do not form {S} stages of equal size; valid stage counts: "
                             f"{[k for k in range(1, n + 1) if n % k == 0]}")
   positions = n // S
-  if microbatch is None:
-    microbatch = default_microbatch(global_batch, positions) if counts is None else global_batch // max(
-        1, sum(counts))
-  _check_microbatch(global_batch, microbatch, counts)
+  microbatch = _microbatch_for(global_batch, positions, microbatch, counts)
   if counts is None and global_batch < positions * microbatch:
     raise InvalidValueError(f"global batch {global_batch} does not split into microbatches of {microbatch} with at "
                             f"least one for each of the {positions} data positions; valid microbatches: "

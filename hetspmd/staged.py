@@ -299,6 +299,10 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     s = jax.lax.axis_index(st)
     mine, first, last = jnp.asarray(layers, jnp.int32)[s], s == 0, s == S - 1
     count = counts[0]  # this data position's microbatches: its row of stages skips the ticks past them
+
+    def slot(t, lag):
+      valid, ii = tick_slot(t, lag, M)
+      return valid & (ii < count), ii
     my_rows = jnp.asarray(rows)[s]
     outer = dict(zip(loop_inputs, values))
     padded = {v: exchange.gather(outer[v], s) for v in loop_inputs if v in sharded}
@@ -379,8 +383,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     def forward_tick(t, carry):
       send, saved, acc, top = carry
       recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
-      valid, ii = tick_slot(t, s, M)
-      valid = valid & (ii < count)
+      valid, ii = slot(t, s)
       env, offset = microbatch_env(ii)
       acc = combine(acc, masked(run_group(stack.pre, env, offset), valid & first))
       fin = scan_inputs(fe, fd, env, offset)
@@ -414,8 +417,7 @@ def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, count
     def backward_tick(t, carry):
       send, grads, acc = carry
       recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
-      valid, ii = tick_slot(t, S - 1 - s, M)
-      valid = valid & (ii < count)
+      valid, ii = slot(t, S - 1 - s)
       env, offset = microbatch_env(ii)
       run_group(stack.pre, env, offset)  # B reads its values (masks); its sums were taken in the forward tick
       given = b_operands(env, offset)
