@@ -43,9 +43,10 @@ WORKER = textwrap.dedent("""
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank, initialization_timeout=120)
     import numpy as np
     import hetspmd as hs
-    from hetspmd import models, profiler
+    from hetspmd import models
+    from hetspmd.hardware import profiler
     from hetspmd.models.mlp import MLPConfig
-    from hetspmd.search import balanced_counts, evaluate, plan_from, profile_step
+    from hetspmd.planner.ranking import balanced_counts, evaluate, plan_from, profile_step
     from jax.experimental import multihost_utils
 
     workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))

@@ -3,7 +3,7 @@
     python benchmarks/expert_estimate.py [--case hap-v100-p100:bert-moe-base:2048:128 ...]
 
 hetspmd splits experts over the ``model`` axis, inside one host (the ``expert`` split of
-:mod:`hetspmd.passes.strategies`): the group's tokens are on all its devices, so no all-to-all is
+:mod:`hetspmd.passes.sharding.strategies`): the group's tokens are on all its devices, so no all-to-all is
 needed, but every host still holds every expert, and each expert's gradient still crosses the
 network once per step. Splitting the experts over ``k`` groups of hosts instead (each host holding
 ``E / k`` of them, data parallel inside the host) takes ``E (k - 1) / k`` experts' gradients off each
@@ -15,7 +15,7 @@ that trade with the search's own pieces, to say whether building it would pay, a
   in the forward pass, their transposes in the backward pass), ``(k - 1) / k`` of them off the host,
   through the host's one network link, in the model's compute dtype; all-to-alls sit on the critical
   path (the next matmul waits for its tokens), so none of it is hidden;
-* the gradient reduction the same way the search prices it (:func:`hetspmd.data_axis.allreduce_seconds`:
+* the gradient reduction the same way the search prices it (:func:`hetspmd.planner.data_axis.allreduce_seconds`:
   a ring in each host, then across hosts, one ring's bytes through each host's link), in the reduce
   dtype of today's best plan: the dense parameters over every host, each group's experts over the
   ``H / k`` hosts that hold them;
@@ -43,7 +43,7 @@ CASES = [  # (cluster, model, global batch, sequence)
 
 def dispatch_bytes_per_example(profile) -> float:
   """Bytes of the forward dispatch einsums' outputs per example, over all MoE blocks."""
-  from hetspmd.passes.cost import fit_linear
+  from hetspmd.passes.costing.step_cost import fit_linear
 
   small, large = profile.traces
 
@@ -77,8 +77,8 @@ def main() -> None:
   cases = [(c, m, int(b), int(s)) for c, m, b, s in (x.split(":") for x in args.case)] or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.data_axis import REDUCE_BYTES, allreduce_seconds
-  from hetspmd.search import profile_step, search
+  from hetspmd.planner.data_axis import REDUCE_BYTES, allreduce_seconds
+  from hetspmd.planner.ranking import profile_step, search
 
   print(f"{'cluster':<14} {'model':<19} {'batch':>5} {'seq':>4} {'hosts':>5} {'best s':>7} {'reduce s':>8} {'k':>2} "
         f"{'reduce s':>8} {'a2a s':>7} {'step s':>7} {'ratio':>6} {'even at batch':>13}")

@@ -51,7 +51,7 @@ def main() -> None:
 
   import hetspmd as hs
   from hetspmd import models
-  from hetspmd.search import evaluate, plan_from, profile_step
+  from hetspmd.planner.ranking import evaluate, plan_from, profile_step
 
   from _steps import median_step_seconds
 

@@ -160,10 +160,10 @@ def estimate(cluster, profile, units: Units, batch: int, overlapped: bool = Fals
   """The fastest pipeline plan that fits; ``overlapped``: boundary transfers and gradient reductions hide behind
   compute (a bound no schedule beats). ``schedule``: ``"1f1b"`` (each stage's forward and backward of a
   microbatch per tick, ``min(M, S)`` microbatches in flight), or ``"gpipe"``, what
-  :func:`hetspmd.pipeline.pipelined_grad` runs: lockstep forward ticks then backward ticks, each as long
+  :func:`hetspmd.lowering.pipeline.pipelined_grad` runs: lockstep forward ticks then backward ticks, each as long
   as its slowest stage, either every residual of all ``M`` microbatches kept, or only each unit's input
   kept and its forward recomputed in the backward (whichever is faster and fits)."""
-  from hetspmd.data_axis import WORKSPACE
+  from hetspmd.planner.data_axis import WORKSPACE
 
   hosts = list(range(len(cluster.hosts)))
   first_of = np.cumsum([0] + [h.count for h in cluster.hosts])
@@ -240,7 +240,7 @@ def estimate(cluster, profile, units: Units, batch: int, overlapped: bool = Fals
 def _best_of(best, cluster, groups, counts, bounds, params, optimizer, first_of, m, stages, tick, microbatch,
              overlapped, recompute):
   """``best`` or this split at its fastest gradient-reduction dtype, whichever is faster."""
-  from hetspmd.data_axis import REDUCE_BYTES, allreduce_seconds
+  from hetspmd.planner.data_axis import REDUCE_BYTES, allreduce_seconds
 
   for dtype, wire in REDUCE_BYTES.items():
     reduce = max(allreduce_seconds(cluster, [p for h in g for p in range(first_of[h], first_of[h + 1])],
@@ -263,7 +263,7 @@ def main() -> None:
       or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.search import profile_step, search
+  from hetspmd.planner.ranking import profile_step, search
 
   print(f"{'cluster':<15} {'model':<13} {'batch':>5} {'best plan s':>11} {'1F1B s':>8} {'ratio':>6} "
         f"{'hidden s':>8} {'ratio':>6} {'built s':>8} {'ratio':>6}  built schedule's plan (lockstep GPipe)")
@@ -287,7 +287,7 @@ def main() -> None:
     print(row, flush=True)
   print("ratio = today's best step / the pipeline estimate (> 1: a pipeline would be faster); 1F1B: nothing "
         "overlapped; hidden: 1F1B with every boundary transfer and gradient reduction hidden behind compute (a "
-        "bound); built: the schedule hetspmd.pipeline runs, nothing overlapped")
+        "bound); built: the schedule hetspmd.lowering.pipeline runs, nothing overlapped")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
     python benchmarks/pipeline_hetero.py [--layers 12] [--microbatches 8] [--steps 7] [--slowdown-seconds 240]
 
 Two processes with one CPU device each, pinned to separate cores with ``taskset`` and joined by
-``jax.distributed`` (gloo on 127.0.0.1); each process is one stage of :func:`hetspmd.pipeline.pipelined_grad`
+``jax.distributed`` (gloo on 127.0.0.1); each process is one stage of :func:`hetspmd.lowering.pipeline.pipelined_grad`
 (a stack of residual MLP layers, a squared-error head on the last stage). A busy loop pinned to the
 second core (it stops by itself after ``--slowdown-seconds``) makes that device slower. Each process
 times one layer's forward and backward and the head on its own device; the weighted split is the one
-:func:`hetspmd.pipeline.schedule_seconds` predicts fastest on those times. Printed side by side, from
+:func:`hetspmd.lowering.pipeline.schedule_seconds` predicts fastest on those times. Printed side by side, from
 one run:
 
 * even: half the layers on each stage;
@@ -36,7 +36,7 @@ WORKER = textwrap.dedent("""
     import numpy as np, jax.numpy as jnp
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from hetspmd import pipeline
+    from hetspmd.lowering import pipeline
 
     WIDTH, EXAMPLES = 512, 256
 

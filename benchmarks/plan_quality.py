@@ -77,7 +77,7 @@ def mechanisms(e) -> str:
 
 def main() -> None:
   from hetspmd import Cluster, models
-  from hetspmd.search import profile_step, search
+  from hetspmd.planner.ranking import profile_step, search
 
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)

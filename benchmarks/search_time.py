@@ -23,7 +23,7 @@ def main() -> None:
   args = parser.parse_args()
 
   from hetspmd import Cluster, models
-  from hetspmd.search import profile_step, search
+  from hetspmd.planner.ranking import profile_step, search
 
   workload = models.get(args.model)
   start = time.perf_counter()

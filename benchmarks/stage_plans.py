@@ -4,7 +4,7 @@
 
 Both columns are the cost model's predictions on the same traced step (the ``-scan`` variant of the model,
 its blocks stacked and run by one ``nnx.scan``): the best plan ``hetspmd.search`` finds over data and model
-axes, and the best stage plan ``hetspmd.stage_search`` finds (lockstep GPipe ticks over stages of whole
+axes, and the best stage plan ``hetspmd.planner.stages`` finds (lockstep GPipe ticks over stages of whole
 hosts, layers split by the stages' speed). The schedule itself is measured in ``pipeline_hetero.py``.
 """
 
@@ -28,8 +28,8 @@ def main() -> None:
   cases = [(c, m, int(b)) for c, m, b in (x.split(":") for x in args.case)] or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.search import profile_step, search
-  from hetspmd.stage_search import describe, search_stages
+  from hetspmd.planner.ranking import profile_step, search
+  from hetspmd.planner.stages import describe, search_stages
 
   print(f"{'cluster':<15} {'model':<18} {'batch':>5} {'best plan s':>11} {'stages s':>9} {'ratio':>6}  stage plan")
   for preset, name, batch in cases:

@@ -6,7 +6,7 @@ Each repeat traces a freshly built step function, so JAX's trace cache never
 helps; the abstract state is built once beforehand (it is not part of the
 trace). Prints the median, the spread, and the split between JAX's own
 tracing and hetspmd's walk over the jaxpr measured in the same run, and the
-time of the microbatch pass (:mod:`hetspmd.passes.microbatch`: inlining the
+time of the microbatch pass (:mod:`hetspmd.passes.batch_axis.analysis`: inlining the
 step's calls, propagating the example axis, scheduling the cuts) on the
 step's jaxpr at that batch (goal: at most 1 s beyond the trace).
 """
@@ -46,7 +46,7 @@ def main() -> None:
     _jax_adapter.trace_to_jaxpr(step, (state, batch), {})
     jax_only.append(time.perf_counter() - start)
 
-  from hetspmd.passes import microbatch
+  from hetspmd.passes.batch_axis import analysis as microbatch
 
   passes = []
   for _ in range(args.repeats):

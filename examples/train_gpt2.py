@@ -157,7 +157,7 @@ def main(argv=None) -> list[dict]:
 
   import hetspmd as hs
   from hetspmd import models
-  from hetspmd.search import plan_from, search_step
+  from hetspmd.planner.ranking import plan_from, search_step
 
   workload = models.get(args.model)
   if workload.family != "gpt2":
@@ -223,7 +223,7 @@ def _ms(seconds: float) -> str:
 
 
 def _device_count(spec: str) -> int:
-  from hetspmd.cluster import Cluster
+  from hetspmd.hardware.cluster import Cluster
 
   return Cluster.resolve(spec).num_devices
 

@@ -137,7 +137,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 def _run_profile(args: argparse.Namespace) -> int:
   import jax
 
-  from hetspmd.profiler import profile
+  from hetspmd.hardware.profiler import profile
 
   devices = jax.devices()[: args.devices] if args.devices else jax.devices()
   result = profile(devices, progress=not args.json)
@@ -164,9 +164,9 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _run_search(args: argparse.Namespace) -> int:
   from hetspmd import models
-  from hetspmd.cluster import Cluster
-  from hetspmd.search import BASELINES, plan_from, profile_step, search
-  from hetspmd.stage_search import describe, search_stages
+  from hetspmd.hardware.cluster import Cluster
+  from hetspmd.planner.ranking import BASELINES, plan_from, profile_step, search
+  from hetspmd.planner.stages import describe, search_stages
 
   cluster = Cluster.resolve(args.cluster)
   workload = models.get(args.model).with_dtype(args.dtype)
@@ -178,7 +178,7 @@ def _run_search(args: argparse.Namespace) -> int:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
-  from hetspmd.plan import GRAD_REDUCE_DTYPES
+  from hetspmd.plan.value import GRAD_REDUCE_DTYPES
 
   dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   progress("tracing the step at two batch sizes")
@@ -252,7 +252,7 @@ def _counts_summary(kinds, counts) -> str:
 
 def _run_explain(args: argparse.Namespace) -> int:
   from hetspmd import report
-  from hetspmd.plan import Plan
+  from hetspmd.plan.value import Plan
 
   plan = Plan.load(args.plan)
   if args.json:

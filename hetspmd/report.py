@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hetspmd.devices import DEVICE_PRESETS
+from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.errors import InvalidValueError
-from hetspmd.plan import Plan
+from hetspmd.plan.value import Plan
 
 BAR = 30
 

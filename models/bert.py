@@ -73,7 +73,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hetspmd.microbatch import weighted
+from hetspmd.autodiff import weighted
 from hetspmd.models.workload import Workload
 
 _INIT = nnx.initializers.truncated_normal(stddev=0.02)

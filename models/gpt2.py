@@ -31,7 +31,7 @@ class GPT2Config:
   vocab_size: int = 50257
   n_ctx: int = 1024
   dtype: str = "float32"
-  # the blocks stacked (nnx.vmap) and run by one nnx.scan, as pipeline stages need (hetspmd.staged)
+  # the blocks stacked (nnx.vmap) and run by one nnx.scan, as pipeline stages need (hetspmd.lowering.staged)
   scan_layers: bool = False
 
   def __post_init__(self):

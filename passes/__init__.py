@@ -1,8 +1,8 @@
 """Compiler passes over the hetspmd IR (import as ``hetspmd.passes``)."""
 
-from hetspmd.passes.flops import COST_RULES as COST_RULES
-from hetspmd.passes.flops import Cost as Cost
-from hetspmd.passes.flops import register as register_cost_rule
+from hetspmd.passes.costing.flops import COST_RULES as COST_RULES
+from hetspmd.passes.costing.flops import Cost as Cost
+from hetspmd.passes.costing.flops import register as register_cost_rule
 from hetspmd.passes.ir import Edge as Edge
 from hetspmd.passes.ir import Graph as Graph
 from hetspmd.passes.ir import GraphInput as GraphInput
@@ -14,7 +14,7 @@ from hetspmd.passes.ir import Role as Role
 from hetspmd.passes.ir import Source as Source
 from hetspmd.passes.ir import TensorType as TensorType
 from hetspmd.passes.ir import ValueRef as ValueRef
-from hetspmd.passes.trace import trace as trace
+from hetspmd.passes.frontend.tracing import trace as trace
 
 __all__ = [
     "COST_RULES", "Cost", "Edge", "Graph", "GraphInput", "GraphOutput", "Layer", "Loop", "Node", "Role",

@@ -12,7 +12,7 @@ from flax import nnx
 
 import hetspmd as hs
 from hetspmd import models
-from hetspmd.annotations import match
+from hetspmd.plan.annotations import match
 
 from conftest import require_devices
 

@@ -51,7 +51,7 @@ def test_non_positive_sizes_are_usage_errors(capsys):
 
 
 def _plan(per_position: bool):
-  from hetspmd.plan import Plan
+  from hetspmd.plan.value import Plan
 
   extra = {}
   if per_position:
@@ -120,7 +120,7 @@ def test_list_names_sizes_and_papers(capsys):
 
 
 def test_explain_collapses_runs_of_identical_positions(tmp_path, capsys):
-  from hetspmd.plan import Plan
+  from hetspmd.plan.value import Plan
 
   plan = Plan(axis_names=("data", "model"), mesh_shape=(5, 1), device_ids=tuple(range(5)), global_batch=18,
               microbatch=2, microbatch_counts=(2, 2, 2, 2, 1), device_kinds=("V100-32GB",) * 4 + ("P100-16GB",),

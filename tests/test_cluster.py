@@ -7,8 +7,8 @@ import pytest
 
 import hetspmd
 from hetspmd import Cluster, DeviceSpec
-from hetspmd.cluster import CLUSTER_PRESETS
-from hetspmd.devices import DEVICE_PRESETS, GB, GiB, parse_bandwidth, parse_latency, preset_for_device_kind
+from hetspmd.hardware.cluster import CLUSTER_PRESETS
+from hetspmd.hardware.devices import DEVICE_PRESETS, GB, GiB, parse_bandwidth, parse_latency, preset_for_device_kind
 
 REQUIRED_KINDS = ["P100-16GB", "V100-16GB", "V100-32GB", "T4", "A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB",
                   "H200", "RTX3090", "RTX4090", "MI250X", "MI300X", "TPU-v4", "TPU-v5e"]
@@ -31,7 +31,7 @@ def test_preset_sanity_against_datasheets():
 
 
 def test_cpu_spec_is_measured():
-  spec = hetspmd.devices.device_spec("cpu")
+  spec = hetspmd.hardware.devices.device_spec("cpu")
   assert spec.measured and spec.fp32_flops > 1e8 and spec.memory_bandwidth > 1e7
   # a read rate is kept only where reading beats copying; then writes are the slower direction
   assert spec.read_bandwidth is None or spec.write_rate < spec.memory_bandwidth < spec.read_bandwidth

@@ -10,10 +10,10 @@ import pytest
 
 import hetspmd as hs
 from hetspmd import Cluster, models
-from hetspmd.devices import DeviceSpec
-from hetspmd.passes.fusion import fused_bytes, fused_traffic, kernels
-from hetspmd.passes.cost import step_profile
-from hetspmd.search import evaluate, profile_step, shared_finish_times
+from hetspmd.hardware.devices import DeviceSpec
+from hetspmd.passes.costing.fusion import fused_bytes, fused_traffic, kernels
+from hetspmd.passes.costing.step_cost import step_profile
+from hetspmd.planner.ranking import evaluate, profile_step, shared_finish_times
 
 N = 1024  # float32 elements: 4 KiB per vector
 KIB4 = 4 * N
@@ -123,7 +123,7 @@ def test_the_first_microbatch_extra_is_paid_once_per_step():
 @pytest.mark.parametrize("kind,faster", [("A100-40GB", True), ("H100-80GB", True), ("TPU-v4", True), ("V100-32GB", False)])
 def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked_for(kind, faster):
   # JAX's default precision lets XLA compute float32 matmuls with TF32 on Ampere and later GPUs
-  from hetspmd.devices import DEVICE_PRESETS
+  from hetspmd.hardware.devices import DEVICE_PRESETS
 
   profile = _two_layer_profile(1024)
   spec = DEVICE_PRESETS[kind]
@@ -143,7 +143,7 @@ def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked
 def test_a_matmul_that_sets_its_own_precision_is_priced_by_it():
   # precision="highest" on the dot (or the config at trace time, which JAX writes into the dot) means full
   # float32 whatever the config when costing; precision left unset follows the config when costing
-  from hetspmd.devices import DEVICE_PRESETS
+  from hetspmd.hardware.devices import DEVICE_PRESETS
   from hetspmd.passes import _jax_adapter as jx
 
   a100 = DEVICE_PRESETS["A100-40GB"]
@@ -263,7 +263,7 @@ def test_a_profiled_cpu_host_records_how_much_faster_a_device_runs_alone():
   fastest_read = min(d.busy_read_bandwidth for d in profile.devices)
   assert spec.read_bandwidth == (fastest_read if fastest_read > spec.memory_bandwidth else None)
   # a CPU's private cache, and the rate at which a loop rewrites a value that fits it
-  from hetspmd.profiler import private_cache_bytes
+  from hetspmd.hardware.profiler import private_cache_bytes
 
   assert all(d.cache_bytes == private_cache_bytes() for d in profile.devices)
   if private_cache_bytes():
@@ -293,13 +293,13 @@ def _sysfs_cpu(root, siblings, caches):
     ("0", [("Unified", "8M", "0-3")], 0),                                  # nothing private
 ])
 def test_private_cache_bytes_reads_the_largest_cache_a_core_has_to_itself(tmp_path, siblings, caches, expected):
-  from hetspmd.profiler import private_cache_bytes
+  from hetspmd.hardware.profiler import private_cache_bytes
 
   assert private_cache_bytes(_sysfs_cpu(tmp_path / "cpu0", siblings, caches)) == expected
 
 
 def test_private_cache_bytes_is_zero_without_sysfs(tmp_path):
-  from hetspmd.profiler import private_cache_bytes
+  from hetspmd.hardware.profiler import private_cache_bytes
 
   assert private_cache_bytes(str(tmp_path / "missing")) == 0
 
@@ -323,7 +323,7 @@ def test_trace_tells_forward_from_backward(gpt_profile):
 
 
 def test_remat_policies_trade_compute_for_activations(gpt_profile):
-  from hetspmd.data_axis import microbatch_bytes
+  from hetspmd.planner.data_axis import microbatch_bytes
 
   spec = DeviceSpec("x", 1e13, 1e13, 2**34, 1e11, measured=True)
   mb = 8
@@ -359,7 +359,7 @@ def test_remat_counts_recomputed_matmuls_and_reductions_not_fused_elementwise_wo
 
 
 def test_gradient_all_reduces_are_counted_as_the_runtime_issues_them(gpt_profile):
-  from hetspmd.data_axis import allreduce_seconds, gradient_reductions
+  from hetspmd.planner.data_axis import allreduce_seconds, gradient_reductions
 
   leaves = len(gpt_profile.param_leaf_sizes)
   assert leaves == 28 and max(gpt_profile.param_leaf_sizes) * 4 <= 2**20

@@ -19,9 +19,9 @@ import pytest
 
 import hetspmd as hs
 from hetspmd import Cluster, models
-from hetspmd.passes import strategy_ilp
+from hetspmd.passes.sharding import ilp as strategy_ilp
 from hetspmd.report import explain_text
-from hetspmd.search import plan_from, profile_step, search
+from hetspmd.planner.ranking import plan_from, profile_step, search
 
 from conftest import require_devices
 

@@ -66,7 +66,7 @@ def test_bad_mesh_values(shape, ids, match):
 def test_weights_follow_device_speed_and_memory():
   mesh = list(enumerate_layouts(Cluster.parse("1x4xA100-80GB+2x2xL4")))[1]  # (4, 2)
   weights = mesh.weights()
-  a100, l4 = hetspmd.devices.DEVICE_PRESETS["A100-80GB"], hetspmd.devices.DEVICE_PRESETS["L4"]
+  a100, l4 = hetspmd.hardware.devices.DEVICE_PRESETS["A100-80GB"], hetspmd.hardware.devices.DEVICE_PRESETS["L4"]
   # float32 matmuls at JAX's default precision: TF32 tensor cores on both (156 and 60 TF/s)
   expected = np.array([a100.reduced_f32_flops] * 2 + [l4.reduced_f32_flops] * 2)
   np.testing.assert_allclose(weights["data"], expected / expected.sum())

@@ -1,4 +1,4 @@
-"""Uneven pipeline stages (hetspmd.pipeline) against one device.
+"""Uneven pipeline stages (hetspmd.lowering.pipeline) against one device.
 
 A stack of pre-LayerNorm transformer blocks written in Linen (causal
 self-attention and an MLP, parameters stacked the way ``nn.scan`` stacks
@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 from conftest import require_devices
-from hetspmd import pipeline
+from hetspmd.lowering import pipeline
 from hetspmd.errors import InvalidValueError
 
 WIDTH, HEADS, SEQ, VOCAB = 16, 2, 6, 11
@@ -140,7 +140,7 @@ def test_stages_on_two_processes():
       sys.modules["conftest"] = types.SimpleNamespace(require_devices=lambda n: None)
       sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
       import test_pipeline as t
-      from hetspmd import pipeline
+      from hetspmd.lowering import pipeline
       stages = pipeline.Stages(layers=(3, 1), microbatches=3)
       stack, head, xs, targets = jax.device_get(t._setup(4, 3, 4))
       local = jax.local_devices()[0]

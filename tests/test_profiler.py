@@ -9,7 +9,7 @@ import pytest
 import hetspmd
 from hetspmd import Cluster, enumerate_layouts
 from hetspmd.cli import main
-from hetspmd.profiler import COLLECTIVES, fit_alpha_beta
+from hetspmd.hardware.profiler import COLLECTIVES, fit_alpha_beta
 
 from conftest import require_devices
 
@@ -92,7 +92,7 @@ def test_profile_across_two_processes():
 
 
 def _measured(kind, float32, reduced=None):
-  from hetspmd.profiler import REDUCED_F32, DeviceMeasurement
+  from hetspmd.hardware.profiler import REDUCED_F32, DeviceMeasurement
 
   flops = {"float32": ((1024, float32),), "bfloat16": ((1024, 4 * float32),)}
   if reduced is not None:
@@ -108,7 +108,7 @@ def _measured(kind, float32, reduced=None):
 def test_a_profiled_spec_keeps_the_default_precision_rate_apart_from_full_float32(members, expected):
   # hetspmd.profile times float32 matmuls at HIGHEST (fp32_flops) and, on accelerators, at JAX's default
   # precision (reduced_f32_flops), so a matmul that asks for full float32 is priced at the full rate
-  from hetspmd.profiler import Profile
+  from hetspmd.hardware.profiler import Profile
 
   spec = Profile(tuple(members), (), "gpu", 1, 0.0).device_spec(members[0].kind)
   assert spec.fp32_flops == 19e12 or spec.fp32_flops == 15e12
@@ -117,7 +117,7 @@ def test_a_profiled_spec_keeps_the_default_precision_rate_apart_from_full_float3
 
 
 def test_matmul_tables_time_float32_at_full_and_default_precision():
-  from hetspmd.profiler import REDUCED_F32, matmul_flops
+  from hetspmd.hardware.profiler import REDUCED_F32, matmul_flops
 
   device = jax.devices()[0]
   assert matmul_flops(device, 128, "float32") > 0 and matmul_flops(device, 128, REDUCED_F32) > 0

@@ -17,7 +17,7 @@ def _roles(graph):
 
 @pytest.mark.parametrize("key", ["opt_state", "opt", "optimizer_state", "optim_state"])
 def test_optimizer_state_under_its_common_names(key):
-  from hetspmd.passes.roles import Leaf, infer_role
+  from hetspmd.passes.frontend.roles import Leaf, infer_role
 
   assert infer_role(Leaf(("state", key, "0", "mu", "params", "w"), 0, "float32", None), 2) is Role.OPT_STATE
   assert infer_role(Leaf(("state", key, "0", "count"), 0, "int32", None), 2) is Role.OPT_STATE

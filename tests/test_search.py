@@ -11,12 +11,12 @@ import pytest
 import hetspmd as hs
 from hetspmd import Cluster, models
 from hetspmd.cli import main
-from hetspmd.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroSplit, _host_counts, _zero_split,
+from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroSplit, _host_counts, _zero_split,
                                allreduce_seconds, gather_seconds, zero_split)
-from hetspmd.devices import DEVICE_PRESETS
-from hetspmd.passes import cost
-from hetspmd.pricing import KindCost
-from hetspmd.search import (BASELINES, PlanDoesNotFitError, balanced_counts, evaluate, even_counts,
+from hetspmd.hardware.devices import DEVICE_PRESETS
+from hetspmd.passes.costing import step_cost as cost
+from hetspmd.planner.pricing import KindCost
+from hetspmd.planner.ranking import (BASELINES, PlanDoesNotFitError, balanced_counts, evaluate, even_counts,
                             microbatch_sizes, milp_counts, plan_from, profile_step, search)
 
 
@@ -204,7 +204,7 @@ def test_plan_from_a_search_runs(tmp_path):
 def test_remat_is_chosen_only_where_it_makes_room_and_never_full(gpt_profile, room):
   # devices with just the memory of one policy at microbatch 1 (ZeRO-1 over 2 positions): that policy is
   # among the plans; "full" (the whole loss checkpointed) lowers no peak, so it is never a way out
-  from hetspmd.data_axis import memory_per_device
+  from hetspmd.planner.data_axis import memory_per_device
 
   need = memory_per_device(gpt_profile, 2, 1, 1, room)
   device = hs.DeviceSpec("Room", 1e12, 2e12, need, 1e11)
@@ -383,7 +383,7 @@ def test_zero_split_leaves_the_model_dimension_alone(tiny_profile):
 
 @pytest.mark.parametrize("n,zero", [(6, 1), (6, 3), (24, 1), (7, 1), (8, 3)])
 def test_search_and_plans_choose_the_same_zero_groups(n, zero, tiny_profile):
-  from hetspmd.plan import zero_shards_for
+  from hetspmd.plan.value import zero_shards_for
 
   profile, w = tiny_profile, models.get("gpt2-tiny")
   assert zero_shards_for(w.abstract_state(), ("data", "model"), (n, 1), zero) == zero_split(profile, n).shards

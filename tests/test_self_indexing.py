@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes import self_indexing
+from hetspmd.passes.batch_axis import self_indexing
 
 TIME, BATCH, WIDTH = 7, 5, 3
 

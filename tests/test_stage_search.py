@@ -9,8 +9,8 @@ import pytest
 
 from hetspmd import Cluster, models
 from hetspmd.cli import main
-from hetspmd.search import profile_step
-from hetspmd.stage_search import describe, find_stack, price, search_stages, split_layers
+from hetspmd.planner.ranking import profile_step
+from hetspmd.planner.stages import describe, find_stack, price, search_stages, split_layers
 
 SEQ = 32
 

@@ -274,7 +274,7 @@ def test_rows_move_between_even_blocks_and_uneven_stages(layers):
   """Each stage gets exactly its layers from the even blocks, and gradients go back added into their block."""
   from jax.sharding import Mesh, PartitionSpec as P
 
-  from hetspmd.staged import _Exchange
+  from hetspmd.lowering.staged import _Exchange
 
   S = len(layers)
   require_devices(S)

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from hetspmd import Cluster, models
-from hetspmd.devices import Link
-from hetspmd.passes import propagation, strategies, strategy_ilp
-from hetspmd.passes.cost import LinearCost
-from hetspmd.search import profile_step, state_specs
+from hetspmd.hardware.devices import Link
+from hetspmd.passes.sharding import ilp as strategy_ilp, propagation, strategies
+from hetspmd.passes.costing.step_cost import LinearCost
+from hetspmd.planner.ranking import profile_step, state_specs
 
 FAST = "1x8xV100-32GB;intra=10000GB/s;intra_latency=0us"   # communication almost free
 SLOW = "1x8xV100-32GB;intra=1Mbps"                          # communication hopeless

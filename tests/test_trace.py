@@ -11,7 +11,7 @@ from jax.experimental import io_callback
 import hetspmd
 from hetspmd import models
 from hetspmd.passes import Graph, Source
-from hetspmd.passes.flops import integer_pow_multiplies
+from hetspmd.passes.costing.flops import integer_pow_multiplies
 
 from conftest import xla_flops
 

@@ -725,8 +725,8 @@ def test_unmodified_linen_step_in_two_processes():
 
 
 def test_exact_batch_statistics_are_priced_as_recomputed_forward_work():
-  from hetspmd import lowering
-  from hetspmd.passes import microbatch
+  from hetspmd.lowering import weighted as lowering
+  from hetspmd.passes.batch_axis import analysis as microbatch
 
   batch = {"image": jnp.zeros((8, 8, 8, 1)), "label": jnp.zeros((8,), jnp.int32)}
   closed = jax.make_jaxpr(bn_train_step)(_bn_state(), batch)

@@ -1,8 +1,8 @@
 """``hetspmd.value_and_grad``, ``hetspmd.weighted`` and the gradient reductions over ``data``.
 
 A train step needs nothing from hetspmd: :func:`hetspmd.parallelize` derives
-the microbatch program from the step's jaxpr (:mod:`hetspmd.passes.microbatch`,
-:mod:`hetspmd.lowering`). :func:`value_and_grad` is a thin layer over
+the microbatch program from the step's jaxpr (:mod:`hetspmd.passes.batch_axis.analysis`,
+:mod:`hetspmd.lowering.weighted`). :func:`value_and_grad` is a thin layer over
 ``jax.value_and_grad`` for steps that want to say more: its loss may be
 ``hetspmd.weighted(total, weight)`` (a token-masked sum and the number of
 tokens), reduced as ``total / weight`` over the global batch, and inside a
@@ -50,7 +50,7 @@ def _is_weighted(x: Any) -> bool:
   return isinstance(x, Weighted)
 
 
-# The plan's remat policy while parallelize() traces a step (see hetspmd.plan.REMAT_POLICIES).
+# The plan's remat policy while parallelize() traces a step (see hetspmd.plan.value.REMAT_POLICIES).
 _REMAT: contextvars.ContextVar[str] = contextvars.ContextVar("hetspmd_remat", default="none")
 
 
@@ -294,7 +294,7 @@ def buckets(sizes: Sequence[tuple[Any, int]], small: int = SMALL_LEAF_BYTES, buc
 
 
 def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:
-  """``fun`` under the plan's remat policy (see :data:`hetspmd.plan.REMAT_POLICIES`)."""
+  """``fun`` under the plan's remat policy (see :data:`hetspmd.plan.value.REMAT_POLICIES`)."""
   if policy == "full":
     return jax.checkpoint(fun)
   if policy == "dots":

@@ -1,7 +1,7 @@
 """Tensor-parallel strategies per operation on the ``model`` axis, chosen by an ILP.
 
 What it computes. For a step profiled at two batch sizes
-(:class:`~hetspmd.passes.cost.StepProfile`, which keeps both traces) and a
+(:class:`~hetspmd.passes.costing.step_cost.StepProfile`, which keeps both traces) and a
 model-axis size ``m``, :func:`strategy_space` finds the **sites**: the
 per-microbatch ``dot_general`` and ``gather`` nodes that read a parameter
 (directly or through a transpose or dtype conversion). Each parameter read
@@ -36,7 +36,7 @@ data-parallel cost model:
 * a split parameter's sites do ``1/m`` of their work;
 * a site whose output is sharded owns a **region**: the nodes reached from
   it before the next sites (a node reached from several sites belongs to the
-  latest). :data:`~hetspmd.passes.propagation.PROPAGATION_RULES`, keyed by primitive, carries the
+  latest). :data:`~hetspmd.passes.sharding.propagation.PROPAGATION_RULES`, keyed by primitive, carries the
   sharded dimension through it: elementwise ops keep it, transposes,
   broadcasts and reshapes move it, reductions and ``dot_general`` over it
   all-reduce their result, lookups along it are masked and all-reduced; the
@@ -69,14 +69,14 @@ gradient, all-reduced; ``row`` a sharded one), and the weight-gradient matmul
 lies in the region of the cotangent it reads.
 
 The ILP that picks one option per decision is in
-:mod:`hetspmd.passes.strategy_ilp` (``choose``, ``frontier``,
+:mod:`hetspmd.passes.sharding.ilp` (``choose``, ``frontier``,
 ``param_dims``).
 
 Assumptions: a weight whose gradient is computed sharded while the weight is
 whole (or the reverse) costs nothing extra; activation memory shrinks by the
 sharded share of intermediate bytes; options that need a collective-permute
 are left out unless asked for, because inside the weighted microbatch loop a
-permute forces lockstep execution (:mod:`hetspmd.runtime`).
+permute forces lockstep execution (:mod:`hetspmd.runtime.step`).
 """
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from hetspmd.devices import Link
-from hetspmd.passes.cost import LinearCost, StepProfile
+from hetspmd.hardware.devices import Link
+from hetspmd.passes.costing.step_cost import LinearCost, StepProfile
 from hetspmd.passes.ir import Graph, Node, Role, Source, ValueRef
 
-from hetspmd.passes.propagation import (ELEMENTWISE, PROPAGATION_RULES, _REARRANGED_AXES, _VIEWS, Dim, SiteEffect,
+from hetspmd.passes.sharding.propagation import (ELEMENTWISE, PROPAGATION_RULES, _REARRANGED_AXES, _VIEWS, Dim, SiteEffect,
                                         _dot_parts, _gather_effect, _replicate, _upstream_dims)
 
 
@@ -284,7 +284,7 @@ class _Analysis:
     return self.param_views.get((ref.index, ref.output)) if ref.source is Source.NODE else None
 
   def tensor_bytes(self, node: int, output: int = 0) -> LinearCost:
-    from hetspmd.passes.cost import fit_linear
+    from hetspmd.passes.costing.step_cost import fit_linear
 
     small, large = self.graph.nodes[node].outputs[output].nbytes, self.large.nodes[node].outputs[output].nbytes
     return fit_linear(small, large, *self.batches)
@@ -442,7 +442,7 @@ def _owners(graph: Graph, sites: dict, per_step: np.ndarray) -> np.ndarray:
 def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
   """Every decision, its options and the resharding costs between them, for ``m`` devices per group."""
   if not profile.traces:
-    raise ValueError("the profile keeps no traces; build it with hetspmd.passes.cost.step_profile")
+    raise ValueError("the profile keeps no traces; build it with hetspmd.passes.costing.step_cost.step_profile")
   analysis = _Analysis(profile, m)
   graph = analysis.graph
   keys = _decision_keys(analysis)

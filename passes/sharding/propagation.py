@@ -8,7 +8,7 @@ are masked and all-reduced; any other primitive all-gathers the operand
 (the default). Splitting, slicing, padding or concatenating along the
 sharded dimension needs a ``collective-permute``. :func:`_upstream_dims`
 walks the other way, for the shardings XLA carries back from an operand
-that must arrive sharded. Used by :mod:`hetspmd.passes.strategies`.
+that must arrive sharded. Used by :mod:`hetspmd.passes.sharding.strategies`.
 """
 
 from __future__ import annotations

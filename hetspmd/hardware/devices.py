@@ -253,7 +253,7 @@ def device_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> Devic
 @functools.cache
 def measured_cpu_spec() -> DeviceSpec:
   """This machine's CPU, measured once per process (about a second)."""
-  from hetspmd import profiler
+  from hetspmd.hardware import profiler
 
   return profiler.measure_device_spec(profiler.first_cpu_device(), name="cpu")
 

@@ -11,7 +11,7 @@ allocated or computed), then walks the jaxpr once:
   bounds is treated the same way; any other ``while`` is costed as one
   iteration and recorded in ``Graph.loops`` with ``data_dependent=True``;
 * ``cond`` contributes its most expensive branch (by FLOPs);
-* every other equation becomes a node costed by :mod:`hetspmd.passes.flops`;
+* every other equation becomes a node costed by :mod:`hetspmd.passes.costing.flops`;
   primitives without a rule get the default rule and are listed in
   ``Graph.unknown_primitives``;
 * host callbacks and debug prints raise :class:`UnpartitionableError` naming
@@ -28,10 +28,10 @@ import jax
 from hetspmd._pytree import key_name, path_components, path_str
 from hetspmd.errors import TraceError, UnpartitionableError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes import flops as flops_rules
+from hetspmd.passes.costing import flops as flops_rules
 from hetspmd.passes.ir import (Edge, Graph, GraphInput, GraphOutput, Loop, Node, Source, TensorType, ValueRef, totals)
-from hetspmd.passes.layers import group_layers
-from hetspmd.passes.roles import Leaf, assign_roles
+from hetspmd.passes.frontend.layers import group_layers
+from hetspmd.passes.frontend.roles import Leaf, assign_roles
 
 # Primitives whose effects cannot be split across devices.
 UNPARTITIONABLE = frozenset({"io_callback", "debug_callback", "debug_print", "outside_call", "host_callback"})

@@ -1,4 +1,4 @@
-"""The weighted microbatch program of a train step, built from :mod:`hetspmd.passes.microbatch`'s analysis.
+"""The weighted microbatch program of a train step, built from :mod:`hetspmd.passes.batch_axis.analysis`'s analysis.
 
 The step's flat jaxpr (traced at the global batch) runs in three parts:
 
@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from hetspmd import operands
+from hetspmd.lowering import operands
 from hetspmd.errors import HetSpmdError
-from hetspmd.microbatch import reduce_over_data
+from hetspmd.autodiff import reduce_over_data
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.microbatch import Analysis, Axis
+from hetspmd.passes.batch_axis.analysis import Analysis, Axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Layout:
   overlap: bool = False
   # the peeled pass runs this many microbatches as one batch (every position has at least this many)
   overlap_microbatches: int = 1
-  # layers per pipeline stage (hetspmd.staged): the mesh's ``stage_axis`` cuts the step's layer scan
+  # layers per pipeline stage (hetspmd.lowering.staged): the mesh's ``stage_axis`` cuts the step's layer scan
   stages: tuple[int, ...] = ()
   stage_axis: str = "stage"
 
@@ -341,7 +341,7 @@ class _Program:
 def recompute_factor(analysis: Analysis, batch_inputs: Sequence[int]) -> float:
   """The per-example work of all the program's loops over that of one pass (1 with a single loop).
 
-  Work is FLOPs plus bytes written per equation (:mod:`hetspmd.passes.flops`), bodies counted per step;
+  Work is FLOPs plus bytes written per equation (:mod:`hetspmd.passes.costing.flops`), bodies counted per step;
   exact batch statistics make it > 1: each earlier loop runs the forward pass up to its statistic.
   """
   prog = _Program(analysis, batch_inputs)
@@ -354,8 +354,8 @@ def recompute_factor(analysis: Analysis, batch_inputs: Sequence[int]) -> float:
 
 
 def _work(eqn) -> float:
-  from hetspmd.passes import flops
-  from hetspmd.passes.trace import _tensor_type
+  from hetspmd.passes.costing import flops
+  from hetspmd.passes.frontend.tracing import _tensor_type
 
   body = jx.call_body(eqn) or (jx.scan_parts(eqn).body if jx.primitive_name(eqn) == "scan" else None)
   if body is not None:
@@ -395,7 +395,7 @@ def _run(prog: _Program, layout: Layout, inputs: list[Any], counts, starts) -> l
   pe_outs = [v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes]
   loop_part = _loop_part
   if layout.stages:
-    from hetspmd import staged
+    from hetspmd.lowering import staged
     loop_part = staged.loop_part
   totals, pe_buffers = loop_part(prog, layout, [env[v] for v in loop_inputs], loop_inputs, batch_vars, buffers,
                                  counts, starts, cut_outs, pe_outs)

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from hetspmd.cluster import Cluster
+from hetspmd.hardware.cluster import Cluster
 from hetspmd.errors import InvalidValueError
 
 WEIGHTED_AXIS = "data"

@@ -3,8 +3,8 @@
 Compute is a roofline per node: ``max(FLOPs / (peak × efficiency),
 (bytes read / read bandwidth + bytes written / write bandwidth) /
 efficiency)``, bytes counted after XLA-style loop fusion
-(:mod:`hetspmd.passes.fusion`; the two bandwidths are
-:class:`~hetspmd.devices.DeviceSpec`'s, equal unless profiled). A
+(:mod:`hetspmd.passes.costing.fusion`; the two bandwidths are
+:class:`~hetspmd.hardware.devices.DeviceSpec`'s, equal unless profiled). A
 microbatch after the first writes its values of at most the spec's
 ``cache_bytes`` at its ``cache_write_bandwidth``: they land in cache, in
 memory the step has already touched; the first microbatch writes every value
@@ -22,7 +22,7 @@ by role (parameters, optimizer state, batch).
 A step is traced at two batch sizes and every node's FLOPs and bytes are
 fitted linearly in the batch (:class:`StepProfile`), so the search can cost
 any microbatch size without tracing again. The profile keeps both traces,
-so that :mod:`hetspmd.passes.strategies` can cost tensor-parallel choices
+so that :mod:`hetspmd.passes.sharding.strategies` can cost tensor-parallel choices
 per node with the same fits.
 """
 
@@ -33,9 +33,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from hetspmd.devices import DeviceSpec
+from hetspmd.hardware.devices import DeviceSpec
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
+from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
 
 # Fraction of the datasheet peak reached in practice, per kind of work.
@@ -171,9 +171,9 @@ class StepProfile:
   write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
-  # model-axis size -> hetspmd.passes.strategies.StrategySpace, prepared by hetspmd.search.profile_step
+  # model-axis size -> hetspmd.passes.sharding.strategies.StrategySpace, prepared by hetspmd.planner.ranking.profile_step
   strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-  # (data positions, model size, tensor-parallel choice) -> hetspmd.search.ZeroSplit, filled by the search
+  # (data positions, model size, tensor-parallel choice) -> hetspmd.planner.ranking.ZeroSplit, filled by the search
   zero_splits: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def node_seconds(self, spec: DeviceSpec, batch: float, first: bool = False) -> np.ndarray:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hetspmd.devices import DeviceSpec, Link
+from hetspmd.hardware.devices import DeviceSpec, Link
 
 _MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
 _COPY_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
@@ -144,7 +144,7 @@ class Profile:
 
   def cluster(self):
     """The measured :class:`Cluster` (hosts by process, then kind)."""
-    from hetspmd.cluster import Cluster, Host, _default_intra
+    from hetspmd.hardware.cluster import Cluster, Host, _default_intra
 
     specs = {k: self.device_spec(k) for k in dict.fromkeys(d.kind for d in self.devices)}
     measured = self.link("measured")
@@ -542,7 +542,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
 
 
 def _kind_name(device: Any) -> str:
-  from hetspmd.devices import preset_for_device_kind
+  from hetspmd.hardware.devices import preset_for_device_kind
 
   if device.platform == "cpu":
     return "cpu"

@@ -1,16 +1,16 @@
 """Plan search: device-weighted data parallelism × tensor parallelism, under memory limits.
 
-For a model's :class:`~hetspmd.passes.cost.StepProfile` and a cluster, the
+For a model's :class:`~hetspmd.passes.costing.step_cost.StepProfile` and a cluster, the
 search tries every candidate of
 
 * layout: every ``(data, model)`` shape of
-  :func:`~hetspmd.mesh.enumerate_layouts` (a model group is ``model``
+  :func:`~hetspmd.hardware.mesh.enumerate_layouts` (a model group is ``model``
   consecutive devices of one kind in one host);
 * device set: every device, the devices of the fastest kinds only (the
   slowest kinds left out, which wins on slow networks), and each single
   kind, in whole model groups;
 * tensor-parallel choice (``model > 1``): the per-operation strategies of
-  :mod:`hetspmd.passes.strategies`. Their ILP is solved once per (model
+  :mod:`hetspmd.passes.sharding.strategies`. Their ILP is solved once per (model
   size, device kind), at a reference microbatch, as a small time/memory
   Pareto frontier; every candidate tries the frontier choices of all its
   kinds (one choice per plan: the state's PartitionSpecs are global) and
@@ -37,7 +37,7 @@ compute with split operations at ``1/model``, plus the tensor-parallel
 collectives on its host's link, plus adding its gradients into the float32
 accumulator. Step time = slowest position's (per-step
 optimizer work + per-microbatch time × count) + the gradient reduction
-across data positions (:mod:`hetspmd.data_axis`), less what of it hides
+across data positions (:mod:`hetspmd.planner.data_axis`), less what of it hides
 behind the busiest position's last backward pass when the plan overlaps
 (``OVERLAP_EFFICIENCY`` of that pass; all but the last collective), in
 float32 or, where allowed, bfloat16 (half the bytes): a ring
@@ -66,16 +66,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hetspmd.cluster import Cluster
-from hetspmd.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.errors import HetSpmdError
-from hetspmd.passes import _jax_adapter as jx, strategies
-from hetspmd.passes.cost import StepProfile
-from hetspmd.plan import REMAT_POLICIES
-from hetspmd.pricing import (Costing, DeviceGroups, Evaluated, balanced_counts, device_groups, even_counts,
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.sharding import strategies
+from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.plan.value import REMAT_POLICIES
+from hetspmd.planner.pricing import (Costing, DeviceGroups, Evaluated, balanced_counts, device_groups, even_counts,
                              price_candidate, proportional)
 # pricing names callers reach through the search
-from hetspmd.pricing import (OVERLAP_EFFICIENCY as OVERLAP_EFFICIENCY, evaluate as evaluate,
+from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY as OVERLAP_EFFICIENCY, evaluate as evaluate,
                              milp_counts as milp_counts, shared_finish_times as shared_finish_times)
 
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
@@ -135,8 +136,8 @@ def microbatch_sizes(global_batch: int, limit: int = 16) -> list[int]:
 
 
 def model_sizes(cluster: Cluster) -> tuple[int, ...]:
-  """Model-axis sizes of the cluster's layouts (:func:`~hetspmd.mesh.enumerate_layouts`)."""
-  from hetspmd.mesh import enumerate_layouts
+  """Model-axis sizes of the cluster's layouts (:func:`~hetspmd.hardware.mesh.enumerate_layouts`)."""
+  from hetspmd.hardware.mesh import enumerate_layouts
 
   return tuple(mesh.shape[1] for mesh in enumerate_layouts(cluster))
 
@@ -157,7 +158,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
   ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
-  statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
+  statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.weighted.recompute_factor`).
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
@@ -300,7 +301,8 @@ def _with_batch(batch: Any, size: int) -> Any:
 
 def profile_step(fn: Callable[..., Any], state: Any, batch: Any) -> StepProfile:
   """Traces ``fn(state, batch)`` at two batch sizes, fits the per-node costs, prepares the strategy spaces."""
-  from hetspmd.passes import cost, trace
+  from hetspmd.passes.costing import step_cost as cost
+  from hetspmd.passes.frontend.tracing import trace
 
   small, large = PROFILE_BATCHES
   graphs = [trace(fn, state, _with_batch(batch, b)) for b in PROFILE_BATCHES]
@@ -314,8 +316,8 @@ def with_strategy_spaces(profile: StepProfile, sizes: Sequence[int] = MODEL_SIZE
 
 
 def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float | None = None):
-  """The runnable :class:`~hetspmd.plan.Plan` of one search result."""
-  from hetspmd.plan import Plan, zero_shards_for
+  """The runnable :class:`~hetspmd.plan.value.Plan` of one search result."""
+  from hetspmd.plan.value import Plan, zero_shards_for
 
   ids = cluster.jax_device_ids
   device_ids = tuple(ids[i] if ids is not None else i for i in evaluated.device_positions)
@@ -354,18 +356,18 @@ def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int]
   ``model_dims`` maps parameter paths (``params/h/0/mlp/c_fc/kernel``) to the
   dimension split over the model axis; the optimizer state that mirrors a
   parameter follows it, and ZeRO is added as in
-  :func:`hetspmd.plan.auto_state_specs`.
+  :func:`hetspmd.plan.value.auto_state_specs`.
   """
-  from hetspmd.plan import auto_state_specs
+  from hetspmd.plan.value import auto_state_specs
 
   model_specs = _model_specs(state, axis_names, model_dims)
   return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs, zero_shards=zero_shards)
 
 
 def _model_specs(state: Any, axis_names: Sequence[str], model_dims: dict[str, int]) -> dict[str, tuple]:
-  """``{path suffix: spec}`` of the chosen model-axis splits, for :func:`hetspmd.plan.auto_state_specs`."""
+  """``{path suffix: spec}`` of the chosen model-axis splits, for :func:`hetspmd.plan.value.auto_state_specs`."""
   from hetspmd._pytree import leaves_with_paths
-  from hetspmd.plan import _role_of
+  from hetspmd.plan.value import _role_of
 
   model = axis_names[1] if len(axis_names) > 1 else None
   # Every parameter gets an entry (whole ones too), keyed by its path below the

@@ -10,9 +10,9 @@ with ``global_batch`` examples (or ``batch_argnums=``).
 
 Each argument structure is lowered once to one ``jax.jit`` program:
 
-* the step is traced at the global batch, and :mod:`hetspmd.passes.microbatch`
+* the step is traced at the global batch, and :mod:`hetspmd.passes.batch_axis.analysis`
   finds which equations are per-example and where they reduce over the batch;
-* :mod:`hetspmd.lowering` builds the weighted program: per device a loop over
+* :mod:`hetspmd.lowering.weighted` builds the weighted program: per device a loop over
   its own microbatch count, one reduction over ``data``, the rest once;
 * state leaves carry the plan's ``NamedSharding``s (tensor parallel along
   ``model``, ZeRO along ``data``) in and out; the batch arrives as a padded
@@ -33,11 +33,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.cluster import Cluster
+from hetspmd.hardware.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
-from hetspmd.microbatch import remat_policy
+from hetspmd.autodiff import remat_policy
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.plan import GRAD_REDUCE_DTYPES, Plan, auto_state_specs, plan_for
+from hetspmd.plan.value import GRAD_REDUCE_DTYPES, Plan, auto_state_specs, plan_for
 
 
 class ShardedBatch(NamedTuple):
@@ -113,8 +113,8 @@ class ParallelStep:
 
   def _search(self, cluster: Cluster, state: Any, search_fn: Callable[[Any, Any], Any] | None, batch: Any
               ) -> Plan:
-    from hetspmd.microbatch import recording_calls
-    from hetspmd.search import SEARCHED_REMAT, plan_from, profile_step, search
+    from hetspmd.autodiff import recording_calls
+    from hetspmd.planner.ranking import SEARCHED_REMAT, plan_from, profile_step, search
 
     batch = self.example_batch if self.example_batch is not None else batch
     if batch is None:
@@ -140,7 +140,7 @@ class ParallelStep:
     """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
     if self.batch_stats != "exact":
       return 1.0
-    from hetspmd import lowering
+    from hetspmd.lowering import weighted as lowering
 
     analysis, inputs = _profile_analysis(fn, state, batch, "exact")
     return lowering.recompute_factor(analysis, inputs)
@@ -270,14 +270,14 @@ class ParallelStep:
     return self._programs[key]
 
   def _build(self, call: "_Call"):
-    from hetspmd import lowering
-    from hetspmd.passes import microbatch as pass_
+    from hetspmd.lowering import weighted as lowering
+    from hetspmd.passes.batch_axis.analysis import analyse
 
     plan, mesh = self.plan, self._mesh
     state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
     with remat_policy(plan.remat):
       closed, out_tree = call.trace(plan.global_batch)
-    analysis = pass_.analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
+    analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
     self._analysis = analysis
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
@@ -578,15 +578,15 @@ _GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
 def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, batch_stats: str):
   """The microbatch analysis of ``fn`` traced at the profile's batch size, and its batch inputs."""
   from hetspmd.passes import _jax_adapter as jx
-  from hetspmd.passes import microbatch as pass_
-  from hetspmd.search import PROFILE_BATCHES, _with_batch
+  from hetspmd.passes.batch_axis.analysis import analyse
+  from hetspmd.planner.ranking import PROFILE_BATCHES, _with_batch
 
   size = PROFILE_BATCHES[-1]
   closed = jax.make_jaxpr(fn)(jx.to_abstract(state), _with_batch(batch, size))
   leaves = jax.tree.leaves(state)
   inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(_dtype(x), jnp.floating)]  # statistics live here
-  return pass_.analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
+  return analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
 
 
 def _loop_needs_lockstep(lowered: Any) -> bool:
@@ -632,7 +632,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   not, or bound to its objects by ``nnx.cached_partial``), whose objects
   are updated after each call. Call it with the global
   batch; the microbatch program is derived from its jaxpr
-  (:mod:`hetspmd.passes.microbatch`). A step that mixes examples in a way
+  (:mod:`hetspmd.passes.batch_axis.analysis`). A step that mixes examples in a way
   that does not split into microbatches (a sort along the batch) is refused
   with :class:`HetSpmdError` naming the primitive and the Flax module.
 

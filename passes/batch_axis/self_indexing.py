@@ -6,7 +6,7 @@ gather whose indices concatenate a per-example index with an ``iota``
 along the same examples. Element ``b`` then reads ``x[i[b], b]``: each
 example only its own row, which is what a gather with
 ``operand_batching_dims`` says outright (``jnp.take_along_axis`` writes it
-that way). The example-axis rules (:mod:`hetspmd.passes.example_axis`)
+that way). The example-axis rules (:mod:`hetspmd.passes.batch_axis.rules`)
 understand the batched form and refuse the other, so this pass rewrites one
 into the other before the analysis, for the gather and for the scatter-add
 its transpose makes. The rewrite is exact for any values: an ``iota`` over

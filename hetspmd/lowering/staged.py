@@ -2,7 +2,7 @@
 
 A step whose model runs its layers as one scan over stacked parameters (Linen ``nn.scan``, NNX
 ``nnx.scan``, ``lax.scan`` over a stacked tree) has, in its microbatch loop (see
-:mod:`hetspmd.lowering`), one forward scan ``F`` over the layers and its transpose ``B``, a reversed scan
+:mod:`hetspmd.lowering.weighted`), one forward scan ``F`` over the layers and its transpose ``B``, a reversed scan
 that hands the activation's cotangent down the layers and makes each layer's parameter gradients.
 Around them the loop's other equations fall into three groups:
 
@@ -11,7 +11,7 @@ Around them the loop's other equations fall into three groups:
   ``B``'s incoming cotangent);
 * ``post``: what reads ``B``'s results (the embedding's gradient).
 
-The loop runs the schedule of :mod:`hetspmd.pipeline` with these pieces instead of a layer function and
+The loop runs the schedule of :mod:`hetspmd.lowering.pipeline` with these pieces instead of a layer function and
 a head: in forward tick ``t`` stage ``s`` takes microbatch ``t - s``, runs ``pre`` (every stage: ``F``
 and ``B`` read its values, and it is cheap), then ``F``'s body for its own layers, one iteration per
 layer from its rows of the stack, keeping each iteration's outputs for ``B``; the last stage then runs
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from hetspmd import operands
+from hetspmd.lowering import operands
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.pipeline import Stages, tick_slot
+from hetspmd.lowering.pipeline import Stages, tick_slot
 
 
 _REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
@@ -132,7 +132,7 @@ def find_stack(prog) -> Stack:
 def _earlier_loops(prog, layout, outer, cut_outs, batch_vars, buffers, counts, starts) -> dict:
   """Runs the loops before the final one (a token count that the loss divides by) as the unstaged program does,
   every stage alike: their cuts' totals, reduced over ``data``, by cut position; feedback values put in ``outer``."""
-  from hetspmd import lowering as low
+  from hetspmd.lowering import weighted as low
 
   totals: dict = {}
   for s in range(prog.analysis.loops - 1):
@@ -240,9 +240,9 @@ def _first_rows(x, count):
 
 def _reduce(op, x, axes, layout=None):
   """``op(x, axes)``; a gradient (``layout`` given) crosses in ``layout.reduce_dtype`` where
-  :func:`hetspmd.lowering._low_precision` says so, and comes back in its own dtype. The staged program is
+  :func:`hetspmd.lowering.weighted._low_precision` says so, and comes back in its own dtype. The staged program is
   manual over every axis, so XLA's CPU compiler takes the narrow all-reduce."""
-  from hetspmd import lowering as low
+  from hetspmd.lowering import weighted as low
 
   if layout is None or not low._low_precision(layout, x):
     return op(x, axes)
@@ -250,8 +250,8 @@ def _reduce(op, x, axes, layout=None):
 
 
 def loop_part(prog, layout, loop_values, loop_inputs, batch_vars, buffers, counts, starts, cut_outs, pe_outs):
-  """:func:`hetspmd.lowering._loop_part` for a layout with ``stages``: the cuts' totals, reduced everywhere."""
-  from hetspmd import lowering as low
+  """:func:`hetspmd.lowering.weighted._loop_part` for a layout with ``stages``: the cuts' totals, reduced everywhere."""
+  from hetspmd.lowering import weighted as low
 
   stack = find_stack(prog)
   layers = tuple(layout.stages)

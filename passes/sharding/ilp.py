@@ -1,7 +1,7 @@
-"""The ILP over tensor-parallel strategies (see :mod:`hetspmd.passes.strategies`).
+"""The ILP over tensor-parallel strategies (see :mod:`hetspmd.passes.sharding.strategies`).
 
 :func:`choose` picks one option per decision of a
-:class:`~hetspmd.passes.strategies.StrategySpace` with HiGHS
+:class:`~hetspmd.passes.sharding.strategies.StrategySpace` with HiGHS
 (``scipy.optimize.milp``): a binary per (decision, option), shared by the
 decisions of layers that are ``repeat_of`` another; a continuous
 ``y >= x_a + x_b - 1`` per resharding pair with a cost and
@@ -20,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hetspmd.devices import Link
-from hetspmd.passes.strategies import NO_TRAFFIC, StrategySpace
+from hetspmd.hardware.devices import Link
+from hetspmd.passes.sharding.strategies import NO_TRAFFIC, StrategySpace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """What a plan's data axis costs: gradient reductions, ZeRO's splits and gathers, memory per device.
 
-Pieces of :mod:`hetspmd.search`'s cost model that follow the runtime's
-collectives over ``data`` (:mod:`hetspmd.microbatch`) and the ZeRO rule of
-:func:`hetspmd.plan.auto_state_specs`: α–β rings per link class,
+Pieces of :mod:`hetspmd.planner.ranking`'s cost model that follow the runtime's
+collectives over ``data`` (:mod:`hetspmd.autodiff`) and the ZeRO rule of
+:func:`hetspmd.plan.value.auto_state_specs`: α–β rings per link class,
 hierarchical across hosts; all-reduces counted per bucket; reduce-scatter
 onto ZeRO's shards; one all-gather per split parameter leaf.
 """
@@ -17,11 +17,11 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from hetspmd.cluster import Cluster
-from hetspmd.devices import Link
-from hetspmd.microbatch import buckets
-from hetspmd.passes.cost import ACCUMULATOR_BYTES, StepProfile
-from hetspmd.plan import GRAD_REDUCE_DTYPES, REMAT_POLICIES, zero_group
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.hardware.devices import Link
+from hetspmd.autodiff import buckets
+from hetspmd.passes.costing.step_cost import ACCUMULATOR_BYTES, StepProfile
+from hetspmd.plan.value import GRAD_REDUCE_DTYPES, REMAT_POLICIES, zero_group
 
 # under a dots policy, besides the saved matmul outputs: the working set of recomputing one part of the
 # forward pass just before its backward, as a share of a microbatch's peak
@@ -86,7 +86,7 @@ class ZeroSplit:
   """How ZeRO holds the parameter leaves (elements each) over ``n`` data positions."""
 
   split: tuple[int, ...]    # a dimension divides by n: split n ways
-  shards: int               # hetspmd.plan.zero_shards_for: the group size k for the rest (0: none)
+  shards: int               # hetspmd.plan.value.zero_shards_for: the group size k for the rest (0: none)
   grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
   whole: tuple[int, ...]    # kept whole on every position
 
@@ -113,7 +113,7 @@ class ZeroSplit:
 
 @functools.lru_cache(maxsize=4096)
 def _zero_split(leaves: tuple[tuple[tuple[int, ...], int], ...], n: int) -> ZeroSplit:
-  """The rule of :func:`hetspmd.plan.auto_state_specs` and :func:`hetspmd.plan.zero_shards_for`.
+  """The rule of :func:`hetspmd.plan.value.auto_state_specs` and :func:`hetspmd.plan.value.zero_shards_for`.
 
   ``leaves``: (sizes of the dimensions ZeRO may split, elements on one
   device) per parameter leaf.
@@ -191,7 +191,7 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
   """Reducing the gradients over ``data`` once per step, as the runtime does.
 
   Data parallel only (``tp.m == 1``), small leaves share buckets
-  (:func:`hetspmd.microbatch.bucketed_psum`); with ZeRO-1/3 the leaves that
+  (:func:`hetspmd.autodiff.bucketed_psum`); with ZeRO-1/3 the leaves that
   ZeRO splits over all positions are reduce-scattered onto their shards
   (half a ring all-reduce, in buckets of their own) and the rest (leaves
   split over groups, or whole), with the loss's sum and weight,
@@ -213,14 +213,14 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
 
 
 def _bucket_count(sizes: tuple[int, ...]) -> int:
-  """Collectives :func:`hetspmd.microbatch.buckets` makes of float32 leaves of ``sizes`` elements."""
+  """Collectives :func:`hetspmd.autodiff.buckets` makes of float32 leaves of ``sizes`` elements."""
   return len(buckets([(np.float32, n * GRAD_BYTES) for n in sizes]))
 
 
 def gradient_reductions(profile: StepProfile, model: int) -> int:
   """All-reduces the runtime issues for the gradients (and the loss's sum and weight) without ZeRO, per step.
 
-  Data parallel only, small leaves share buckets (:func:`hetspmd.microbatch.bucketed_psum`);
+  Data parallel only, small leaves share buckets (:func:`hetspmd.autodiff.bucketed_psum`);
   with a model axis every leaf is reduced on its own.
   """
   if not profile.param_leaf_sizes:
@@ -235,7 +235,7 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
   """Peak bytes of one microbatch's forward and backward pass on a device, under a remat policy.
 
   The runtime checkpoints the whole loss function
-  (:func:`hetspmd.microbatch._rematted`): ``full`` then keeps the traced
+  (:func:`hetspmd.autodiff._rematted`): ``full`` then keeps the traced
   peak, as the backward pass runs the forward again, storing every
   residual, before it needs the first. ``dots`` and ``all_dots`` keep the
   matmul outputs they save (``profile.saved_bytes``); each other residual

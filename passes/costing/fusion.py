@@ -18,14 +18,14 @@ input, once. A value is *materialized* (written to memory) when its
 producer cannot fuse or is a reduction, when some consumer does not join
 it, or when it is a step output. Nodes that cannot fuse keep their own
 byte counts (``bytes_read + bytes_written`` from
-:mod:`hetspmd.passes.flops`).
+:mod:`hetspmd.passes.costing.flops`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hetspmd.passes.flops import ELEMENTWISE_PRIMITIVES
+from hetspmd.passes.costing.flops import ELEMENTWISE_PRIMITIVES
 from hetspmd.passes.ir import Graph, Source
 
 _SHAPE = frozenset({

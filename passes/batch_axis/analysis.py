@@ -4,7 +4,7 @@ The pass reads a train step traced at the global batch (its jaxpr holds the
 forward pass, autodiff's backward pass and the optimizer update). It
 assumes the batch inputs carry the example axis as their dimension 0, and
 propagates that axis forward through every equation by the rule table of
-:mod:`hetspmd.passes.example_axis` (keyed by primitive). Checkpointed blocks
+:mod:`hetspmd.passes.batch_axis.rules` (keyed by primitive). Checkpointed blocks
 and ``scan`` bodies are analysed as units (:class:`Body`): their cuts must
 flow linearly to their outputs. Each equation then falls into one of three
 kinds:
@@ -51,13 +51,13 @@ from typing import Any, Sequence
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes import self_indexing
-from hetspmd.passes.example_axis import RULES as RULES
-from hetspmd.passes.example_axis import Axis as Axis
-from hetspmd.passes.example_axis import Decision as Decision
-from hetspmd.passes.example_axis import Mixing as Mixing
-from hetspmd.passes.example_axis import default_rule as default_rule
-from hetspmd.passes.example_axis import register as register  # noqa: F401  (re-exported)
+from hetspmd.passes.batch_axis import self_indexing
+from hetspmd.passes.batch_axis.rules import RULES as RULES
+from hetspmd.passes.batch_axis.rules import Axis as Axis
+from hetspmd.passes.batch_axis.rules import Decision as Decision
+from hetspmd.passes.batch_axis.rules import Mixing as Mixing
+from hetspmd.passes.batch_axis.rules import default_rule as default_rule
+from hetspmd.passes.batch_axis.rules import register as register  # noqa: F401  (re-exported)
 
 
 class _Inline(Exception):

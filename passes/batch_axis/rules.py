@@ -10,7 +10,7 @@ not decompose over microbatches raises :class:`Mixing` with the reason.
 
 The default (:func:`default_rule`): elementwise when the primitive has no
 axis-like parameter and its outputs keep the input's example dimension,
-refused otherwise. :func:`register` adds rules. :mod:`hetspmd.passes.microbatch`
+refused otherwise. :func:`register` adds rules. :mod:`hetspmd.passes.batch_axis.analysis`
 runs the table over a step.
 """
 
@@ -111,7 +111,7 @@ def default_rule(eqn, axes, batch) -> Decision:
   """Elementwise when no parameter names an axis and the outputs keep the example dimension; else refused."""
   if any(k in eqn.params for k in _AXIS_PARAMS):
     raise Mixing("hetspmd has no rule for how it moves the example axis "
-                 "(register one with hetspmd.passes.microbatch.register)")
+                 "(register one with hetspmd.passes.batch_axis.analysis.register)")
   return elementwise(eqn, axes, batch)
 
 

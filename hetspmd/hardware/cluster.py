@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
-from hetspmd.devices import (LINK_PRESETS, DeviceSpec, Link, device_spec, link, parse_latency,
+from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, device_spec, link, parse_latency,
                              preset_for_device_kind)
 from hetspmd.errors import InvalidValueError, UnknownNameError
 
@@ -221,7 +221,7 @@ class Cluster:
       if preset is None:
         kind = "cpu" if d.platform == "cpu" else str(d.device_kind)
         if kind not in specs:
-          from hetspmd import profiler
+          from hetspmd.hardware import profiler
           specs[kind] = profiler.measure_device_spec(d, name=kind)
       else:
         kind = preset

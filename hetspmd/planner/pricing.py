@@ -6,7 +6,7 @@ search's caches (per-node seconds, strategy spaces, ILP frontiers); :func:`price
 candidate into an :class:`Evaluated` per reduce dtype: counts per position (:func:`balanced_counts`, or a
 baseline's rule), each position's seconds on hosts whose devices share compute, the gradient reduction and
 what of it hides behind the busiest position's last backward pass, and memory per device. The model behind
-the numbers is described in :mod:`hetspmd.search` and ``docs/cost-model.md``.
+the numbers is described in :mod:`hetspmd.planner.ranking` and ``docs/cost-model.md``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hetspmd.cluster import Cluster
-from hetspmd.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel, gather_seconds, gradient_reductions,
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorParallel, gather_seconds, gradient_reductions,
                                gradient_seconds, memory_per_device, zero_split)
 from hetspmd.errors import HetSpmdError
-from hetspmd.passes import strategies, strategy_ilp
-from hetspmd.passes.cost import StepProfile
-from hetspmd.plan import even_counts as even_counts  # the baselines' rule
+from hetspmd.passes.sharding import ilp as strategy_ilp, strategies
+from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.plan.value import even_counts as even_counts  # the baselines' rule
 
 # Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
 # collectives' kernels share the device with the backward's (not yet calibrated on a device)
@@ -41,7 +41,7 @@ class Evaluated:
   microbatch: int
   counts: tuple[int, ...]             # per data position
   zero_stage: int
-  remat: str                          # a plan remat policy: one of hetspmd.plan.REMAT_POLICIES
+  remat: str                          # a plan remat policy: one of hetspmd.plan.value.REMAT_POLICIES
   compute_seconds: float              # slowest position, tensor-parallel collectives included
   comm_seconds: float                 # gradient reduction over data
   memory_bytes: tuple[int, ...]       # per device
@@ -196,7 +196,7 @@ def balanced_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int
 
 
 def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
-  from hetspmd.plan import proportional_counts
+  from hetspmd.plan.value import proportional_counts
 
   return proportional_counts(weights, total)
 
@@ -279,7 +279,7 @@ class Costing:
     return self._node_seconds[key]
 
   def space(self, m: int) -> strategies.StrategySpace:
-    """Prepared by :func:`hetspmd.search.profile_step` for :data:`hetspmd.search.MODEL_SIZES`; built here (once)
+    """Prepared by :func:`hetspmd.planner.ranking.profile_step` for :data:`hetspmd.planner.ranking.MODEL_SIZES`; built here (once)
     for other sizes."""
     if m not in self._spaces:
       self._spaces[m] = strategies.strategy_space(self.profile, m)

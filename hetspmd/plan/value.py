@@ -26,9 +26,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetspmd._pytree import leaves_with_paths
 from hetspmd._version import __version__
-from hetspmd.cluster import Cluster
+from hetspmd.hardware.cluster import Cluster
 from hetspmd.errors import HetSpmdError, InvalidValueError
-from hetspmd.mesh import HetMesh, enumerate_layouts
+from hetspmd.hardware.mesh import HetMesh, enumerate_layouts
 
 SCHEMA_VERSION = 4  # 2: zero_shards; 3: grad_reduce_dtype, overlap_reduction (older files load as float32, off);
 # 4: stages (older files load without)
@@ -40,7 +40,7 @@ ZERO_STAGES = (0, 1, 3)
 # dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")
 REMAT_POLICIES = ("none", "all_dots", "dots", "full")
 # The dtype gradients cross the data axis in: float32 (exact), or bfloat16, halving the bytes on the wire
-# (the microbatch accumulation stays float32 either way; see hetspmd.lowering). Not float16: without loss
+# (the microbatch accumulation stays float32 either way; see hetspmd.lowering.weighted). Not float16: without loss
 # scaling its range (6e-5 to 65504 for normal values) loses ordinary gradients to underflow and large ones
 # to overflow
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
@@ -72,7 +72,7 @@ class Plan:
   # with the overlap, the last pass runs this many microbatches as one batch of ``k * microbatch`` examples: a
   # longer backward pass to hide the reduction under, while the loop's small microbatches carry the weighting
   overlap_microbatches: int = 1
-  # layers per pipeline stage along the ``stage`` axis (hetspmd.staged); () for none
+  # layers per pipeline stage along the ``stage`` axis (hetspmd.lowering.staged); () for none
   stages: tuple[int, ...] = ()
   device_kinds: tuple[str, ...] = ()
   predicted: tuple[tuple[str, float], ...] = ()
@@ -398,7 +398,7 @@ def default_microbatch(global_batch: int, data_size: int, per_position: int = 4)
 
 
 def _role_of(path: str, dtype: Any) -> str:
-  from hetspmd.passes.roles import Leaf, infer_role
+  from hetspmd.passes.frontend.roles import Leaf, infer_role
 
   return infer_role(Leaf(tuple(path.split("/")), 0, str(dtype), None), num_args=2).value
 
@@ -472,14 +472,14 @@ def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence
   that does not divide the leaf evenly is dropped and leaves they do not
   match stay whole; without ``model_specs``, the last dimension of every leaf
   of rank ≥ 2 that divides evenly. Both map path suffixes to specs (see
-  :func:`hetspmd.annotations.match`), so a parameter's spec also applies to
+  :func:`hetspmd.plan.annotations.match`), so a parameter's spec also applies to
   the optimizer state that mirrors it. Along ``data`` (ZeRO), when the spec
   does not already use it: with stage ≥ 1 the first free, evenly dividing
   dimension of optimizer state; with stage 3 of parameters too. A leaf with
   no such dimension is split over the ``zero_shards`` sub-axis
   (:func:`shards_axis`) where one of its free dimensions divides by it.
   """
-  from hetspmd import annotations
+  from hetspmd.plan import annotations
 
   sizes = dict(zip(axis_names, mesh_shape))
   data, others = axis_names[0], [a for a in axis_names[1:] if sizes[a] > 1]
@@ -552,7 +552,7 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       (``nn.scan``, ``nnx.scan``): the devices form ``len(stages)``
       consecutive groups (whole hosts first), and a faster group takes
       more layers; each group splits every microbatch's examples evenly
-      (see :mod:`hetspmd.staged`). ``counts`` default to the global batch's
+      (see :mod:`hetspmd.lowering.staged`). ``counts`` default to the global batch's
       microbatches spread as evenly as they go (the ticks are lockstep,
       so weighting the data positions would not pay; a position past its
       count skips the ticks' work). State leaves of ``sum(stages)`` rows
@@ -613,14 +613,14 @@ def stage_layers(cluster: Cluster, stages: int, layers: int, dtype: str = "float
   width = n // stages
   devices = cluster.devices
   speed = [min(devices[i].spec.peak_flops(dtype) for i in range(s * width, (s + 1) * width)) for s in range(stages)]
-  from hetspmd.stage_search import split_layers
+  from hetspmd.planner.stages import split_layers
 
   return split_layers([1.0 / v for v in speed], [0.0] * stages, layers)
 
 
 def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:
   """A state leaf of the layer stack (parameters, their optimizer moments): split over ``stage`` in even blocks,
-  which the staged program moves to the stages' uneven layers and back (``hetspmd.staged``)."""
+  which the staged program moves to the stages' uneven layers and back (``hetspmd.lowering.staged``)."""
   layers = sum(stages)
   return np.ndim(leaf) >= 1 and np.shape(leaf)[0] == layers and layers % len(stages) == 0
 

@@ -1,0 +1,1 @@
+"""The Plan: its versioned JSON, options (remat, ZeRO, reduce dtypes), microbatch counts, and the state layout."""

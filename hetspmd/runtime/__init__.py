@@ -1,0 +1,1 @@
+"""The runtime: parallelize / ParallelStep, call binding and the Flax adapter."""
