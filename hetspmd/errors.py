@@ -29,3 +29,7 @@ class UnknownNameError(HetSpmdError, KeyError):
 
 class InvalidValueError(HetSpmdError, ValueError):
   """A number or spec outside its valid range."""
+
+
+class PlanDoesNotFitError(HetSpmdError):
+  """No plan fits the devices' memory: names the device that overflows, by how much, and what would fit."""

@@ -16,7 +16,8 @@ from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroS
 from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.passes.costing import step_cost as cost
 from hetspmd.planner.pricing import KindCost
-from hetspmd.planner.ranking import (BASELINES, PlanDoesNotFitError, balanced_counts, evaluate, even_counts,
+from hetspmd.errors import PlanDoesNotFitError
+from hetspmd.planner.ranking import (BASELINES, balanced_counts, evaluate, even_counts,
                             microbatch_sizes, milp_counts, plan_from, profile_step, search)
 
 

@@ -68,7 +68,7 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
-from hetspmd.errors import HetSpmdError
+from hetspmd.errors import HetSpmdError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.sharding import strategies
 from hetspmd.passes.costing.step_cost import StepProfile
@@ -85,10 +85,6 @@ SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
 ZERO_STAGES = (0, 1, 3)
 MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
-
-
-class PlanDoesNotFitError(HetSpmdError):
-  """No candidate fits device memory."""
 
 
 @dataclasses.dataclass(frozen=True)
