@@ -41,7 +41,7 @@ def _spearman(a, b) -> float:
 
 def plans_for(platform: str) -> list[tuple[int, int, str]]:
   """(microbatch, count, remat policy) of every plan run on ``platform``."""
-  from hetspmd.plan.value import REMAT_POLICIES
+  from hetspmd.plan.options import REMAT_POLICIES
 
   shapes = [(4, 2), (8, 1)] if platform != "cpu" else [(2, 2), (4, 1)]
   return [(mb, count, remat) for mb, count in shapes for remat in REMAT_POLICIES]
@@ -65,7 +65,9 @@ def run(args) -> list[dict]:
   import hetspmd as hs
   from hetspmd import models
   from hetspmd.planner.data_axis import WORKSPACE
-  from hetspmd.planner.ranking import evaluate, plan_from, profile_step
+  from hetspmd.planner.pricing import evaluate
+  from hetspmd.planner.building import plan_from
+  from hetspmd.passes.costing.profile import profile_step
 
   from _steps import median_step_seconds
 

@@ -78,7 +78,8 @@ def main() -> None:
 
   from hetspmd import Cluster, models
   from hetspmd.planner.data_axis import REDUCE_BYTES, allreduce_seconds
-  from hetspmd.planner.ranking import profile_step, search
+  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.planner.ranking import search
 
   print(f"{'cluster':<14} {'model':<19} {'batch':>5} {'seq':>4} {'hosts':>5} {'best s':>7} {'reduce s':>8} {'k':>2} "
         f"{'reduce s':>8} {'a2a s':>7} {'step s':>7} {'ratio':>6} {'even at batch':>13}")

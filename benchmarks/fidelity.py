@@ -51,7 +51,9 @@ def main() -> None:
 
   import hetspmd as hs
   from hetspmd import models
-  from hetspmd.planner.ranking import evaluate, plan_from, profile_step
+  from hetspmd.planner.pricing import evaluate
+  from hetspmd.planner.building import plan_from
+  from hetspmd.passes.costing.profile import profile_step
 
   from _steps import median_step_seconds
 

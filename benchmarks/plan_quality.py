@@ -77,7 +77,8 @@ def mechanisms(e) -> str:
 
 def main() -> None:
   from hetspmd import Cluster, models
-  from hetspmd.planner.ranking import profile_step, search
+  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.planner.ranking import search
 
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)

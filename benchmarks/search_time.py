@@ -23,7 +23,8 @@ def main() -> None:
   args = parser.parse_args()
 
   from hetspmd import Cluster, models
-  from hetspmd.planner.ranking import profile_step, search
+  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.planner.ranking import search
 
   workload = models.get(args.model)
   start = time.perf_counter()

@@ -28,7 +28,8 @@ def main() -> None:
   cases = [(c, m, int(b)) for c, m, b in (x.split(":") for x in args.case)] or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.planner.ranking import profile_step, search
+  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.planner.ranking import search
   from hetspmd.planner.stages import describe, search_stages
 
   print(f"{'cluster':<15} {'model':<18} {'batch':>5} {'best plan s':>11} {'stages s':>9} {'ratio':>6}  stage plan")

@@ -157,7 +157,8 @@ def main(argv=None) -> list[dict]:
 
   import hetspmd as hs
   from hetspmd import models
-  from hetspmd.planner.ranking import plan_from, search_step
+  from hetspmd.planner.building import plan_from
+  from hetspmd.planner.ranking import search_step
 
   workload = models.get(args.model)
   if workload.family != "gpt2":

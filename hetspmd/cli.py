@@ -165,7 +165,9 @@ def _run_profile(args: argparse.Namespace) -> int:
 def _run_search(args: argparse.Namespace) -> int:
   from hetspmd import models
   from hetspmd.hardware.cluster import Cluster
-  from hetspmd.planner.ranking import BASELINES, plan_from, profile_step, search
+  from hetspmd.planner.ranking import BASELINES, search
+  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.planner.building import plan_from
   from hetspmd.planner.stages import describe, search_stages
 
   cluster = Cluster.resolve(args.cluster)
@@ -178,7 +180,7 @@ def _run_search(args: argparse.Namespace) -> int:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
-  from hetspmd.plan.value import GRAD_REDUCE_DTYPES
+  from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 
   dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   progress("tracing the step at two batch sizes")

@@ -11,7 +11,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "device_ch
 
 @pytest.mark.timeout(300)
 def test_device_check_runs_every_remat_policy_and_reports_time_and_memory(tmp_path, capsys, monkeypatch):
-  from hetspmd.plan.value import REMAT_POLICIES
+  from hetspmd.plan.options import REMAT_POLICIES
 
   monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: its folder first on the path
 

@@ -21,7 +21,9 @@ import hetspmd as hs
 from hetspmd import Cluster, models
 from hetspmd.passes.sharding import ilp as strategy_ilp
 from hetspmd.report import explain_text
-from hetspmd.planner.ranking import plan_from, profile_step, search
+from hetspmd.planner.building import plan_from
+from hetspmd.passes.costing.profile import profile_step
+from hetspmd.planner.ranking import search
 
 from conftest import require_devices
 

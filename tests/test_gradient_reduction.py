@@ -373,7 +373,7 @@ def test_plan_json_keeps_the_reduction_options(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_profile():
   from hetspmd import models
-  from hetspmd.planner.ranking import profile_step
+  from hetspmd.passes.costing.profile import profile_step
 
   w = models.get("gpt2-tiny")
   return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
@@ -385,7 +385,7 @@ SLOW_NETWORK = "2x4xV100-32GB+2x4xP100-16GB;inter=1Gbps"
 @pytest.mark.parametrize("zero", [0, 1])
 def test_reduced_precision_halves_the_gradient_bytes(zero, tiny_profile):
   from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, _host_counts, gather_seconds
-  from hetspmd.planner.ranking import evaluate
+  from hetspmd.planner.pricing import evaluate
 
   cluster = hs.Cluster.parse(SLOW_NETWORK)
   positions = tuple(range(16))
@@ -401,7 +401,7 @@ def test_reduced_precision_halves_the_gradient_bytes(zero, tiny_profile):
 
 
 def test_one_bucket_cannot_overlap(tiny_profile):
-  from hetspmd.planner.ranking import evaluate
+  from hetspmd.planner.pricing import evaluate
 
   # GPT-tiny's gradients are all small leaves, reduced as one bucket once every one is ready
   cluster = hs.Cluster.parse(SLOW_NETWORK)
@@ -411,7 +411,8 @@ def test_one_bucket_cannot_overlap(tiny_profile):
 
 def test_overlap_hides_at_most_the_last_backward_pass():
   from hetspmd import models
-  from hetspmd.planner.ranking import OVERLAP_EFFICIENCY, evaluate, profile_step
+  from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, evaluate
+  from hetspmd.passes.costing.profile import profile_step
 
   w = models.get("gpt2-small")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
@@ -433,14 +434,16 @@ def test_overlap_hides_at_most_the_last_backward_pass():
 @pytest.fixture(scope="module")
 def small_profile():
   from hetspmd import models
-  from hetspmd.planner.ranking import profile_step
+  from hetspmd.passes.costing.profile import profile_step
 
   w = models.get("gpt2-small")
   return w, profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
 
 
 def test_search_fuses_the_last_pass_where_its_longer_backward_hides_more(small_profile):
-  from hetspmd.planner.ranking import OVERLAP_EFFICIENCY, evaluate, plan_from, search
+  from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, evaluate
+  from hetspmd.planner.building import plan_from
+  from hetspmd.planner.ranking import search
 
   w, profile = small_profile
   cluster = hs.Cluster.parse("2x4xV100-32GB+2x4xP100-16GB;inter=40Gbps")

@@ -477,7 +477,7 @@ def test_python_float_parameters_with_uneven_counts():
 
 
 def test_buckets_group_small_leaves_by_dtype_in_order():
-  from hetspmd.autodiff import buckets
+  from hetspmd.plan.gradient_buckets import buckets
 
   f32, bf16 = np.dtype("float32"), jnp.bfloat16
   sizes = [(f32, 100), (f32, 5000), (bf16, 10), (f32, 300), (f32, 200), (bf16, 20)]
@@ -488,7 +488,7 @@ def test_buckets_group_small_leaves_by_dtype_in_order():
 
 @pytest.mark.timeout(120)
 def test_bucketed_psum_matches_psum():
-  from hetspmd.autodiff import bucketed_psum
+  from hetspmd.lowering.collectives import bucketed_psum
 
   require_devices(2)
   n = min(jax.device_count(), 8)
@@ -572,7 +572,7 @@ def test_predicted_memory_bounds_what_xla_allocates_per_device(name):
   # for the compiled step, per ZeRO stage: within 3% under to 1.4x over; ZeRO-3 gathers its
   # parameters whole for the loop, so it costs ZeRO-1's peak plus the parameter shards, as compiled
   from hetspmd.planner.data_axis import WORKSPACE, memory_per_device
-  from hetspmd.planner.ranking import profile_step
+  from hetspmd.passes.costing.profile import profile_step
 
   require_devices(8)
   workload = _workload(name)
@@ -636,7 +636,7 @@ def test_zero_stages_match_single_device(name, shape, counts, zero_stage):
 
 def test_user_specs_over_a_plan_with_zero_groups_keep_one_zero_split():
   # the runtime re-applies user specs over a searched plan's: a leaf ZeRO already split over groups stays so
-  from hetspmd.plan.value import auto_state_specs
+  from hetspmd.plan.state_layout import auto_state_specs
 
   require_devices(6)
   workload = _workload("gpt2-tiny")
@@ -652,7 +652,7 @@ def test_user_specs_over_a_plan_with_zero_groups_keep_one_zero_split():
 
 
 def test_scatter_dim_follows_the_state_leaf_that_mirrors_the_gradient():
-  from hetspmd.autodiff import scatter_dim
+  from hetspmd.lowering.collectives import scatter_dim
 
   split = (("opt_state/0/mu/params/dense/kernel", (8, 4), 1), ("opt_state/0/mu/params/dense/bias", (8,), 0),
            ("params/head/kernel", (16, 8), 0))
@@ -666,7 +666,7 @@ def test_scatter_dim_follows_the_state_leaf_that_mirrors_the_gradient():
 
 @pytest.mark.timeout(120)
 def test_bucketed_psum_scatter_matches_psum_scatter():
-  from hetspmd.autodiff import bucketed_psum_scatter
+  from hetspmd.lowering.collectives import bucketed_psum_scatter
 
   require_devices(2)
   n = min(jax.device_count(), 8)

@@ -15,10 +15,14 @@ from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, TensorParallel, ZeroS
                                allreduce_seconds, gather_seconds, zero_split)
 from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.passes.costing import step_cost as cost
-from hetspmd.planner.pricing import KindCost
+from hetspmd.plan.counts import KindCost
 from hetspmd.errors import PlanDoesNotFitError
-from hetspmd.planner.ranking import (BASELINES, balanced_counts, evaluate, even_counts,
-                            microbatch_sizes, milp_counts, plan_from, profile_step, search)
+from hetspmd.planner.ranking import BASELINES, microbatch_sizes, search
+from hetspmd.plan.counts import balanced_counts, even_counts
+from hetspmd.passes.costing.profile import profile_step
+from hetspmd.planner.pricing import evaluate
+from hetspmd.plan.counts import milp_counts
+from hetspmd.planner.building import plan_from
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +388,7 @@ def test_zero_split_leaves_the_model_dimension_alone(tiny_profile):
 
 @pytest.mark.parametrize("n,zero", [(6, 1), (6, 3), (24, 1), (7, 1), (8, 3)])
 def test_search_and_plans_choose_the_same_zero_groups(n, zero, tiny_profile):
-  from hetspmd.plan.value import zero_shards_for
+  from hetspmd.plan.state_layout import zero_shards_for
 
   profile, w = tiny_profile, models.get("gpt2-tiny")
   assert zero_shards_for(w.abstract_state(), ("data", "model"), (n, 1), zero) == zero_split(profile, n).shards

@@ -9,7 +9,7 @@ import pytest
 
 from hetspmd import Cluster, models
 from hetspmd.cli import main
-from hetspmd.planner.ranking import profile_step
+from hetspmd.passes.costing.profile import profile_step
 from hetspmd.planner.stages import describe, find_stack, price, search_stages, split_layers
 
 SEQ = 32

@@ -274,14 +274,14 @@ def test_rows_move_between_even_blocks_and_uneven_stages(layers):
   """Each stage gets exactly its layers from the even blocks, and gradients go back added into their block."""
   from jax.sharding import Mesh, PartitionSpec as P
 
-  from hetspmd.lowering.staged import _Exchange
+  from hetspmd.lowering.exchange import Exchange
 
   S = len(layers)
   require_devices(S)
   mesh = Mesh(np.array(jax.devices()[:S]), ("stage",))
   total = sum(layers)
   rows = np.arange(total * 3, dtype=np.float32).reshape(total, 3) + 1
-  exchange = _Exchange(layers, "stage")
+  exchange = Exchange(layers, "stage")
 
   def both(block):
     s = jax.lax.axis_index("stage")

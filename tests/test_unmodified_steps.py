@@ -725,7 +725,7 @@ def test_unmodified_linen_step_in_two_processes():
 
 
 def test_exact_batch_statistics_are_priced_as_recomputed_forward_work():
-  from hetspmd.lowering import weighted as lowering
+  from hetspmd import lowering
   from hetspmd.passes.batch_axis import analysis as microbatch
 
   batch = {"image": jnp.zeros((8, 8, 8, 1)), "label": jnp.zeros((8,), jnp.int32)}

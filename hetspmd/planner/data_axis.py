@@ -19,9 +19,10 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.hardware.devices import Link
-from hetspmd.autodiff import buckets
+from hetspmd.plan.gradient_buckets import buckets
 from hetspmd.passes.costing.step_cost import ACCUMULATOR_BYTES, StepProfile
-from hetspmd.plan.value import GRAD_REDUCE_DTYPES, REMAT_POLICIES, zero_group
+from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES
+from hetspmd.plan.state_layout import zero_group
 
 # under a dots policy, besides the saved matmul outputs: the working set of recomputing one part of the
 # forward pass just before its backward, as a share of a microbatch's peak
@@ -191,7 +192,7 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
   """Reducing the gradients over ``data`` once per step, as the runtime does.
 
   Data parallel only (``tp.m == 1``), small leaves share buckets
-  (:func:`hetspmd.autodiff.bucketed_psum`); with ZeRO-1/3 the leaves that
+  (:func:`hetspmd.lowering.collectives.bucketed_psum`); with ZeRO-1/3 the leaves that
   ZeRO splits over all positions are reduce-scattered onto their shards
   (half a ring all-reduce, in buckets of their own) and the rest (leaves
   split over groups, or whole), with the loss's sum and weight,
@@ -213,14 +214,14 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
 
 
 def _bucket_count(sizes: tuple[int, ...]) -> int:
-  """Collectives :func:`hetspmd.autodiff.buckets` makes of float32 leaves of ``sizes`` elements."""
+  """Collectives :func:`hetspmd.plan.gradient_buckets.buckets` makes of float32 leaves of ``sizes`` elements."""
   return len(buckets([(np.float32, n * GRAD_BYTES) for n in sizes]))
 
 
 def gradient_reductions(profile: StepProfile, model: int) -> int:
   """All-reduces the runtime issues for the gradients (and the loss's sum and weight) without ZeRO, per step.
 
-  Data parallel only, small leaves share buckets (:func:`hetspmd.autodiff.bucketed_psum`);
+  Data parallel only, small leaves share buckets (:func:`hetspmd.lowering.collectives.bucketed_psum`);
   with a model axis every leaf is reduced on its own.
   """
   if not profile.param_leaf_sizes:

@@ -12,7 +12,6 @@ the numbers is described in :mod:`hetspmd.planner.ranking` and ``docs/cost-model
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -23,7 +22,7 @@ from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorP
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes.sharding import ilp as strategy_ilp, strategies
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.value import even_counts as even_counts  # the baselines' rule
+from hetspmd.plan.counts import KindCost, balanced_counts
 
 # Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
 # collectives' kernels share the device with the backward's (not yet calibrated on a device)
@@ -91,112 +90,9 @@ class Evaluated:
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class KindCost:
-  micro: float  # seconds per microbatch
-  fixed: float  # seconds per step
-  model_comm: float = 0.0  # of micro: tensor-parallel collectives
-  first: float = 0.0  # seconds the first microbatch costs over a later one
-
-  def at(self, count: int) -> float:
-    """Seconds of a position with ``count`` microbatches."""
-    return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)
-
-
-# --- counts -------------------------------------------------------------------------
-
-
-def milp_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) -> tuple[int, ...]:
-  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP).
-
-  Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
-  of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
-  ``z_k``; and the makespan ``T >= fixed_k + micro_k (c_k + z_k)``, where
-  ``fixed_k`` includes the first microbatch's extra (:attr:`KindCost.first`).
-  """
-  from scipy.optimize import Bounds, LinearConstraint, milp
-
-  order = list(dict.fromkeys(kinds))
-  n = {k: kinds.count(k) for k in order}
-  K = len(order)
-  # x = [c_0..c_K-1, e_0.., z_0.., T]
-  size = 3 * K + 1
-  c_idx, e_idx, z_idx, t_idx = (lambda i: i), (lambda i: K + i), (lambda i: 2 * K + i), 3 * K
-  rows, lower, upper = [], [], []
-  cover = np.zeros(size)
-  for i, k in enumerate(order):
-    cover[c_idx(i)], cover[e_idx(i)] = n[k], 1
-  rows.append(cover), lower.append(total), upper.append(total)
-  for i, k in enumerate(order):
-    link = np.zeros(size)
-    link[e_idx(i)], link[z_idx(i)] = 1, -n[k]
-    rows.append(link), lower.append(-np.inf), upper.append(0)
-    makespan = np.zeros(size)
-    makespan[t_idx], makespan[c_idx(i)], makespan[z_idx(i)] = 1, -costs[k].micro, -costs[k].micro
-    rows.append(makespan), lower.append(costs[k].fixed + costs[k].first), upper.append(np.inf)
-  objective = np.zeros(size)
-  objective[t_idx] = 1
-  integrality = np.ones(size)
-  integrality[t_idx] = 0
-  ub = np.full(size, np.inf)
-  for i, k in enumerate(order):
-    ub[e_idx(i)], ub[z_idx(i)] = n[k], 1
-  result = milp(objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
-                bounds=Bounds(np.zeros(size), ub))
-  if not result.success:
-    raise HetSpmdError(f"count MILP failed: {result.message}")
-  x = np.round(result.x).astype(int)
-  counts, extra_left = [], {k: x[e_idx(i)] for i, k in enumerate(order)}
-  for kind in kinds:
-    i = order.index(kind)
-    bump = 1 if extra_left[kind] > 0 else 0
-    extra_left[kind] -= bump
-    counts.append(int(x[c_idx(i)] + bump))
-  return tuple(counts)
-
-
-def balanced_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) -> tuple[int, ...]:
-  """Per-position counts minimising the slowest position's time; ``sum == total``.
-
-  Start from the continuous bound on the makespan ``T`` (every position busy
-  until ``T``, no one below its per-step work) and step through the
-  breakpoints ``fixed_k + micro_k c`` until the capacity ``sum_k n_k
-  floor((T - fixed_k) / micro_k)`` covers ``total``; then take the surplus,
-  one microbatch at a time, from the kind whose busiest position finishes
-  last. Counts within a kind differ by at most one, the first positions of a
-  kind taking the larger. ``fixed_k`` includes the first microbatch's extra.
-  """
-  order = list(dict.fromkeys(kinds))
-  n = {k: kinds.count(k) for k in order}
-  micro = {k: max(costs[k].micro, 1e-300) for k in order}
-  fixed = {k: costs[k].fixed + costs[k].first for k in order}
-  rate = sum(n[k] / micro[k] for k in order)
-  bound = max(max(fixed.values()), (total + sum(n[k] * fixed[k] / micro[k] for k in order)) / rate)
-  top = {k: max(0, math.floor((bound - fixed[k]) / micro[k] * (1 - 1e-12))) for k in order}
-  capacity = sum(n[k] * top[k] for k in order)
-  while capacity < total:
-    kind = min(order, key=lambda k: fixed[k] + micro[k] * (top[k] + 1))
-    top[kind] += 1
-    capacity += n[kind]
-  full = dict(n)  # positions of each kind at the top count; the rest hold one less
-  surplus = capacity - total
-  while surplus > 0:
-    kind = max((k for k in order if top[k] > 0), key=lambda k: fixed[k] + micro[k] * top[k])
-    take = min(surplus, full[kind])
-    full[kind] -= take
-    surplus -= take
-    if full[kind] == 0:
-      top[kind] -= 1
-      full[kind] = n[kind]
-  counts, seen = [], {k: 0 for k in order}
-  for kind in kinds:
-    counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
-    seen[kind] += 1
-  return tuple(counts)
-
 
 def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
-  from hetspmd.plan.value import proportional_counts
+  from hetspmd.plan.counts import proportional_counts
 
   return proportional_counts(weights, total)
 
@@ -231,6 +127,36 @@ def device_groups(cluster: Cluster, name: str, positions: Sequence[int], m: int)
     hosts[devices[g[0]].host] = hosts.get(devices[g[0]].host, 0) + 1
   return DeviceGroups(name, groups, tuple(devices[g[0]].spec.name for g in groups), hosts,
                  min(devices[i].spec.memory_bytes for i in positions), tuple(positions))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One point of the search: a device layout cut into model groups, a microbatch size, a ZeRO stage, a remat
+  policy, the rule that sets each position's microbatch count (``counts(kinds, costs)``, or the counts
+  themselves), a tensor-parallel choice, the dtypes the gradients may cross ``data`` in, and whether the
+  reductions overlap the last backward pass (``overlap``) and that pass may run several microbatches at once
+  (``fuse``). A baseline is a candidate with some of these pinned; ``baseline`` names the one it stands for."""
+
+  layout: DeviceGroups
+  microbatch: int
+  zero: int
+  remat: str
+  global_batch: int
+  counts: Any
+  name: str
+  tp: TensorParallel = NO_TENSOR_PARALLEL
+  reduce_dtypes: tuple[str, ...] = ("float32",)
+  overlap: bool = False
+  fuse: bool = False
+  baseline: str | None = None
+
+  @property
+  def total(self) -> int:
+    """Microbatches in the step."""
+    return self.global_batch // self.microbatch
+
+  def replace(self, **changes: Any) -> "Candidate":
+    return dataclasses.replace(self, **changes)
 
 
 class Costing:
@@ -279,7 +205,7 @@ class Costing:
     return self._node_seconds[key]
 
   def space(self, m: int) -> strategies.StrategySpace:
-    """Prepared by :func:`hetspmd.planner.ranking.profile_step` for :data:`hetspmd.planner.ranking.MODEL_SIZES`; built here (once)
+    """Prepared by :func:`hetspmd.passes.costing.profile.profile_step` for :data:`hetspmd.passes.costing.profile.MODEL_SIZES`; built here (once)
     for other sizes."""
     if m not in self._spaces:
       self._spaces[m] = strategies.strategy_space(self.profile, m)
@@ -362,32 +288,31 @@ class Timing:
   memory: tuple[int, ...]              # per device
   fused: int = 1                       # microbatches the last pass runs as one batch
 
-  def evaluated(self, name: str, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int, remat: str,
-                global_batch: int, dtype: str, reduce: float, hidden: float) -> Evaluated:
-    return Evaluated(name, layout.devices, layout.kinds, microbatch, self.counts, zero, remat,
-                     self.position_seconds[self.busiest], reduce, self.memory, global_batch, tp, self.model_comm,
-                     self.position_seconds, dtype, self.peeled and hidden > 0, hidden, self.fused)
+  def evaluated(self, c: Candidate, dtype: str, reduce: float, hidden: float) -> Evaluated:
+    return Evaluated(
+        name=c.name, device_positions=c.layout.devices, kinds=c.layout.kinds, microbatch=c.microbatch,
+        counts=self.counts, zero_stage=c.zero, remat=c.remat, compute_seconds=self.position_seconds[self.busiest],
+        comm_seconds=reduce, memory_bytes=self.memory, global_batch=c.global_batch, tensor_parallel=c.tp,
+        model_comm_seconds=self.model_comm, position_seconds=self.position_seconds, grad_reduce_dtype=dtype,
+        overlap=self.peeled and hidden > 0, hidden_seconds=hidden, overlap_microbatches=self.fused)
 
 
-def price_candidate(costing: Costing, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int,
-                    remat: str, global_batch: int, counts_rule: Any, name: str,
-                    reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = False,
-                    fuse: bool = False) -> list[Evaluated]:
+def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   """One candidate costed once per reduce dtype (the counts and compute are the same for all).
 
-  ``overlap``: each position's last microbatch runs after its loop (a position with none runs one,
-  masked), and the gradient reductions hide behind the busiest one's backward pass. ``fuse`` (weighted
+  With ``c.overlap`` each position's last microbatch runs after its loop (a position with none runs one,
+  masked), and the gradient reductions hide behind the busiest one's backward pass. ``c.fuse`` (weighted
   counts only): also try that last pass as ``k`` microbatches run as one batch (:func:`fused_timings`).
   """
+  layout, tp, microbatch = c.layout, c.tp, c.microbatch
   n = len(layout.groups)
-  total = global_batch // microbatch
-  costs = {k: costing.kind_cost(k, tp, microbatch, remat, zero, n) for k in dict.fromkeys(layout.kinds)}
-  counts = counts_rule(layout.kinds, costs) if callable(counts_rule) else tuple(counts_rule)
-  if len(counts) != n or sum(counts) != total:
+  costs = {k: costing.kind_cost(k, tp, microbatch, c.remat, c.zero, n) for k in dict.fromkeys(layout.kinds)}
+  counts = c.counts(layout.kinds, costs) if callable(c.counts) else tuple(c.counts)
+  if len(counts) != n or sum(counts) != c.total:
     return []
-  memory = (memory_per_device(costing.profile, n, microbatch, zero, remat, tp),) * len(layout.devices)
+  memory = (memory_per_device(costing.profile, n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both
-  options = [False, True] if overlap and n > 1 and min(counts) == 0 else [overlap and n > 1]
+  options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]
   timed = []
   for peeled in options:
     per_position = _position_seconds(costing, layout, costs, counts, peeled)
@@ -397,31 +322,32 @@ def price_candidate(costing: Costing, layout: DeviceGroups, tp: TensorParallel, 
     window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
     model_comm = costs[kind].model_comm * max(counts[busiest], int(peeled))
     timed.append(Timing(peeled, tuple(counts), per_position, busiest, window if peeled else 0.0, model_comm, memory))
-  if fuse and overlap and n > 1:
-    timed += fused_timings(costing, layout, tp, microbatch, zero, remat, total)
-  reductions = gradient_reductions(costing.profile, tp.m)
-  out = []
-  for dtype in reduce_dtypes:
-    reduce, gather = costing.gradient_seconds(layout, tp, zero, dtype)
-    best = None
-    for timing in timed:
-      # all but the last collective can run under the busiest position's last backward pass
-      hidden = min(timing.window, reduce * (1 - 1 / reductions))
-      if timing.fused > 1 and hidden <= 0:  # a fused pass with nothing to hide is only a coarser weighting
-        continue
-      e = timing.evaluated(name, layout, tp, microbatch, zero, remat, global_batch, dtype, reduce + gather, hidden)
-      if best is None or e.step_seconds < best.step_seconds:
-        best = e
-    out.append(best)
-  return out
+  if c.fuse and c.overlap and n > 1:
+    timed += fused_timings(costing, c)
+  return [_fastest(costing, c, timed, dtype) for dtype in c.reduce_dtypes]
+
+
+def _fastest(costing: Costing, c: Candidate, timed: Sequence[Timing], dtype: str) -> Evaluated | None:
+  """The fastest of a candidate's timings with its gradients reduced in ``dtype``."""
+  reductions = gradient_reductions(costing.profile, c.tp.m)
+  reduce, gather = costing.gradient_seconds(c.layout, c.tp, c.zero, dtype)
+  best = None
+  for timing in timed:
+    # all but the last collective can run under the busiest position's last backward pass
+    hidden = min(timing.window, reduce * (1 - 1 / reductions))
+    if timing.fused > 1 and hidden <= 0:  # a fused pass with nothing to hide is only a coarser weighting
+      continue
+    e = timing.evaluated(c, dtype, reduce + gather, hidden)
+    if best is None or e.step_seconds < best.step_seconds:
+      best = e
+  return best
 
 
 # the fused pass's sizes tried, as shares of the most microbatches every position can run
 FUSED_SHARES = (1.0, 0.875, 0.75, 0.5, 0.25)
 
 
-def fused_timings(costing: Costing, layout: DeviceGroups, tp: TensorParallel, microbatch: int, zero: int,
-                  remat: str, total: int) -> list[Timing]:
+def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
   """Timings of the candidate with its overlapped last pass fused: ``k`` microbatches run as one batch.
 
   A bigger last pass has a longer backward pass to hide the gradient reductions under, while the loop's
@@ -429,6 +355,7 @@ def fused_timings(costing: Costing, layout: DeviceGroups, tp: TensorParallel, mi
   its loop, then ``k * microbatch`` examples at once. Every position runs the fused pass, so the counts
   are the weighted counts of the other ``total - n k`` microbatches, on top of ``k`` each.
   """
+  layout, tp, microbatch, zero, remat, total = c.layout, c.tp, c.microbatch, c.zero, c.remat, c.total
   n = len(layout.groups)
   most = total // n
   out = []
@@ -507,6 +434,6 @@ def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], m
   """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""
   costing = Costing(cluster, profile, microbatch)
   layout = device_groups(cluster, name, positions, tensor_parallel.m)
-  found = price_candidate(costing, layout, tensor_parallel, microbatch, zero, remat, global_batch, counts_rule,
-                          name, (reduce_dtype,), overlap)
+  found = price_candidate(costing, Candidate(layout, microbatch, zero, remat, global_batch, counts_rule, name,
+                                             tensor_parallel, (reduce_dtype,), overlap))
   return found[0] if found else None

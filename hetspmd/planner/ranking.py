@@ -61,30 +61,27 @@ any layout).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
-from hetspmd.errors import HetSpmdError, PlanDoesNotFitError
+from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.sharding import strategies
+from hetspmd.passes.costing.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.value import REMAT_POLICIES
-from hetspmd.planner.pricing import (Costing, DeviceGroups, Evaluated, balanced_counts, device_groups, even_counts,
-                             price_candidate, proportional)
-# pricing names callers reach through the search
-from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY as OVERLAP_EFFICIENCY, evaluate as evaluate,
-                             milp_counts as milp_counts, shared_finish_times as shared_finish_times)
+from hetspmd.plan.counts import balanced_counts, even_counts, proportional_counts
+from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
+from hetspmd.hardware.mesh import enumerate_layouts
+from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated, device_groups, price_candidate
 
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
 # data_axis.activation_share), so it never wins and is not searched
 SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
-ZERO_STAGES = (0, 1, 3)
-MODEL_SIZES = (2, 4, 8)       # model-axis sizes whose strategy spaces profile_step prepares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +130,108 @@ def microbatch_sizes(global_batch: int, limit: int = 16) -> list[int]:
 
 def model_sizes(cluster: Cluster) -> tuple[int, ...]:
   """Model-axis sizes of the cluster's layouts (:func:`~hetspmd.hardware.mesh.enumerate_layouts`)."""
-  from hetspmd.hardware.mesh import enumerate_layouts
-
   return tuple(mesh.shape[1] for mesh in enumerate_layouts(cluster))
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+  """What a search may choose from, for one profile on one cluster at one global batch."""
+
+  cluster: Cluster
+  profile: StepProfile
+  global_batch: int
+  model_sizes: tuple[int, ...]
+  remat_policies: tuple[str, ...]
+  grad_reduce_dtypes: tuple[str, ...]
+  overlap: bool
+  fuse_overlap: bool
+
+  @property
+  def microbatches(self) -> list[int]:
+    return microbatch_sizes(self.global_batch)
+
+  @property
+  def fastest_kind(self) -> str:
+    specs = {k: self.cluster.spec_of(k) for k in self.cluster.kinds}
+    return min(self.cluster.kinds, key=lambda k: self.profile.microbatch_seconds(specs[k], 1))
+
+  def peak(self, kind: str) -> float:
+    """The float32 matmuls' peak of ``kind``: dp_proportional's weights."""
+    return self.cluster.spec_of(kind).f32_matmul_flops(jx.reduced_precision_f32_matmuls())
+
+
+def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tuple[int, ...], int], DeviceGroups]
+               ) -> Iterator[Candidate]:
+  """Every candidate at one microbatch size, baselines included (a baseline is a candidate with its count rule and
+  device set pinned, ``baseline`` naming the one it stands for). A candidate without a tensor-parallel choice
+  (``tp=None``) stands for each choice that fits (:func:`tensor_parallel_choices`)."""
+  total = space.global_batch // microbatch
+  peak = {k: space.peak(k) for k in space.cluster.kinds}
+  weighted = lambda kinds, costs: balanced_counts(kinds, costs, total)
+  even = lambda kinds, costs: even_counts(len(kinds), total)
+  prop = lambda kinds, costs: proportional_counts([peak[k] for k in kinds], total)
+  sets = device_sets(space.cluster, space.profile, microbatch)
+  fastest = space.fastest_kind
+  for m in space.model_sizes:
+    groups = {name: layouts(name, positions, m) for name, positions in sets.items()}
+    suffix = "" if m == 1 else f", model {m}"
+    for zero in ZERO_STAGES:
+      for remat in space.remat_policies:
+        base = Candidate(groups["all"], microbatch, zero, remat, space.global_batch, weighted, "", None,
+                         space.grad_reduce_dtypes, space.overlap)
+        for set_name, layout in groups.items():
+          yield base.replace(layout=layout, name=f"weighted, {set_name}{suffix}", fuse=space.fuse_overlap)
+        if m == 1:
+          for rule, baseline in ((even, "dp_even"), (prop, "dp_proportional")):
+            yield base.replace(counts=rule, name=baseline, tp=NO_TENSOR_PARALLEL, baseline=baseline)
+        yield base.replace(layout=groups[f"only {fastest}"], counts=even, name="fastest_only" + suffix,
+                           baseline="fastest_only")
+        for kind in space.cluster.kinds:
+          yield base.replace(layout=groups[f"only {kind}"], counts=even, name=f"only {kind}{suffix}",
+                           baseline="best_homogeneous")
+
+
+def tensor_parallel_choices(costing: Costing, c: Candidate) -> Iterator[Candidate]:
+  """``c`` with each tensor-parallel choice whose memory fits its layout (the leanest if none does); a
+  candidate with a choice, as it is. A model axis reduces its gradients in float32 only."""
+  if c.tp is not None:
+    yield c
+    return
+  layout = c.layout
+  choices = costing.choices(layout.m)
+  fitting = [tp for tp in choices
+             if memory_per_device(costing.profile, len(layout.groups), c.microbatch, c.zero, c.remat, tp)
+             <= layout.memory]
+  dtypes = c.reduce_dtypes if layout.m == 1 else ("float32",)
+  for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
+    yield c.replace(tp=tp, reduce_dtypes=dtypes)
+
+
+@dataclasses.dataclass
+class _Tally:
+  """The search's running account: ranked plans, the best of each baseline, what overflowed memory."""
+
+  plans: list = dataclasses.field(default_factory=list)
+  best: dict = dataclasses.field(default_factory=dict)
+  overflow: list = dataclasses.field(default_factory=list)
+  candidates: int = 0
+
+  def add(self, e: Evaluated | None, c: Candidate) -> None:
+    if e is None:
+      return
+    self.candidates += 1
+    if max(e.memory_bytes) > c.layout.memory:  # every device of a plan holds the same bytes
+      self.overflow.append(e)
+      return
+    bucket = c.baseline
+    if bucket is None:
+      self.plans.append(e)
+    elif bucket not in self.best or e.step_seconds < self.best[bucket].step_seconds:
+      self.best[bucket] = e
+
+
 def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int = 5,
-           progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None,
+           progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None, *,
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
            grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
            fuse_overlap: bool = True) -> SearchResult:
@@ -154,96 +246,52 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   ``models`` restricts the model-axis sizes tried (default: every layout's); ``remat_policies`` the remat
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
   ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
-  statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.weighted.recompute_factor`).
+  statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
   if unknown or not grad_reduce_dtypes:
     raise HetSpmdError(f"grad_reduce_dtypes must name some of {tuple(REDUCE_BYTES)}, got {tuple(grad_reduce_dtypes)}")
-  specs = {k: cluster.spec_of(k) for k in cluster.kinds}
-  reduced = jx.reduced_precision_f32_matmuls()
-  peak = {k: s.f32_matmul_flops(reduced) for k, s in specs.items()}  # float32 matmuls' peak: dp_proportional
-  fastest_kind = min(cluster.kinds, key=lambda k: profile.microbatch_seconds(specs[k], 1))
-  sizes = microbatch_sizes(global_batch)
-  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   tensor_parallel = bool(profile.traces or profile.strategy_spaces)  # a hand-made profile has no graph to split
-  ms = tuple(m for m in model_sizes(cluster) if (models is None or m in models) and (m == 1 or tensor_parallel))
-  plans: list[Evaluated] = []
-  best: dict[str, Evaluated] = {}
-  overflow: list[Evaluated] = []
-  candidates = 0
-
-  made: dict[tuple, DeviceGroups] = {}
-
-  def layout_of(name: str, positions: tuple[int, ...], m: int) -> DeviceGroups:
-    if (positions, m) not in made:
-      made[(positions, m)] = device_groups(cluster, name, positions, m)
-    return dataclasses.replace(made[(positions, m)], name=name)
-
-  def consider(e: Evaluated | None, layout: DeviceGroups, bucket: str | None) -> None:
-    nonlocal candidates
-    if e is None:
-      return
-    candidates += 1
-    if max(e.memory_bytes) > layout.memory:  # every device of a plan holds the same bytes
-      overflow.append(e)
-      return
-    if bucket is None:
-      plans.append(e)
-    elif bucket not in best or e.step_seconds < best[bucket].step_seconds:
-      best[bucket] = e
-
-  def fastest_fitting(layout: DeviceGroups, microbatch: int, zero: int, remat: str, rule: Any, name: str,
-                      bucket: str | None, fuse: bool = False) -> None:
-    """The layout's candidates with every tensor-parallel choice that fits (the leanest if none does)."""
-    choices = costing.choices(layout.m)
-    fitting = [tp for tp in choices
-               if memory_per_device(profile, len(layout.groups), microbatch, zero, remat, tp) <= layout.memory]
-    for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
-      dtypes = tuple(grad_reduce_dtypes) if layout.m == 1 else ("float32",)
-      for e in price_candidate(costing, layout, tp, microbatch, zero, remat, global_batch, rule, name, dtypes,
-                               overlap, fuse=fuse):
-        consider(e, layout, bucket)
-
+  space = SearchSpace(cluster, profile, global_batch,
+                      tuple(m for m in model_sizes(cluster) if (models is None or m in models)
+                            and (m == 1 or tensor_parallel)),
+                      tuple(remat_policies), tuple(grad_reduce_dtypes), overlap, fuse_overlap)
+  sizes = space.microbatches
+  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  layouts = functools.lru_cache(maxsize=None)(lambda positions, m: device_groups(cluster, "", positions, m))
+  named = lambda name, positions, m: dataclasses.replace(layouts(positions, m), name=name)
+  tally = _Tally()
   for n_done, microbatch in enumerate(sizes):
-    total = global_batch // microbatch
-    sets = device_sets(cluster, profile, microbatch)
-    weighted = lambda kinds, costs: balanced_counts(kinds, costs, total)
-    even = lambda kinds, costs: even_counts(len(kinds), total)
-    prop = lambda kinds, costs: proportional([peak[k] for k in kinds], total)
-    for m in ms:
-      layouts = {name: layout_of(name, positions, m) for name, positions in sets.items()}
-      suffix = "" if m == 1 else f", model {m}"
-      for zero in ZERO_STAGES:
-        for remat in remat_policies:
-          for set_name, layout in layouts.items():
-            fastest_fitting(layout, microbatch, zero, remat, weighted, f"weighted, {set_name}{suffix}", None,
-                            fuse=fuse_overlap)
-          if m == 1:
-            for rule, bucket in ((even, "dp_even"), (prop, "dp_proportional")):
-              for e in price_candidate(costing, layouts["all"], NO_TENSOR_PARALLEL, microbatch, zero, remat,
-                                       global_batch, rule, bucket, tuple(grad_reduce_dtypes), overlap):
-                consider(e, layouts["all"], bucket)
-          fastest_fitting(layouts[f"only {fastest_kind}"], microbatch, zero, remat, even, "fastest_only" + suffix,
-                          "fastest_only")
-          for kind in cluster.kinds:
-            fastest_fitting(layouts[f"only {kind}"], microbatch, zero, remat, even, f"only {kind}{suffix}",
-                            "best_homogeneous")
+    for c in candidates(space, microbatch, named):
+      for concrete in tensor_parallel_choices(costing, c):
+        for e in price_candidate(costing, concrete):
+          tally.add(e, concrete)
     if progress:
-      progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {candidates} candidates costed")
-  if not plans:
-    raise PlanDoesNotFitError(_overflow_message(cluster, overflow))
-  plans.sort(key=lambda e: (float(f"{e.step_seconds:.9g}"), sum(e.counts)))  # a tie: fewer, larger microbatches
+      progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {tally.candidates} candidates costed")
+  if not tally.plans:
+    raise PlanDoesNotFitError(_overflow_message(cluster, tally.overflow))
+  return SearchResult(_top(tally.plans, top), tally.best, ideal_throughput(cluster, profile, global_batch),
+                      time.perf_counter() - start, tally.candidates)
+
+
+def _top(plans: Sequence[Evaluated], top: int) -> tuple[Evaluated, ...]:
+  """The ``top`` fastest distinct plans; a tie goes to fewer, larger microbatches."""
+  ranked = sorted(plans, key=lambda e: (float(f"{e.step_seconds:.9g}"), sum(e.counts)))
   unique: list[Evaluated] = []
-  for e in plans:
+  for e in ranked:
     if not any(_same_plan(e, u) for u in unique):
       unique.append(e)
     if len(unique) == top:
       break
+  return tuple(unique)
+
+
+def ideal_throughput(cluster: Cluster, profile: StepProfile, global_batch: int) -> float:
+  """Every device busy on its own share of the batch, with no communication: the sum of their throughputs."""
   share = max(1, global_batch // cluster.num_devices)
-  per_kind = {k: share / profile.microbatch_seconds(s, share) for k, s in specs.items()}
-  ideal = sum(per_kind[d.spec.name] for d in cluster.devices)
-  return SearchResult(tuple(unique), best, ideal, time.perf_counter() - start, candidates)
+  per_kind = {k: share / profile.microbatch_seconds(cluster.spec_of(k), share) for k in cluster.kinds}
+  return sum(per_kind[d.spec.name] for d in cluster.devices)
 
 
 def _same_plan(a: Evaluated, b: Evaluated) -> bool:
@@ -280,101 +328,6 @@ BASELINES = ("dp_even", "dp_proportional", "fastest_only", "best_homogeneous")
 
 # --- from a step function --------------------------------------------------------------
 
-PROFILE_BATCHES = (2, 4)
-
-
-def _with_batch(batch: Any, size: int) -> Any:
-  import jax
-
-  def resize(x):
-    shape = tuple(np.shape(x))
-    if not shape:
-      raise HetSpmdError("every batch leaf needs a leading batch axis; got a scalar")
-    return jax.ShapeDtypeStruct((size,) + shape[1:], x.dtype)
-
-  return jax.tree.map(resize, batch)
-
-
-def profile_step(fn: Callable[..., Any], state: Any, batch: Any) -> StepProfile:
-  """Traces ``fn(state, batch)`` at two batch sizes, fits the per-node costs, prepares the strategy spaces."""
-  from hetspmd.passes.costing import step_cost as cost
-  from hetspmd.passes.frontend.tracing import trace
-
-  small, large = PROFILE_BATCHES
-  graphs = [trace(fn, state, _with_batch(batch, b)) for b in PROFILE_BATCHES]
-  return with_strategy_spaces(cost.step_profile(graphs[0], graphs[1], small, large))
-
-
-def with_strategy_spaces(profile: StepProfile, sizes: Sequence[int] = MODEL_SIZES) -> StepProfile:
-  """``profile`` with the tensor-parallel strategy spaces of ``sizes`` built (the search reuses them)."""
-  spaces = {m: strategies.strategy_space(profile, m) for m in sizes}
-  return dataclasses.replace(profile, strategy_spaces={**profile.strategy_spaces, **spaces})
-
-
-def plan_from(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float | None = None):
-  """The runnable :class:`~hetspmd.plan.value.Plan` of one search result."""
-  from hetspmd.plan.value import Plan, zero_shards_for
-
-  ids = cluster.jax_device_ids
-  device_ids = tuple(ids[i] if ids is not None else i for i in evaluated.device_positions)
-  tp = evaluated.tensor_parallel
-  predicted = {"step_seconds": evaluated.step_seconds, "throughput": evaluated.throughput,
-               "compute_seconds": evaluated.compute_seconds, "communication_seconds": evaluated.comm_seconds,
-               "hidden_communication_seconds": evaluated.hidden_seconds,
-               "memory_bytes_per_device": float(max(evaluated.memory_bytes))}
-  if tp.m > 1:
-    predicted["model_communication_seconds"] = evaluated.model_comm_seconds
-  if ideal:
-    predicted["efficiency"] = evaluated.throughput / ideal
-  axes, shape = ("data", "model"), (len(evaluated.counts), tp.m)
-  firsts = evaluated.device_positions[::tp.m]
-  per_position = (("memory_bytes", tuple(float(evaluated.memory_bytes[i * tp.m]) for i in range(len(firsts)))),
-                  ("memory_capacity_bytes", tuple(float(cluster.devices[d].spec.memory_bytes) for d in firsts)),
-                  ("communication_seconds", (evaluated.comm_seconds - evaluated.hidden_seconds,) * len(firsts)))
-  if evaluated.position_seconds:
-    per_position = (("compute_seconds", evaluated.position_seconds),) + per_position
-  model_specs = _model_specs(state, axes, dict(tp.model_dims))
-  shards = zero_shards_for(state, axes, shape, evaluated.zero_stage, model_specs=model_specs)
-  return Plan(axis_names=axes, mesh_shape=shape, device_ids=device_ids, global_batch=evaluated.global_batch,
-              microbatch=evaluated.microbatch, microbatch_counts=evaluated.counts,
-              state_specs=state_specs(state, axes, shape, evaluated.zero_stage, dict(tp.model_dims), shards),
-              zero_stage=evaluated.zero_stage, zero_shards=shards, remat=evaluated.remat,
-              grad_reduce_dtype=evaluated.grad_reduce_dtype,
-              overlap_reduction=evaluated.overlap, overlap_microbatches=evaluated.overlap_microbatches,
-              device_kinds=tuple(k for k in evaluated.kinds for _ in range(tp.m)), predicted=tuple(predicted.items()),
-              predicted_per_position=per_position)
-
-
-def state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int,
-                model_dims: dict[str, int], zero_shards: int = 0) -> tuple[tuple[str, tuple], ...]:
-  """PartitionSpecs of every state leaf: the chosen model-axis splits, then ZeRO over data.
-
-  ``model_dims`` maps parameter paths (``params/h/0/mlp/c_fc/kernel``) to the
-  dimension split over the model axis; the optimizer state that mirrors a
-  parameter follows it, and ZeRO is added as in
-  :func:`hetspmd.plan.value.auto_state_specs`.
-  """
-  from hetspmd.plan.value import auto_state_specs
-
-  model_specs = _model_specs(state, axis_names, model_dims)
-  return auto_state_specs(state, axis_names, mesh_shape, zero_stage, model_specs=model_specs, zero_shards=zero_shards)
-
-
-def _model_specs(state: Any, axis_names: Sequence[str], model_dims: dict[str, int]) -> dict[str, tuple]:
-  """``{path suffix: spec}`` of the chosen model-axis splits, for :func:`hetspmd.plan.value.auto_state_specs`."""
-  from hetspmd._pytree import leaves_with_paths
-  from hetspmd.plan.value import _role_of
-
-  model = axis_names[1] if len(axis_names) > 1 else None
-  # Every parameter gets an entry (whole ones too), keyed by its path below the
-  # state's top level, so the longest-suffix match never borrows another's.
-  model_specs = {}
-  for path, leaf in leaves_with_paths(state):
-    if path in model_dims or _role_of(path, getattr(leaf, "dtype", "float32")) == "param":
-      dim = model_dims.get(path)
-      model_specs[path.split("/", 1)[-1]] = () if dim is None or model is None else (None,) * dim + (model,)
-  return model_specs
-
 
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
                 top: int = 5, progress: Callable[[str], None] | None = None,
@@ -386,8 +339,6 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
   ``batch_stats="local"``): a fused overlapped pass would compute them over several microbatches.
   """
   if not isinstance(global_batch, int) or global_batch < 1:
-    from hetspmd.errors import InvalidValueError
-
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if progress:
     progress("tracing the step at two batch sizes")

@@ -34,7 +34,7 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.errors import HetSpmdError
-from hetspmd.plan.value import even_counts
+from hetspmd.plan.counts import even_counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,14 +68,14 @@ def trace(fn: Callable[..., Any], *args: Any, roles: Mapping[int | str, Any] | N
     raise TraceError(f"{_name(fn)}: {len(leaves)} input leaves but the jaxpr takes {len(invars)}")
   input_roles = assign_roles(leaves, len(args), roles)
   inputs = tuple(
-      GraphInput(i, leaf.path_str, _tensor_type(var), role)
+      GraphInput(i, leaf.path_str, tensor_type(var), role)
       for i, (leaf, var, role) in enumerate(zip(leaves, invars, input_roles)))
 
   builder = _Builder()
   out_refs = builder.run(closed, [ValueRef(Source.INPUT, i) for i in range(len(inputs))], prefix="", count=1, loops=())
   out_paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_info)[0]]
   outputs = tuple(
-      GraphOutput(i, out_paths[i] if i < len(out_paths) else f"out{i}", _tensor_type(var), ref)
+      GraphOutput(i, out_paths[i] if i < len(out_paths) else f"out{i}", tensor_type(var), ref)
       for i, (var, ref) in enumerate(zip(jx.jaxpr_outvars(closed), out_refs)))
   return builder.graph(inputs, outputs)
 
@@ -144,8 +144,8 @@ class _Builder:
 
   def leaf(self, eqn, ins: list[ValueRef], path: str, count: int, loops: tuple[int, ...]) -> list[ValueRef]:
     name = jx.primitive_name(eqn)
-    in_types = tuple(_tensor_type(v) for v in eqn.invars)
-    out_types = tuple(_tensor_type(v) for v in eqn.outvars)
+    in_types = tuple(tensor_type(v) for v in eqn.invars)
+    out_types = tuple(tensor_type(v) for v in eqn.outvars)
     params = jx.simple_params(eqn)
     cost, known = flops_rules.cost_of(name, in_types, out_types, dict(params))
     if not known:
@@ -211,7 +211,8 @@ def _edges(nodes: Sequence[Node]) -> tuple[Edge, ...]:
 _TYPE_CACHE: dict[Any, TensorType] = {}
 
 
-def _tensor_type(var: Any) -> TensorType:
+def tensor_type(var: Any) -> TensorType:
+  """The IR type of a jaxpr variable (cached per abstract value)."""
   aval = jx.aval_of(var)
   try:
     return _TYPE_CACHE[aval]

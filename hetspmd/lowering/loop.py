@@ -1,0 +1,287 @@
+"""The microbatch loop's shared pieces: one equation on one microbatch, nested bodies, one device's loop.
+
+Both program builders use them: the weighted data-parallel loop
+(:mod:`hetspmd.lowering.weighted`) and the lockstep stage ticks
+(:mod:`hetspmd.lowering.staged`). :class:`LoopContext` is what one device's
+loop reads (the program, the layout, the cuts it sums, its batch buffers, its
+count and first example); :func:`one_loop` runs loop ``s`` of the program over
+this device's microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from hetspmd.errors import HetSpmdError
+from hetspmd.lowering import operands
+from hetspmd.lowering.program import Layout, Program, microbatch_params, sum_outputs, with_bases
+from hetspmd.passes import _jax_adapter as jx
+
+
+def identity(reduce: str, shape, dtype):
+  if reduce == "sum":
+    return jnp.zeros(shape, dtype)
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return jnp.full(shape, reduce == "min", dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.full(shape, -jnp.inf if reduce == "max" else jnp.inf, dtype)
+  info = jnp.iinfo(dtype)
+  return jnp.full(shape, info.min if reduce == "max" else info.max, dtype)
+
+
+def combiner(reduce: str):
+  return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[reduce]
+
+
+def wide(x):
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x
+
+
+def feed_back(prog, cut, values, outer: dict) -> None:
+  """Puts a reduced cut that later loops read into ``outer``: with its base, in its own dtype."""
+  eqn, decision = prog.eqns[cut.index], prog.analysis.decisions[cut.index]
+  made = [eqn.outvars[j] for j in sum_outputs(decision)]
+  value = with_bases(eqn, decision, values, outer)
+  outer.update(zip(made, [v.astype(o.aval.dtype) for v, o in zip(value, made)]))
+
+
+def between_loops(prog, s: int, outer: dict) -> None:
+  """The example-free work after loop ``s`` (1/weight_sum) that later loops need, as far as its inputs are ready."""
+  for i in sorted({i for t in range(s + 1, prog.analysis.loops) for i in prog.middle[t]}):
+    eqn = prog.eqns[i]
+    ready = all(jx.is_literal(v) or v in outer for v in eqn.invars)
+    if ready and not all(v in outer for v in eqn.outvars):  # the rest wait for a later loop's reductions
+      jx.eval_equations([eqn], outer)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOperands:
+  """What a loop builder (:func:`hetspmd.lowering.weighted.loop_part`, :func:`hetspmd.lowering.staged.loop_part`)
+  takes from the step's run: the values its loops read from outside them (``inputs``, jaxpr variables, and their
+  ``values``), the batch inputs and their padded microbatch buffers, every position's count and first example, the
+  cuts it sums and the per-example outputs it fills."""
+
+  inputs: tuple
+  values: tuple
+  batch_vars: tuple
+  buffers: tuple
+  counts: Any
+  starts: Any
+  cut_outs: tuple
+  pe_outs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopContext:
+  """What one device's microbatch loops read: the program, the layout, the cuts they sum (in the order the
+  builder reduces them), the batch inputs and this device's padded buffers of them, its count and first example."""
+
+  prog: Program
+  layout: Layout
+  cut_outs: tuple
+  batch_vars: tuple
+  buffers: tuple
+  count: Any
+  start: Any
+
+
+def one_loop(ctx: LoopContext, s: int, outer: dict, mine: Sequence[int], pe_outs: Sequence[Any] = ()):
+  """Runs loop ``s`` over this device's microbatches; its cuts' partial values and per-example outputs.
+
+  ``outer`` holds the values the loop reads from outside it; ``mine`` are the
+  positions (in ``ctx.cut_outs``) of the cuts this loop sums; ``pe_outs`` the
+  per-example outputs it fills, one slot per microbatch.
+  """
+  return _DeviceLoop(ctx, s, outer, tuple(mine), tuple(pe_outs)).run()
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceLoop:
+  """Loop ``s`` on one device: one microbatch's pass, one accumulating step, and the schedule of steps."""
+
+  ctx: LoopContext
+  s: int
+  outer: dict
+  mine: tuple
+  pe_outs: tuple
+
+  @property
+  def accumulated(self) -> list:
+    prog = self.ctx.prog
+    return prog.accumulated if self.s == prog.analysis.loops - 1 else []
+
+  @property
+  def kinds(self) -> list[str]:
+    return [self.ctx.cut_outs[k].reduce for k in self.mine] + ["sum"] * len(self.accumulated)
+
+  def microbatches(self, i, k: int = 1):
+    """Microbatches ``i .. i + k - 1`` of this device, run as one batch of ``k * m`` examples."""
+    prog, m = self.ctx.prog, self.ctx.layout.microbatch
+    size = k * m
+    targets = {self.ctx.cut_outs[k_].index: k_ for k_ in self.mine}
+    env = dict(self.outer)
+    env.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
+    for v, b in zip(self.ctx.batch_vars, self.ctx.buffers):
+      if k == 1:
+        env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+      else:
+        env[v] = jax.lax.dynamic_slice_in_dim(b, i, k, 0).reshape((size,) + b.shape[2:])
+    offset = self.ctx.start + i * m
+    partial: dict[int, list] = {}
+    for index in prog.loop_eqns[self.s]:
+      eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
+      if decision is None:  # example-free work on a local statistic
+        jx.eval_equations([eqn], env)
+        continue
+      cut = prog.cuts.get(index)
+      out = apply(prog, eqn, decision, env, offset, size, zero_base=cut is not None and cut.base is not None)
+      summed = sum_outputs(decision)
+      env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
+      if index in targets:
+        partial[targets[index]] = [wide(out[j]) for j in summed]
+        if prog.region and not cut.local:  # read as a mean, as the statistics are, by work on them
+          env.update((eqn.outvars[j], (out[j] * (prog.batch / m)).astype(out[j].dtype)) for j in summed)
+      if index in prog.absorbed:  # added to another sum in the loop
+        env.update((eqn.outvars[j], out[j]) for j in summed)
+      if cut is not None and cut.local:
+        scale = prog.batch / m if cut.reduce == "sum" else 1
+        env.update((eqn.outvars[j], (out[j] * scale).astype(out[j].dtype)) for j in summed)
+    # per-microbatch statistics' results are averaged over microbatches; fused sums are summed
+    averaged = [[wide(env[v]) * (m / prog.batch) if prog.region else wide(env[v])] for v in self.accumulated]
+    outs = [env[v] if k == 1 else split_fused(env[v], prog.analysis.axes[v].dim, k) for v in self.pe_outs]
+    return [partial[k_] for k_ in self.mine] + averaged, outs
+
+  def step(self, i, carry, masked: bool, k: int = 1, limit=None):
+    """Adds microbatches ``i .. i + k - 1`` to ``carry``; ``masked``: slots from ``limit`` (default: the count)
+    on are padding and add nothing."""
+    acc, pe = carry
+    part, outs = self.microbatches(i, k)
+    kinds = self.kinds
+    if masked:
+      valid = i < (self.ctx.count if limit is None else limit)
+      part = [[jnp.where(valid, x, identity(r, x.shape, x.dtype)) for x in p] for r, p in zip(kinds, part)]
+    acc = [[combiner(r)(a, x) for a, x in zip(aa, xx)] for r, aa, xx in zip(kinds, acc, part)]
+    if k == 1:
+      pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
+    else:
+      pe = [jax.lax.dynamic_update_slice_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
+    return acc, pe
+
+  def zero(self):
+    """The empty carry: every sum's identity, every per-example output's slots zero."""
+    shapes = jax.eval_shape(self.microbatches, 0)
+    zeros = [[identity(r, x.shape, x.dtype) for x in part] for r, part in zip(self.kinds, shapes[0])]
+    return zeros, [jnp.zeros((self.ctx.layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
+
+  def run(self):
+    """The schedule: a loop of this device's count (or, in lockstep, the longest count, masked), with the last
+    microbatch(es) peeled after it when the layout overlaps the reduction with them."""
+    layout, prog, count = self.ctx.layout, self.ctx.prog, self.ctx.count
+    step, zero = self.step, self.zero()
+    uniform = layout.uniform_count
+    peel = layout.overlap and self.s == prog.analysis.loops - 1  # the last microbatch(es) after the loop
+    k = layout.overlap_microbatches if peel else 1
+    if k > 1:
+      return self._run_fused(k)
+    if uniform == 1:
+      return step(0, zero, False)
+    if uniform is not None:
+      carry = jax.lax.fori_loop(0, uniform - peel, lambda i, c: step(i, c, False), zero)
+      return step(uniform - 1, carry, False) if peel else carry
+    if layout.lockstep:
+      carry = jax.lax.fori_loop(0, layout.max_count - peel, lambda i, c: step(i, c, True), zero)
+      return step(layout.max_count - 1, carry, True) if peel else carry
+    if not peel:
+      return jax.lax.fori_loop(0, count, lambda i, c: step(i, c, False), zero)
+    last = jnp.maximum(count - 1, 0)  # a device with no microbatch runs one, masked to nothing
+    return step(last, jax.lax.fori_loop(0, last, lambda i, c: step(i, c, False), zero), True)
+
+  def _run_fused(self, k: int):
+    """Every position has at least ``k`` microbatches (Plan checks): its last ``k`` run as one batch, unmasked."""
+    layout, prog, step = self.ctx.layout, self.ctx.prog, self.step
+    if prog.region or any(c.local for c in prog.analysis.cuts):
+      raise HetSpmdError(f"overlap_microbatches={k} would compute batch statistics over {k} microbatches at once; "
+                         "a step with per-microbatch statistics (BatchNorm, batch_stats='local') needs "
+                         "overlap_microbatches=1")
+    uniform = layout.uniform_count
+    first = (uniform if uniform is not None else self.ctx.count) - k
+    if layout.lockstep and uniform is None:  # every position runs the longest loop, its own slots from first masked
+      carry = jax.lax.fori_loop(0, layout.max_count - k, lambda i, c: step(i, c, True, limit=first), self.zero())
+    else:
+      carry = jax.lax.fori_loop(0, first, lambda i, c: step(i, c, False), self.zero())
+    return step(first, carry, False, k)
+
+
+def split_fused(x, dim: int, k: int):
+  """A per-example output of ``k`` microbatches run as one, its examples along ``dim`` → ``[k, *one's shape]``."""
+  shape = x.shape
+  return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
+
+
+def apply(prog, eqn, decision, env, offset, m, zero_base: bool = False) -> list[Any]:
+  """One per-example or cut equation on one microbatch: its outputs."""
+  invals = [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
+  if zero_base:
+    invals[decision.base] = jnp.zeros_like(invals[decision.base])
+  if decision.body is not None:
+    return _apply_body(eqn, decision, invals, offset, m)
+  if jx.primitive_name(eqn) in _PLACEMENT:  # a sharding constraint: the loop's data axis is manual, XLA places it
+    return list(invals)
+  return jx.bind(eqn, invals, microbatch_params(eqn, decision, m))
+
+
+# Activation sharding constraints (nn.with_logical_constraint, with_sharding_constraint) inside the loop: the
+# data axis is manual there, and the model axis's sharding follows from the parameters' by propagation.
+_PLACEMENT = frozenset({"sharding_constraint", "mesh_cast", "reshard"})
+
+
+class Body:
+  """A nested body's propagation, seen as the lowering sees a program."""
+
+  def __init__(self, body):
+    prop = body.propagation
+    self.prop = prop
+    self.jaxpr = prop.jaxpr.jaxpr
+    self.consts = prop.jaxpr.consts
+    self.eqns = self.jaxpr.eqns
+    self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
+    self.presliced = body.presliced
+    self.analysis = self  # operands.operand reads .analysis.axes
+    self.axes = prop.axes
+
+  def rebuilt(self, var, axis):
+    return operands.rebuilt(self, var, axis)
+
+  def run(self, inputs, offset, m) -> list[Any]:
+    env = dict(zip(self.jaxpr.constvars, self.consts))
+    env.update(zip(self.jaxpr.invars, inputs))
+    for eqn, decision in zip(self.eqns, self.prop.decisions):
+      if decision is None:
+        jx.eval_equations([eqn], env)
+      else:
+        env.update(zip(eqn.outvars, apply(self, eqn, decision, env, offset, m)))
+    return [jx.read(env, v) for v in self.jaxpr.outvars]
+
+
+def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
+  body = Body(decision.body)
+  name = jx.primitive_name(eqn)
+  if name in ("remat2", "checkpoint"):
+    return jx.checkpoint_call(eqn, lambda *xs: body.run(xs, offset, m), invals)
+  parts = jx.scan_parts(eqn)
+  nc, nk = parts.num_consts, parts.num_carry
+  consts, init, xs = invals[:nc], list(invals[nc:nc + nk]), invals[nc + nk:]
+  for k in decision.body.accumulators:  # partial sums start at zero; the initial value is added after reducing
+    init[k] = jnp.zeros_like(init[k])
+
+  def step(carry, x):
+    out = body.run(list(consts) + list(carry) + list(x), offset, m)
+    return out[:nk], out[nk:]
+
+  carry, ys = jax.lax.scan(step, init, xs, length=parts.length, reverse=eqn.params["reverse"],
+                           unroll=eqn.params.get("unroll", 1))
+  return list(carry) + list(ys)

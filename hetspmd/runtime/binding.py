@@ -1,0 +1,280 @@
+"""One call of a parallelized step, bound: the train state, the batch, everything else, and the Flax adapter.
+
+A call's arguments are seen as ``pure(state, batch, rest)``: the state is a
+functional step's state argument or the NNX state of its graph objects
+(``nnx.split``, merged back and ``nnx.update``-d after the call, as
+``nnx.jit`` does); the batch is the arguments whose arrays lead with the
+global batch (or ``batch_argnums``); the rest is passed through. A
+``nnx.cached_partial`` step is unbound into its function and objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.runtime.placement import ShardedBatch, local_positions
+
+
+def is_graph_node(x: Any) -> bool:
+  from flax import nnx
+
+  return nnx.graph.is_graph_node(x)
+
+
+def is_dynamic(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex))
+
+
+def leading_sizes(tree: Any) -> list[int | None]:
+  return [np.shape(x)[0] if np.ndim(x) >= 1 else None for x in jax.tree.leaves(tree) if is_dynamic(x)]
+
+
+@dataclasses.dataclass
+class Call:
+  """One call's arguments, seen as ``pure(state, batch, rest)``: the train state (a functional step's state
+  argument, or the NNX state of its graph objects), the batch arguments, and everything else."""
+
+  step: Any
+  args: tuple
+  kwargs: dict
+  graph_args: tuple[int, ...]
+  batch_argnums: tuple[int, ...]
+  state_argnum: int | None
+  graphdef: Any
+  state: Any
+  batch: ShardedBatch
+  rest: tuple
+  treedef: Any = None
+  static: tuple = ()
+  key: Any = None
+
+  @classmethod
+  def bind(cls, step: Any, args: tuple, kwargs: dict) -> "Call":
+    from flax import nnx
+
+    graph_args = tuple(i for i, a in enumerate(args) if is_graph_node(a))
+    batch_argnums = step.batch_argnums if step.batch_argnums is not None else find_batch(step, args, graph_args)
+    for i in batch_argnums:
+      if i >= len(args) or i in graph_args:
+        raise InvalidValueError(f"batch_argnums={batch_argnums} names argument {i}, but the step got "
+                                f"{len(args)} positional argument(s)" + (" and that one is an NNX object"
+                                                                         if i in graph_args else ""))
+    graphdef, state, state_argnum = None, None, None
+    if graph_args:
+      graphdef, state = nnx.split(tuple(args[i] for i in graph_args))
+    else:
+      candidates = [i for i in range(len(args)) if i not in batch_argnums and leading_sizes(args[i])]
+      if not candidates:
+        raise HetSpmdError("the train step got no state: pass the train state (a pytree of arrays such as a "
+                           "flax TrainState, or NNX objects) as an argument beside the batch")
+      state_argnum = candidates[0]
+      state = args[state_argnum]
+    rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
+    batch_args = tuple(args[i] for i in batch_argnums)
+    if step._plan is None:
+      search_fn = state_batch_function(step.fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum)
+      step._resolve(state, search_fn, batch_args[0] if len(batch_args) == 1 else batch_args)
+      if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
+        state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
+        nnx.update(tuple(args[i] for i in graph_args), state)
+    if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):  # placed already: one batch argument
+      sharded = ShardedBatch((batch_args[0].data,), batch_args[0].counts)
+    else:
+      sharded = step.shard_batch(batch_args)
+    call = cls(step, args, kwargs, graph_args, tuple(batch_argnums), state_argnum, graphdef, state, sharded,
+               rest)
+    leaves, call.treedef = jax.tree.flatten((state, sharded.data, rest, kwargs))
+    call.static = tuple((i, x) for i, x in enumerate(leaves) if not is_dynamic(x))
+    call._dynamic = [x for x in leaves if is_dynamic(x)]
+    call._n_state = sum(1 for x in leaves[:len(jax.tree.leaves(state))] if is_dynamic(x))
+    call.key = (call.treedef, tuple(aval_key(x) for x in call._dynamic), hashable(call.static), graphdef)
+    return call
+
+  @property
+  def dynamic(self) -> tuple[list, list]:
+    return self._dynamic[:self._n_state], self._dynamic[self._n_state:]
+
+  @property
+  def batch_inputs(self) -> tuple[int, ...]:
+    n_batch = len(jax.tree.leaves(self.batch.data))
+    return tuple(range(self._n_state, self._n_state + n_batch))
+
+  @property
+  def float_state_inputs(self) -> tuple[int, ...]:
+    return tuple(i for i, x in enumerate(self._dynamic[:self._n_state])
+                 if jnp.issubdtype(dtype_of(x), jnp.floating))
+
+  def inputs(self, dynamic: tuple[list, list]) -> list:
+    return list(dynamic[0]) + list(dynamic[1])
+
+  def _pure(self):
+    """``flat dynamic leaves -> outputs``: the user's step as a function of arrays."""
+    from flax import nnx
+
+    treedef, static, fn = self.treedef, dict(self.static), self.step.fn
+    graph_args, batch_argnums, state_argnum, graphdef = (self.graph_args, self.batch_argnums, self.state_argnum,
+                                                         self.graphdef)
+    n_args = len(self.args)
+
+    def pure(*dynamic):
+      it = iter(dynamic)
+      leaves = [static[i] if i in static else next(it) for i in range(treedef.num_leaves)]
+      state, batch, rest, kwargs = jax.tree.unflatten(treedef, leaves)
+      args: list = [None] * n_args
+      for i, b in zip(batch_argnums, batch):
+        args[i] = b
+      others = iter(rest)
+      objects = nnx.merge(graphdef, state) if graph_args else None
+      for i in range(n_args):
+        if i in batch_argnums:
+          continue
+        if i in graph_args:
+          args[i] = objects[graph_args.index(i)]
+        elif i == state_argnum:
+          args[i] = state
+        else:
+          args[i] = next(others)
+      out = fn(*args, **kwargs)
+      if graph_args:
+        return nnx.state(objects), out
+      return out
+
+    return pure
+
+  def trace(self, global_batch: int):
+    """The step's closed jaxpr at the global batch, and its output tree."""
+    abstract = []
+    batch_ids = set(self.batch_inputs)
+    for i, x in enumerate(self._dynamic):
+      shape, dtype = np.shape(x), dtype_of(x)
+      if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
+        shape = (global_batch,) + tuple(shape[2:])
+      abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
+    closed, shapes = jax.make_jaxpr(self._pure(), return_shape=True)(*abstract)
+    return closed, jax.tree.structure(shapes)
+
+  def returns_state(self, out_tree: Any, closed: Any) -> bool:
+    """Whether the step hands back a new state, whose buffers may then be the old state's: NNX objects, or a
+    first output shaped like the state that is not its gradient (made by the backward pass). A step returning
+    only gradients (``grads, loss = apply_model(state, ...)``, then an update of its own) must leave the state
+    it was given alive."""
+    if self.graph_args:
+      return True
+    outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
+    state = jax.tree.structure(self.state)
+    if jax.tree.structure(outputs) == state:
+      first = jax.tree.leaves(outputs)
+    elif isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == state:
+      first = jax.tree.leaves(outputs[0])
+    else:
+      return False
+    producer = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    made = [producer.get(closed.jaxpr.outvars[i]) for i in first]
+    return not all(e is not None and jx.phase(e) == "backward" for e in made)
+
+  def constrain(self, outputs: Any, state_shardings: Any) -> Any:
+    """The new state leaves of ``outputs`` held to the plan's shardings."""
+    if self.graph_args:
+      return jax.lax.with_sharding_constraint(outputs[0], state_shardings), outputs[1]
+    if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == jax.tree.structure(self.state):
+      return (jax.lax.with_sharding_constraint(outputs[0], state_shardings),) + tuple(outputs[1:])
+    return outputs
+
+  def finish(self, outputs: Any) -> Any:
+    from flax import nnx
+
+    if self.graph_args:
+      new_state, out = outputs
+      nnx.update(tuple(self.args[i] for i in self.graph_args), new_state)
+      return out
+    return outputs
+
+
+def dtype_of(x: Any) -> Any:
+  dtype = getattr(x, "dtype", None)
+  return dtype if dtype is not None else np.asarray(x).dtype
+
+
+def state_batch_function(fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum):
+  """The step as ``f(state, batch)`` for the search's trace, its other arguments as given."""
+  from flax import nnx
+
+  def f(state, batch):
+    batch = (batch,) if len(batch_argnums) == 1 else batch
+    call = list(args)
+    for i, b in zip(batch_argnums, batch):
+      call[i] = b
+    if graph_args:
+      objects = nnx.merge(graphdef, state)
+      for k, i in enumerate(graph_args):
+        call[i] = objects[k]
+      out = fn(*call, **kwargs)
+      return nnx.state(objects), out
+    call[state_argnum] = state
+    return fn(*call, **kwargs)
+
+  return f
+
+
+def aval_key(x: Any) -> Any:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return (type(x).__name__,)
+  return (tuple(np.shape(x)), str(dtype), getattr(x, "weak_type", False))
+
+
+def hashable(static: tuple) -> Any:
+  try:
+    hash(static)
+    return static
+  except TypeError:
+    return tuple((i, id(x)) for i, x in static)
+
+
+def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int, ...]:
+  """The positional arguments whose every array leaf leads with the batch (or are a ShardedBatch)."""
+  expected = {step.global_batch}
+  if step._plan is not None and jax.process_count() > 1:
+    positions = local_positions(step._mesh, step._plan)
+    expected = {sum(step._plan.examples_per_position()[i] for i in positions)}
+  found = []
+  for i, a in enumerate(args):
+    if i in graph_args:
+      continue
+    if isinstance(a, ShardedBatch):
+      return (i,)
+    leading = leading_sizes(a)
+    if leading and all(n in expected for n in leading):
+      found.append(i)
+  if not found:
+    described = ", ".join(f"argument {i}: leading dims {sorted(set(map(str, leading_sizes(a))))[:4]}"
+                          for i, a in enumerate(args) if i not in graph_args)
+    raise HetSpmdError(f"no argument of the step is a batch of {step.global_batch} examples (every array with a "
+                       f"leading axis of {step.global_batch}); got {described or 'no array arguments'}. Pass "
+                       "the global batch, or name it with parallelize(..., batch_argnums=(i,))")
+  return tuple(found)
+
+
+def unbound(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple]:
+  """``(f, objects)`` of ``nnx.cached_partial(f, *objects)``; ``(fn, ())`` for any other callable.
+
+  The partial's objects are clones that hold the caller's ``Variable``s, so
+  the step's updates to them reach the caller's model and optimizer.
+  """
+  code = getattr(fn, "__code__", None)
+  if code is None or code.co_name != "cache_args_wrapper" or "flax" not in (getattr(fn, "__globals__", {})
+                                                                          .get("__name__") or ""):
+    return fn, ()
+  free = inspect.getclosurevars(fn).nonlocals
+  if "f" not in free or "cached_args" not in free:
+    raise HetSpmdError("this flax version's nnx.cached_partial keeps its function and objects where hetspmd does "
+                       "not look; parallelize the step itself and call it with the model and optimizer")
+  return free["f"], tuple(free["cached_args"])

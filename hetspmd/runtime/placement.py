@@ -1,0 +1,79 @@
+"""Placing a step's batch on the devices: padded per-position microbatch buffers and counts.
+
+A data position's examples lie in ``max_count`` slots of one microbatch
+each (zeros past its count); each process places only the positions whose
+devices it holds, and ``jax.make_array_from_single_device_arrays`` joins them
+into one global array sharded over ``data``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hetspmd._pytree import leaves_with_paths
+from hetspmd.errors import HetSpmdError
+from hetspmd.plan.value import Plan
+
+
+class ShardedBatch(NamedTuple):
+  """A step's batch on the devices: padded microbatch buffers and counts."""
+
+  data: Any    # pytree of [positions * max_count, microbatch, ...] arrays, sharded over data
+  counts: Any  # int32[positions], sharded over data
+
+
+def positions_array(mesh: Any, plan: Plan, values: np.ndarray) -> jax.Array:
+  """``int32[positions]`` sharded over ``data``, one value per position."""
+  grid = mesh.devices
+  arrays = [jax.device_put(np.array([values[i]], np.int32), d) for i in range(plan.data_size)
+            for d in grid[i].ravel() if d.process_index == jax.process_index()]
+  return jax.make_array_from_single_device_arrays((plan.data_size,), NamedSharding(mesh, P(plan.data_axis)), arrays)
+
+
+def local_positions(mesh: Any, plan: Plan) -> list[int]:
+  me = jax.process_index()
+  return [i for i in range(plan.data_size) if any(d.process_index == me for d in mesh.devices[i].ravel())]
+
+
+def shard_batch(plan: Plan, mesh: Any, batch: Any) -> ShardedBatch:
+  """Host batch → padded per-device microbatch buffers and counts (see :meth:`ParallelStep.shard_batch`)."""
+  positions = local_positions(mesh, plan)
+  expected = sum(plan.examples_per_position()[i] for i in positions)
+  offsets = {}
+  offset = 0
+  for i in positions:
+    offsets[i] = offset
+    offset += plan.examples_per_position()[i]
+  sharding = NamedSharding(mesh, P(plan.data_axis))
+  grid = mesh.devices
+
+  def buffer(path: str, leaf: Any) -> jax.Array:
+    leaf = np.asarray(leaf)
+    if leaf.ndim < 1 or leaf.shape[0] != expected:
+      raise HetSpmdError(
+          f"batch leaf {path or '<root>'!r} has shape {leaf.shape}; expected a leading axis of {expected} "
+          f"({'the global batch' if expected == plan.global_batch else 'this process’s examples'}"
+          f" = {[plan.examples_per_position()[i] for i in positions]} per data position)")
+    rows = leaf.shape[1:]
+    arrays = []
+    for i in range(plan.data_size):
+      if i not in offsets:
+        continue
+      block = np.zeros((plan.max_count, plan.microbatch) + rows, leaf.dtype)
+      n = plan.examples_per_position()[i]
+      block.reshape((-1,) + rows)[:n] = leaf[offsets[i]:offsets[i] + n]
+      arrays += [jax.device_put(block, d) for d in grid[i].ravel() if d.process_index == jax.process_index()]
+    shape = (plan.data_size * plan.max_count, plan.microbatch) + rows
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+  leaves = leaves_with_paths(batch)
+  data = jax.tree.unflatten(jax.tree.structure(batch), [buffer(p, x) for p, x in leaves])
+  count_arrays = [jax.device_put(np.array([plan.microbatch_counts[i]], np.int32), d)
+                  for i in range(plan.data_size) if i in offsets
+                  for d in grid[i].ravel() if d.process_index == jax.process_index()]
+  counts = jax.make_array_from_single_device_arrays((plan.data_size,), sharding, count_arrays)
+  return ShardedBatch(data, counts)
