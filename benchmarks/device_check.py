@@ -67,7 +67,7 @@ def run(args) -> list[dict]:
   from hetspmd.planner.data_axis import WORKSPACE
   from hetspmd.planner.pricing import evaluate
   from hetspmd.planner.building import plan_from
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   from _steps import median_step_seconds
 

@@ -78,7 +78,7 @@ def main() -> None:
 
   from hetspmd import Cluster, models
   from hetspmd.planner.data_axis import REDUCE_BYTES, allreduce_seconds
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.ranking import search
 
   print(f"{'cluster':<14} {'model':<19} {'batch':>5} {'seq':>4} {'hosts':>5} {'best s':>7} {'reduce s':>8} {'k':>2} "

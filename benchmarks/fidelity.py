@@ -53,7 +53,7 @@ def main() -> None:
   from hetspmd import models
   from hetspmd.planner.pricing import evaluate
   from hetspmd.planner.building import plan_from
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   from _steps import median_step_seconds
 

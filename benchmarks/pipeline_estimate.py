@@ -263,7 +263,7 @@ def main() -> None:
       or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.ranking import search
 
   print(f"{'cluster':<15} {'model':<13} {'batch':>5} {'best plan s':>11} {'1F1B s':>8} {'ratio':>6} "

@@ -77,7 +77,7 @@ def mechanisms(e) -> str:
 
 def main() -> None:
   from hetspmd import Cluster, models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.ranking import search
 
   profiles = {}

@@ -23,7 +23,7 @@ def main() -> None:
   args = parser.parse_args()
 
   from hetspmd import Cluster, models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.ranking import search
 
   workload = models.get(args.model)

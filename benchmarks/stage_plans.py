@@ -28,7 +28,7 @@ def main() -> None:
   cases = [(c, m, int(b)) for c, m, b in (x.split(":") for x in args.case)] or CASES
 
   from hetspmd import Cluster, models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.ranking import search
   from hetspmd.planner.stages import describe, search_stages
 

@@ -119,7 +119,7 @@ def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:
   return (jax.tree.map(totals, aux, is_leaf=_is_weighted), jax.tree.map(weights, aux, is_leaf=_is_weighted))
 
 
-def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, grad_dtypes=None, normalised=False):
+def _finish(total, weight, aux_totals, aux_weights, grads, has_aux, *, grad_dtypes=None, normalised=False):
   """The step's loss, gradients (and aux); ``normalised``: total and gradients are already means."""
   if normalised:
     loss = total
@@ -175,7 +175,8 @@ def _single_device(fun, argnums, has_aux, args, kwargs):
   (total, (weight, aux_totals, aux_weights)), grads = jax.value_and_grad(objective, argnums, has_aux=True)(
       *args, **kwargs)
   flat, treedef = jax.tree.flatten((args, kwargs))
-  return _finish(total, weight, aux_totals, aux_weights, grads, has_aux, _grad_dtypes(flat, treedef, argnums))
+  return _finish(total, weight, aux_totals, aux_weights, grads, has_aux,
+                 grad_dtypes=_grad_dtypes(flat, treedef, argnums))
 
 
 def _differentiated(flat, treedef, argnums):

@@ -166,7 +166,7 @@ def _run_search(args: argparse.Namespace) -> int:
   from hetspmd import models
   from hetspmd.hardware.cluster import Cluster
   from hetspmd.planner.ranking import BASELINES, search
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
   from hetspmd.planner.building import plan_from
   from hetspmd.planner.stages import describe, search_stages
 

@@ -14,7 +14,7 @@ from hetspmd.hardware.devices import DeviceSpec
 from hetspmd.passes.costing.fusion import fused_bytes, fused_traffic, kernels
 from hetspmd.passes.costing.step_cost import step_profile
 from hetspmd.planner.pricing import evaluate, shared_finish_times
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 
 N = 1024  # float32 elements: 4 KiB per vector
 KIB4 = 4 * N

@@ -22,7 +22,7 @@ from hetspmd import Cluster, models
 from hetspmd.passes.sharding import ilp as strategy_ilp
 from hetspmd.report import explain_text
 from hetspmd.planner.building import plan_from
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 from hetspmd.planner.ranking import search
 
 from conftest import require_devices

@@ -373,7 +373,7 @@ def test_plan_json_keeps_the_reduction_options(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_profile():
   from hetspmd import models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   w = models.get("gpt2-tiny")
   return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
@@ -412,7 +412,7 @@ def test_one_bucket_cannot_overlap(tiny_profile):
 def test_overlap_hides_at_most_the_last_backward_pass():
   from hetspmd import models
   from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, evaluate
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   w = models.get("gpt2-small")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
@@ -434,7 +434,7 @@ def test_overlap_hides_at_most_the_last_backward_pass():
 @pytest.fixture(scope="module")
 def small_profile():
   from hetspmd import models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   w = models.get("gpt2-small")
   return w, profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))

@@ -58,7 +58,7 @@ def test_nothing_fits_gives_none(estimate):
 
 def test_units_of_gpt2_tiny(estimate):
   from hetspmd import models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   w = models.get("gpt2-tiny")
   seq, d, vocab = 32, w.config.d_model, w.config.vocab_size
@@ -81,7 +81,7 @@ def test_units_of_gpt2_tiny(estimate):
 def test_lockstep_gpipe_is_never_faster_than_1f1b(estimate):
   """The built schedule waits for the slowest stage twice a tick and keeps every microbatch's buffers."""
   from hetspmd import Cluster, models
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   w = models.get("gpt2-tiny")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 32))

@@ -572,7 +572,7 @@ def test_predicted_memory_bounds_what_xla_allocates_per_device(name):
   # for the compiled step, per ZeRO stage: within 3% under to 1.4x over; ZeRO-3 gathers its
   # parameters whole for the loop, so it costs ZeRO-1's peak plus the parameter shards, as compiled
   from hetspmd.planner.data_axis import WORKSPACE, memory_per_device
-  from hetspmd.passes.costing.profile import profile_step
+  from hetspmd.passes.profile import profile_step
 
   require_devices(8)
   workload = _workload(name)
@@ -644,7 +644,7 @@ def test_user_specs_over_a_plan_with_zero_groups_keep_one_zero_split():
   cluster = hs.Cluster.emulate(jax.devices()[:6], kinds=["V100-32GB"] * 6)
   plan = hs.plan_for(cluster, state, global_batch=12, layout=(6, 1), microbatch=2, zero_stage=1)
   assert plan.zero_shards == 2
-  chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, 1, {"c_fc/kernel": ()},
+  chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, 1, specs={"c_fc/kernel": ()},
                             model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
   assert all(sum(e in ("data", "data_shards") for e in spec) <= 1 for _, spec in chosen)
   plan = plan.replace(state_specs=chosen)

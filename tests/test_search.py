@@ -19,7 +19,7 @@ from hetspmd.plan.counts import KindCost
 from hetspmd.errors import PlanDoesNotFitError
 from hetspmd.planner.ranking import BASELINES, microbatch_sizes, search
 from hetspmd.plan.counts import balanced_counts, even_counts
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 from hetspmd.planner.pricing import evaluate
 from hetspmd.plan.counts import milp_counts
 from hetspmd.planner.building import plan_from

@@ -9,7 +9,7 @@ import pytest
 
 from hetspmd import Cluster, models
 from hetspmd.cli import main
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 from hetspmd.planner.stages import describe, find_stack, price, search_stages, split_layers
 
 SEQ = 32
@@ -62,10 +62,10 @@ def test_faster_hosts_take_more_layers_and_the_price_adds_up(scanned):
   assert best.step_seconds >= (best.microbatches + 1) * best.tick_seconds
   assert best.transfer_seconds > 0 and best.reduce_seconds > 0
   stack = find_stack(profile)
-  slower = price(cluster, profile, stack, best.hosts, best.stages[::-1], best.microbatch, 64)
+  slower = price(cluster, profile, stack, best.hosts, best.stages[::-1], best.microbatch, global_batch=64)
   assert slower is None or slower.step_seconds >= best.step_seconds * (1 - 1e-9)
-  assert price(cluster, profile, stack, best.hosts, best.stages, 3, 64) is None  # 64 does not split by 3
-  assert price(cluster, profile, stack, best.hosts, best.stages, 32, 64) is None  # 4 positions, 2 microbatches
+  assert price(cluster, profile, stack, best.hosts, best.stages, 3, global_batch=64) is None  # 64 does not split by 3
+  assert price(cluster, profile, stack, best.hosts, best.stages, 32, global_batch=64) is None  # 4 positions, 2 microbatches
 
 
 def test_a_batch_the_positions_do_not_divide_runs_the_most_ticks_any_takes(scanned):
@@ -75,7 +75,7 @@ def test_a_batch_the_positions_do_not_divide_runs_the_most_ticks_any_takes(scann
   cluster = Cluster.parse("1x4xV100-32GB+1x4xP100-16GB;inter=10Gbps")
   stack = find_stack(profile)
   hosts, stages = ((0,), (1,)), (3, 1)
-  uneven, even = (price(cluster, profile, stack, hosts, stages, 2, b) for b in (60, 64))
+  uneven, even = (price(cluster, profile, stack, hosts, stages, 2, global_batch=b) for b in (60, 64))
   assert uneven.counts == (8, 8, 7, 7) and uneven.microbatches == 8 and even.counts == (8,) * 4
   assert uneven.step_seconds == pytest.approx(even.step_seconds)
   assert uneven.to_json()["counts"] == [8, 8, 7, 7]

@@ -7,7 +7,7 @@ from hetspmd import Cluster, models
 from hetspmd.hardware.devices import Link
 from hetspmd.passes.sharding import ilp as strategy_ilp, propagation, strategies
 from hetspmd.passes.costing.step_cost import LinearCost
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 from hetspmd.plan.state_layout import state_specs
 
 FAST = "1x8xV100-32GB;intra=10000GB/s;intra_latency=0us"   # communication almost free

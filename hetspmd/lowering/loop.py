@@ -222,7 +222,7 @@ def split_fused(x, dim: int, k: int):
   return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
 
 
-def apply(prog, eqn, decision, env, offset, m, zero_base: bool = False) -> list[Any]:
+def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False) -> list[Any]:
   """One per-example or cut equation on one microbatch: its outputs."""
   invals = [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
   if zero_base:

@@ -87,7 +87,7 @@ def sliceable(chain) -> bool:
   return all(jx.draw_is_sliceable(e) for e, _ in chain if jx.primitive_name(e) == "random_bits")
 
 
-def rebuild(prog, chain, var, axis, env, offset, m):
+def rebuild(prog, chain, var, axis, env, *, offset, m):
   """Evaluates ``chain`` (from :func:`_rebuilt`) at the microbatch's size; ``var``'s value, or None."""
   local: dict = {}
   for eqn, at in chain:
@@ -118,7 +118,7 @@ def operand(prog, env, var, axis, offset, m):
     return env[var]
   chain = prog.rebuilt(var, axis)
   if chain is not None:
-    value = rebuild(prog, chain, var, axis, env, offset, m)
+    value = rebuild(prog, chain, var, axis, env, offset=offset, m=m)
     if value is not None:
       return value
   value = env[var]

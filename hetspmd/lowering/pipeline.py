@@ -156,89 +156,21 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
   microbatches of ``B`` examples, split over ``data``; ``targets`` is any tree of ``[M, B, ...]`` leaves.
   The loss and gradients are sums over all ``M * B`` examples.
   """
-  S, M, L = stages.num_stages, stages.microbatches, stages.max_layers
+  S = stages.num_stages
   st, da = stages.stage_axis, stages.data_axis
   if mesh.shape.get(st) != S:
     raise InvalidValueError(f"{S} stages need a mesh axis {st!r} of size {S}; the mesh has {dict(mesh.shape)}")
   if da is not None and da not in mesh.shape:
     raise InvalidValueError(f"the data axis {da!r} is not an axis of the mesh {dict(mesh.shape)}")
   axes = (st,) if da is None else (st, da)
-  counts = jnp.asarray(stages.layers, jnp.int32)
-  forward_pairs = [(s, s + 1) for s in range(S - 1)]
-  backward_pairs = [(s + 1, s) for s in range(S - 1)]
 
   def per_device(stack, head_params, xs, targets):
-    s = jax.lax.axis_index(st)
-    mine = counts[s]
-    first, last = s == 0, s == S - 1
-    h0 = jnp.zeros_like(xs[0])
-
-    def layers_forward(h, n, saved, m):
-      def body(l, carry):
-        h, saved = carry
-        p = _leaf(stack, l)
-        if stages.recompute:
-          out, kept = block(p, h), ()
-        else:
-          out, pull = jax.vjp(block, p, h)
-          kept = _residuals(pull, (p, h))
-        saved = jax.tree.map(lambda buf, v: buf.at[m, l].set(v), saved, (h, kept))
-        return out, saved
-      return jax.lax.fori_loop(0, n, body, (h, saved))
-
-    def forward_tick(t, carry):
-      send, saved, loss, dhead, dtop = carry
-      recv = jax.lax.ppermute(send, st, forward_pairs) if S > 1 else send
-      valid, mi = tick_slot(t, s, M)
-      h = jnp.where(first, xs[mi], recv)
-      h, saved = layers_forward(h, jnp.where(valid, mine, 0), saved, mi)
-
-      def run_head(args):
-        loss, dhead, dtop = args
-        value, pull = jax.vjp(lambda p, x: head(p, x, _leaf(targets, mi)), head_params, h)
-        dp, dx = pull(jnp.ones_like(value))
-        return (loss + value.astype(jnp.float32), jax.tree.map(jnp.add, dhead, dp),
-                jax.lax.dynamic_update_index_in_dim(dtop, dx, mi, 0))
-
-      loss, dhead, dtop = jax.lax.cond(valid & last, run_head, lambda a: a, (loss, dhead, dtop))
-      return h, saved, loss, dhead, dtop
-
-    kept = () if stages.recompute else jax.eval_shape(
-        lambda p, h: _residuals(jax.vjp(block, p, h)[1], (p, h)), _leaf(stack, 0), h0)
-    saved = jax.tree.map(lambda a: jnp.zeros((M, L) + a.shape, a.dtype), (h0, kept))
-    zeros_head = jax.tree.map(jnp.zeros_like, head_params)
-    carry = (h0, saved, jnp.zeros((), jnp.float32), zeros_head, jnp.zeros_like(xs))
-    _, saved, loss, dhead, dtop = jax.lax.fori_loop(0, stages.ticks, forward_tick, carry)
-
-    def layers_backward(g, n, dstack, m):
-      def body(i, carry):
-        g, dstack = carry
-        l = n - 1 - i
-        h, kept = jax.tree.map(lambda buf: buf[m, l], saved)
-        p = _leaf(stack, l)
-        _, pull = jax.vjp(block, p, h)  # with kept residuals, only its structure is used (the rest is dead)
-        if not stages.recompute:
-          pull = _with_residuals(pull, (p, h), kept)
-        dp, g = pull(g)
-        return g, _add(dstack, l, dp)
-      return jax.lax.fori_loop(0, n, body, (g, dstack))
-
-    def backward_tick(t, carry):
-      send, dstack, dxs = carry
-      recv = jax.lax.ppermute(send, st, backward_pairs) if S > 1 else send
-      valid, mi = tick_slot(t, S - 1 - s, M)
-      g = jnp.where(last, dtop[mi], recv)
-      g, dstack = layers_backward(g, jnp.where(valid, mine, 0), dstack, mi)
-      dxs = jnp.where(valid & first, jax.lax.dynamic_update_index_in_dim(dxs, g, mi, 0), dxs)
-      return g, dstack, dxs
-
-    dstack = jax.tree.map(jnp.zeros_like, stack)
-    _, dstack, dxs = jax.lax.fori_loop(0, stages.ticks, backward_tick, (h0, dstack, jnp.zeros_like(xs)))
+    ticks = _Ticks(block, head, stages, stack, head_params, xs, targets, jax.lax.axis_index(st))
+    saved, loss, dhead, dtop = ticks.forward()
+    dstack, dxs = ticks.backward(saved, dtop)
     if da is not None:
       dstack = jax.lax.psum(dstack, da)
-    loss = jax.lax.psum(loss, axes)
-    dhead = jax.lax.psum(dhead, axes)
-    return loss, dstack, dhead, dxs[None]
+    return jax.lax.psum(loss, axes), dstack, jax.lax.psum(dhead, axes), dxs[None]
 
   data = P(None, da)
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(st), P(), data, data),
@@ -249,3 +181,102 @@ def pipelined_grad(block: Callable[[Any, jax.Array], jax.Array], head: Callable[
     return loss, dstack, dhead, dxs[0]
 
   return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ticks:
+  """One device's part of :func:`pipelined_grad`'s schedule: its stage's rows of the stack (``stack``), the head,
+  every microbatch's input and target, and its stage index."""
+
+  block: Callable[[Any, jax.Array], jax.Array]
+  head: Callable[[Any, jax.Array, Any], jax.Array]
+  stages: Stages
+  stack: Any
+  head_params: Any
+  xs: Any
+  targets: Any
+  stage: Any
+
+  @property
+  def layers(self):
+    return jnp.asarray(self.stages.layers, jnp.int32)[self.stage]
+
+  def _shift(self, x, pairs):
+    return jax.lax.ppermute(x, self.stages.stage_axis, pairs) if self.stages.num_stages > 1 else x
+
+  def forward(self):
+    """The forward ticks: what each layer kept per microbatch, the loss, the head's gradient and the cotangent
+    of the stack's output per microbatch (the last stage's)."""
+    stages = self.stages
+    h0 = jnp.zeros_like(self.xs[0])
+    kept = () if stages.recompute else jax.eval_shape(
+        lambda p, h: _residuals(jax.vjp(self.block, p, h)[1], (p, h)), _leaf(self.stack, 0), h0)
+    saved = jax.tree.map(lambda a: jnp.zeros((stages.microbatches, stages.max_layers) + a.shape, a.dtype), (h0, kept))
+    zeros_head = jax.tree.map(jnp.zeros_like, self.head_params)
+    carry = (h0, saved, jnp.zeros((), jnp.float32), zeros_head, jnp.zeros_like(self.xs))
+    _, saved, loss, dhead, dtop = jax.lax.fori_loop(0, stages.ticks, self.forward_tick, carry)
+    return saved, loss, dhead, dtop
+
+  def forward_tick(self, t, carry):
+    S = self.stages.num_stages
+    send, saved, loss, dhead, dtop = carry
+    recv = self._shift(send, [(s, s + 1) for s in range(S - 1)])
+    valid, mi = tick_slot(t, self.stage, self.stages.microbatches)
+    h = jnp.where(self.stage == 0, self.xs[mi], recv)
+    h, saved = self.layers_forward(h, jnp.where(valid, self.layers, 0), saved, mi)
+
+    def run_head(args):
+      loss, dhead, dtop = args
+      value, pull = jax.vjp(lambda p, x: self.head(p, x, _leaf(self.targets, mi)), self.head_params, h)
+      dp, dx = pull(jnp.ones_like(value))
+      return (loss + value.astype(jnp.float32), jax.tree.map(jnp.add, dhead, dp),
+              jax.lax.dynamic_update_index_in_dim(dtop, dx, mi, 0))
+
+    loss, dhead, dtop = jax.lax.cond(valid & (self.stage == S - 1), run_head, lambda a: a, (loss, dhead, dtop))
+    return h, saved, loss, dhead, dtop
+
+  def layers_forward(self, h, n, saved, m):
+    """The stage's first ``n`` layers on microbatch ``m``, keeping each layer's input (and residuals)."""
+    def body(l, carry):
+      h, saved = carry
+      p = _leaf(self.stack, l)
+      if self.stages.recompute:
+        out, kept = self.block(p, h), ()
+      else:
+        out, pull = jax.vjp(self.block, p, h)
+        kept = _residuals(pull, (p, h))
+      saved = jax.tree.map(lambda buf, v: buf.at[m, l].set(v), saved, (h, kept))
+      return out, saved
+    return jax.lax.fori_loop(0, n, body, (h, saved))
+
+  def backward(self, saved, dtop):
+    """The backward ticks: the stage's stack gradient and (on the first stage) every microbatch's input's."""
+    h0 = jnp.zeros_like(self.xs[0])
+    dstack = jax.tree.map(jnp.zeros_like, self.stack)
+    tick = lambda t, carry: self.backward_tick(t, carry, saved, dtop)
+    _, dstack, dxs = jax.lax.fori_loop(0, self.stages.ticks, tick, (h0, dstack, jnp.zeros_like(self.xs)))
+    return dstack, dxs
+
+  def backward_tick(self, t, carry, saved, dtop):
+    S = self.stages.num_stages
+    send, dstack, dxs = carry
+    recv = self._shift(send, [(s + 1, s) for s in range(S - 1)])
+    valid, mi = tick_slot(t, S - 1 - self.stage, self.stages.microbatches)
+    g = jnp.where(self.stage == S - 1, dtop[mi], recv)
+    g, dstack = self.layers_backward(g, jnp.where(valid, self.layers, 0), dstack, mi, saved)
+    dxs = jnp.where(valid & (self.stage == 0), jax.lax.dynamic_update_index_in_dim(dxs, g, mi, 0), dxs)
+    return g, dstack, dxs
+
+  def layers_backward(self, g, n, dstack, m, saved):
+    """The stage's first ``n`` layers' pullbacks on microbatch ``m``, in reverse, adding each layer's gradient."""
+    def body(i, carry):
+      g, dstack = carry
+      l = n - 1 - i
+      h, kept = jax.tree.map(lambda buf: buf[m, l], saved)
+      p = _leaf(self.stack, l)
+      _, pull = jax.vjp(self.block, p, h)  # with kept residuals, only its structure is used (the rest is dead)
+      if not self.stages.recompute:
+        pull = _with_residuals(pull, (p, h), kept)
+      dp, g = pull(g)
+      return g, _add(dstack, l, dp)
+    return jax.lax.fori_loop(0, n, body, (g, dstack))

@@ -47,7 +47,7 @@ def zero_shards_for(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[
   if zero_stage < 1 or n < 4:
     return 0
   sizes = dict(zip(axis_names, mesh_shape))
-  chosen = dict(auto_state_specs(state, axis_names, mesh_shape, zero_stage, specs, model_specs))
+  chosen = dict(auto_state_specs(state, axis_names, mesh_shape, zero_stage, specs=specs, model_specs=model_specs))
   unsplit = []  # (free dimension sizes, bytes on one device)
   for path, leaf in leaves_with_paths(state):
     spec, shape = chosen[path], tuple(np.shape(leaf))
@@ -75,7 +75,7 @@ def zero_group(n: int, unsplit: Sequence[tuple[Sequence[int], float]]) -> int:
   return best
 
 
-def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0,
+def auto_state_specs(state: Any, axis_names: Sequence[str], mesh_shape: Sequence[int], zero_stage: int = 0, *,
                      specs: Mapping[str, Sequence[SpecEntry]] | None = None,
                      model_specs: Mapping[str, Sequence[SpecEntry]] | None = None,
                      zero_shards: int = 0) -> tuple[tuple[str, Spec], ...]:

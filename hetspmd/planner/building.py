@@ -71,7 +71,8 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
     if any(given.values()):
       raise InvalidValueError(f"pipeline stages choose their own mesh and state layout and run with ZeRO-0 "
                               f"and no overlap; drop {[k for k, v in given.items() if v]} or drop stages")
-    return _staged_plan(cluster, state, tuple(stages), global_batch, microbatch, counts, remat, grad_reduce_dtype)
+    return _staged_plan(cluster, state, tuple(stages), global_batch=global_batch, microbatch=microbatch,
+                        counts=counts, remat=remat, grad_reduce_dtype=grad_reduce_dtype)
   mesh = _layout(cluster, layout)
   microbatch = microbatch_for(global_batch, mesh.shape[0], microbatch, counts)
   if counts is None:
@@ -85,7 +86,8 @@ def plan_for(cluster: Cluster, state: Any, *, global_batch: int, layout: HetMesh
       global_batch=global_batch,
       microbatch=microbatch,
       microbatch_counts=tuple(int(c) for c in counts),
-      state_specs=auto_state_specs(state, mesh.axis_names, mesh.shape, zero_stage, specs, zero_shards=shards),
+      state_specs=auto_state_specs(state, mesh.axis_names, mesh.shape, zero_stage, specs=specs,
+                                   zero_shards=shards),
       zero_stage=zero_stage,
       zero_shards=shards,
       remat=remat,
@@ -122,8 +124,8 @@ def _stacked_leaf(leaf: Any, stages: tuple[int, ...]) -> bool:
   return np.ndim(leaf) >= 1 and np.shape(leaf)[0] == layers and layers % len(stages) == 0
 
 
-def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], global_batch: int, microbatch: int | None,
-                 counts: Sequence[int] | None, remat: str, grad_reduce_dtype: str) -> Plan:
+def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], *, global_batch: int,
+                 microbatch: int | None, counts: Sequence[int] | None, remat: str, grad_reduce_dtype: str) -> Plan:
   n, S = cluster.num_devices, len(stages)
   if n % S:
     raise InvalidValueError(f"{n} devices do not form {S} stages of equal size; valid stage counts: "

@@ -17,6 +17,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.hardware.devices import Link
 from hetspmd.plan.gradient_buckets import buckets
@@ -244,7 +245,7 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
   ``REMAT_ACTIVATIONS`` of the peak, if XLA schedules the recomputation there.
   """
   if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {remat!r}")
+    raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {remat!r}")
   peak = profile.activation.at(microbatch)
   if remat in ("dots", "all_dots"):
     peak = min(peak, profile.saved_bytes(remat, microbatch) + REMAT_ACTIVATIONS * peak)

@@ -205,7 +205,7 @@ class Costing:
     return self._node_seconds[key]
 
   def space(self, m: int) -> strategies.StrategySpace:
-    """Prepared by :func:`hetspmd.passes.costing.profile.profile_step` for :data:`hetspmd.passes.costing.profile.MODEL_SIZES`; built here (once)
+    """Prepared by :func:`hetspmd.passes.profile.profile_step` for :data:`hetspmd.passes.profile.MODEL_SIZES`; built here (once)
     for other sizes."""
     if m not in self._spaces:
       self._spaces[m] = strategies.strategy_space(self.profile, m)

@@ -71,7 +71,7 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.costing.profile import profile_step
+from hetspmd.passes.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import balanced_counts, even_counts, proportional_counts
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES

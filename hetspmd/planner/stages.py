@@ -142,7 +142,7 @@ def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequen
 
 
 def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], stages: Sequence[int],
-          microbatch: int, global_batch: int, costs: list | None = None, reduce_dtype: str = "float32"
+          microbatch: int, *, global_batch: int, costs: list | None = None, reduce_dtype: str = "float32"
           ) -> StagePlan | None:
   """One stage plan's predicted step; None when it does not fit memory or the batch does not split into
   microbatches of ``microbatch``, at least one per data position. A batch the positions do not divide is
@@ -216,7 +216,8 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
       per_layer = [c[0] + c[1] for c in costs]
       fixed = [(c[2] + c[3] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0) for s, c in enumerate(costs)]
       stages = split_layers(per_layer, fixed, stack.layers)
-      priced = [price(cluster, profile, stack, groups, stages, m, global_batch, costs, dtype)
+      priced = [price(cluster, profile, stack, groups, stages, m, global_batch=global_batch, costs=costs,
+                      reduce_dtype=dtype)
                 for dtype in grad_reduce_dtypes]
       priced = [p for p in priced if p is not None]
       if priced:

@@ -80,7 +80,8 @@ class Call:
     rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
     batch_args = tuple(args[i] for i in batch_argnums)
     if step._plan is None:
-      search_fn = state_batch_function(step.fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum)
+      search_fn = state_batch_function(step.fn, args, kwargs, graph_args=graph_args, graphdef=graphdef,
+                                       batch_argnums=batch_argnums, state_argnum=state_argnum)
       step._resolve(state, search_fn, batch_args[0] if len(batch_args) == 1 else batch_args)
       if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
         state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
@@ -203,7 +204,7 @@ def dtype_of(x: Any) -> Any:
   return dtype if dtype is not None else np.asarray(x).dtype
 
 
-def state_batch_function(fn, args, kwargs, graph_args, graphdef, batch_argnums, state_argnum):
+def state_batch_function(fn, args, kwargs, *, graph_args, graphdef, batch_argnums, state_argnum):
   """The step as ``f(state, batch)`` for the search's trace, its other arguments as given."""
   from flax import nnx
 

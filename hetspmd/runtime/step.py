@@ -36,7 +36,7 @@ from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
-from hetspmd.passes.costing.profile import PROFILE_BATCHES, profile_step, with_batch
+from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.plan.value import Plan
@@ -127,7 +127,7 @@ class ParallelStep:
                     fuse_overlap=not self._per_microbatch_statistics(fn, state, batch))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
-      chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, self.specs,
+      chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=self.specs,
                                 model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
       plan = plan.replace(state_specs=chosen)
     return plan
