@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetspmd._dtypes import wide
 from hetspmd._pytree import leaves_with_paths
 
 
@@ -93,20 +94,15 @@ def _objective(fun: Callable[..., Any], has_aux: bool, examples: int, share: flo
     if kinds is not None:
       kinds.append(_is_weighted(loss))
     if _is_weighted(loss):
-      total, weight = _wide(loss.total), _wide(loss.weight)
+      total, weight = wide(loss.total), wide(loss.weight)
     elif share is not None:
-      total, weight = _wide(loss) * share, jnp.float32(share)
+      total, weight = wide(loss) * share, jnp.float32(share)
     else:  # float32 at least, so that loss × examples cannot overflow float16
-      total, weight = _wide(loss) * examples, jnp.float32(examples)
+      total, weight = wide(loss) * examples, jnp.float32(examples)
     aux_totals, aux_weights = _split_aux(aux, examples)
     return total, (weight, aux_totals, aux_weights)
 
   return objective
-
-
-def _wide(x: Any) -> Any:
-  x = jnp.asarray(x)
-  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x
 
 
 def _split_aux(aux: Any, examples: int) -> tuple[Any, Any]:

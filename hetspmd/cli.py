@@ -11,12 +11,16 @@ Errors that hetspmd raises on purpose print one line to stderr and exit 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from typing import Any, Sequence
 
+from hetspmd._format import si
 from hetspmd.errors import HetSpmdError
+
+_si = functools.partial(si, small=".0f")  # counts and rates below a thousand as integers
 
 
 def _positive_int(text: str) -> int:
@@ -292,13 +296,6 @@ def trace_report(workload, graph, batch, seconds: float, top: int) -> dict[str, 
       "unknown_primitives": list(graph.unknown_primitives),
       "trace_seconds": round(seconds, 3),
   }
-
-
-def _si(x: float, unit: str = "") -> str:
-  for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-    if abs(x) >= scale:
-      return f"{x / scale:.2f} {prefix}{unit}"
-  return f"{x:.0f} {unit}".rstrip()
 
 
 def format_trace_report(report: dict[str, Any]) -> str:

@@ -15,18 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hetspmd._format import si
 from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.value import Plan
 
 BAR = 30
-
-
-def _si(value: float, unit: str = "") -> str:
-  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-    if abs(value) >= scale:
-      return f"{value / scale:.2f} {prefix}{unit}"
-  return f"{value:.3g} {unit}".rstrip()
 
 
 def _bar(value: float, full: float, char: str = "#") -> str:
@@ -130,10 +124,10 @@ def explain_text(plan: Plan) -> str:
     lines += ["", "memory per device (predicted / capacity)"]
     for label, r in runs:
       cap = r.get("memory_capacity_bytes")
-      lines.append(f"  {label:<{width}} {r['kind']:<12} {_si(r['memory_bytes'], 'B'):>10} / "
-                   f"{_si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}")
+      lines.append(f"  {label:<{width}} {r['kind']:<12} {si(r['memory_bytes'], 'B'):>10} / "
+                   f"{si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}")
   elif "memory_bytes_per_device" in predicted:
-    lines += ["", f"memory per device (predicted): {_si(predicted['memory_bytes_per_device'], 'B')}"]
+    lines += ["", f"memory per device (predicted): {si(predicted['memory_bytes_per_device'], 'B')}"]
   return "\n".join(lines)
 
 

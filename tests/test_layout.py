@@ -21,7 +21,7 @@ ADAPTER = "hetspmd.passes._jax_adapter"
 
 # The layers, lowest first: a module may import its own layer and the layers below it, never one above.
 LAYERS = (
-    ("leaves", ("hetspmd._version", "hetspmd._pytree", "hetspmd.errors", ADAPTER)),
+    ("leaves", ("hetspmd._version", "hetspmd._pytree", "hetspmd._dtypes", "hetspmd._format", "hetspmd.errors", ADAPTER)),
     ("autodiff", ("hetspmd.autodiff",)),
     ("passes", ("hetspmd.passes",)),
     ("hardware", ("hetspmd.hardware",)),

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from hetspmd._dtypes import wide
 from hetspmd.errors import HetSpmdError
 from hetspmd.lowering import operands
 from hetspmd.lowering.program import Layout, Program, microbatch_params, sum_outputs, with_bases
@@ -35,10 +36,6 @@ def identity(reduce: str, shape, dtype):
 
 def combiner(reduce: str):
   return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[reduce]
-
-
-def wide(x):
-  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x
 
 
 def feed_back(prog, cut, values, outer: dict) -> None:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from hetspmd.lowering import operands
 from hetspmd.lowering.exchange import Exchange
-from hetspmd.lowering.loop import apply, combiner, identity, wide
+from hetspmd._dtypes import wide
+from hetspmd.lowering.loop import apply, combiner, identity
 from hetspmd.lowering.pipeline import tick_slot
 from hetspmd.lowering.program import sum_outputs
 from hetspmd.passes import _jax_adapter as jx

@@ -2,7 +2,7 @@
 
 Pieces of :mod:`hetspmd.planner.ranking`'s cost model that follow the runtime's
 collectives over ``data`` (:mod:`hetspmd.autodiff`) and the ZeRO rule of
-:func:`hetspmd.plan.value.auto_state_specs`: α–β rings per link class,
+:func:`hetspmd.plan.state_layout.auto_state_specs`: α–β rings per link class,
 hierarchical across hosts; all-reduces counted per bucket; reduce-scatter
 onto ZeRO's shards; one all-gather per split parameter leaf.
 """
@@ -88,7 +88,7 @@ class ZeroSplit:
   """How ZeRO holds the parameter leaves (elements each) over ``n`` data positions."""
 
   split: tuple[int, ...]    # a dimension divides by n: split n ways
-  shards: int               # hetspmd.plan.value.zero_shards_for: the group size k for the rest (0: none)
+  shards: int               # hetspmd.plan.state_layout.zero_shards_for: the group size k for the rest (0: none)
   grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
   whole: tuple[int, ...]    # kept whole on every position
 
@@ -115,7 +115,7 @@ class ZeroSplit:
 
 @functools.lru_cache(maxsize=4096)
 def _zero_split(leaves: tuple[tuple[tuple[int, ...], int], ...], n: int) -> ZeroSplit:
-  """The rule of :func:`hetspmd.plan.value.auto_state_specs` and :func:`hetspmd.plan.value.zero_shards_for`.
+  """The rule of :func:`hetspmd.plan.state_layout.auto_state_specs` and :func:`hetspmd.plan.state_layout.zero_shards_for`.
 
   ``leaves``: (sizes of the dimensions ZeRO may split, elements on one
   device) per parameter leaf.

@@ -90,13 +90,6 @@ class Evaluated:
     }
 
 
-
-def proportional(weights: Sequence[float], total: int) -> tuple[int, ...]:
-  from hetspmd.plan.counts import proportional_counts
-
-  return proportional_counts(weights, total)
-
-
 # --- layouts and tensor-parallel choices -------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 A step's profile (:func:`hetspmd.planner.ranking.profile_step`) holds the scan over layers as nodes inside two
 loops of the same trip count ``L``: the forward body and its transpose. A stage plan
-(:func:`hetspmd.plan.value.plan_for` with ``stages``, run by :mod:`hetspmd.lowering.staged`) is priced as that program
+(:func:`hetspmd.planner.building.plan_for` with ``stages``, run by :mod:`hetspmd.lowering.staged`) is priced as that program
 runs:
 
 * per microbatch of ``m`` examples on each stage's slowest device kind: a layer's forward and backward
@@ -35,6 +35,7 @@ import numpy as np
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.errors import HetSpmdError
 from hetspmd.plan.counts import even_counts
+from hetspmd.planner.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +147,9 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
           ) -> StagePlan | None:
   """One stage plan's predicted step; None when it does not fit memory or the batch does not split into
   microbatches of ``microbatch``, at least one per data position. A batch the positions do not divide is
-  spread as :func:`hetspmd.plan.value.even_counts` spreads it, and runs as many ticks as the most any takes.
+  spread as :func:`hetspmd.plan.counts.even_counts` spreads it, and runs as many ticks as the most any takes.
   ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``reduce_dtype``:
   the dtype gradients cross in (:func:`hetspmd.lowering.staged` casts them for the wire, accumulation stays float32)."""
-  from hetspmd.planner.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
-
   S = len(stages)
   width = sum(cluster.hosts[h].count for h in hosts[0])
   if (any(sum(cluster.hosts[h].count for h in g) != width for g in hosts) or global_batch % microbatch

@@ -173,7 +173,7 @@ class StepProfile:
   trace_batches: tuple[int, ...] = ()
   # model-axis size -> hetspmd.passes.sharding.strategies.StrategySpace, prepared by hetspmd.planner.ranking.profile_step
   strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-  # (data positions, model size, tensor-parallel choice) -> hetspmd.planner.ranking.ZeroSplit, filled by the search
+  # (data positions, model size, tensor-parallel choice) -> hetspmd.planner.data_axis.ZeroSplit, filled by the search
   zero_splits: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def node_seconds(self, spec: DeviceSpec, batch: float, first: bool = False) -> np.ndarray:
