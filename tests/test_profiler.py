@@ -42,7 +42,7 @@ def test_collective_tables_are_monotone_and_fitted(profile):
 
 
 def test_profile_becomes_a_measured_cluster(profile, tmp_path):
-  cluster = profile.cluster()
+  cluster = Cluster.from_profile(profile)
   assert cluster.num_devices == 8 and cluster.kinds == ("cpu",)
   spec = cluster.hosts[0].device
   assert spec.measured and spec.fp32_flops == min(d.peak("float32") for d in profile.devices)
@@ -82,7 +82,7 @@ def test_profile_across_two_processes():
   results = run_processes("""
       import json, hetspmd
       p = hetspmd.profile(message_bytes=(4096, 65536), progress=False)
-      c = p.cluster()
+      c = hetspmd.Cluster.from_profile(p)
       print(json.dumps({"ids": [d.id for d in p.devices], "processes": [d.process for d in p.devices],
                         "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives]}))
   """)
