@@ -379,7 +379,8 @@ def _toml_value(value: Any) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
   if isinstance(value, (list, tuple)):
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-  raise TypeError(type(value))
+  raise InvalidValueError(f"cannot write {value!r} (a {type(value).__name__}) to a cluster TOML file; "
+                          "expected a bool, number, string, or list of them")
 
 
 def _table(fields: dict[str, Any]) -> list[str]:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hetspmd.errors import UnknownNameError
 from hetspmd.hardware.devices import DeviceSpec, Link, preset_for_device_kind, preset_spec, unknown_device_error
 
 _MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
@@ -120,7 +121,8 @@ class Profile:
     for f in self.collectives:
       if f.op == op and (axis is None or f.axis == axis):
         return f
-    raise KeyError(f"no {op} measured{' over ' + axis if axis else ''}")
+    measured = ", ".join(f"{f.op} over {f.axis!r}" for f in self.collectives) or "none"
+    raise UnknownNameError(f"no {op} measured{' over ' + repr(axis) if axis else ''}; measured: {measured}")
 
   def device_spec(self, kind: str) -> DeviceSpec:
     members = [d for d in self.devices if d.kind == kind]
@@ -140,7 +142,7 @@ class Profile:
     """A link from the all-reduce fit (ring: 2(p-1)/p bytes moved per byte)."""
     try:
       fit = self.fit("all_reduce")
-    except KeyError:
+    except UnknownNameError:
       return None
     p = fit.group_size
     if p < 2 or fit.beta <= 0:
