@@ -77,7 +77,7 @@ def run(args) -> list[dict]:
   seq = args.seq if args.seq else (None if device.platform == "cpu" else 1024)
   clusters = {"datasheet": hs.Cluster.from_devices([device])}
   if not args.no_profile:
-    clusters["profiled"] = hs.profile([device], progress=True).cluster()
+    clusters["profiled"] = hs.Cluster.from_profile(hs.profile([device], progress=True))
   spec = clusters["datasheet"].devices[0].spec
   print(f"{name} (sequence {seq or 'default'}) on one {device.device_kind}: datasheet {spec.name}, "
         f"{spec.memory_bytes / 2**30:.1f} GiB", flush=True)

@@ -58,7 +58,7 @@ def main() -> None:
   from _steps import median_step_seconds
 
   measured_profile = hs.profile(progress=False)
-  cluster = measured_profile.cluster()
+  cluster = hs.Cluster.from_profile(measured_profile)
   print(f"profiled {cluster.num_devices} CPU devices: {cluster.hosts[0].device.fp32_flops / 1e9:.1f} GFLOP/s each "
         f"busy, link {cluster.hosts[0].intra.bandwidth / 1e9:.2f} GB/s")
   profiles = {}

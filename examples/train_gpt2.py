@@ -103,7 +103,7 @@ def build_cluster(spec: str, profile: bool):
     raise SystemExit(f"--cluster {spec!r} has {virtual.num_devices} devices but JAX sees {len(devices)}; "
                      f"give a spec with {len(devices)} devices")
   if profile:
-    return hs.profile(devices).cluster()
+    return hs.Cluster.from_profile(hs.profile(devices))
   kinds = [d.spec.name for d in virtual.devices]
   return hs.Cluster.emulate(devices, kinds, custom={k: virtual.spec_of(k) for k in virtual.kinds})
 

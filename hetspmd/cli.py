@@ -141,11 +141,12 @@ def _run_trace(args: argparse.Namespace) -> int:
 def _run_profile(args: argparse.Namespace) -> int:
   import jax
 
+  from hetspmd.hardware.cluster import Cluster
   from hetspmd.hardware.profiler import profile
 
   devices = jax.devices()[: args.devices] if args.devices else jax.devices()
   result = profile(devices, progress=not args.json)
-  cluster = result.cluster()
+  cluster = Cluster.from_profile(result)
   if args.out:
     cluster.save(args.out)
   if args.json:

@@ -74,6 +74,7 @@ import optax
 from flax import nnx
 
 from hetspmd.autodiff import weighted
+from hetspmd.errors import InvalidValueError
 from hetspmd.models.workload import Workload
 
 _INIT = nnx.initializers.truncated_normal(stddev=0.02)
@@ -100,17 +101,17 @@ class MoEConfig:
 
   def __post_init__(self):
     if self.num_experts < 2:
-      raise ValueError(f"MoEConfig.num_experts must be at least 2, got {self.num_experts}")
+      raise InvalidValueError(f"MoEConfig.num_experts must be at least 2, got {self.num_experts!r}")
     if self.top_k not in (1, 2):
-      raise ValueError(f"MoEConfig.top_k must be 1 (Switch) or 2 (GShard), got {self.top_k}")
+      raise InvalidValueError(f"MoEConfig.top_k must be 1 (Switch) or 2 (GShard), got {self.top_k!r}")
     if self.top_k > self.num_experts:
-      raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+      raise InvalidValueError(f"MoEConfig.top_k must be at most num_experts={self.num_experts}, got top_k={self.top_k}")
     if not self.capacity_factor > 0:
-      raise ValueError(f"MoEConfig.capacity_factor must be positive, got {self.capacity_factor}")
+      raise InvalidValueError(f"MoEConfig.capacity_factor must be positive, got {self.capacity_factor!r}")
     if self.aux_loss_coef < 0:
-      raise ValueError(f"MoEConfig.aux_loss_coef must be non-negative, got {self.aux_loss_coef}")
+      raise InvalidValueError(f"MoEConfig.aux_loss_coef must be non-negative, got {self.aux_loss_coef!r}")
     if self.every < 1:
-      raise ValueError(f"MoEConfig.every must be a positive integer, got {self.every}")
+      raise InvalidValueError(f"MoEConfig.every must be a positive integer, got {self.every!r}")
 
   def capacity(self, tokens: int) -> int:
     """Slots per expert for a routing group of ``tokens`` tokens."""
@@ -132,9 +133,10 @@ class BertConfig:
 
   def __post_init__(self):
     if self.d_model % self.n_head:
-      raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+      raise InvalidValueError(f"BertConfig.d_model must be divisible by n_head={self.n_head}, got d_model={self.d_model}")
     if not 0 <= self.mask_token_id < self.vocab_size:
-      raise ValueError(f"mask_token_id={self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})")
+      raise InvalidValueError(f"BertConfig.mask_token_id must lie in [0, vocab_size={self.vocab_size}), "
+                              f"got mask_token_id={self.mask_token_id}")
 
   @property
   def d_ff(self) -> int:
@@ -256,7 +258,7 @@ class MoEMLP(nnx.Module):
 
   def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
     if cfg.moe is None:
-      raise ValueError("MoEMLP needs a config with moe set")
+      raise InvalidValueError("MoEMLP needs a BertConfig whose moe is a MoEConfig, got moe=None")
     self.moe = cfg.moe
     self.dtype = cfg.dtype
     e, d, f = cfg.moe.num_experts, cfg.d_model, cfg.d_ff

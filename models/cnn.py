@@ -68,6 +68,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.models.mlp import classification_loss
 from hetspmd.models.vit import image_batch_spec
 from hetspmd.models.workload import Workload, abstract_rngs
@@ -89,10 +90,10 @@ class VGGConfig:
 
   def __post_init__(self):
     if not self.stages or any(not stage for stage in self.stages):
-      raise ValueError(f"VGGConfig.stages needs at least one non-empty stage, got {self.stages}")
+      raise InvalidValueError(f"VGGConfig.stages needs at least one stage and no empty one, got {self.stages!r}")
     if self.image_size % 2 ** len(self.stages):
-      raise ValueError(f"image_size={self.image_size} must be divisible by 2**{len(self.stages)} "
-                       f"(one 2x2 pool per stage)")
+      raise InvalidValueError(f"VGGConfig.image_size must be divisible by 2**{len(self.stages)} (one 2x2 pool per "
+                              f"stage), got image_size={self.image_size}")
 
   @property
   def flat_features(self) -> int:
@@ -154,10 +155,11 @@ class ResNetConfig:
 
   def __post_init__(self):
     if len(self.blocks) != len(self.widths) or any(b < 1 for b in self.blocks):
-      raise ValueError(f"ResNetConfig needs one positive block count per width, got blocks={self.blocks} "
-                       f"widths={self.widths}")
+      raise InvalidValueError(f"ResNetConfig needs one positive block count per width, got blocks={self.blocks} "
+                              f"widths={self.widths}")
     if self.image_size % (4 * 2 ** (len(self.blocks) - 1)):
-      raise ValueError(f"image_size={self.image_size} must be divisible by {4 * 2 ** (len(self.blocks) - 1)}")
+      raise InvalidValueError(f"ResNetConfig.image_size must be divisible by {4 * 2 ** (len(self.blocks) - 1)} "
+                              f"(the stem and each later stage halve it), got image_size={self.image_size}")
 
 
 def _batch_norm(cfg: ResNetConfig, features: int, rngs: nnx.Rngs) -> nnx.BatchNorm:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.models.workload import Workload
 
 
@@ -36,7 +37,7 @@ class GPT2Config:
 
   def __post_init__(self):
     if self.d_model % self.n_head:
-      raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+      raise InvalidValueError(f"GPT2Config.d_model must be divisible by n_head={self.n_head}, got d_model={self.d_model}")
 
   @property
   def head_dim(self) -> int:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.models.workload import Workload
 
 
@@ -22,7 +23,8 @@ class MLPConfig:
 
   def __post_init__(self):
     if len(self.features) < 2 or any(f < 1 for f in self.features):
-      raise ValueError(f"MLPConfig.features needs at least two positive widths, got {self.features}")
+      raise InvalidValueError(f"MLPConfig.features needs at least two positive widths (input, ..., classes), "
+                              f"got {self.features!r}")
 
   @property
   def num_classes(self) -> int:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.models.mlp import classification_loss
 from hetspmd.models.workload import Workload
 
@@ -47,9 +48,11 @@ class ViTConfig:
 
   def __post_init__(self):
     if self.image_size % self.patch_size:
-      raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
+      raise InvalidValueError(f"ViTConfig.image_size must be divisible by patch_size={self.patch_size}, "
+                              f"got image_size={self.image_size}")
     if self.d_model % self.num_heads:
-      raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
+      raise InvalidValueError(f"ViTConfig.d_model must be divisible by num_heads={self.num_heads}, "
+                              f"got d_model={self.d_model}")
 
   @property
   def num_tokens(self) -> int:

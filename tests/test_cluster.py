@@ -31,7 +31,7 @@ def test_preset_sanity_against_datasheets():
 
 
 def test_cpu_spec_is_measured():
-  spec = hetspmd.hardware.devices.device_spec("cpu")
+  spec = hetspmd.hardware.device_spec("cpu")
   assert spec.measured and spec.fp32_flops > 1e8 and spec.memory_bandwidth > 1e7
   # a read rate is kept only where reading beats copying; then writes are the slower direction
   assert spec.read_bandwidth is None or spec.write_rate < spec.memory_bandwidth < spec.read_bandwidth

@@ -47,6 +47,35 @@ def test_sequence_length_on_a_model_without_one_is_refused():
     models.get("mlp-tiny").example_batch(4, 16)
 
 
+def _bad_configs():
+  from hetspmd.models.bert import BertConfig, MoEConfig
+  from hetspmd.models.cnn import ResNetConfig, VGGConfig
+  from hetspmd.models.gpt2 import GPT2Config
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.models.vit import ViTConfig
+
+  return [
+      (lambda: MoEConfig(num_experts=1), "num_experts must be at least 2, got 1"),
+      (lambda: MoEConfig(num_experts=4, top_k=3), r"top_k must be 1 \(Switch\) or 2 \(GShard\), got 3"),
+      (lambda: MoEConfig(num_experts=4, every=0), "every must be a positive integer, got 0"),
+      (lambda: BertConfig(2, 3, 64), "d_model must be divisible by n_head=3, got d_model=64"),
+      (lambda: BertConfig(2, 2, 64, vocab_size=50), r"mask_token_id must lie in \[0, vocab_size=50\), got mask_token_id=103"),
+      (lambda: GPT2Config(n_layer=2, n_head=3, d_model=64), "d_model must be divisible by n_head=3, got d_model=64"),
+      (lambda: MLPConfig((8,)), r"at least two positive widths .*got \(8,\)"),
+      (lambda: ViTConfig(30, 16, 2, 64, 4, 128), "image_size must be divisible by patch_size=16, got image_size=30"),
+      (lambda: VGGConfig(((8,), ())), "no empty one"),
+      (lambda: ResNetConfig((1, 1), widths=(8,)), r"one positive block count per width, got blocks=\(1, 1\)"),
+      (lambda: ResNetConfig((1, 1), widths=(8, 16), image_size=12), "image_size must be divisible by 8.*got image_size=12"),
+  ]
+
+
+@pytest.mark.parametrize("build,match", _bad_configs())
+def test_bad_model_configs_say_what_was_given(build, match):
+  with pytest.raises(hetspmd.InvalidValueError, match=match) as info:
+    build()
+  assert isinstance(info.value, ValueError)
+
+
 @pytest.mark.parametrize("name", models.test_names())
 def test_tiny_models_train_on_cpu(name):
   workload = models.get(name)

@@ -9,7 +9,7 @@ import pytest
 import hetspmd
 from hetspmd import Cluster, enumerate_layouts
 from hetspmd.cli import main
-from hetspmd.hardware.profiler import COLLECTIVES, fit_alpha_beta
+from hetspmd.hardware.profiler import COLLECTIVES, CollectiveFit, fit_alpha_beta
 
 from conftest import require_devices
 
@@ -42,7 +42,7 @@ def test_collective_tables_are_monotone_and_fitted(profile):
 
 
 def test_profile_becomes_a_measured_cluster(profile, tmp_path):
-  cluster = profile.cluster()
+  cluster = Cluster.from_profile(profile)
   assert cluster.num_devices == 8 and cluster.kinds == ("cpu",)
   spec = cluster.hosts[0].device
   assert spec.measured and spec.fp32_flops == min(d.peak("float32") for d in profile.devices)
@@ -82,7 +82,7 @@ def test_profile_across_two_processes():
   results = run_processes("""
       import json, hetspmd
       p = hetspmd.profile(message_bytes=(4096, 65536), progress=False)
-      c = p.cluster()
+      c = hetspmd.Cluster.from_profile(p)
       print(json.dumps({"ids": [d.id for d in p.devices], "processes": [d.process for d in p.devices],
                         "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives]}))
   """)
@@ -121,3 +121,15 @@ def test_matmul_tables_time_float32_at_full_and_default_precision():
 
   device = jax.devices()[0]
   assert matmul_flops(device, 128, "float32") > 0 and matmul_flops(device, 128, REDUCED_F32) > 0
+
+
+def test_a_collective_that_was_not_measured_is_an_unknown_name():
+  from hetspmd.hardware.profiler import Profile
+
+  fit = CollectiveFit("all_gather", "data", 4, (1024,), (1e-5,), 1e-5, 0.0)
+  profile = Profile((), (fit,), "cpu", 1, 0.0)
+  with pytest.raises(hetspmd.UnknownNameError, match="no all_reduce measured; measured: all_gather over 'data'"):
+    profile.fit("all_reduce")
+  with pytest.raises(KeyError):
+    profile.fit("all_gather", axis="model")
+  assert profile.link("measured") is None

@@ -22,14 +22,15 @@ hosts is 25 Gbps with 20 µs latency.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
-from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, device_spec, link, parse_latency,
-                             preset_for_device_kind)
 from hetspmd.errors import InvalidValueError, UnknownNameError
+from hetspmd.hardware.devices import LINK_PRESETS, DeviceSpec, Link, link, parse_latency, preset_for_device_kind
+from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec
 
 DEFAULT_INTER = "25Gbps"
 DEFAULT_INTER_LATENCY = 20e-6
@@ -221,8 +222,7 @@ class Cluster:
       if preset is None:
         kind = "cpu" if d.platform == "cpu" else str(d.device_kind)
         if kind not in specs:
-          from hetspmd.hardware import profiler
-          specs[kind] = profiler.measure_device_spec(d, name=kind)
+          specs[kind] = measure_device_spec(d, name=kind)
       else:
         kind = preset
         spec = specs.get(kind) or device_spec(kind)
@@ -232,6 +232,26 @@ class Cluster:
         specs[kind] = spec
       kinds.append(kind)
     return _grouped(devices, kinds, specs, link(inter), name="local")
+
+  @classmethod
+  def from_profile(cls, profile: Profile) -> "Cluster":
+    """The measured cluster of :func:`hetspmd.profile`'s result: hosts by process, then kind.
+
+    Each kind's spec is the profile's (``measured=True``); each host records
+    how much faster one device runs alone (:func:`~hetspmd.hardware.profiler.alone_speedup`);
+    links come from the all-reduce fit, where there is one.
+    """
+    specs = {k: profile.device_spec(k) for k in dict.fromkeys(d.kind for d in profile.devices)}
+    measured = profile.link("measured")
+    ordered = sorted(profile.devices, key=lambda d: (d.process, d.id))
+    hosts = []
+    for (_, kind), group in itertools.groupby(ordered, key=lambda d: (d.process, d.kind)):
+      members = list(group)
+      hosts.append(Host(specs[kind], len(members), measured or _default_intra(kind), alone_speedup(members)))
+    ids = tuple(d.id for d in ordered)
+    if profile.process_count > 1 and measured is not None:
+      return cls(tuple(hosts), measured, "profiled", ids)
+    return cls(tuple(hosts), name="profiled", jax_device_ids=ids)
 
   @classmethod
   def emulate(cls, devices: Sequence[Any], kinds: Sequence[str],
@@ -359,7 +379,8 @@ def _toml_value(value: Any) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
   if isinstance(value, (list, tuple)):
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-  raise TypeError(type(value))
+  raise InvalidValueError(f"cannot write {value!r} (a {type(value).__name__}) to a cluster TOML file; "
+                          "expected a bool, number, string, or list of them")
 
 
 def _table(fields: dict[str, Any]) -> list[str]:

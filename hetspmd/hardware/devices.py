@@ -8,19 +8,20 @@ bfloat16 pass on TPUs), memory size and memory bandwidth. A :class:`Link` is a b
 (bytes/s, one direction) and a latency (s).
 
 Preset numbers are dense (no structured sparsity) peaks from the vendors'
-datasheets, named beside each entry. The ``cpu`` spec is never assumed: it
-is measured on this machine the first time it is asked for.
+datasheets, named beside each entry. The ``cpu`` spec is never assumed:
+:func:`hetspmd.hardware.profiler.device_spec` measures it on this machine
+the first time it is asked for. This module measures nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any
 
 from hetspmd.errors import InvalidValueError, UnknownNameError
+from hetspmd.passes._jax_adapter import reduced_precision_f32_matmuls
 
 GiB = 2**30
 GB = 10**9
@@ -131,9 +132,7 @@ class DeviceSpec:
     """Dense matmul peak for ``dtype`` (``bfloat16``/``float16``; ``float32`` at JAX's default precision)."""
     if dtype in ("bfloat16", "float16", "bf16", "fp16"):
       return self.bf16_flops
-    from hetspmd.passes import _jax_adapter as jx
-
-    return self.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
+    return self.f32_matmul_flops(reduced_precision_f32_matmuls())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -232,30 +231,25 @@ def known_device_names() -> list[str]:
   return sorted(DEVICE_PRESETS) + ["cpu"]
 
 
-def device_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> DeviceSpec:
-  """The spec of kind ``name``: ``custom`` first, then presets, then ``cpu`` (measured)."""
+def preset_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> DeviceSpec | None:
+  """The spec of kind ``name`` from ``custom``, else from the presets (any letter case); None for other kinds."""
   if custom and name in custom:
     return custom[name]
   if name in DEVICE_PRESETS:
     return DEVICE_PRESETS[name]
-  if name.lower() == "cpu":
-    return measured_cpu_spec()
   lower = {k.lower(): k for k in DEVICE_PRESETS}
   if name.lower() in lower:
     return DEVICE_PRESETS[lower[name.lower()]]
-  raise UnknownNameError(
+  return None
+
+
+def unknown_device_error(name: str) -> UnknownNameError:
+  """The error for a device kind that is neither a preset, ``cpu``, nor given: it names the known kinds."""
+  return UnknownNameError(
       f"unknown device kind {name!r}; known kinds: {', '.join(known_device_names())}. "
       f"For other hardware give its numbers: Cluster.parse(spec, devices={{{name!r}: "
       f"hetspmd.DeviceSpec({name!r}, fp32_flops=..., bf16_flops=..., memory_bytes=..., memory_bandwidth=...)}}) "
       f"or a [devices.{name!r}] table in a cluster TOML file")
-
-
-@functools.cache
-def measured_cpu_spec() -> DeviceSpec:
-  """This machine's CPU, measured once per process (about a second)."""
-  from hetspmd.hardware import profiler
-
-  return profiler.measure_device_spec(profiler.first_cpu_device(), name="cpu")
 
 
 # --- links -----------------------------------------------------------------

@@ -14,19 +14,24 @@
   to ``time = alpha + bytes * beta`` (non-negative least squares) next to a
   piecewise-linear table made monotone in size.
 
-``Profile.cluster()`` turns the numbers into a :class:`Cluster` whose
-``DeviceSpec``s are ``measured=True`` (peak = best busy throughput), whose
-hosts record how much faster a device runs alone (``Host.alone_speedup``:
-CPU devices of one process share its cores) and whose links come from the
-all-reduce fit. With ``jax.distributed``
-initialised, every process measures its own devices and the results are
-gathered, so every process returns the same profile.
+A :class:`Profile` gives the numbers as values: a measured ``DeviceSpec``
+per kind (``measured=True``, peak = best busy throughput), a ``Link`` from
+the all-reduce fit, and how much faster a device runs alone
+(:func:`alone_speedup`: CPU devices of one process share its cores);
+:meth:`hetspmd.Cluster.from_profile` builds the cluster from them. This
+module knows nothing of clusters. With ``jax.distributed`` initialised,
+every process measures its own devices and the results are gathered, so
+every process returns the same profile.
+
+:func:`device_spec` is the spec of a device kind by name: a preset, or
+for ``cpu`` this machine's CPU, measured once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
+import json
 import math
 import os
 import statistics
@@ -36,7 +41,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hetspmd.hardware.devices import DeviceSpec, Link
+from hetspmd.errors import UnknownNameError
+from hetspmd.hardware.devices import DeviceSpec, Link, preset_for_device_kind, preset_spec, unknown_device_error
 
 _MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
 _COPY_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
@@ -115,7 +121,8 @@ class Profile:
     for f in self.collectives:
       if f.op == op and (axis is None or f.axis == axis):
         return f
-    raise KeyError(f"no {op} measured{' over ' + axis if axis else ''}")
+    measured = ", ".join(f"{f.op} over {f.axis!r}" for f in self.collectives) or "none"
+    raise UnknownNameError(f"no {op} measured{' over ' + repr(axis) if axis else ''}; measured: {measured}")
 
   def device_spec(self, kind: str) -> DeviceSpec:
     members = [d for d in self.devices if d.kind == kind]
@@ -135,28 +142,12 @@ class Profile:
     """A link from the all-reduce fit (ring: 2(p-1)/p bytes moved per byte)."""
     try:
       fit = self.fit("all_reduce")
-    except KeyError:
+    except UnknownNameError:
       return None
     p = fit.group_size
     if p < 2 or fit.beta <= 0:
       return None
     return Link(name, (2 * (p - 1) / p) / fit.beta, fit.alpha / (2 * (p - 1)))
-
-  def cluster(self):
-    """The measured :class:`Cluster` (hosts by process, then kind)."""
-    from hetspmd.hardware.cluster import Cluster, Host, _default_intra
-
-    specs = {k: self.device_spec(k) for k in dict.fromkeys(d.kind for d in self.devices)}
-    measured = self.link("measured")
-    ordered = sorted(self.devices, key=lambda d: (d.process, d.id))
-    hosts = []
-    for (_, kind), group in itertools.groupby(ordered, key=lambda d: (d.process, d.kind)):
-      ds = list(group)
-      hosts.append(Host(specs[kind], len(ds), measured or _default_intra(kind), _alone_speedup(ds)))
-    ids = tuple(d.id for d in sorted(self.devices, key=lambda d: (d.process, d.id)))
-    if self.process_count > 1 and measured is not None:
-      return Cluster(tuple(hosts), measured, "profiled", ids)
-    return Cluster(tuple(hosts), name="profiled", jax_device_ids=ids)
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -173,7 +164,7 @@ class Profile:
 SHARED_COMPUTE_RATIO = 1.5
 
 
-def _alone_speedup(devices: Sequence[DeviceMeasurement]) -> float:
+def alone_speedup(devices: Sequence[DeviceMeasurement]) -> float:
   """How much faster one of ``devices`` runs alone than with all of them busy (1: independent)."""
   ratio = min(d.peak("float32", busy=False) / d.peak("float32") for d in devices)
   return 1.0 if ratio < SHARED_COMPUTE_RATIO else float(min(ratio, len(devices)))
@@ -426,6 +417,22 @@ def measure_device_spec(device: Any, name: str) -> DeviceSpec:
   )
 
 
+def device_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> DeviceSpec:
+  """The spec of kind ``name``: ``custom`` first, then presets, then ``cpu`` (measured)."""
+  spec = preset_spec(name, custom)
+  if spec is not None:
+    return spec
+  if name.lower() == "cpu":
+    return measured_cpu_spec()
+  raise unknown_device_error(name)
+
+
+@functools.cache
+def measured_cpu_spec() -> DeviceSpec:
+  """This machine's CPU, measured once per process (about a second)."""
+  return measure_device_spec(first_cpu_device(), name="cpu")
+
+
 def collective_seconds(devices: Sequence[Any], op: str, nbytes: int) -> float:
   """Median time of ``op`` over ``devices`` with ``nbytes`` per device."""
   import jax
@@ -542,8 +549,6 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
 
 
 def _kind_name(device: Any) -> str:
-  from hetspmd.hardware.devices import preset_for_device_kind
-
   if device.platform == "cpu":
     return "cpu"
   return preset_for_device_kind(device.device_kind) or str(device.device_kind)
@@ -554,8 +559,6 @@ def _gather_across_processes(local: list[DeviceMeasurement]) -> list[DeviceMeasu
 
   if jax.process_count() == 1:
     return local
-  import json
-
   from jax.experimental import multihost_utils
 
   payload = json.dumps([dataclasses.asdict(m) for m in local]).encode()
