@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -251,20 +251,47 @@ def _increments_by_one(body: Jaxpr, before: Any, after: Any) -> bool:
   return False
 
 
-def iter_equations(jaxpr: ClosedJaxpr) -> Iterator[Equation]:
-  yield from jaxpr.jaxpr.eqns
+# --- a closed jaxpr's parts ---------------------------------------------------
 
 
-def jaxpr_invars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.invars)
+def equations(closed: ClosedJaxpr) -> list[Equation]:
+  """The equations of ``closed``, in program order."""
+  return list(closed.jaxpr.eqns)
 
 
-def jaxpr_constvars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.constvars)
+def invars(closed: ClosedJaxpr) -> list[Any]:
+  """The input variables of ``closed``."""
+  return list(closed.jaxpr.invars)
 
 
-def jaxpr_outvars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.outvars)
+def constvars(closed: ClosedJaxpr) -> list[Any]:
+  """The variables ``closed`` binds to its constants."""
+  return list(closed.jaxpr.constvars)
+
+
+def consts(closed: ClosedJaxpr) -> list[Any]:
+  """The constant values of ``closed``, one per :func:`constvars` entry."""
+  return list(closed.consts)
+
+
+def outvars(closed: ClosedJaxpr) -> list[Any]:
+  """The output variables (or literals) of ``closed``."""
+  return list(closed.jaxpr.outvars)
+
+
+def input_avals(closed: ClosedJaxpr) -> list[jax.ShapeDtypeStruct]:
+  """A ``ShapeDtypeStruct`` per input of ``closed`` (to trace a function of the same inputs)."""
+  return [jax.ShapeDtypeStruct(aval_shape(v), aval_dtype(v)) for v in closed.jaxpr.invars]
+
+
+def make_closed_jaxpr(fn: Callable[..., Any], *avals: Any) -> ClosedJaxpr:
+  """The closed jaxpr of ``fn`` traced at the abstract arguments ``avals`` (nothing runs)."""
+  return jax.make_jaxpr(fn)(*avals)
+
+
+def literal_value(value: Any) -> Any:
+  """The constant a literal holds."""
+  return value.val
 
 
 
@@ -350,7 +377,8 @@ def bind(eqn: Equation, invals: Sequence[Any], params: dict[str, Any] | None = N
 
 
 def read(env: dict[Any, Any], value: Any) -> Any:
-  return value.val if is_literal(value) else env[value]
+  """The value of a variable in ``env``, or the constant of a literal."""
+  return literal_value(value) if is_literal(value) else env[value]
 
 
 def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], keep: frozenset = frozenset()
