@@ -41,7 +41,10 @@ makes those exact too, at the cost of a loop per statistic.
 An equation with no example axis on its inputs is free; for one with an
 example axis, the default rule (:func:`default_rule`) treats it as
 elementwise when it has no axis-like parameter and its outputs keep the
-input's shape, and refuses it otherwise.
+input's shape, and refuses it otherwise. A primitive without a rule that carries a
+nested jaxpr (anything but a checkpoint, ``scan``, ``while`` or ``cond`` once
+calls are inlined, and the combiners of the rules' scatters) is never
+elementwise: it raises :class:`~hetspmd.errors.UnsupportedPrimitiveError`.
 """
 
 from __future__ import annotations
@@ -191,13 +194,15 @@ def _decide(eqn, in_axes, batch, keep: frozenset = frozenset()) -> Decision:
   name = jx.primitive_name(eqn)
   if jx.is_effectful(eqn):
     raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
-  if name in ("remat2", "checkpoint"):
+  if jx.is_checkpoint(eqn):
     return _checkpoint_rule(eqn, in_axes, batch, keep)
   if name == "scan":
     return _scan_rule(eqn, in_axes, batch, keep)
   if name in ("while", "cond"):
     raise refusal(eqn, f"is a {name} over per-example values, which hetspmd does not split (write the loop as "
                   "lax.scan or a Python loop)")
+  if jx.has_nested_jaxpr(eqn) and name not in RULES:  # its body may mix examples: never the default rule
+    raise jx.unsupported_body(eqn)
   rule = RULES.get(name, default_rule)
   try:
     return rule(eqn, in_axes, batch)
@@ -223,7 +228,7 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
                     float_state_inputs, frozenset(), (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
-_UNITS = frozenset({"remat2", "checkpoint"})
+_UNITS = jx.CHECKPOINTS
 
 
 def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes, keep) -> Analysis:

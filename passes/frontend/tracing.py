@@ -4,8 +4,9 @@
 (concrete arrays are replaced by ``ShapeDtypeStruct``s first, so nothing is
 allocated or computed), then walks the jaxpr once:
 
-* call-like equations (``pjit``, ``closed_call``, ``custom_jvp_call``,
-  ``custom_vjp_call``, ``remat``) are inlined;
+* call-like equations (the primitives of ``_jax_adapter.CALL_RULES``:
+  ``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``,
+  ``remat``, ...) are inlined;
 * ``scan`` bodies are inlined once, their nodes' ``count`` multiplied by the
   scan length; a ``while`` written as ``for i in range(lo, hi)`` with literal
   bounds is treated the same way; any other ``while`` is costed as one
@@ -14,6 +15,11 @@ allocated or computed), then walks the jaxpr once:
 * every other equation becomes a node costed by :mod:`hetspmd.passes.costing.flops`;
   primitives without a rule get the default rule and are listed in
   ``Graph.unknown_primitives``;
+* any other primitive that carries a jaxpr in its params (found by scanning
+  the params, :func:`~hetspmd.passes._jax_adapter.nested_jaxprs`) and has no
+  cost rule of its own (as ``scatter-add`` has for its combiner) raises
+  :class:`~hetspmd.errors.UnsupportedPrimitiveError`: its body cannot be
+  costed as one node;
 * host callbacks and debug prints raise :class:`UnpartitionableError` naming
   the primitive and its Flax module path.
 """
@@ -138,6 +144,8 @@ class _Builder:
       structured = _STRUCTURED.get(name)
       if structured is not None:
         return structured(self, eqn, ins, path, count, loops)
+      if jx.has_nested_jaxpr(eqn) and name not in flops_rules.COST_RULES:  # a body no rule costs: never a leaf
+        raise jx.unsupported_body(eqn, path)
       return self.leaf(eqn, ins, path, count, loops)
     finally:
       self.phase = enclosing
