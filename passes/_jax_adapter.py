@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from hetspmd.errors import UnsupportedPrimitiveError
+from hetspmd.errors import TraceError, UnsupportedPrimitiveError
 
 ClosedJaxpr = jcore.ClosedJaxpr
 Jaxpr = jcore.Jaxpr
@@ -371,7 +371,7 @@ def literal_value(value: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
-  """``value`` as nested tuples of ints/floats/strs, or raises TypeError."""
+  """``value`` as nested tuples of ints/floats/strs, or raises TraceError (a TypeError)."""
   if value is None or isinstance(value, (bool, int, float, str)):
     return value
   if isinstance(value, np.dtype) or type(value).__name__.endswith("DType"):
@@ -382,7 +382,7 @@ def _plain(value: Any) -> Any:
     return value.item()
   if isinstance(value, enum.Enum):  # lax.Precision, lax.DotAlgorithmPreset
     return value.name
-  raise TypeError(type(value).__name__)
+  raise TraceError(type(value).__name__)
 
 
 def simple_params(eqn: Equation) -> tuple[tuple[str, Any], ...]:

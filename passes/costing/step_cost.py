@@ -33,6 +33,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
@@ -307,7 +308,7 @@ _PRECISION_CODE = {None: 0, "reduced": 1, "full": 2}
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
   """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
   if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
-    raise ValueError("the two traces differ in structure; trace the step at two batch sizes of one program")
+    raise InvalidValueError("the two traces differ in structure; trace the step at two batch sizes of one program")
 
   def fit(values_small, values_large):
     a, b = np.asarray(values_small, float), np.asarray(values_large, float)

@@ -86,6 +86,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from hetspmd.errors import InvalidValueError
 from hetspmd.passes.costing.step_cost import LinearCost, StepProfile
 from hetspmd.passes.ir import Graph, Node, Role, Source, ValueRef
 
@@ -452,7 +453,7 @@ def _owners(graph: Graph, sites: dict, per_step: np.ndarray) -> np.ndarray:
 def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
   """Every decision, its options and the resharding costs between them, for ``m`` devices per group."""
   if not profile.traces:
-    raise ValueError("the profile keeps no traces; build it with hetspmd.passes.costing.step_cost.step_profile")
+    raise InvalidValueError("the profile keeps no traces; build it with hetspmd.passes.costing.step_cost.step_profile")
   analysis = _Analysis(profile, m)
   graph = analysis.graph
   keys = _decision_keys(analysis)
