@@ -16,6 +16,11 @@ class TraceError(HetSpmdError, TypeError):
   """The function or its arguments cannot be traced to a jaxpr."""
 
 
+class UnsupportedPrimitiveError(TraceError):
+  """The step uses a primitive hetspmd cannot read (one carrying a nested jaxpr it does not know): names the
+  primitive and the Flax module and source line it came from."""
+
+
 class UnpartitionableError(HetSpmdError):
   """The step has an effect (host callback, debug print) that cannot be split."""
 

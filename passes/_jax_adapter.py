@@ -5,8 +5,10 @@ defined here (equations, values, shapes, nested bodies, name stacks), so a JAX
 upgrade that moves an internal touches this file alone.
 
 Checked against jax 0.10.2: ``jax.jit(f).trace(...).jaxpr`` gives a
-``ClosedJaxpr``; nested bodies live in equation params under the keys listed
-in ``_CALL_BODY_KEYS``; ``scan`` carries ``length``/``num_consts``/
+``ClosedJaxpr``; nested bodies are found by scanning equation params for
+jaxprs (:func:`nested_jaxprs`, as equinox's ``_finalise_jaxpr`` does), and
+the call primitives whose body computes their results are listed in
+``CALL_RULES`` with the key of that body; ``scan`` carries ``length``/``num_consts``/
 ``num_carry``; ``while`` carries ``cond_jaxpr``/``body_jaxpr`` and their const
 counts; ``cond`` carries ``branches`` and takes the branch index first.
 """
@@ -16,31 +18,45 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from hetspmd.errors import TraceError, UnsupportedPrimitiveError
+
 ClosedJaxpr = jcore.ClosedJaxpr
 Jaxpr = jcore.Jaxpr
 Equation = jcore.JaxprEqn
 
-# Param keys under which call-like primitives keep the body to inline.
-_CALL_BODY_KEYS: dict[str, str] = {
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_lin": "jaxpr",
-    "shard_map": "jaxpr",
+# Call-like primitives: the param under which each keeps the body that computes its results, and whether
+# evaluating that body in place computes the same values (not so for ``shard_map``, whose body runs per shard:
+# it is walked for its cost but never inlined). A primitive listed here whose key has moved is still read
+# through :func:`nested_jaxprs` when it carries exactly one body.
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallRule:
+  body_key: str
+  inlinable: bool = True
+
+
+CALL_RULES: dict[str, CallRule] = {
+    "pjit": CallRule("jaxpr"),
+    "jit": CallRule("jaxpr"),
+    "closed_call": CallRule("call_jaxpr"),
+    "core_call": CallRule("call_jaxpr"),
+    "custom_jvp_call": CallRule("call_jaxpr"),
+    "custom_vjp_call": CallRule("call_jaxpr"),
+    "custom_vjp_call_jaxpr": CallRule("fun_jaxpr"),
+    "remat2": CallRule("jaxpr"),
+    "checkpoint": CallRule("jaxpr"),
+    "custom_lin": CallRule("jaxpr"),
+    "shard_map": CallRule("jaxpr", inlinable=False),
 }
+
+# Calls that checkpoint their body (``jax.checkpoint`` / ``remat``): the batch-axis pass keeps them whole.
+CHECKPOINTS = frozenset({"remat2", "checkpoint"})
 
 # Transformation wrappers that JAX writes around name-stack components.
 _TRANSFORM_WRAPPER = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
@@ -151,14 +167,72 @@ def user_location(eqn: Equation) -> str:
 # --- nested bodies ----------------------------------------------------------
 
 
+def _is_jaxpr(value: Any) -> bool:
+  return isinstance(value, (Jaxpr, ClosedJaxpr))
+
+
+def nested_jaxprs(eqn: Equation) -> tuple[tuple[str, ClosedJaxpr], ...]:
+  """Every jaxpr ``eqn`` carries in its params, as ``(param key, closed jaxpr)`` pairs in key order.
+
+  A param counts when it is a ``Jaxpr`` or ``ClosedJaxpr``, or a tuple or list of them (``cond``'s
+  branches); thunks and callables that make jaxprs later (``custom_vjp``'s backward rule) are not bodies.
+  """
+  found = []
+  for key, value in sorted(eqn.params.items()):
+    if _is_jaxpr(value):
+      found.append((key, as_closed(value)))
+    elif isinstance(value, (tuple, list)) and value and all(_is_jaxpr(v) for v in value):
+      found.extend((key, as_closed(v)) for v in value)
+  return tuple(found)
+
+
+def has_nested_jaxpr(eqn: Equation) -> bool:
+  """Whether ``eqn`` carries a body (any jaxpr in its params)."""
+  return bool(nested_jaxprs(eqn))
+
+
 def call_body(eqn: Equation) -> ClosedJaxpr | None:
-  """The body of a call-like equation (jit, remat, custom_jvp, ...) or None."""
-  key = _CALL_BODY_KEYS.get(primitive_name(eqn))
-  if key is None or key not in eqn.params:
+  """The body that computes a call-like equation's results (jit, remat, custom_jvp, ...), or None.
+
+  The primitive must be in ``CALL_RULES``; its body is the param the rule names, or, where JAX keeps it
+  under another key, the one jaxpr the params carry. None for any other equation.
+  """
+  rule = CALL_RULES.get(primitive_name(eqn))
+  if rule is None:
     return None
-  return as_closed(eqn.params[key])
+  if _is_jaxpr(eqn.params.get(rule.body_key)):
+    return as_closed(eqn.params[rule.body_key])
+  bodies = nested_jaxprs(eqn)
+  return bodies[0][1] if len(bodies) == 1 else None
 
 
+def inlinable_body(eqn: Equation, keep: frozenset = frozenset()) -> ClosedJaxpr | None:
+  """The body to evaluate in place of ``eqn``: :func:`call_body` for a call that computes the same values
+  inlined, unless its primitive is named in ``keep``; None otherwise."""
+  rule = CALL_RULES.get(primitive_name(eqn))
+  if rule is None or not rule.inlinable or primitive_name(eqn) in keep:
+    return None
+  return call_body(eqn)
+
+
+def is_checkpoint(eqn: Equation) -> bool:
+  """Whether ``eqn`` is a ``jax.checkpoint`` (remat) call."""
+  return primitive_name(eqn) in CHECKPOINTS
+
+
+def unsupported_body(eqn: Equation, path: str | None = None) -> UnsupportedPrimitiveError:
+  """The error for an equation whose primitive carries a body hetspmd does not know how to read.
+
+  ``path``: the Flax module path of ``eqn`` (default: from its name stack).
+  """
+  name = primitive_name(eqn)
+  path = module_path(eqn) if path is None else path
+  keys = ", ".join(dict.fromkeys(k for k, _ in nested_jaxprs(eqn)))
+  return UnsupportedPrimitiveError(
+      f"{name} in module {path or '(top level)'} at {user_location(eqn)} carries a nested jaxpr ({keys}) but is "
+      "not a primitive hetspmd knows (a call, scan, while or cond), so its body's cost and its effect on the "
+      f"batch axis are unknown; write this part with standard JAX operations, or register {name!r} in "
+      "hetspmd.passes._jax_adapter.CALL_RULES if its body computes its results")
 
 
 def as_closed(jaxpr: Any) -> ClosedJaxpr:
@@ -251,26 +325,53 @@ def _increments_by_one(body: Jaxpr, before: Any, after: Any) -> bool:
   return False
 
 
-def iter_equations(jaxpr: ClosedJaxpr) -> Iterator[Equation]:
-  yield from jaxpr.jaxpr.eqns
+# --- a closed jaxpr's parts ---------------------------------------------------
 
 
-def jaxpr_invars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.invars)
+def equations(closed: ClosedJaxpr) -> list[Equation]:
+  """The equations of ``closed``, in program order."""
+  return list(closed.jaxpr.eqns)
 
 
-def jaxpr_constvars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.constvars)
+def invars(closed: ClosedJaxpr) -> list[Any]:
+  """The input variables of ``closed``."""
+  return list(closed.jaxpr.invars)
 
 
-def jaxpr_outvars(jaxpr: ClosedJaxpr) -> list[Any]:
-  return list(jaxpr.jaxpr.outvars)
+def constvars(closed: ClosedJaxpr) -> list[Any]:
+  """The variables ``closed`` binds to its constants."""
+  return list(closed.jaxpr.constvars)
+
+
+def consts(closed: ClosedJaxpr) -> list[Any]:
+  """The constant values of ``closed``, one per :func:`constvars` entry."""
+  return list(closed.consts)
+
+
+def outvars(closed: ClosedJaxpr) -> list[Any]:
+  """The output variables (or literals) of ``closed``."""
+  return list(closed.jaxpr.outvars)
+
+
+def input_avals(closed: ClosedJaxpr) -> list[jax.ShapeDtypeStruct]:
+  """A ``ShapeDtypeStruct`` per input of ``closed`` (to trace a function of the same inputs)."""
+  return [jax.ShapeDtypeStruct(aval_shape(v), aval_dtype(v)) for v in closed.jaxpr.invars]
+
+
+def make_closed_jaxpr(fn: Callable[..., Any], *avals: Any) -> ClosedJaxpr:
+  """The closed jaxpr of ``fn`` traced at the abstract arguments ``avals`` (nothing runs)."""
+  return jax.make_jaxpr(fn)(*avals)
+
+
+def literal_value(value: Any) -> Any:
+  """The constant a literal holds."""
+  return value.val
 
 
 
 
 def _plain(value: Any) -> Any:
-  """``value`` as nested tuples of ints/floats/strs, or raises TypeError."""
+  """``value`` as nested tuples of ints/floats/strs, or raises TraceError (a TypeError)."""
   if value is None or isinstance(value, (bool, int, float, str)):
     return value
   if isinstance(value, np.dtype) or type(value).__name__.endswith("DType"):
@@ -281,7 +382,7 @@ def _plain(value: Any) -> Any:
     return value.item()
   if isinstance(value, enum.Enum):  # lax.Precision, lax.DotAlgorithmPreset
     return value.name
-  raise TypeError(type(value).__name__)
+  raise TraceError(type(value).__name__)
 
 
 def simple_params(eqn: Equation) -> tuple[tuple[str, Any], ...]:
@@ -333,10 +434,8 @@ def reduced_precision_f32_matmuls() -> bool:
 
 # --- evaluating equations -----------------------------------------------------
 
-# Call-like primitives whose body is evaluated in place by :func:`inline_calls` (no autodiff follows a
-# traced train step, so a custom_jvp / custom_vjp rule is never needed again, only its primal body).
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                      "custom_vjp_call_jaxpr", "remat2", "checkpoint", "custom_lin"})
+# :func:`inline_calls` evaluates the body of every call ``CALL_RULES`` marks inlinable in place (no autodiff
+# follows a traced train step, so a custom_jvp / custom_vjp rule is never needed again, only its primal body).
 
 
 def bind(eqn: Equation, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
@@ -350,7 +449,8 @@ def bind(eqn: Equation, invals: Sequence[Any], params: dict[str, Any] | None = N
 
 
 def read(env: dict[Any, Any], value: Any) -> Any:
-  return value.val if is_literal(value) else env[value]
+  """The value of a variable in ``env``, or the constant of a literal."""
+  return literal_value(value) if is_literal(value) else env[value]
 
 
 def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], keep: frozenset = frozenset()
@@ -359,7 +459,7 @@ def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], kee
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     invals = [read(env, v) for v in eqn.invars]
-    body = call_body(eqn) if primitive_name(eqn) in _INLINED - keep else None
+    body = inlinable_body(eqn, keep)
     if body is not None:  # custom_vjp_call passes its consts as ordinary leading operands of call_jaxpr
       with source_info_util.extend_name_stack(_call_name(eqn)):
         out = _eval_inlining(body.jaxpr, body.consts, invals, keep)

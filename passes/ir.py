@@ -19,6 +19,8 @@ import enum
 import math
 from typing import Any, Iterable
 
+from hetspmd.errors import InvalidValueError, UnknownNameError
+
 
 class Role(str, enum.Enum):
   """What a step input is, for sharding and memory accounting."""
@@ -47,7 +49,7 @@ class TensorType:
 
   def __post_init__(self):
     if any(d < 0 for d in self.shape):
-      raise ValueError(f"TensorType shape must be non-negative, got {self.shape}")
+      raise InvalidValueError(f"TensorType shape must be non-negative, got {self.shape}")
 
   @property
   def size(self) -> int:
@@ -188,11 +190,11 @@ class Graph:
   def __post_init__(self):
     for position, node in enumerate(self.nodes):
       if node.id != position:
-        raise ValueError(f"Graph node ids must equal their positions; node at {position} has id {node.id}")
+        raise InvalidValueError(f"Graph node ids must equal their positions; node at {position} has id {node.id}")
     n = len(self.nodes)
     for edge in self.edges:
       if not (0 <= edge.src < n and 0 <= edge.dst < n):
-        raise ValueError(f"Edge {edge} refers to a node outside 0..{n - 1}")
+        raise InvalidValueError(f"Edge {edge} refers to a node outside 0..{n - 1}")
 
   def replace(self, **changes: Any) -> "Graph":
     return dataclasses.replace(self, **changes)
@@ -211,7 +213,7 @@ class Graph:
     for layer in self.layers:
       if layer.name == name:
         return layer
-    raise KeyError(f"No layer named {name!r}; layers are {[l.name for l in self.layers]}")
+    raise UnknownNameError(f"No layer named {name!r}; layers are {[l.name for l in self.layers]}")
 
   @property
   def data_dependent_loops(self) -> tuple[Loop, ...]:

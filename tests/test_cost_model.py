@@ -369,3 +369,16 @@ def test_gradient_all_reduces_are_counted_as_the_runtime_issues_them(gpt_profile
   cluster = Cluster.parse("8xV100-32GB")
   one, many = (allreduce_seconds(cluster, range(8), 1e6, reductions=r) for r in (1, 30))
   assert many - one == pytest.approx(29 * 2 * 7 * cluster.hosts[0].intra.latency)
+
+
+def test_device_spec_and_link_have_what_passes_read():
+  """passes prices devices and links through protocols of its own; the hardware values must provide them."""
+  import inspect
+
+  from hetspmd.hardware.devices import device_spec, link
+  from hetspmd.passes.costing.step_cost import Device
+  from hetspmd.passes.sharding.strategies import LinkLike
+
+  for protocol, value in ((Device, device_spec("V100-16GB")), (LinkLike, link("nvlink"))):
+    members = [n for n, _ in inspect.getmembers(protocol) if not n.startswith("_")]
+    assert members and all(hasattr(value, n) for n in members), (protocol.__name__, members)

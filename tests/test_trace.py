@@ -9,6 +9,7 @@ import pytest
 from jax.experimental import io_callback
 
 import hetspmd
+import hetspmd.errors
 from hetspmd import models
 from hetspmd.passes import Graph, Source
 from hetspmd.passes.costing.flops import integer_pow_multiplies
@@ -306,3 +307,70 @@ def test_side_effects_are_refused_with_module_path(effect):
 
   with pytest.raises(hetspmd.UnpartitionableError, match=rf"{effect}.*encoder"):
     hetspmd.trace(fn, jnp.ones(3))
+
+
+# --- primitives that carry a body -------------------------------------------------
+
+
+def _make_body_primitive():
+  """A primitive hetspmd does not know that carries its body as a ``ClosedJaxpr`` param (as pallas_call,
+  run_state or a library's own call primitive do)."""
+  from jax.extend.core import Primitive, jaxpr_as_fun
+  from jax.interpreters import mlir
+
+  prim = Primitive("hetspmd_test_body_call")
+  prim.multiple_results = True
+  prim.def_abstract_eval(lambda *avals, body: [v.aval for v in body.jaxpr.outvars])
+  prim.def_impl(lambda *args, body: jaxpr_as_fun(body)(*args))
+  mlir.register_lowering(prim, mlir.lower_fun(lambda *args, body: jaxpr_as_fun(body)(*args), multiple_results=True))
+  return prim
+
+
+_BODY_CALL = _make_body_primitive()
+
+
+def _with_body_call(x):
+  with jax.named_scope("mixer"):
+    body = jax.make_jaxpr(lambda y: jnp.cumsum(y, axis=0))(x)  # mixes rows: not elementwise
+    return _BODY_CALL.bind(x, body=body)[0]
+
+
+def test_nested_jaxprs_are_found_by_scanning_params():
+  from hetspmd.passes import _jax_adapter as jx
+
+  closed = jax.make_jaxpr(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x) + _with_body_call(x))(jnp.ones(3))
+  found = {jx.primitive_name(e): [k for k, _ in jx.nested_jaxprs(e)] for e in jx.equations(closed)}
+  assert found["cond"] == ["branches", "branches"]
+  assert found["hetspmd_test_body_call"] == ["body"]
+  assert not any(keys for name, keys in found.items() if name not in ("cond", "hetspmd_test_body_call"))
+
+
+def test_unknown_primitive_with_a_body_is_refused_with_module_path():
+  with pytest.raises(hetspmd.errors.UnsupportedPrimitiveError, match=r"hetspmd_test_body_call.*mixer.*\(body\)"):
+    hetspmd.trace(_with_body_call, jnp.ones((4, 3)))
+
+
+def test_unknown_primitive_with_a_body_is_not_elementwise_for_the_batch_axis():
+  from hetspmd.passes.batch_axis import analysis
+
+  closed = jax.make_jaxpr(lambda x: jnp.sum(_with_body_call(x)))(jnp.ones((4, 3)))
+  with pytest.raises(hetspmd.errors.UnsupportedPrimitiveError, match="hetspmd_test_body_call"):
+    analysis.analyse(closed, batch_inputs=[0], global_batch=4)
+  assert issubclass(hetspmd.errors.UnsupportedPrimitiveError, hetspmd.TraceError)
+
+
+def test_call_primitive_missing_from_the_rule_table_is_refused(monkeypatch):
+  from hetspmd.passes import _jax_adapter as jx
+
+  monkeypatch.delitem(jx.CALL_RULES, "jit")
+  with pytest.raises(hetspmd.errors.UnsupportedPrimitiveError, match=r"jit in module .*\(jaxpr\)"):
+    hetspmd.trace(lambda x: jax.jit(lambda y: y @ y)(x), jnp.ones((8, 8)))
+
+
+def test_call_body_under_a_renamed_param_is_found_by_the_scan(monkeypatch):
+  from hetspmd.passes import _jax_adapter as jx
+
+  fn = lambda x: jnp.sin(jax.jit(lambda y: y @ y)(x))
+  expected = hetspmd.trace(fn, jnp.ones((8, 8)))
+  monkeypatch.setitem(jx.CALL_RULES, "jit", jx.CallRule("a_key_jax_no_longer_uses"))
+  assert hetspmd.trace(fn, jnp.ones((8, 8))) == expected

@@ -41,7 +41,10 @@ makes those exact too, at the cost of a loop per statistic.
 An equation with no example axis on its inputs is free; for one with an
 example axis, the default rule (:func:`default_rule`) treats it as
 elementwise when it has no axis-like parameter and its outputs keep the
-input's shape, and refuses it otherwise.
+input's shape, and refuses it otherwise. A primitive without a rule that carries a
+nested jaxpr (anything but a checkpoint, ``scan``, ``while`` or ``cond`` once
+calls are inlined, and the combiners of the rules' scatters) is never
+elementwise: it raises :class:`~hetspmd.errors.UnsupportedPrimitiveError`.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class Analysis:
 
   def describe(self) -> list[str]:
     """One line per cut: what it reduces and how the microbatch program treats it."""
-    eqns = self.jaxpr.jaxpr.eqns
+    eqns = jx.equations(self.jaxpr)
     lines = []
     for cut in self.cuts:
       eqn = eqns[cut.index]
@@ -146,7 +149,6 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
   ``linear_inputs``: inputs that count as sums over the examples already (a scan's accumulator carries).
   ``keep``: the call primitives (checkpoints) that nested bodies keep whole rather than inline.
   """
-  jaxpr = flat.jaxpr
   axes: dict = dict(in_axes)
   cut_deps: dict = {}
   stateful: dict = {v: True for v in stateful_inputs}
@@ -157,7 +159,7 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
     cut_deps[v] = 1
   if linear_inputs:
     cut_list.append((-1, Decision((), (), reduce="sum")))
-  for index, eqn in enumerate(jaxpr.eqns):
+  for index, eqn in enumerate(jx.equations(flat)):
     in_axes_ = [None if jx.is_literal(v) else axes.get(v) for v in eqn.invars]
     deps, state = 0, False
     for v in eqn.invars:
@@ -192,13 +194,15 @@ def _decide(eqn, in_axes, batch, keep: frozenset = frozenset()) -> Decision:
   name = jx.primitive_name(eqn)
   if jx.is_effectful(eqn):
     raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
-  if name in ("remat2", "checkpoint"):
+  if jx.is_checkpoint(eqn):
     return _checkpoint_rule(eqn, in_axes, batch, keep)
   if name == "scan":
     return _scan_rule(eqn, in_axes, batch, keep)
   if name in ("while", "cond"):
     raise refusal(eqn, f"is a {name} over per-example values, which hetspmd does not split (write the loop as "
                   "lax.scan or a Python loop)")
+  if jx.has_nested_jaxpr(eqn) and name not in RULES:  # its body may mix examples: never the default rule
+    raise jx.unsupported_body(eqn)
   rule = RULES.get(name, default_rule)
   try:
     return rule(eqn, in_axes, batch)
@@ -224,11 +228,11 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
                     float_state_inputs, frozenset(), (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
-_UNITS = frozenset({"remat2", "checkpoint"})
+_UNITS = jx.CHECKPOINTS
 
 
 def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes, keep) -> Analysis:
-  invars = list(flat.jaxpr.invars)
+  invars = jx.invars(flat)
   in_axes = {}
   for i in batch_inputs:
     shape = jx.aval_shape(invars[i])
@@ -237,7 +241,7 @@ def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, 
                          f"{global_batch}")
     in_axes[invars[i]] = Axis(0)
   prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs], keep=keep)
-  cuts = _schedule(flat.jaxpr, list(prop.cut_list), prop.axes, prop.decisions, prop.cut_deps, prop.stateful,
+  cuts = _schedule(jx.equations(flat), list(prop.cut_list), prop.axes, prop.decisions, prop.cut_deps, prop.stateful,
                    batch_stats)
   loops = 1 + max((c.loop for c in cuts), default=0)
   return Analysis(flat, global_batch, prop.axes, prop.decisions, cuts, loops, tuple(notes), prop.loop_only)
@@ -272,7 +276,7 @@ def _is_zero(var, producers: dict, eqns) -> bool:
   import numpy as np
 
   if jx.is_literal(var):
-    return bool(np.all(np.asarray(var.val) == 0))
+    return bool(np.all(np.asarray(jx.literal_value(var)) == 0))
   i = producers.get(var)
   if i is None:
     return False
@@ -283,8 +287,7 @@ def _is_zero(var, producers: dict, eqns) -> bool:
 
 def _check_body(prop: Propagation, what: str, eqn) -> None:
   """Raises Mixing unless every cut in the body is a plain sum that only flows linearly to the body's outputs."""
-  jaxpr = prop.jaxpr.jaxpr
-  eqns = jaxpr.eqns
+  eqns = jx.equations(prop.jaxpr)
   producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
   for index, decision in prop.cut_list:
     if index < 0:
@@ -327,19 +330,19 @@ def _check_body(prop: Propagation, what: str, eqn) -> None:
 
 def _invariant_outputs(prop: Propagation) -> tuple[int, ...]:
   """Body outputs computed from no example and no sum over them (a parameter saved for the backward pass)."""
-  return tuple(j for j, v in enumerate(prop.jaxpr.jaxpr.outvars)
+  return tuple(j for j, v in enumerate(jx.outvars(prop.jaxpr))
                if not jx.is_literal(v) and v not in prop.axes and prop.cut_deps.get(v, 0) == 0)
 
 
 def _checkpoint_rule(eqn, in_axes, batch, keep) -> Decision:
-  body = self_indexing.rewrite(jx.inline_calls(jx.as_closed(eqn.params["jaxpr"]), keep=keep))
-  invars = list(body.jaxpr.invars)
+  body = self_indexing.rewrite(jx.inline_calls(jx.call_body(eqn), keep=keep))
+  invars = jx.invars(body)
   prop = propagate(body, {v: a for v, a in zip(invars, in_axes) if a is not None}, batch, keep=keep)
   try:
     _check_body(prop, "checkpointed block", eqn)
   except Mixing as e:
     raise _Inline(str(e)) from None
-  return _body_decision(eqn, prop, in_axes, invars, list(body.jaxpr.outvars), ())
+  return _body_decision(eqn, prop, in_axes, invars, jx.outvars(body), ())
 
 
 def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, shift_in=None, shift_out=None) -> Decision:
@@ -366,9 +369,9 @@ def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, shift_in=N
 
 def _demanded(prop: Propagation) -> dict:
   """Example-free body inputs that some per-example equation reads along an example axis."""
-  invars = set(prop.jaxpr.jaxpr.invars)
+  invars = set(jx.invars(prop.jaxpr))
   out = {}
-  for e, decision in zip(prop.jaxpr.jaxpr.eqns, prop.decisions):
+  for e, decision in zip(jx.equations(prop.jaxpr), prop.decisions):
     if decision is None:
       continue
     for v, a in zip(e.invars, decision.inputs):
@@ -380,7 +383,7 @@ def _demanded(prop: Propagation) -> dict:
 def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
   parts = jx.scan_parts(eqn)
   body = self_indexing.rewrite(jx.inline_calls(parts.body, keep=keep))
-  invars, outvars = list(body.jaxpr.invars), list(body.jaxpr.outvars)
+  invars, outvars = jx.invars(body), jx.outvars(body)
   nc, nk = parts.num_consts, parts.num_carry
   for j, a in enumerate(in_axes[nc + nk:]):
     if a is not None and a.dim == 0:
@@ -425,7 +428,7 @@ def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
 
 def _accumulator_vars(body, nc, nk, inner, batch) -> list:
   """Carry inputs that may hold sums over the examples: every example-free carry (checked linear afterwards)."""
-  invars = list(body.jaxpr.invars)
+  invars = jx.invars(body)
   return [invars[nc + k] for k in range(nk) if inner[nc + k] is None
           and jx.aval_dtype(invars[nc + k]) is not None and str(jx.aval_dtype(invars[nc + k])).startswith(
               ("float", "bfloat", "complex"))]
@@ -469,9 +472,8 @@ def _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, p
   return False
 
 
-def _schedule(jaxpr, cut_list, axes, decisions, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
+def _schedule(eqns, cut_list, axes, decisions, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
   """Feedback, local or exact, and the loop (ASAP levels, then as late as possible) of every cut."""
-  eqns = jaxpr.eqns
   n = len(cut_list)
   feedback = [False] * n
   # which cuts the per-example inputs of each cut depend on

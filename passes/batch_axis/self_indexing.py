@@ -31,10 +31,10 @@ def rewrite(closed: Any) -> Any:
   """``closed`` with every self-indexing gather or scatter at its top level in batched form (the same
   closed jaxpr if it has none). The analysis calls it on the step and on each scan or checkpoint body it
   opens."""
-  jaxpr = closed.jaxpr
-  positions, pieces, producer = _provenance(jaxpr)
+  eqns = jx.equations(closed)
+  positions, pieces, producer = _provenance(eqns)
   plan = {}
-  for eqn in jaxpr.eqns:
+  for eqn in eqns:
     found = _batched(eqn, positions, pieces, producer)
     if found is not None:
       plan[id(eqn)] = found
@@ -42,9 +42,9 @@ def rewrite(closed: Any) -> Any:
     return closed
 
   def run(*args):
-    env = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
+    env = dict(zip(jx.constvars(closed), jx.consts(closed)))
+    env.update(zip(jx.invars(closed), args))
+    for eqn in eqns:
       invals = [jx.read(env, v) for v in eqn.invars]
       if id(eqn) in plan:
         params, parts, axis = plan[id(eqn)]
@@ -54,19 +54,18 @@ def rewrite(closed: Any) -> Any:
       else:
         out = jx.bind(eqn, invals)
       env.update(zip(eqn.outvars, out))
-    return [jx.read(env, v) for v in jaxpr.outvars]
+    return [jx.read(env, v) for v in jx.outvars(closed)]
 
-  avals = [jax.ShapeDtypeStruct(jx.aval_shape(v), jx.aval_dtype(v)) for v in jaxpr.invars]
-  return jax.make_jaxpr(run)(*avals)
+  return jx.make_closed_jaxpr(run, *jx.input_avals(closed))
 
 
-def _provenance(jaxpr) -> tuple[dict, dict, dict]:
+def _provenance(eqns) -> tuple[dict, dict, dict]:
   """Per variable: the dimension whose index its every element equals (an ``iota`` and what keeps it so),
   the pieces a ``concatenate`` made it of, and its producing equation."""
   positions: dict = {}
   pieces: dict = {}
   producer: dict = {}
-  for eqn in jaxpr.eqns:
+  for eqn in eqns:
     name = jx.primitive_name(eqn)
     out = eqn.outvars[0] if eqn.outvars else None
     for v in eqn.outvars:
@@ -110,7 +109,7 @@ def _never_negative(eqn, producer, positions) -> bool:
     return False
   test = producer[pred]
   return (jx.primitive_name(test) == "lt" and test.invars[0] is case and jx.is_literal(test.invars[1])
-          and test.invars[1].val == 0)
+          and jx.literal_value(test.invars[1]) == 0)
 
 
 def _reshaped_dim(before: tuple, after: tuple, dim: int) -> int | None:

@@ -29,11 +29,11 @@ per node with the same fits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-from hetspmd.hardware.devices import DeviceSpec
+from hetspmd.errors import InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
@@ -46,7 +46,38 @@ MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 _LOW_PRECISION = ("bfloat16", "float16")
 
 
-def _efficiency(spec: DeviceSpec, kind: str) -> float:
+class Device(Protocol):
+  """What the cost model reads of a device kind (:class:`hetspmd.hardware.devices.DeviceSpec` is one).
+
+  Peaks in FLOP/s, rates in bytes/s; ``measured``: the numbers are achieved rates (efficiency 1);
+  ``cache_bytes``: the largest value a kernel writes into cache (None: no cache rate).
+  """
+
+  @property
+  def fp32_flops(self) -> float: ...
+
+  @property
+  def bf16_flops(self) -> float: ...
+
+  @property
+  def measured(self) -> bool: ...
+
+  @property
+  def cache_bytes(self) -> int | None: ...
+
+  @property
+  def read_rate(self) -> float: ...
+
+  @property
+  def write_rate(self) -> float: ...
+
+  @property
+  def cached_write_rate(self) -> float: ...
+
+  def f32_matmul_flops(self, reduced_precision: bool = True) -> float: ...
+
+
+def _efficiency(spec: Device, kind: str) -> float:
   return 1.0 if spec.measured else EFFICIENCY[kind]
 
 
@@ -176,7 +207,7 @@ class StepProfile:
   # (data positions, model size, tensor-parallel choice) -> hetspmd.planner.data_axis.ZeroSplit, filled by the search
   zero_splits: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-  def node_seconds(self, spec: DeviceSpec, batch: float, first: bool = False) -> np.ndarray:
+  def node_seconds(self, spec: Device, batch: float, first: bool = False) -> np.ndarray:
     """Seconds of every node (all its executions in one step) at ``batch``.
 
     Per-microbatch nodes are costed as in a microbatch after the first
@@ -200,14 +231,14 @@ class StepProfile:
     memory = (reads / spec.read_rate + writes / write_rate) / _efficiency(spec, "memory")
     return np.maximum(compute, memory) * self.counts
 
-  def _seconds(self, spec: DeviceSpec, batch: float, mask: np.ndarray) -> float:
+  def _seconds(self, spec: Device, batch: float, mask: np.ndarray) -> float:
     return float(np.sum(self.node_seconds(spec, batch) * mask))
 
-  def microbatch_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
+  def microbatch_seconds(self, spec: Device, microbatch: int) -> float:
     """Forward and backward of one microbatch (after the step's first) on one device of kind ``spec``."""
     return self._seconds(spec, microbatch, ~self.per_step)
 
-  def first_microbatch_extra_seconds(self, spec: DeviceSpec, microbatch: int) -> float:
+  def first_microbatch_extra_seconds(self, spec: Device, microbatch: int) -> float:
     """What the step's first microbatch costs over a later one: its values are written to fresh memory."""
     micro = ~self.per_step
     first = float(np.sum(self.node_seconds(spec, microbatch, first=True) * micro))
@@ -254,11 +285,11 @@ class StepProfile:
     recomputed = self.forward & ~self.per_step & ~self.kept(policy)
     return recomputed & ~self.elementwise if self.elementwise.size else recomputed
 
-  def recompute_seconds(self, spec: DeviceSpec, batch: float, policy: str) -> float:
+  def recompute_seconds(self, spec: Device, batch: float, policy: str) -> float:
     """Seconds of the forward work ``policy`` runs again for one microbatch."""
     return self._seconds(spec, batch, self.recomputed(policy))
 
-  def accumulate_seconds(self, spec: DeviceSpec) -> float:
+  def accumulate_seconds(self, spec: Device) -> float:
     """Adding one microbatch's gradients into the float32 accumulator.
 
     XLA fuses the add into the gradient's producer (a GEMM that adds into
@@ -266,7 +297,7 @@ class StepProfile:
     """
     return ACCUMULATOR_BYTES * self.param_count / (spec.read_rate * _efficiency(spec, "memory"))
 
-  def step_fixed_seconds(self, spec: DeviceSpec) -> float:
+  def step_fixed_seconds(self, spec: Device) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""
     return self._seconds(spec, 0, self.per_step)
 
@@ -277,7 +308,7 @@ _PRECISION_CODE = {None: 0, "reduced": 1, "full": 2}
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
   """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
   if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
-    raise ValueError("the two traces differ in structure; trace the step at two batch sizes of one program")
+    raise InvalidValueError("the two traces differ in structure; trace the step at two batch sizes of one program")
 
   def fit(values_small, values_large):
     a, b = np.asarray(values_small, float), np.asarray(values_large, float)

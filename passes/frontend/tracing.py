@@ -4,8 +4,9 @@
 (concrete arrays are replaced by ``ShapeDtypeStruct``s first, so nothing is
 allocated or computed), then walks the jaxpr once:
 
-* call-like equations (``pjit``, ``closed_call``, ``custom_jvp_call``,
-  ``custom_vjp_call``, ``remat``) are inlined;
+* call-like equations (the primitives of ``_jax_adapter.CALL_RULES``:
+  ``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``,
+  ``remat``, ...) are inlined;
 * ``scan`` bodies are inlined once, their nodes' ``count`` multiplied by the
   scan length; a ``while`` written as ``for i in range(lo, hi)`` with literal
   bounds is treated the same way; any other ``while`` is costed as one
@@ -14,6 +15,11 @@ allocated or computed), then walks the jaxpr once:
 * every other equation becomes a node costed by :mod:`hetspmd.passes.costing.flops`;
   primitives without a rule get the default rule and are listed in
   ``Graph.unknown_primitives``;
+* any other primitive that carries a jaxpr in its params (found by scanning
+  the params, :func:`~hetspmd.passes._jax_adapter.nested_jaxprs`) and has no
+  cost rule of its own (as ``scatter-add`` has for its combiner) raises
+  :class:`~hetspmd.errors.UnsupportedPrimitiveError`: its body cannot be
+  costed as one node;
 * host callbacks and debug prints raise :class:`UnpartitionableError` naming
   the primitive and its Flax module path.
 """
@@ -63,7 +69,7 @@ def trace(fn: Callable[..., Any], *args: Any, roles: Mapping[int | str, Any] | N
   except (TypeError, ValueError) as e:
     raise TraceError(f"could not trace {_name(fn)} with the given arguments: {e}") from e
   leaves = _input_leaves(fn, abstract_args, abstract_kwargs)
-  invars = jx.jaxpr_invars(closed)
+  invars = jx.invars(closed)
   if len(invars) != len(leaves):
     raise TraceError(f"{_name(fn)}: {len(leaves)} input leaves but the jaxpr takes {len(invars)}")
   input_roles = assign_roles(leaves, len(args), roles)
@@ -76,7 +82,7 @@ def trace(fn: Callable[..., Any], *args: Any, roles: Mapping[int | str, Any] | N
   out_paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_info)[0]]
   outputs = tuple(
       GraphOutput(i, out_paths[i] if i < len(out_paths) else f"out{i}", tensor_type(var), ref)
-      for i, (var, ref) in enumerate(zip(jx.jaxpr_outvars(closed), out_refs)))
+      for i, (var, ref) in enumerate(zip(jx.outvars(closed), out_refs)))
   return builder.graph(inputs, outputs)
 
 
@@ -109,18 +115,18 @@ class _Builder:
   def run(self, closed: jx.ClosedJaxpr, operands: Sequence[ValueRef], *, prefix: str, count: int,
           loops: tuple[int, ...]) -> list[ValueRef]:
     env: dict[Any, ValueRef] = {}
-    for var in jx.jaxpr_constvars(closed):
+    for var in jx.constvars(closed):
       env[var] = ValueRef(Source.CONST, self.num_consts)
       self.num_consts += 1
-    for var, ref in zip(jx.jaxpr_invars(closed), operands):
+    for var, ref in zip(jx.invars(closed), operands):
       env[var] = ref
-    for eqn in jx.iter_equations(closed):
+    for eqn in jx.equations(closed):
       ins = [_LITERAL if jx.is_literal(v) else env[v] for v in eqn.invars]
       outs = self.equation(eqn, ins, prefix, count, loops)
       for var, ref in zip(eqn.outvars, outs):
         if not jx.is_dropped(var):
           env[var] = ref
-    return [_LITERAL if jx.is_literal(v) else env[v] for v in jx.jaxpr_outvars(closed)]
+    return [_LITERAL if jx.is_literal(v) else env[v] for v in jx.outvars(closed)]
 
   def equation(self, eqn, ins: list[ValueRef], prefix: str, count: int, loops: tuple[int, ...]) -> list[ValueRef]:
     name = jx.primitive_name(eqn)
@@ -138,6 +144,8 @@ class _Builder:
       structured = _STRUCTURED.get(name)
       if structured is not None:
         return structured(self, eqn, ins, path, count, loops)
+      if jx.has_nested_jaxpr(eqn) and name not in flops_rules.COST_RULES:  # a body no rule costs: never a leaf
+        raise jx.unsupported_body(eqn, path)
       return self.leaf(eqn, ins, path, count, loops)
     finally:
       self.phase = enclosing

@@ -20,8 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hetspmd.hardware.devices import Link
-from hetspmd.passes.sharding.strategies import NO_TRAFFIC, StrategySpace
+from hetspmd.passes.sharding.strategies import NO_TRAFFIC, LinkLike, StrategySpace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +38,7 @@ class Solution:
     return self.compute_seconds + self.comm_seconds
 
 
-def assess(space: StrategySpace, choice: Sequence[int], node_seconds: np.ndarray, link: Link, batch: float
+def assess(space: StrategySpace, choice: Sequence[int], node_seconds: np.ndarray, link: LinkLike, batch: float
            ) -> Solution:
   """Cost of ``choice`` given per-node seconds of one microbatch (per-step nodes zeroed)."""
   m = space.m
@@ -60,7 +59,7 @@ def assess(space: StrategySpace, choice: Sequence[int], node_seconds: np.ndarray
   return Solution(tuple(choice), compute, traffic.seconds(link, m, batch), elements, permute)
 
 
-def choose(space: StrategySpace, node_seconds: np.ndarray, link: Link, batch: float,
+def choose(space: StrategySpace, node_seconds: np.ndarray, link: LinkLike, batch: float,
            max_param_elements: float | None = None, allow_permutes: bool = False) -> Solution | None:
   """The fastest choice (ILP); ``None`` when no choice fits ``max_param_elements``."""
   from scipy.optimize import Bounds, LinearConstraint, milp
@@ -122,7 +121,7 @@ def choose(space: StrategySpace, node_seconds: np.ndarray, link: Link, batch: fl
   return assess(space, chosen, node_seconds, link, batch)
 
 
-def frontier(space: StrategySpace, node_seconds: np.ndarray, link: Link, batch: float, points: int = 4,
+def frontier(space: StrategySpace, node_seconds: np.ndarray, link: LinkLike, batch: float, points: int = 4,
              allow_permutes: bool = False) -> tuple[Solution, ...]:
   """Fastest choices under shrinking parameter budgets, from unconstrained to the fewest elements per device."""
   fastest = choose(space, node_seconds, link, batch, allow_permutes=allow_permutes)

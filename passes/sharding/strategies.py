@@ -82,11 +82,11 @@ permute forces lockstep execution (:mod:`hetspmd.runtime.step`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from hetspmd.hardware.devices import Link
+from hetspmd.errors import InvalidValueError
 from hetspmd.passes.costing.step_cost import LinearCost, StepProfile
 from hetspmd.passes.ir import Graph, Node, Role, Source, ValueRef
 
@@ -108,6 +108,17 @@ REPLICATED = Strategy("replicated")
 # --- traffic -----------------------------------------------------------------------
 
 
+class LinkLike(Protocol):
+  """What traffic pricing reads of a link (:class:`hetspmd.hardware.devices.Link` is one): bytes/s and seconds
+  per message."""
+
+  @property
+  def bandwidth(self) -> float: ...
+
+  @property
+  def latency(self) -> float: ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Traffic:
   """Collectives over ``model`` in one microbatch: counts and total bytes (fixed + per example)."""
@@ -122,7 +133,7 @@ class Traffic:
     return Traffic(self.all_reduces + other.all_reduces, add(self.all_reduce_bytes, other.all_reduce_bytes),
                    self.all_gathers + other.all_gathers, add(self.all_gather_bytes, other.all_gather_bytes))
 
-  def seconds(self, link: Link, m: int, batch: float) -> float:
+  def seconds(self, link: LinkLike, m: int, batch: float) -> float:
     if m < 2:
       return 0.0
     share = (m - 1) / m
@@ -442,7 +453,7 @@ def _owners(graph: Graph, sites: dict, per_step: np.ndarray) -> np.ndarray:
 def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
   """Every decision, its options and the resharding costs between them, for ``m`` devices per group."""
   if not profile.traces:
-    raise ValueError("the profile keeps no traces; build it with hetspmd.passes.costing.step_cost.step_profile")
+    raise InvalidValueError("the profile keeps no traces; build it with hetspmd.passes.costing.step_cost.step_profile")
   analysis = _Analysis(profile, m)
   graph = analysis.graph
   keys = _decision_keys(analysis)
