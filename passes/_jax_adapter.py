@@ -358,9 +358,17 @@ def input_avals(closed: ClosedJaxpr) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct(aval_shape(v), aval_dtype(v)) for v in closed.jaxpr.invars]
 
 
-def make_closed_jaxpr(fn: Callable[..., Any], *avals: Any) -> ClosedJaxpr:
-  """The closed jaxpr of ``fn`` traced at the abstract arguments ``avals`` (nothing runs)."""
-  return jax.make_jaxpr(fn)(*avals)
+def make_closed_jaxpr(fn: Callable[..., Any], *avals: Any, return_shape: bool = False) -> Any:
+  """The closed jaxpr of ``fn`` traced at the abstract arguments ``avals`` (nothing runs); with
+  ``return_shape``, also its outputs as ``ShapeDtypeStruct``s."""
+  return jax.make_jaxpr(fn, return_shape=return_shape)(*avals)
+
+
+def loop_body_holds(lowered: Any, ops: Sequence[str]) -> bool:
+  """Whether the compiled program of ``lowered`` (a ``jax.stages.Lowered``) has any of the HLO ops ``ops`` inside
+  a ``while`` loop's body (XLA names them ``.../while/body/...``); read from the compiled HLO text."""
+  text = lowered.compile().as_text()
+  return any(op in line and "while/body" in line for line in text.splitlines() for op in ops)
 
 
 def literal_value(value: Any) -> Any:

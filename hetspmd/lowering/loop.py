@@ -121,7 +121,7 @@ class _DeviceLoop:
     size = k * m
     targets = {self.ctx.cut_outs[k_].index: k_ for k_ in self.mine}
     env = dict(self.outer)
-    env.update(zip(prog.jaxpr.constvars, prog.analysis.jaxpr.consts))
+    env.update(zip(prog.constvars, prog.consts))
     for v, b in zip(self.ctx.batch_vars, self.ctx.buffers):
       if k == 1:
         env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
@@ -242,9 +242,9 @@ class Body:
   def __init__(self, body):
     prop = body.propagation
     self.prop = prop
-    self.jaxpr = prop.jaxpr.jaxpr
-    self.consts = prop.jaxpr.consts
-    self.eqns = self.jaxpr.eqns
+    self.eqns = jx.equations(prop.jaxpr)
+    self.invars, self.outvars = jx.invars(prop.jaxpr), jx.outvars(prop.jaxpr)
+    self.constvars, self.consts = jx.constvars(prop.jaxpr), jx.consts(prop.jaxpr)
     self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
     self.presliced = body.presliced
     self.analysis = self  # operands.operand reads .analysis.axes
@@ -254,14 +254,14 @@ class Body:
     return operands.rebuilt(self, var, axis)
 
   def run(self, inputs, offset, m) -> list[Any]:
-    env = dict(zip(self.jaxpr.constvars, self.consts))
-    env.update(zip(self.jaxpr.invars, inputs))
+    env = dict(zip(self.constvars, self.consts))
+    env.update(zip(self.invars, inputs))
     for eqn, decision in zip(self.eqns, self.prop.decisions):
       if decision is None:
         jx.eval_equations([eqn], env)
       else:
         env.update(zip(eqn.outvars, apply(self, eqn, decision, env, offset, m)))
-    return [jx.read(env, v) for v in self.jaxpr.outvars]
+    return [jx.read(env, v) for v in self.outvars]
 
 
 def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:

@@ -77,9 +77,10 @@ class Program:
 
   def __init__(self, analysis: Analysis, batch_inputs: Sequence[int], fuse: bool = True):
     self.analysis = analysis
-    jaxpr = analysis.jaxpr.jaxpr
-    self.jaxpr = jaxpr
-    self.eqns = jaxpr.eqns
+    closed = analysis.jaxpr
+    self.eqns = jx.equations(closed)
+    self.invars, self.outvars = jx.invars(closed), jx.outvars(closed)
+    self.constvars, self.consts = jx.constvars(closed), jx.consts(closed)
     self.batch_inputs = tuple(batch_inputs)
     self.batch = analysis.global_batch
     self.cuts = {c.index: c for c in analysis.cuts}
@@ -109,7 +110,7 @@ class Program:
       made = {v for i in self.region for v in self.eqns[i].outvars} | {
           v for c in analysis.cuts if c.local for v in self.eqns[c.index].outvars}
       consumers = {v for i, e in enumerate(self.eqns) if i not in self.region and analysis.decisions[i] is None
-                   for v in e.invars if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars
+                   for v in e.invars if not jx.is_literal(v)} | {v for v in self.outvars
                                                                if not jx.is_literal(v)}
       self.accumulated = [v for v in sorted(made & consumers, key=definition_order(self))]
     self.hoisted = self._hoisted()
@@ -119,7 +120,7 @@ class Program:
     for i, eqn in enumerate(self.eqns):
       if analysis.decisions[i] is None and any(v in self.loop_only for v in eqn.outvars):
         self.after_local.add(i)
-    for v in self.jaxpr.outvars:
+    for v in self.outvars:
       if not jx.is_literal(v) and v in self.loop_only:
         raise HetSpmdError(f"the step returns {v.aval.str_short()}, which hetspmd computes inside the microbatch "
                            "loop only (a value a scan body saves for the backward pass); return it from outside "
@@ -165,7 +166,7 @@ class Program:
     """
     decisions, axes = self.analysis.decisions, self.analysis.axes
     need = {v for i, e in enumerate(self.eqns) if decisions[i] is None for v in e.invars
-            if not jx.is_literal(v)} | {v for v in self.jaxpr.outvars if not jx.is_literal(v)}
+            if not jx.is_literal(v)} | {v for v in self.outvars if not jx.is_literal(v)}
     copies: dict[int, Any] = {}  # what each equation would run before the loop, and what those copies read
     for i in reversed(range(len(self.eqns))):
       decision = decisions[i]
@@ -217,7 +218,7 @@ class Program:
       for v in e.invars:
         if not jx.is_literal(v):
           uses[v] = uses.get(v, 0) + 1
-    for v in self.jaxpr.outvars:
+    for v in self.outvars:
       if not jx.is_literal(v):
         uses[v] = uses.get(v, 0) + 2
     sums: dict = {}
@@ -278,7 +279,7 @@ class Program:
     for c in targets:
       wanted.update(v for v in self.eqns[c].invars if not jx.is_literal(v))
     if s == self.analysis.loops - 1:
-      wanted.update(v for v in self.jaxpr.outvars if not jx.is_literal(v) and v in self.analysis.axes)
+      wanted.update(v for v in self.outvars if not jx.is_literal(v) and v in self.analysis.axes)
       wanted.update(self.accumulated)
     chosen = set(targets)
     for i in reversed(range(len(self.eqns))):
@@ -296,7 +297,7 @@ class Program:
   def outside_inputs(self, s: int) -> list[Any]:
     """Example-free variables loop ``s`` reads from outside it."""
     inside_out = {v for i in self.loop_eqns[s] for v in self.eqns[i].outvars}
-    batch_vars = {self.jaxpr.invars[i] for i in self.batch_inputs}
+    batch_vars = {self.invars[i] for i in self.batch_inputs}
     out = []
     seen = set()
     for i in self.loop_eqns[s]:
@@ -335,7 +336,7 @@ def _work(eqn) -> float:
   body = jx.call_body(eqn) or (jx.scan_parts(eqn).body if jx.primitive_name(eqn) == "scan" else None)
   if body is not None:
     repeat = jx.scan_parts(eqn).length if jx.primitive_name(eqn) == "scan" else 1
-    return repeat * sum(_work(e) for e in body.jaxpr.eqns)
+    return repeat * sum(_work(e) for e in jx.equations(body))
   cost, _ = flops.cost_of(jx.primitive_name(eqn), [tensor_type(v) for v in eqn.invars],
                           [tensor_type(v) for v in eqn.outvars], eqn.params)
   return cost.flops + cost.bytes_written
@@ -358,7 +359,7 @@ def with_bases(eqn, decision, values, env) -> list[Any]:
 
 def definition_order(prog: Program):
   index = {}
-  for i, v in enumerate(prog.jaxpr.invars):
+  for i, v in enumerate(prog.invars):
     index[v] = (-1, i)
   for i, eqn in enumerate(prog.eqns):
     for j, v in enumerate(eqn.outvars):

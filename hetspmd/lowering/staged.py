@@ -125,7 +125,7 @@ def find_stack(prog) -> Stack:
       raise _refuse("the reversed scan reads per-example stacked values that the forward scan did not make")
   if any(a is not None for a in decision.outputs[bp.num_carry:]):
     raise _refuse("the reversed scan hands back per-example values per layer")
-  outputs = {v for v in prog.jaxpr.outvars if not jx.is_literal(v)}
+  outputs = {v for v in prog.outvars if not jx.is_literal(v)}
   if outputs & {v for i in loop for v in prog.eqns[i].outvars if v in an.axes}:
     raise _refuse("the step returns per-example values")
   return Stack(f, b, fp.length, pre, mid, post, tuple(kept))
@@ -231,7 +231,7 @@ class StagedLoop:
     dev = StageDevice.of(self, values, buffers, counts, starts)
     totals = _earlier_loops(self.prog, layout, dev.outer, LoopContext(
         self.prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0]))
-    dev.outer.update(zip(self.prog.jaxpr.constvars, self.prog.analysis.jaxpr.consts))
+    dev.outer.update(zip(self.prog.constvars, self.prog.consts))
     acc, top, saved = dev.forward()
     grads, acc = dev.backward(acc, top, saved)
     axes = (layout.stage_axis, layout.data_axis)

@@ -60,9 +60,8 @@ def build(analysis: Analysis, batch_inputs: Sequence[int], layout: Layout):
 
 
 def _run(prog: Program, layout: Layout, inputs: list[Any], counts, starts) -> list[Any]:
-  jaxpr = prog.jaxpr
-  env: dict = dict(zip(jaxpr.constvars, prog.analysis.jaxpr.consts))
-  for i, (v, x) in enumerate(zip(jaxpr.invars, inputs)):
+  env: dict = dict(zip(prog.constvars, prog.consts))
+  for i, (v, x) in enumerate(zip(prog.invars, inputs)):
     if i not in prog.batch_inputs:
       env[v] = x
   jx.eval_equations([prog.hoisted.get(i, prog.eqns[i]) for i in prog.pre], env)
@@ -71,9 +70,9 @@ def _run(prog: Program, layout: Layout, inputs: list[Any], counts, starts) -> li
                        | set(prog.middle_inputs()), key=definition_order(prog))
   ops = LoopOperands(
       inputs=tuple(loop_inputs), values=tuple(env[v] for v in loop_inputs),
-      batch_vars=tuple(jaxpr.invars[i] for i in prog.batch_inputs), buffers=tuple(inputs[i] for i in prog.batch_inputs),
+      batch_vars=tuple(prog.invars[i] for i in prog.batch_inputs), buffers=tuple(inputs[i] for i in prog.batch_inputs),
       counts=counts, starts=starts, cut_outs=tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed),
-      pe_outs=tuple(v for v in jaxpr.outvars if not jx.is_literal(v) and v in prog.analysis.axes))
+      pe_outs=tuple(v for v in prog.outvars if not jx.is_literal(v) and v in prog.analysis.axes))
   totals, pe_buffers = (staged.loop_part if layout.stages else loop_part)(prog, layout, ops)
   if prog.accumulated:
     pe_buffers, accumulated = pe_buffers
@@ -85,7 +84,7 @@ def _run(prog: Program, layout: Layout, inputs: list[Any], counts, starts) -> li
   jx.eval_equations([prog.eqns[i] for i in prog.post], env)
   for v, buf in zip(ops.pe_outs, pe_buffers):
     env[v] = _global_order(buf, prog.analysis.axes[v], layout)
-  return [jx.read(env, v) for v in jaxpr.outvars]
+  return [jx.read(env, v) for v in prog.outvars]
 
 
 def _global_order(buf, axis: Axis, layout: Layout):

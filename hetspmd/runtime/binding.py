@@ -159,7 +159,7 @@ class Call:
       if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
         shape = (global_batch,) + tuple(shape[2:])
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
-    closed, shapes = jax.make_jaxpr(self._pure(), return_shape=True)(*abstract)
+    closed, shapes = jx.make_closed_jaxpr(self._pure(), *abstract, return_shape=True)
     return closed, jax.tree.structure(shapes)
 
   def returns_state(self, out_tree: Any, closed: Any) -> bool:
@@ -177,8 +177,8 @@ class Call:
       first = jax.tree.leaves(outputs[0])
     else:
       return False
-    producer = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
-    made = [producer.get(closed.jaxpr.outvars[i]) for i in first]
+    producer = {v: e for e in jx.equations(closed) for v in e.outvars}
+    made = [producer.get(jx.outvars(closed)[i]) for i in first]
     return not all(e is not None and jx.phase(e) == "backward" for e in made)
 
   def constrain(self, outputs: Any, state_shardings: Any) -> Any:

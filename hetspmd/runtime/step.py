@@ -205,7 +205,7 @@ class ParallelStep:
       lines += [f"  note: {note}" for note in analysis.notes]
       if self.plan.remat != "none" and not any(d is not None and d.body is not None and
                                                jx.primitive_name(e) in ("remat2", "checkpoint")
-                                               for e, d in zip(analysis.jaxpr.jaxpr.eqns, analysis.decisions)):
+                                               for e, d in zip(jx.equations(analysis.jaxpr), analysis.decisions)):
         lines.append(f"  note: the plan's remat policy {self.plan.remat!r} did not reach the step (it applies "
                      "through hetspmd.value_and_grad)")
     return "\n".join(lines)
@@ -284,7 +284,7 @@ _GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
 def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, batch_stats: str):
   """The microbatch analysis of ``fn`` traced at the profile's batch size, and its batch inputs."""
   size = PROFILE_BATCHES[-1]
-  closed = jax.make_jaxpr(fn)(jx.to_abstract(state), with_batch(batch, size))
+  closed = jx.make_closed_jaxpr(fn, jx.to_abstract(state), with_batch(batch, size))
   leaves = jax.tree.leaves(state)
   inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(dtype_of(x), jnp.floating)]  # statistics live here
@@ -293,8 +293,7 @@ def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, bat
 
 def _loop_needs_lockstep(lowered: Any) -> bool:
   """Whether the compiled microbatch loop holds a collective that needs lockstep."""
-  text = lowered.compile().as_text()
-  return any(op in line and "while/body" in line for line in text.splitlines() for op in _GLOBAL_RENDEZVOUS)
+  return jx.loop_body_holds(lowered, _GLOBAL_RENDEZVOUS)
 
 
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
