@@ -44,7 +44,7 @@ def _is_weighted(x: Any) -> bool:
   return isinstance(x, Weighted)
 
 
-# The plan's remat policy while parallelize() traces a step (see hetspmd.plan.value.REMAT_POLICIES).
+# The plan's remat policy while parallelize() traces a step (see hetspmd.plan.options.REMAT_POLICIES).
 _REMAT: contextvars.ContextVar[str] = contextvars.ContextVar("hetspmd_remat", default="none")
 
 
@@ -192,7 +192,7 @@ def _grad_treedef(flat, treedef, argnums):
 
 
 def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:
-  """``fun`` under the plan's remat policy (see :data:`hetspmd.plan.value.REMAT_POLICIES`)."""
+  """``fun`` under the plan's remat policy (see :data:`hetspmd.plan.options.REMAT_POLICIES`)."""
   if policy == "full":
     return jax.checkpoint(fun)
   if policy == "dots":

@@ -4,18 +4,25 @@ import subprocess
 import sys
 
 import hetspmd
+import hetspmd.hardware
+import hetspmd.lowering
 import hetspmd.models
 import hetspmd.passes
+import hetspmd.plan
+import hetspmd.planner
+import hetspmd.runtime
+
+STAGES = (hetspmd.hardware, hetspmd.plan, hetspmd.planner, hetspmd.lowering, hetspmd.runtime)
 
 
 def test_every_public_name_imports():
-  for module in (hetspmd, hetspmd.passes, hetspmd.models):
+  for module in (hetspmd, hetspmd.passes, hetspmd.models) + STAGES:
     for name in module.__all__:
       assert getattr(module, name) is not None, f"{module.__name__}.{name}"
 
 
 def test_errors_share_one_base():
-  for name in ("TraceError", "UnknownNameError", "UnpartitionableError", "InvalidValueError"):
+  for name in ("TraceError", "UnknownNameError", "UnpartitionableError", "InvalidValueError", "PlanDoesNotFitError"):
     assert issubclass(getattr(hetspmd, name), hetspmd.HetSpmdError)
 
 

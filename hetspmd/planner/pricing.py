@@ -40,7 +40,7 @@ class Evaluated:
   microbatch: int
   counts: tuple[int, ...]             # per data position
   zero_stage: int
-  remat: str                          # a plan remat policy: one of hetspmd.plan.value.REMAT_POLICIES
+  remat: str                          # a plan remat policy: one of hetspmd.plan.options.REMAT_POLICIES
   compute_seconds: float              # slowest position, tensor-parallel collectives included
   comm_seconds: float                 # gradient reduction over data
   memory_bytes: tuple[int, ...]       # per device

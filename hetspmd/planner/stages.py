@@ -1,6 +1,6 @@
 """Pipeline-stage plans for a step whose model scans its layers: priced with the search's cost pieces, and ranked.
 
-A step's profile (:func:`hetspmd.planner.ranking.profile_step`) holds the scan over layers as nodes inside two
+A step's profile (:func:`hetspmd.passes.profile.profile_step`) holds the scan over layers as nodes inside two
 loops of the same trip count ``L``: the forward body and its transpose. A stage plan
 (:func:`hetspmd.planner.building.plan_for` with ``stages``, run by :mod:`hetspmd.lowering.staged`) is priced as that program
 runs:

@@ -111,7 +111,7 @@ def default_rule(eqn, axes, batch) -> Decision:
   """Elementwise when no parameter names an axis and the outputs keep the example dimension; else refused."""
   if any(k in eqn.params for k in _AXIS_PARAMS):
     raise Mixing("hetspmd has no rule for how it moves the example axis "
-                 "(register one with hetspmd.passes.batch_axis.analysis.register)")
+                 "(register one with hetspmd.passes.batch_axis.rules.register)")
   return elementwise(eqn, axes, batch)
 
 

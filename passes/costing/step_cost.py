@@ -202,7 +202,7 @@ class StepProfile:
   write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
-  # model-axis size -> hetspmd.passes.sharding.strategies.StrategySpace, prepared by hetspmd.planner.ranking.profile_step
+  # model-axis size -> hetspmd.passes.sharding.strategies.StrategySpace, prepared by hetspmd.passes.profile.profile_step
   strategy_spaces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
   # (data positions, model size, tensor-parallel choice) -> hetspmd.planner.data_axis.ZeroSplit, filled by the search
   zero_splits: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
