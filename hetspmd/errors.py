@@ -38,3 +38,8 @@ class InvalidValueError(HetSpmdError, ValueError):
 
 class PlanDoesNotFitError(HetSpmdError):
   """No plan fits the devices' memory: names the device that overflows, by how much, and what would fit."""
+
+
+class NoLayerStackError(HetSpmdError):
+  """The step has no layer stack that pipeline stages can cut: says what differs from one scan over stacked
+  parameters and its transpose."""

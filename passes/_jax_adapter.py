@@ -247,11 +247,13 @@ class ScanParts:
   length: int
   num_consts: int
   num_carry: int
+  reverse: bool = False
 
 
 def scan_parts(eqn: Equation) -> ScanParts:
   p = eqn.params
-  return ScanParts(as_closed(p["jaxpr"]), int(p["length"]), int(p["num_consts"]), int(p["num_carry"]))
+  return ScanParts(as_closed(p["jaxpr"]), int(p["length"]), int(p["num_consts"]), int(p["num_carry"]),
+                   bool(p["reverse"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -158,6 +158,26 @@ class Loop:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ScanCall:
+  """A ``scan`` outside every loop, as :mod:`hetspmd.passes.frontend.stack` reads it to find the layer stack.
+
+  ``loop``: the :class:`Loop` its body's nodes run in; ``phase``: ``"forward"``, ``"backward"`` or ``""``
+  (as :attr:`Node.phase`); ``operands`` and ``results``: the graph values it reads and makes, in the
+  scan's order (consts, carries, scanned inputs; carries, stacked outputs), with their ``operand_types``.
+  """
+
+  loop: int
+  reverse: bool
+  length: int
+  num_consts: int
+  num_carry: int
+  phase: str
+  operands: tuple[ValueRef, ...]
+  operand_types: tuple[TensorType, ...]
+  results: tuple[ValueRef, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Layer:
   """Nodes that share a Flax module path.
 
@@ -186,6 +206,7 @@ class Graph:
   total_flops: float = 0.0
   total_transcendentals: float = 0.0
   total_bytes: int = 0
+  scans: tuple[ScanCall, ...] = ()  # the scans outside every loop, in program order
 
   def __post_init__(self):
     for position, node in enumerate(self.nodes):

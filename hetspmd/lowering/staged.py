@@ -44,6 +44,7 @@ from hetspmd.lowering.pipeline import Stages
 from hetspmd.lowering.program import Layout, Program, is_backward, low_precision, sum_outputs
 from hetspmd.lowering.ticks import StageDevice
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.frontend import stack as layer_stack
 
 
 _REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
@@ -60,6 +61,7 @@ class Stack:
   mid: tuple[int, ...]
   post: tuple[int, ...]
   kept: tuple[tuple[int, int], ...]  # (B's input position, F's output position): what F keeps for B
+  scans: layer_stack.LayerStack | None = None  # F and B as the one finder found them (the planner's too)
 
 
 def _refuse(reason: str) -> HetSpmdError:
@@ -72,21 +74,13 @@ def find_stack(prog) -> Stack:
   if prog.region or prog.accumulated or prog.absorbed:
     raise _refuse("the step keeps per-microbatch statistics (BatchNorm) or fused sums, which stages do not split")
   loop = list(prog.loop_eqns[an.loops - 1])
-  scans = [i for i in loop if jx.primitive_name(prog.eqns[i]) == "scan" and an.decisions[i] is not None]
-  forwards = [i for i in scans if not prog.eqns[i].params["reverse"] and _stacked(prog, i)]
-  if len(forwards) != 1:
-    raise _refuse(f"found {len(forwards)} forward scans over stacked parameters with an activation carried "
-                  "through them; one is needed")
-  f = forwards[0]
+  found = layer_stack.find_layer_stack(layer_stack.sites_in_jaxpr(prog.eqns, lambda i, j: _per_example(an, i, j)))
+  f, b = found.forward, found.backward
+  if f not in loop or b not in loop:
+    raise _refuse("the layer scans are not in the microbatch loop that runs the layers")
   f_out = set(prog.eqns[f].outvars)
-  backwards = [i for i in scans if prog.eqns[i].params["reverse"] and any(v in f_out for v in prog.eqns[i].invars)]
-  if len(backwards) != 1:
-    raise _refuse(f"found {len(backwards)} reversed scans reading the forward scan's results; its transpose is one")
-  b = backwards[0]
   fe, be = prog.eqns[f], prog.eqns[b]
   fp, bp = jx.scan_parts(fe), jx.scan_parts(be)
-  if bp.length != fp.length or bp.num_carry != 1:
-    raise _refuse("the reversed scan does not run once per layer with one carried cotangent")
   if an.decisions[f].body.accumulators or an.decisions[b].body.accumulators:
     raise _refuse("a scan over the layers sums over the examples in its carry")
 
@@ -128,17 +122,13 @@ def find_stack(prog) -> Stack:
   outputs = {v for v in prog.outvars if not jx.is_literal(v)}
   if outputs & {v for i in loop for v in prog.eqns[i].outvars if v in an.axes}:
     raise _refuse("the step returns per-example values")
-  return Stack(f, b, fp.length, pre, mid, post, tuple(kept))
+  return Stack(f, b, fp.length, pre, mid, post, tuple(kept), found)
 
 
-def _stacked(prog, index: int) -> bool:
-  """A forward layer scan: one per-example carry, every scanned input example-free (the stacked parameters)."""
-  eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
-  parts = jx.scan_parts(eqn)
-  carries = decision.inputs[parts.num_consts:parts.num_consts + parts.num_carry]
-  xs = decision.inputs[parts.num_consts + parts.num_carry:]
-  return (parts.num_carry == 1 and carries[0] is not None and bool(xs) and all(a is None for a in xs)
-          and jx.phase(eqn) == "forward" and parts.length >= 2)
+def _per_example(an, index: int, operand: int) -> bool:
+  """Whether operand ``operand`` of equation ``index`` carries the example axis."""
+  decision = an.decisions[index]
+  return decision is not None and decision.inputs[operand] is not None
 
 
 def _descendants(prog, loop, roots) -> set[int]:

@@ -33,7 +33,9 @@ from typing import Sequence
 import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
-from hetspmd.errors import HetSpmdError
+from hetspmd.errors import HetSpmdError, NoLayerStackError
+from hetspmd.passes.frontend import stack as layer_stack
+from hetspmd.passes.ir import Source
 from hetspmd.plan.counts import even_counts
 from hetspmd.planner.data_axis import GRAD_BYTES, REDUCE_BYTES, WORKSPACE, allreduce_seconds
 
@@ -50,6 +52,7 @@ class Stack:
   carry: float          # bytes per example handed from one stage to the next (and as many back)
   kept: float           # bytes per example one layer keeps from its forward for its backward (an upper estimate)
   stack_params: float   # parameter elements of the stack
+  scans: layer_stack.LayerStack | None = None  # the stack's two scans, as the lowering finds them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,23 +78,19 @@ class StagePlan:
 
 
 def find_stack(profile) -> Stack | None:
-  """The profile's layer scan, or None when it has none (layers unrolled, or no pair of equal loops)."""
-  from hetspmd.passes.ir import Source
-
+  """The profile's layer scan (:func:`hetspmd.passes.frontend.stack.find_layer_stack`, as the lowering finds
+  it), or None when it has none (layers unrolled, or no forward scan over stacked layers and its transpose)."""
   small, large = profile.traces
   micro = ~profile.per_step
-  loops = {}
-  for i, node in enumerate(large.nodes):
-    if micro[i] and len(node.loops) == 1 and node.count > 1:
-      loops.setdefault(node.loops[0], []).append(i)
-  forward = [k for k, ids in loops.items() if all(large.nodes[i].phase == "forward" for i in ids)]
-  backward = [k for k, ids in loops.items() if any(large.nodes[i].phase == "backward" for i in ids)]
-  if len(forward) != 1 or len(backward) != 1:
+  try:
+    found = layer_stack.find_layer_stack(layer_stack.sites_in_traces(small, large))
+  except NoLayerStackError:
     return None
-  f_ids, b_ids = loops[forward[0]], loops[backward[0]]
-  layers = large.nodes[f_ids[0]].count
-  if large.nodes[b_ids[0]].count != layers:
+  f_ids = [i for i, node in enumerate(large.nodes) if micro[i] and node.loops == (found.forward,)]
+  b_ids = [i for i, node in enumerate(large.nodes) if micro[i] and node.loops == (found.backward,)]
+  if not f_ids or not b_ids:
     return None
+  layers = found.length
   n = len(large.nodes)
   f_mask, b_mask = np.zeros(n, bool), np.zeros(n, bool)
   f_mask[f_ids], b_mask[b_ids] = True, True
@@ -126,7 +125,8 @@ def find_stack(profile) -> Stack | None:
   # what a layer keeps: the values its backward reads from its forward, or its share of the microbatch's peak
   # live bytes (the measure the search's own memory check uses), whichever is larger
   kept = max((k1 - k0) / (b1 - b0) / layers, profile.activation.per_example / layers, 0.0)
-  return Stack(int(layers), f_mask, b_mask, first, last, max(0.0, (c1 - c0) / (b1 - b0)), kept, float(stack_params))
+  return Stack(int(layers), f_mask, b_mask, first, last, max(0.0, (c1 - c0) / (b1 - b0)), kept, float(stack_params),
+               found)
 
 
 def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], microbatch: int) -> list:

@@ -60,7 +60,6 @@ from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
 from hetspmd.passes.batch_axis.rules import Mixing as Mixing
 from hetspmd.passes.batch_axis.rules import default_rule as default_rule
-from hetspmd.passes.batch_axis.rules import register as register  # noqa: F401  (re-exported)
 
 
 class _Inline(Exception):

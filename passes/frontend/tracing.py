@@ -35,7 +35,8 @@ from hetspmd._pytree import key_name, path_components, path_str
 from hetspmd.errors import TraceError, UnpartitionableError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.costing import flops as flops_rules
-from hetspmd.passes.ir import (Edge, Graph, GraphInput, GraphOutput, Loop, Node, Source, TensorType, ValueRef, totals)
+from hetspmd.passes.ir import (Edge, Graph, GraphInput, GraphOutput, Loop, Node, ScanCall, Source, TensorType, ValueRef,
+                               totals)
 from hetspmd.passes.frontend.layers import group_layers
 from hetspmd.passes.frontend.roles import Leaf, assign_roles
 
@@ -92,6 +93,7 @@ class _Builder:
   def __init__(self):
     self.nodes: list[Node] = []
     self.loops: list[Loop] = []
+    self.scans: list[ScanCall] = []
     self.unknown: set[str] = set()
     self.num_consts = 0
     self.phase = ""  # of the enclosing call: its body's equations may not say it themselves
@@ -110,6 +112,7 @@ class _Builder:
         total_flops=flops,
         total_transcendentals=trans,
         total_bytes=nbytes,
+        scans=tuple(self.scans),
     )
 
   def run(self, closed: jx.ClosedJaxpr, operands: Sequence[ValueRef], *, prefix: str, count: int,
@@ -176,7 +179,11 @@ class _Builder:
 def _scan(builder: _Builder, eqn, ins, path, count, loops):
   parts = jx.scan_parts(eqn)
   inner = builder.new_loop(eqn, parts.length, False, path, loops)
-  return builder.run(parts.body, ins, prefix=path, count=count * parts.length, loops=inner)
+  outs = builder.run(parts.body, ins, prefix=path, count=count * parts.length, loops=inner)
+  if not loops:  # where the layer-stack finder looks
+    builder.scans.append(ScanCall(inner[-1], parts.reverse, parts.length, parts.num_consts, parts.num_carry,
+                                  builder.phase, tuple(ins), tuple(tensor_type(v) for v in eqn.invars), tuple(outs)))
+  return outs
 
 
 def _while(builder: _Builder, eqn, ins, path, count, loops):
