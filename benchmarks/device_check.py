@@ -86,7 +86,7 @@ def run(args) -> list[dict]:
   plans = []
   for microbatch, count, remat in plans_for(device.platform):
     batch = microbatch * count
-    predicted = {key: evaluate(c, profile, (0,), microbatch, 0, remat, batch, (count,), "check")
+    predicted = {key: evaluate(c, profile, (0,), microbatch, 0, remat, global_batch=batch, counts_rule=(count,), name="check")
                  for key, c in clusters.items()}
     plans.append((predicted["datasheet"].memory_bytes[0], microbatch, count, remat, predicted))
   plans.sort(key=lambda p: p[0])

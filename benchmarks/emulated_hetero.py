@@ -46,7 +46,10 @@ WORKER = textwrap.dedent("""
     from hetspmd import models
     from hetspmd.hardware import profiler
     from hetspmd.models.mlp import MLPConfig
-    from hetspmd.planner.ranking import balanced_counts, evaluate, plan_from, profile_step
+    from hetspmd.passes.profile import profile_step
+    from hetspmd.plan.counts import balanced_counts
+    from hetspmd.planner.building import plan_from
+    from hetspmd.planner.pricing import evaluate
     from jax.experimental import multihost_utils
 
     workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))
@@ -90,8 +93,9 @@ WORKER = textwrap.dedent("""
                                        counts=(total_microbatches // 2, total_microbatches - total_microbatches // 2)),
         "hetspmd (weighted)": plan_from(evaluate(
             cluster, profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2)),
-            (0, 1), microbatch, 0, "none", global_batch, lambda kinds, costs: balanced_counts(kinds, costs, total_microbatches),
-            "weighted"), cluster, state),
+            (0, 1), microbatch, 0, "none", global_batch=global_batch,
+            counts_rule=lambda kinds, costs: balanced_counts(kinds, costs, total_microbatches), name="weighted"),
+            cluster, state),
         "hetspmd (by step rate)": hs.plan_for(cluster, state, global_batch=global_batch, microbatch=microbatch,
                                               counts=hs.plan.proportional_counts([float(s[1]) for s in speeds],
                                                                                  total_microbatches)),

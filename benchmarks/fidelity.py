@@ -68,7 +68,7 @@ def main() -> None:
     if name not in profiles:
       profiles[name] = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2))
     positions = tuple(range(cluster.num_devices))
-    predicted = evaluate(cluster, profiles[name], positions, microbatch, zero, remat, batch, counts, "fidelity")
+    predicted = evaluate(cluster, profiles[name], positions, microbatch, zero, remat, global_batch=batch, counts_rule=counts, name="fidelity")
     plan = plan_from(predicted, cluster, workload.abstract_state())
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
     state = step.shard_state(workload.init_state(0))

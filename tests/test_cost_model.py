@@ -111,7 +111,7 @@ def test_the_first_microbatch_extra_is_paid_once_per_step():
   profile = _two_layer_profile(64)
   spec = DeviceSpec("cpu", 1e18, 1e18, 2**34, 1e9, measured=True, cache_bytes=2**20, cache_write_bandwidth=1e11)
   cluster = Cluster.parse("1x2xcpu", devices={"cpu": spec})
-  step = lambda counts: evaluate(cluster, profile, (0, 1), 2, 0, "none", 2 * sum(counts), counts, "x").compute_seconds
+  step = lambda counts: evaluate(cluster, profile, (0, 1), 2, 0, "none", global_batch=2 * sum(counts), counts_rule=counts, name="x").compute_seconds
   micro = profile.microbatch_seconds(spec, 2) + profile.accumulate_seconds(spec)
   first = profile.first_microbatch_extra_seconds(spec, 2)
   assert first > 0 and micro > 0
@@ -240,7 +240,7 @@ def test_uneven_counts_on_a_shared_host_cost_the_same_total_work():
   shared = plain.replace(hosts=(dataclasses.replace(plain.hosts[0], alone_speedup=8.0),))
   positions = tuple(range(8))
   uneven = (8, 8, 4, 4, 2, 2, 2, 2)
-  compute = lambda c, counts: evaluate(c, profile, positions, 2, 0, "none", 64, counts, "x").compute_seconds
+  compute = lambda c, counts: evaluate(c, profile, positions, 2, 0, "none", global_batch=64, counts_rule=counts, name="x").compute_seconds
   assert compute(shared, uneven) == pytest.approx(compute(shared, (4,) * 8))
   # independent devices: the two devices with 8 microbatches set the pace
   assert compute(plain, uneven) > 1.5 * compute(plain, (4,) * 8)
@@ -375,7 +375,8 @@ def test_device_spec_and_link_have_what_passes_read():
   """passes prices devices and links through protocols of its own; the hardware values must provide them."""
   import inspect
 
-  from hetspmd.hardware.devices import device_spec, link
+  from hetspmd.hardware.profiler import device_spec
+  from hetspmd.hardware.devices import link
   from hetspmd.passes.costing.step_cost import Device
   from hetspmd.passes.sharding.strategies import LinkLike
 

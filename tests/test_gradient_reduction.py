@@ -389,8 +389,8 @@ def test_reduced_precision_halves_the_gradient_bytes(zero, tiny_profile):
 
   cluster = hs.Cluster.parse(SLOW_NETWORK)
   positions = tuple(range(16))
-  args = (cluster, tiny_profile, positions, 2, zero, "none", 64, (2,) * 16, "x")
-  full, half = evaluate(*args), evaluate(*args, reduce_dtype="bfloat16")
+  args, kw = (cluster, tiny_profile, positions, 2, zero, "none"), dict(global_batch=64, counts_rule=(2,) * 16, name="x")
+  full, half = evaluate(*args, **kw), evaluate(*args, **kw, reduce_dtype="bfloat16")
   hosts = _host_counts(cluster, positions)
   gather = gather_seconds(cluster, hosts, tiny_profile, NO_TENSOR_PARALLEL) if zero else 0.0
   # bandwidth-bound over a 1 Gbps link: the gradients' time halves; latencies, the loss's float32 sum and
@@ -405,7 +405,7 @@ def test_one_bucket_cannot_overlap(tiny_profile):
 
   # GPT-tiny's gradients are all small leaves, reduced as one bucket once every one is ready
   cluster = hs.Cluster.parse(SLOW_NETWORK)
-  e = evaluate(cluster, tiny_profile, tuple(range(16)), 2, 0, "none", 64, (3,) * 8 + (1,) * 8, "x", overlap=True)
+  e = evaluate(cluster, tiny_profile, tuple(range(16)), 2, 0, "none", global_batch=64, counts_rule=(3,) * 8 + (1,) * 8, name="x", overlap=True)
   assert not e.overlap and e.hidden_seconds == 0  # so the plan keeps its loop whole
 
 
@@ -418,8 +418,8 @@ def test_overlap_hides_at_most_the_last_backward_pass():
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
   cluster = hs.Cluster.parse(SLOW_NETWORK)
   positions = tuple(range(16))
-  args = (cluster, profile, positions, 2, 0, "none", 64, (3,) * 8 + (1,) * 8, "x")
-  plain, overlapped = evaluate(*args), evaluate(*args, overlap=True)
+  args, kw = (cluster, profile, positions, 2, 0, "none"), dict(global_batch=64, counts_rule=(3,) * 8 + (1,) * 8, name="x")
+  plain, overlapped = evaluate(*args, **kw), evaluate(*args, **kw, overlap=True)
   assert plain.hidden_seconds == 0 and not plain.overlap
   assert overlapped.overlap and 0 < overlapped.hidden_seconds < overlapped.comm_seconds
   assert overlapped.comm_seconds == plain.comm_seconds and overlapped.compute_seconds == plain.compute_seconds
@@ -427,8 +427,9 @@ def test_overlap_hides_at_most_the_last_backward_pass():
   one_microbatch = plain.compute_seconds / 3  # the busiest position runs 3 (and a small fixed update)
   assert overlapped.hidden_seconds <= OVERLAP_EFFICIENCY * one_microbatch
   # a position with no microbatch would run one, masked: the search then keeps the loop whole
-  idle = evaluate(*args[:7], (4,) * 8 + (0,) * 8, "x", overlap=True)
-  assert idle.step_seconds <= evaluate(*args[:7], (4,) * 8 + (0,) * 8, "x").step_seconds
+  idle_kw = dict(kw, counts_rule=(4,) * 8 + (0,) * 8)
+  idle = evaluate(*args, **idle_kw, overlap=True)
+  assert idle.step_seconds <= evaluate(*args, **idle_kw).step_seconds
 
 
 @pytest.fixture(scope="module")
@@ -452,13 +453,13 @@ def test_search_fuses_the_last_pass_where_its_longer_backward_hides_more(small_p
   assert best.overlap and k > 1 and min(best.counts) >= k and sum(best.counts) * best.microbatch == 1024
   assert len(set(best.counts)) > 1  # the loop's microbatches weight V100s against P100s
   # the same counts with a last pass of one microbatch: less hidden, a slower step
-  one = evaluate(cluster, profile, best.device_positions, best.microbatch, best.zero_stage, best.remat, 1024,
-                 best.counts, "x", overlap=True)
+  one = evaluate(cluster, profile, best.device_positions, best.microbatch, best.zero_stage, best.remat, global_batch=1024,
+                 counts_rule=best.counts, name="x", overlap=True)
   assert one.overlap_microbatches == 1 and one.hidden_seconds < best.hidden_seconds
   assert best.step_seconds < one.step_seconds and best.step_seconds < result.baselines["dp_even"].step_seconds
   # what hides is at most the efficiency times the busiest position's fused pass (its k * microbatch examples)
   fused_pass = evaluate(cluster, profile, best.device_positions, k * best.microbatch, best.zero_stage, best.remat,
-                        k * best.microbatch * len(best.counts), (1,) * len(best.counts), "x")
+                        global_batch=k * best.microbatch * len(best.counts), counts_rule=(1,) * len(best.counts), name="x")
   assert best.hidden_seconds <= OVERLAP_EFFICIENCY * fused_pass.compute_seconds
   plan = plan_from(best, cluster, w.abstract_state())
   assert plan.overlap_reduction and plan.overlap_microbatches == k

@@ -326,8 +326,8 @@ def test_zero_reduce_scatters_gathers_every_parameter_leaf_and_writes_the_gather
   profile = tiny_profile
   cluster = Cluster.parse("1x8xV100-32GB")
   positions = tuple(range(8))
-  plain = evaluate(cluster, profile, positions, 2, 0, "none", 64, (4,) * 8, "x")
-  sharded = evaluate(cluster, profile, positions, 2, zero, "none", 64, (4,) * 8, "x")
+  plain = evaluate(cluster, profile, positions, 2, 0, "none", global_batch=64, counts_rule=(4,) * 8, name="x")
+  sharded = evaluate(cluster, profile, positions, 2, zero, "none", global_batch=64, counts_rule=(4,) * 8, name="x")
   gather = gather_seconds(cluster, _host_counts(cluster, positions), profile, NO_TENSOR_PARALLEL)
   link = cluster.hosts[0].intra
   leaves = len(profile.param_leaf_sizes)
@@ -354,8 +354,8 @@ def test_zero_over_positions_that_split_no_leaf_costs_as_zero_0(zero, tiny_profi
   cluster = Cluster.parse("1x7xV100-32GB")
   positions = tuple(range(7))
   assert zero_split(profile, 7) == ZeroSplit((), 0, (), profile.param_leaf_sizes)
-  plain = evaluate(cluster, profile, positions, 2, 0, "none", 28, (2,) * 7, "x")
-  sharded = evaluate(cluster, profile, positions, 2, zero, "none", 28, (2,) * 7, "x")
+  plain = evaluate(cluster, profile, positions, 2, 0, "none", global_batch=28, counts_rule=(2,) * 7, name="x")
+  sharded = evaluate(cluster, profile, positions, 2, zero, "none", global_batch=28, counts_rule=(2,) * 7, name="x")
   assert sharded.comm_seconds == pytest.approx(plain.comm_seconds)
   assert sharded.compute_seconds == pytest.approx(plain.compute_seconds)
   assert sharded.memory_bytes == plain.memory_bytes

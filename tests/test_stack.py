@@ -20,7 +20,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.frontend import stack as layer_stack
 from hetspmd.planner import stages
-from hetspmd.planner.ranking import profile_step
+from hetspmd.passes.profile import profile_step
 
 SEQ, BATCH = 16, 4
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis.analysis import Axis
+from hetspmd.passes.batch_axis.rules import Axis
 
 
 def resize(shape: Sequence[int], axis: Axis, m: int) -> tuple[int, ...]:

@@ -19,7 +19,8 @@ import numpy as np
 from hetspmd.lowering import operands
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis.analysis import Analysis, Axis
+from hetspmd.passes.batch_axis.analysis import Analysis
+from hetspmd.passes.batch_axis.rules import Axis
 from hetspmd.passes.costing import flops
 from hetspmd.passes.frontend.tracing import tensor_type
 

@@ -42,7 +42,8 @@ from hetspmd.lowering import staged
 from hetspmd.lowering.loop import LoopContext, LoopOperands, between_loops, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, definition_order, is_backward, low_precision, scatter_dim_of,
                                      sum_outputs, with_bases)
-from hetspmd.passes.batch_axis.analysis import Analysis, Axis
+from hetspmd.passes.batch_axis.analysis import Analysis
+from hetspmd.passes.batch_axis.rules import Axis
 
 
 

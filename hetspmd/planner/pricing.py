@@ -421,7 +421,7 @@ def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, spe
 
 
 def evaluate(cluster: Cluster, profile: StepProfile, positions: Sequence[int], microbatch: int, zero: int,
-             remat: str, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
+             remat: str, *, global_batch: int, counts_rule: Callable[[Sequence[str], dict], tuple[int, ...]] | Any,
              name: str, tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL, reduce_dtype: str = "float32",
              overlap: bool = False) -> Evaluated | None:
   """Costs one candidate: ``positions`` (device ids) cut into groups of ``tensor_parallel.m``."""

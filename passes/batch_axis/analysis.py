@@ -221,16 +221,17 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
     return _analyse(self_indexing.rewrite(jx.inline_calls(closed, keep=_UNITS)), batch_inputs, global_batch,
-                    batch_stats, float_state_inputs, (), _UNITS)
+                    batch_stats=batch_stats, float_state_inputs=float_state_inputs, notes=(), keep=_UNITS)
   except _Inline as e:
-    return _analyse(self_indexing.rewrite(jx.inline_calls(closed)), batch_inputs, global_batch, batch_stats,
-                    float_state_inputs, frozenset(), (f"checkpointed blocks inlined (their recomputation is lost): {e}",))
+    return _analyse(self_indexing.rewrite(jx.inline_calls(closed)), batch_inputs, global_batch,
+                    batch_stats=batch_stats, float_state_inputs=float_state_inputs, keep=frozenset(),
+                    notes=(f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
 _UNITS = jx.CHECKPOINTS
 
 
-def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, notes, keep) -> Analysis:
+def _analyse(flat, batch_inputs, global_batch, *, batch_stats, float_state_inputs, notes, keep) -> Analysis:
   invars = jx.invars(flat)
   in_axes = {}
   for i in batch_inputs:
@@ -240,8 +241,8 @@ def _analyse(flat, batch_inputs, global_batch, batch_stats, float_state_inputs, 
                          f"{global_batch}")
     in_axes[invars[i]] = Axis(0)
   prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs], keep=keep)
-  cuts = _schedule(jx.equations(flat), list(prop.cut_list), prop.axes, prop.decisions, prop.cut_deps, prop.stateful,
-                   batch_stats)
+  cuts = _schedule(jx.equations(flat), list(prop.cut_list), prop.axes, prop.decisions, cut_deps=prop.cut_deps,
+                   stateful=prop.stateful, batch_stats=batch_stats)
   loops = 1 + max((c.loop for c in cuts), default=0)
   return Analysis(flat, global_batch, prop.axes, prop.decisions, cuts, loops, tuple(notes), prop.loop_only)
 
@@ -344,7 +345,7 @@ def _checkpoint_rule(eqn, in_axes, batch, keep) -> Decision:
   return _body_decision(eqn, prop, in_axes, invars, jx.outvars(body), ())
 
 
-def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, shift_in=None, shift_out=None) -> Decision:
+def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, *, shift_in=None, shift_out=None) -> Decision:
   """The Decision of an equation whose body ``prop`` maps ``invars`` to ``outvars``."""
   demanded = _demanded(prop)
   inputs = []
@@ -421,7 +422,7 @@ def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
     outer_in[j] = in_axes[j]
   shift_in = lambda j, a: a.moved(a.dim + 1) if j >= nc + nk else a
   shift_out = lambda j, a: a.moved(a.dim + 1) if j >= nk else a
-  decision = _body_decision(eqn, prop, outer_in, invars, outvars, accumulators, shift_in, shift_out)
+  decision = _body_decision(eqn, prop, outer_in, invars, outvars, accumulators, shift_in=shift_in, shift_out=shift_out)
   return decision
 
 
@@ -436,7 +437,7 @@ def _accumulator_vars(body, nc, nk, inner, batch) -> list:
 _SQUARES = frozenset({"convert_element_type", "square", "integer_pow", "mul", "abs", "copy"})
 
 
-def _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, producers) -> bool:
+def _normalises(eqns, index, local_bits, axes, decisions, *, cut_deps, consumers, producers) -> bool:
   """Whether the sum at ``eqns[index]`` is a statistic that normalises the activations it sums.
 
   BatchNorm's pattern: per-example work subtracts the statistic from the values it summed
@@ -471,7 +472,7 @@ def _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, p
   return False
 
 
-def _schedule(eqns, cut_list, axes, decisions, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
+def _schedule(eqns, cut_list, axes, decisions, *, cut_deps, stateful, batch_stats) -> tuple[Cut, ...]:
   """Feedback, local or exact, and the loop (ASAP levels, then as late as possible) of every cut."""
   n = len(cut_list)
   feedback = [False] * n
@@ -508,7 +509,8 @@ def _schedule(eqns, cut_list, axes, decisions, cut_deps, stateful, batch_stats) 
     if jx.phase(eqn) == "backward":  # a statistic's gradient is per microbatch where the statistic is
       local[k] = bool(needs[k] & local_bits)
     else:
-      local[k] = _normalises(eqns, index, local_bits, axes, decisions, cut_deps, consumers, producers)
+      local[k] = _normalises(eqns, index, local_bits, axes, decisions, cut_deps=cut_deps, consumers=consumers,
+                              producers=producers)
   # ASAP level: one more than the exact cuts it needs; local cuts stay in their microbatch
   level = [0] * n
   for k in range(n):

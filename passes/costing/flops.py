@@ -270,7 +270,7 @@ def dot_general_rule(inputs, outputs, params) -> Cost:
   return Cost(2.0 * outputs[0].size * contracted, 0.0, r, w)
 
 
-def _valid_taps(in_size: int, kernel: int, out_size: int, stride: int, pad_lo: int, lhs_dilation: int,
+def _valid_taps(in_size: int, kernel: int, out_size: int, *, stride: int, pad_lo: int, lhs_dilation: int,
                 rhs_dilation: int) -> int:
   """(output position, kernel tap) pairs of one spatial dimension that read real input, not padding."""
   pos = (np.arange(out_size)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dilation - pad_lo)
@@ -296,7 +296,8 @@ def conv_rule(inputs, outputs, params) -> Cost:
   taps = 1
   for i in range(spatial):
     taps *= _valid_taps(lhs.shape[lhs_spec[2 + i]], rhs.shape[rhs_spec[2 + i]], out.shape[out_spec[2 + i]],
-                        strides[i], padding[i][0], lhs_dil[i], rhs_dil[i])
+                        stride=strides[i], pad_lo=padding[i][0], lhs_dilation=lhs_dil[i],
+                        rhs_dilation=rhs_dil[i])
   flops = 2.0 * out.shape[out_spec[0]] * out.shape[out_spec[1]] * rhs.shape[rhs_spec[1]] * taps
   r, w = _io_bytes(inputs, outputs)
   return Cost(flops, 0.0, r, w)
