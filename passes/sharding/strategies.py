@@ -174,7 +174,9 @@ class Option:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class SplitChoice:
+  """One choice the ILP makes: how a parameter (and every repeat of it) splits over ``model``, among its options."""
+
   name: str                    # path of the representative parameter
   options: tuple[Option, ...]  # options[0] is replicated
   sites: tuple[int, ...]       # site node ids, repeats included
@@ -202,7 +204,7 @@ class Resharding:
 @dataclasses.dataclass(frozen=True)
 class StrategySpace:
   m: int
-  decisions: tuple[Decision, ...]
+  decisions: tuple[SplitChoice, ...]
   reshardings: tuple[Resharding, ...]
   param_paths: dict[int, str]      # graph input index -> path inside the step's first argument
   param_elements: int              # all parameter elements
@@ -474,7 +476,7 @@ def strategy_space(profile: StepProfile, m: int) -> StrategySpace:
     strategies_of.append(strategies)
     options = tuple(_option(analysis, sites, t, region, sizes) for t in strategies)
     params = tuple(sorted({analysis.sites[s][1] for s in sites}))
-    decisions.append(Decision(graph.inputs[key].path, options, tuple(sites), params))
+    decisions.append(SplitChoice(graph.inputs[key].path, options, tuple(sites), params))
   reshardings = _reshardings(analysis, keys, decision_of, strategies_of, region)
   decisions = [_fold_self_pairs(d, i, reshardings) for i, d in enumerate(decisions)]
   reshardings += _stream_conflicts(analysis, decisions)
@@ -592,7 +594,7 @@ def _reshardings(analysis: _Analysis, keys: dict, decision_of: dict, strategies_
           for (src, dst), table in sorted(pairs.items())]
 
 
-def _stream_conflicts(analysis: _Analysis, decisions: Sequence[Decision]) -> list[Resharding]:
+def _stream_conflicts(analysis: _Analysis, decisions: Sequence[SplitChoice]) -> list[Resharding]:
   """Options that spread a feature sharding along a stream, against splits that meet it by an all-to-all.
 
   A sharded value added into another region's stream (a residual) lets
@@ -634,7 +636,7 @@ def _stream_conflicts(analysis: _Analysis, decisions: Sequence[Decision]) -> lis
   return out
 
 
-def _fold_self_pairs(decision: Decision, index: int, reshardings: Sequence[Resharding]) -> Decision:
+def _fold_self_pairs(decision: SplitChoice, index: int, reshardings: Sequence[Resharding]) -> SplitChoice:
   """A decision resharding into itself pays only when an option meets itself."""
   extra: dict[int, Traffic] = {}
   for r in reshardings:
