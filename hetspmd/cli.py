@@ -17,8 +17,23 @@ import sys
 import time
 from typing import Any, Sequence
 
+import jax
+
+from hetspmd import models
+from hetspmd import report as plan_report
 from hetspmd._format import si
 from hetspmd.errors import HetSpmdError
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.hardware.profiler import profile as profile_devices
+from hetspmd.passes import Role
+from hetspmd.passes import trace as trace_graph
+from hetspmd.passes.profile import profile_step
+from hetspmd.plan.options import GRAD_REDUCE_DTYPES
+from hetspmd.plan.value import Plan
+from hetspmd.planner.building import plan_from
+from hetspmd.planner.ranking import BASELINES
+from hetspmd.planner.ranking import search as search_plans
+from hetspmd.planner.stages import describe, search_stages
 
 _si = functools.partial(si, small=".0f")  # counts and rates below a thousand as integers
 
@@ -118,9 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-  from hetspmd import models
-  from hetspmd.passes import trace
-
   if args.list:
     return _print_model_list(models, args.json)
   workload = models.get(args.model)
@@ -128,7 +140,7 @@ def _run_trace(args: argparse.Namespace) -> int:
   if not args.json:
     print(f"tracing {workload.name} train step (abstract, batch {_batch_desc(batch)}) ...", file=sys.stderr)
   start = time.perf_counter()
-  graph = trace(workload.make_train_step(), workload.abstract_state(), batch)
+  graph = trace_graph(workload.make_train_step(), workload.abstract_state(), batch)
   seconds = time.perf_counter() - start
   report = trace_report(workload, graph, batch, seconds, args.top)
   if args.json:
@@ -139,13 +151,9 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-  import jax
-
-  from hetspmd.hardware.cluster import Cluster
-  from hetspmd.hardware.profiler import profile
 
   devices = jax.devices()[: args.devices] if args.devices else jax.devices()
-  result = profile(devices, progress=not args.json)
+  result = profile_devices(devices, progress=not args.json)
   cluster = Cluster.from_profile(result)
   if args.out:
     cluster.save(args.out)
@@ -168,13 +176,6 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_search(args: argparse.Namespace) -> int:
-  from hetspmd import models
-  from hetspmd.hardware.cluster import Cluster
-  from hetspmd.planner.ranking import BASELINES, search
-  from hetspmd.passes.profile import profile_step
-  from hetspmd.planner.building import plan_from
-  from hetspmd.planner.stages import describe, search_stages
-
   cluster = Cluster.resolve(args.cluster)
   workload = models.get(args.model).with_dtype(args.dtype)
   batch = workload.example_batch(2, args.seq)
@@ -185,12 +186,11 @@ def _run_search(args: argparse.Namespace) -> int:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
-  from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 
   dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   progress("tracing the step at two batch sizes")
   profile = profile_step(workload.make_train_step(), state, batch)
-  result = search(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
+  result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
                   overlap=not args.no_overlap)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
   ideal = result.ideal_throughput
@@ -258,16 +258,13 @@ def _counts_summary(kinds, counts) -> str:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-  from hetspmd import report
-  from hetspmd.plan.value import Plan
-
   plan = Plan.load(args.plan)
   if args.json:
-    print(json.dumps({"plan": plan.to_json(), "positions": report.positions(plan)}, indent=2))
+    print(json.dumps({"plan": plan.to_json(), "positions": plan_report.positions(plan)}, indent=2))
   else:
-    print(report.explain_text(plan))
+    print(plan_report.explain_text(plan))
   if args.png:
-    path = report.explain_png(plan, args.png)
+    path = plan_report.explain_png(plan, args.png)
     print(f"wrote {path}", file=sys.stderr)
   return 0
 
@@ -278,7 +275,6 @@ def _batch_desc(batch: dict[str, Any]) -> str:
 
 def trace_report(workload, graph, batch, seconds: float, top: int) -> dict[str, Any]:
   """The machine-readable summary printed by ``hetspmd trace --json``."""
-  from hetspmd.passes import Role
 
   return {
       "model": workload.name,

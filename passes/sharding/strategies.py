@@ -87,7 +87,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from hetspmd.errors import InvalidValueError
-from hetspmd.passes.costing.step_cost import LinearCost, StepProfile
+from hetspmd.passes.costing.step_cost import LinearCost, StepProfile, fit_linear
 from hetspmd.passes.ir import Graph, Node, Role, Source, ValueRef
 
 from hetspmd.passes.sharding.propagation import (ELEMENTWISE, PROPAGATION_RULES, _REARRANGED_AXES, _VIEWS, Dim, SiteEffect,
@@ -297,8 +297,6 @@ class _Analysis:
     return self.param_views.get((ref.index, ref.output)) if ref.source is Source.NODE else None
 
   def tensor_bytes(self, node: int, output: int = 0) -> LinearCost:
-    from hetspmd.passes.costing.step_cost import fit_linear
-
     small, large = self.graph.nodes[node].outputs[output].nbytes, self.large.nodes[node].outputs[output].nbytes
     return fit_linear(small, large, *self.batches)
 
