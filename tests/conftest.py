@@ -7,6 +7,21 @@ os.environ["XLA_FLAGS"] = " ".join(
 ) + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent XLA compilation cache for the session, in a temporary folder. Tests build the same programs
+# again and again (a single-device reference per case, one plan's step per parametrization); XLA CPU
+# executables serialize, so a recompilation of an identical program is a cache read. The multi-process tests'
+# children inherit the folder through the environment.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="hetspmd-xla-cache-")
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402  (must follow the environment above)
 import pytest  # noqa: E402
 

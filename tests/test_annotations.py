@@ -85,10 +85,9 @@ def test_annotated_plan_trains_like_one_device():
   workload = dataclasses.replace(models.get("mlp-tiny"), make_optimizer=lambda: optax.adam(1e-3, eps=1e-4))
   cluster = hs.Cluster.emulate(jax.devices()[:8], ["V100-32GB"] * 4 + ["P100-16GB"] * 4)
   batches = [workload.synthetic_batch(seed=i, batch=16) for i in range(3)]
-  reference = jax.jit(workload.make_train_step())
-  expected = workload.init_state(0)
-  for batch in batches:
-    expected, _ = reference(expected, batch)
+  from exactness import Reference
+
+  ref = Reference(workload.make_train_step(), workload.init_state(0)).run(batches)
 
   specs = {"layers/0/kernel": ("model", None), "layers/1/kernel": (None, "model")}
   plan = hs.plan_for(cluster, workload.abstract_state(), global_batch=16, layout=(4, 2), microbatch=2,
@@ -98,8 +97,7 @@ def test_annotated_plan_trains_like_one_device():
   assert state["params"]["layers"][0]["kernel"].sharding.spec == jax.sharding.PartitionSpec("model")
   for batch in batches:
     state, _ = step(state, batch)
-  for e, a in zip(jax.tree.leaves(expected["params"]), jax.tree.leaves(state["params"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+  ref.check(state["params"], lambda s: s["params"])
 
 
 def test_parallelize_passes_specs_to_auto_plans():

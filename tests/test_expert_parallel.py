@@ -26,6 +26,7 @@ from hetspmd.passes.profile import profile_step
 from hetspmd.planner.ranking import search
 
 from conftest import require_devices
+from exactness import Reference
 
 # a link on which splitting the tiny model pays, and the experts' all-reduces beat Megatron splits inside each expert
 FAST = "1x8xV100-32GB;intra=100GB/s;intra_latency=0us"
@@ -80,12 +81,7 @@ def test_experts_stay_whole_when_the_link_is_hopeless(moe_profile):
 
 
 def _reference(w, batches):
-  step, state = jax.jit(w.make_train_step()), w.init_state(0)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  return state, losses
+  return Reference(w.make_train_step(), w.init_state(0)).run(batches)
 
 
 # (model-axis size, microbatch counts per data position, microbatch): uneven counts inside the planned layout
@@ -110,18 +106,14 @@ def test_searched_expert_parallel_plan_matches_single_device(moe_profile, m, cou
   assert specs["opt_state/0/mu/layers/1/mlp/wi"] == ("model",)   # Adam's moments live with their experts
   assert "layers/*/mlp/wi (dim 0)" in explain_text(plan)            # hetspmd explain names the split
   batches = [w.synthetic_batch(i, batch=global_batch) for i in range(STEPS)]
-  expected, expected_losses = _reference(w, batches)
+  ref = _reference(w, batches)
 
   step = hs.parallelize(w.make_train_step(), plan=plan, global_batch=global_batch)
   state = step.shard_state(w.init_state(0))
   wi = state["params"]["layers"][1]["mlp"]["wi"]
   assert wi.addressable_shards[0].data.shape[0] == wi.shape[0] // m   # each device holds its own experts
-  losses = []
-  for batch in batches:
+  for i, batch in enumerate(batches):
     state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-  for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(jax.device_get(state))):
-    scale = max(float(np.max(np.abs(e))), 1e-3)
-    assert float(np.max(np.abs(np.asarray(e) - np.asarray(a)))) <= 1e-4 * scale, jax.tree_util.keystr(path)
+    ref.check_metrics({"loss": metrics["loss"]}, i)
+  ref.check(jax.device_get(state))
   assert "per-device trip counts" in step.explain()   # no all-to-all forced the loop into lockstep

@@ -17,7 +17,8 @@ from flax.training import train_state
 
 import hetspmd as hs
 
-from test_unmodified_steps import STEPS, _close, _cluster
+from exactness import Reference
+from test_unmodified_steps import STEPS, _cluster
 
 
 class CNN(nn.Module):
@@ -56,22 +57,23 @@ def test_mnist_apply_then_update_is_exact():
   rs = np.random.RandomState(0)
   data = [(rs.randn(batch, 8, 8, 1).astype(np.float32), rs.randint(0, 10, batch).astype(np.int32))
           for _ in range(STEPS)]
-  ref, expected = _state(), []
+  def mnist_step(state, images, labels):  # the two functions one after the other, as one step for the reference
+    grads, loss, accuracy = apply_model(state, images, labels)
+    return update_model(state, grads), {"loss": loss, "accuracy": accuracy}
+
+  ref = Reference(mnist_step, _state())
   for images, labels in data:
-    grads, loss, accuracy = apply_model(ref, images, labels)
-    ref = update_model(ref, grads)
-    expected.append((loss, accuracy))
+    ref.step(images, labels)
 
   cluster = _cluster()
   state = _state()
   plan = hs.plan_for(cluster, state, global_batch=batch, microbatch=microbatch, counts=counts)
   step = hs.parallelize(apply_model, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(state)
-  for (images, labels), (loss, accuracy) in zip(data, expected):
+  for i, (images, labels) in enumerate(data):
     grads, got_loss, got_accuracy = step(state, images, labels)
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # no new state came back: none donated
     state = update_model(state, grads)
-    np.testing.assert_allclose(float(got_loss), float(loss), rtol=1e-5)
-    np.testing.assert_allclose(float(got_accuracy), float(accuracy), rtol=1e-6)
-  _close(ref.params, state.params)
+    ref.check_metrics({"loss": got_loss, "accuracy": got_accuracy}, i)
+  ref.check(state.params, lambda s: s.params)
   assert int(state.step) == STEPS

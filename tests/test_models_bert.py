@@ -10,6 +10,7 @@ from flax import nnx
 
 import hetspmd
 from hetspmd import models
+from exactness import Float64, assert_exact
 from hetspmd.models import bert
 
 TINY = bert.CONFIGS["bert-tiny"][0]
@@ -86,11 +87,12 @@ def test_weighted_loss_needs_hetspmd_value_and_grad_and_agrees_with_the_mean():
   assert loss.shape == () and set(aux) == {"mlm_loss", "moe_aux_loss"}
   value, metrics = jax.jit(loss_fn)(params, batch)
   plain_graphdef = plain.graphdef()
-  mean, mean_metrics = jax.jit(lambda p, b: plain.loss(nnx.merge(plain_graphdef, p), b))(params, batch)
+  plain_loss = lambda p, b: plain.loss(nnx.merge(plain_graphdef, p), b)
+  mean, mean_metrics = jax.jit(plain_loss)(params, batch)
+  mean64, mean64_metrics = Float64(plain_loss)(params, batch)
   assert isinstance(value, hetspmd.Weighted)
-  np.testing.assert_allclose(value.total / value.weight, mean, rtol=1e-5)
-  np.testing.assert_allclose(metrics["moe_aux_loss"].total / metrics["moe_aux_loss"].weight,
-                             mean_metrics["moe_aux_loss"], rtol=1e-5)
+  assert_exact((value.total / value.weight, metrics["moe_aux_loss"].total / metrics["moe_aux_loss"].weight),
+               (mean, mean_metrics["moe_aux_loss"]), (mean64, mean64_metrics["moe_aux_loss"]))
 
 
 # --- MoE routing -----------------------------------------------------------------

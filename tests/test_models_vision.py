@@ -11,6 +11,7 @@ from flax import nnx
 
 import hetspmd as hs
 from hetspmd import models
+from exactness import Float64, assert_exact
 from hetspmd.cli import main
 from hetspmd.models import cnn
 
@@ -163,17 +164,18 @@ def test_microbatched_batch_norm_is_ghost_batch_norm(small_resnet):
   outs = [single(state0, chunk) for chunk in chunks]
   expected = jax.tree.map(lambda *xs: np.mean([np.asarray(x) for x in xs], axis=0), *[s for s, _ in outs])
   expected_loss = np.mean([float(m["loss"]) for _, m in outs])
+  float64_step = Float64(workload.make_train_step())
+  outs64 = [float64_step(state0, chunk) for chunk in chunks]  # the same means, of float64 steps
+  expected64 = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[s for s, _ in outs64])
+  expected64_loss = np.mean([m["loss"] for _, m in outs64])
 
   cluster = hs.Cluster.emulate(jax.devices()[:4], kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
   plan = hs.plan_for(cluster, state0, global_batch=global_batch, layout=(4, 1), microbatch=microbatch, counts=counts)
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan,
                         global_batch=global_batch, donate_state=False)
   state, metrics = step(step.shard_state(state0), batch)
-  assert float(metrics["loss"]) == pytest.approx(expected_loss, rel=1e-5)
   got = jax.tree.map(np.asarray, jax.device_get(state))
-  for (path, want), have in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(got)):
-    scale = max(float(np.max(np.abs(want))), 1e-3)
-    assert float(np.max(np.abs(want - have))) <= 1e-4 * scale, jax.tree_util.keystr(path)
+  assert_exact((metrics["loss"], got), (np.float32(expected_loss), expected), (expected64_loss, expected64))
 
   whole, _ = single(state0, batch)  # one batch-norm batch of 8: different running variances
   assert not np.allclose(whole["batch_stats"]["bn1"]["var"][...], got["batch_stats"]["bn1"]["var"][...], rtol=1e-6)

@@ -19,7 +19,8 @@ from flax import nnx
 
 import hetspmd as hs
 
-from test_unmodified_steps import _close, _cluster, _image_batches, _metrics_close
+from exactness import NnxReference
+from test_unmodified_steps import _cluster, _image_batches, check_nnx
 
 LAYERS, WIDTH, CLASSES = 3, 12, 5
 
@@ -101,17 +102,15 @@ def test_scanned_nnx_layers_are_exact(model_class, optimizer, layout, counts):
   microbatch = 2
   batch = sum(counts) * microbatch
   batches = _image_batches(batch, shape=(WIDTH,), classes=CLASSES)
-  ref = _objects(model_class, optimizer)
-  for b in batches:
-    nnx.jit(train_step)(*ref, b)
+  reference = NnxReference(train_step, _objects(model_class, optimizer)).run(batches)
+  ref = reference.single
   mine = _objects(model_class, optimizer)
   plan = hs.plan_for(_cluster(), nnx.state(mine), global_batch=batch, layout=layout, microbatch=microbatch,
                      counts=counts)
   step = hs.parallelize(train_step, cluster=_cluster(), plan=plan, global_batch=batch)
   for b in batches:
     assert step(*mine, b) is None
-  _metrics_close(ref[2].compute(), mine[2].compute())
-  _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
+  check_nnx(reference, mine)
   counters = [(nnx.state(m, nnx.RngCount)) for m in (ref[0], mine[0])]
   expected, actual = (jax.tree.map(np.asarray, c) for c in counters)
   assert jax.tree.structure(expected) == jax.tree.structure(actual)

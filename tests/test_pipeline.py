@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 from conftest import require_devices
+from exactness import Float64, assert_exact
 from hetspmd.lowering import pipeline
 from hetspmd.errors import InvalidValueError
 
@@ -61,13 +62,20 @@ def _head(p, h, t):
   return Head().apply({"params": p}, h, t)
 
 
+def _total(stack, head, xs, targets):
+  def one(x, t):
+    h, _ = jax.lax.scan(lambda h, p: (_block(p, h), None), x, stack)
+    return _head(head, h, t)
+  return sum(one(xs[m], targets[m]) for m in range(xs.shape[0]))
+
+
 def _reference(stack, head, xs, targets):
-  def total(stack, head, xs):
-    def one(x, t):
-      h, _ = jax.lax.scan(lambda h, p: (_block(p, h), None), x, stack)
-      return _head(head, h, t)
-    return sum(one(xs[m], targets[m]) for m in range(xs.shape[0]))
-  return jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2)))(stack, head, xs)
+  return jax.jit(jax.value_and_grad(_total, argnums=(0, 1, 2)))(stack, head, xs, targets)
+
+
+def _reference64(stack, head, xs, targets):
+  """``_reference`` as the same math in float64."""
+  return Float64(jax.value_and_grad(_total, argnums=(0, 1, 2)))(stack, head, xs, targets)
 
 
 CASES = [  # (stages' layers, data axis size, microbatches, examples per microbatch, recompute)
@@ -96,11 +104,8 @@ def test_uneven_stages_match_one_device(layers, data, microbatches, examples, re
   run = jax.jit(pipeline.pipelined_grad(_block, _head, stages, mesh))
   got_loss, got_dstack, got_dhead, got_dxs = run(pipeline.pack(stack, stages), head, xs, targets)
 
-  np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
-  tol = functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5)
-  jax.tree.map(tol, pipeline.unpack(got_dstack, stages), dstack)
-  jax.tree.map(tol, got_dhead, dhead)
-  tol(got_dxs, dxs)
+  got = (got_loss, (pipeline.unpack(got_dstack, stages), got_dhead, got_dxs))
+  assert_exact(got, (loss, (dstack, dhead, dxs)), _reference64(stack, head, xs, targets), what="loss and gradients")
   padding = np.setdiff1d(np.arange(len(layers) * stages.max_layers), stages.rows())
   for leaf in jax.tree.leaves(got_dstack):
     assert not np.any(np.asarray(leaf)[padding]), "a padding row of the stack got a gradient"
@@ -145,6 +150,8 @@ def test_stages_on_two_processes():
       stack, head, xs, targets = jax.device_get(t._setup(4, 3, 4))
       local = jax.local_devices()[0]
       loss, (dstack, dhead, dxs) = t._reference(*jax.device_put((stack, head, xs, targets), local))
+      from exactness import excess
+      ref64 = t._reference64(stack, head, xs, targets)
       mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("stage", "data"))
       assert {{d.process_index for d in mesh.devices[jax.process_index()]}} == {{jax.process_index()}}
       def put(tree, spec):
@@ -154,16 +161,12 @@ def test_stages_on_two_processes():
       run = jax.jit(pipeline.pipelined_grad(t._block, t._head, stages, mesh))
       got = run(put(packed, P("stage")), put(head, P()), put(xs, P(None, "data")), put(targets, P(None, "data")))
       got = multihost_utils.process_allgather(got, tiled=True)
-      err = lambda a, b: max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (np.abs(np.asarray(y)) + 1e-3)))
-                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-      print(json.dumps({{"loss": float(got[0]), "ref_loss": float(loss),
-                         "stack": err(pipeline.unpack(got[1], stages), dstack),
-                         "head": err(got[2], dhead), "xs": err(got[3], dxs)}}))
+      over = excess((got[0], (pipeline.unpack(got[1], stages), got[2], got[3])), (loss, (dstack, dhead, dxs)), ref64)
+      print(json.dumps({{"over": {{k: v[0] for k, v in over.items() if v[0] > 0}}}}))
   """), num_processes=2, devices_per_process=2, timeout=240)
   assert len(results) == 2
-  for r in results:
-    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5)
-    assert r["stack"] < 1e-3 and r["head"] < 1e-3 and r["xs"] < 1e-3, r
+  for r in results:  # loss and gradients as close to float64 as exactness asks
+    assert r["over"] == {}, r
 
 
 @pytest.mark.timeout(300)

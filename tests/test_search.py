@@ -276,20 +276,15 @@ def test_tensor_parallel_plan_from_the_search_matches_single_device(name):
   plan = plan_from(best, cluster, w.abstract_state())
   assert plan.mesh_shape == (4, 2) and any("model" in str(spec) for _, spec in plan.state_specs)
   batches = [w.synthetic_batch(seed=i, batch=16) for i in range(3)]
-  ref_step, expected, expected_losses = jax.jit(w.make_train_step()), w.init_state(0), []
-  for batch in batches:
-    expected, metrics = ref_step(expected, batch)
-    expected_losses.append(float(metrics["loss"]))
+  from exactness import Reference
+
+  ref = Reference(w.make_train_step(), w.init_state(0)).run(batches)
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=16)
-  state, losses = step.shard_state(w.init_state(0)), []
-  for batch in batches:
+  state = step.shard_state(w.init_state(0))
+  for i, batch in enumerate(batches):
     state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-  got = jax.tree.map(np.asarray, jax.device_get(state))
-  for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
-    scale = max(float(np.max(np.abs(e))), 1e-3)
-    assert float(np.max(np.abs(np.asarray(e) - a))) <= 1e-4 * scale
+    ref.check_metrics({"loss": metrics["loss"]}, i)
+  ref.check(jax.tree.map(np.asarray, jax.device_get(state)))
   # the planner keeps collective-permutes (and with them lockstep execution) out of the loop
   assert "per-device trip counts" in step.explain() and not step._lockstep
 

@@ -20,7 +20,8 @@ import optax
 import pytest
 from flax.training import train_state
 
-from test_unmodified_steps import STEPS, _close, run_planned
+from exactness import Reference
+from test_unmodified_steps import STEPS, run_planned
 
 VOCAB, LENGTH, HIDDEN = 30, 7, 8
 
@@ -83,11 +84,8 @@ def test_sst2_step_is_exact(layout, counts, checkpointed):
   batches = _batches(batch)
   rng = jax.random.key(4)
   step_fn = functools.partial(sst2_train_step, checkpointed=checkpointed)
-  ref, expected = _state(), []
-  for b in batches:
-    ref, m = jax.jit(step_fn)(ref, b, rng)
-    expected.append(m)
-  step, state = run_planned(step_fn, _state(), batches, expected, layout, microbatch, counts, rngs=rng)
-  _close(ref.params, state.params)
+  ref = Reference(step_fn, _state()).run(batches, rng)
+  step, state = run_planned(step_fn, _state(), batches, ref, layout, microbatch, counts, rngs=rng)
+  ref.check(state.params, lambda s: s.params)
   assert int(state.step) == STEPS
   assert "inlined" not in step.explain()  # a checkpointed loss stays one block, its recomputation kept

@@ -28,7 +28,8 @@ import hetspmd as hs
 from hetspmd.errors import HetSpmdError
 
 from conftest import require_devices
-from test_unmodified_steps import KINDS, _close, _cluster, _metrics_close
+from exactness import NnxReference, Reference, assert_exact
+from test_unmodified_steps import KINDS, _cluster, check_nnx
 
 VOCAB, SEQ, WIDTH, LAYERS, STEPS = 23, 8, 16, 4, 3
 
@@ -115,11 +116,8 @@ def test_stages_train_like_one_device(stages, microbatch, count):
   counts = (count,) * positions if isinstance(count, int) else count
   batch = sum(counts) * microbatch
   batches = _batches(batch)
-  ref, ref_metrics = _state(), []
   rng = jax.random.key(7)
-  for b in batches:
-    ref, m = jax.jit(train_step)(ref, b, rng)
-    ref_metrics.append(m)
+  ref = Reference(train_step, _state()).run(batches, rng)
 
   plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages,
                      counts=None if isinstance(count, int) else counts)
@@ -127,11 +125,11 @@ def test_stages_train_like_one_device(stages, microbatch, count):
   assert plan.microbatch_counts == counts
   step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(_state())
-  for b, expected in zip(batches, ref_metrics):
+  for i, b in enumerate(batches):
     state, metrics = step(state, b, rng)
-    _metrics_close(expected, metrics)
-  _close(ref.params, state.params)
-  _close(ref.opt_state, state.opt_state)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
   assert step._lockstep is False  # the ticks are lockstep already: uneven counts compile one program, not two
   kernel = state.params["blocks"]["Dense_0"]["kernel"]  # [layers, ...]: split over the stages when they divide it
   split = LAYERS % len(stages) == 0
@@ -188,16 +186,14 @@ def test_nnx_stages_train_in_place_like_one_device(model_name, stages):
   microbatch = 2
   batch = devices // len(stages) * microbatch * 2
   batches = _image_batches(batch, shape=(t.WIDTH,), classes=t.CLASSES)
-  ref = t._objects(model_class, "adam")
-  for b in batches:
-    nnx.jit(t.train_step)(*ref, b)
+  reference = NnxReference(t.train_step, t._objects(model_class, "adam")).run(batches)
+  ref = reference.single
   mine = t._objects(model_class, "adam")
   plan = hs.plan_for(cluster, nnx.state(mine), global_batch=batch, microbatch=microbatch, stages=stages)
   step = hs.parallelize(t.train_step, cluster=cluster, plan=plan, global_batch=batch)
   for b in batches:
     assert step(*mine, b) is None
-  _metrics_close(ref[2].compute(), mine[2].compute())
-  _close(nnx.state(ref[0], nnx.Param), nnx.state(mine[0], nnx.Param))
+  check_nnx(reference, mine)
   for e, a in zip(jax.tree.leaves(nnx.state(ref[0], nnx.RngCount)), jax.tree.leaves(nnx.state(mine[0], nnx.RngCount))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
@@ -220,12 +216,9 @@ def test_stages_on_two_processes():
       import test_staged_step as t
       rng = jax.random.key(7)
       batches = t._batches(7)
+      from exactness import Reference, excess
       local = jax.local_devices()[0]
-      ref = jax.device_put(t._state(), local)
-      ref_loss = []
-      for b in batches:
-        ref, m = jax.jit(t.train_step)(ref, jax.device_put(b, local), jax.device_put(rng, local))
-        ref_loss.append(float(m["loss"]))
+      ref = Reference(t.train_step, t._state(), jit=jax.jit(t.train_step, device=local)).run(batches, rng)
       cluster = hs.Cluster.emulate(jax.devices(), kinds=t.KINDS)
       plan = hs.plan_for(cluster, t._state(), global_batch=7, microbatch=1, stages=(3, 1))
       assert plan.microbatch_counts == (2, 2, 2, 1)
@@ -235,16 +228,15 @@ def test_stages_on_two_processes():
       state, losses = step.shard_state(t._state()), []
       for b in batches:
         state, m = step(state, b, rng)
-        losses.append(float(m["loss"]))
+        losses.append(m["loss"])
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(state.params, tiled=True)
-      err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(e))) / max(float(np.max(np.abs(np.asarray(e)))), 1e-3))
-                for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(ref.params))))
-      print(json.dumps({{"losses": losses, "ref_losses": ref_loss, "param_err": err}}))
+      over = excess(params, ref.single.params, ref.ref64.params)
+      over.update(excess(losses, [m["loss"] for m in ref.single_metrics], [m["loss"] for m in ref.ref64_metrics]))
+      print(json.dumps({{"over": {{k: v[0] for k, v in over.items() if v[0] > 0}}}}))
   """), num_processes=2, devices_per_process=4, timeout=240)
-  for r in results:
-    np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-5)
-    assert r["param_err"] < 1e-4, r
+  for r in results:  # parameters and losses as close to float64 as exactness asks
+    assert r["over"] == {}, r
 
 
 @pytest.mark.parametrize("kinds,layers,expected", [
@@ -311,17 +303,14 @@ def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages, counts):
   step_fn = w.make_train_step()
   batch, microbatch = 16, 2
   batches = [w.synthetic_batch(seed, batch=batch) for seed in range(STEPS)]
-  ref, ref_metrics = w.init_state(0), []
-  for b in batches:
-    ref, m = jax.jit(step_fn)(ref, b)
-    ref_metrics.append(m)
+  ref = Reference(step_fn, w.init_state(0)).run(batches)
   plan = hs.plan_for(cluster, w.init_state(0), global_batch=batch, microbatch=microbatch, stages=stages, counts=counts)
   assert counts is None or plan.microbatch_counts == counts
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(w.init_state(0))
-  for b, expected in zip(batches, ref_metrics):
+  for i, b in enumerate(batches):
     state, metrics = step(state, b)
-    _metrics_close(expected, metrics)
+    ref.check_metrics(metrics, i)
   # the key third of c_attn's bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by
   # every key): Adam turns its rounding noise into updates of its own size, different for every summation order
   d = w.config.d_model
@@ -331,7 +320,8 @@ def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages, counts):
     params["h"]["attn"]["c_attn"]["bias"][:, d:2 * d] = 0
     return params
 
-  _close(without_key_bias(ref["params"]), without_key_bias(state["params"]))
+  assert_exact(without_key_bias(state["params"]), without_key_bias(ref.single["params"]),
+               without_key_bias(ref.ref64["params"]), what="parameters")
 
 
 def _scanned_mlp_step(state, batch):
@@ -366,18 +356,15 @@ def test_an_earlier_loop_reading_the_stacked_layers_sees_them_all(batch, counts)
   rs = np.random.RandomState(0)
   batches = [{"x": rs.randint(0, 13, (batch, 4)).astype(np.int32), "y": rs.randint(0, 13, (batch, 4)).astype(np.int32)}
              for _ in range(2)]
-  ref, ref_metrics = _scanned_mlp_state(), []
-  for b in batches:
-    ref, m = jax.jit(_scanned_mlp_step)(ref, b)
-    ref_metrics.append(m)
+  ref = Reference(_scanned_mlp_step, _scanned_mlp_state()).run(batches)
   plan = hs.plan_for(cluster, _scanned_mlp_state(), global_batch=batch, microbatch=1, stages=(3, 1))
   assert plan.microbatch_counts == counts
   step = hs.parallelize(_scanned_mlp_step, cluster=cluster, plan=plan, global_batch=batch)
   state = step.shard_state(_scanned_mlp_state())
-  for b, expected in zip(batches, ref_metrics):
+  for i, b in enumerate(batches):
     state, metrics = step(state, b)
-    _metrics_close(expected, metrics)
-  _close(ref, state)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
 
 
 def test_stage_plans_refuse_options_they_do_not_take():

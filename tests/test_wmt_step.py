@@ -20,7 +20,8 @@ import optax
 import pytest
 from flax.training import train_state
 
-from test_unmodified_steps import STEPS, _close, run_planned
+from exactness import Reference, assert_exact
+from test_unmodified_steps import STEPS, run_planned
 
 VOCAB, SRC, TGT, WIDTH, HEADS = 32, 7, 5, 16, 2
 
@@ -173,21 +174,19 @@ def test_wmt_step_is_exact(layout, counts, microbatch):
   step_fn = functools.partial(wmt_train_step, config={}, learning_rate_fn=schedule, label_smoothing=0.1)
   batches = _batches(batch)
   rng = jax.random.key(3)
-  ref, ref_metrics = _state(schedule), []
-  for b in batches:
-    ref, m = jax.jit(step_fn)(ref, b, dropout_rng=rng)
-    ref_metrics.append(m)
-  assert all(float(m["loss"]) > 0 and float(m["denominator"]) > 0 for m in ref_metrics)
+  ref = Reference(step_fn, _state(schedule)).run(batches, dropout_rng=rng)
+  assert all(float(m["loss"]) > 0 and float(m["denominator"]) > 0 for m in ref.single_metrics)
 
-  step, state = run_planned(step_fn, _state(schedule), batches, ref_metrics, layout, microbatch, counts,
+  step, state = run_planned(step_fn, _state(schedule), batches, ref, layout, microbatch, counts,
                             dropout_rng=rng)
   # attention's key bias shifts every logit of a query's row alike, which softmax ignores: its gradient is zero
   # in exact arithmetic and rounding noise in float32, which a different summation order changes. Both runs
-  # must leave it at noise level; every other leaf must match.
+  # must leave it at noise level; every other leaf must match (exactness: against float64).
   key_bias = lambda tree: {k: v.pop("bias") for k, v in _attention_keys(tree)}
-  ref_params, params = jax.tree.map(np.asarray, ref.params), jax.tree.map(np.asarray, state.params)
-  for noise in (key_bias(ref_params), key_bias(params)):
+  ref_params, params = jax.tree.map(np.asarray, ref.single.params), jax.tree.map(np.asarray, state.params)
+  ref64_params = jax.tree.map(np.asarray, ref.ref64.params)
+  for noise in (key_bias(ref_params), key_bias(params), key_bias(ref64_params)):
     assert noise and max(float(np.max(np.abs(x))) for x in noise.values()) < 1e-5
-  _close(ref_params, params)
+  assert_exact(params, ref_params, ref64_params, what="parameters")
   assert int(state.step) == STEPS
   assert "per-device trip counts" in step.explain()
