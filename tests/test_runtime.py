@@ -392,7 +392,7 @@ def test_plan_values_are_validated():
 
 
 def test_proportional_counts():
-  from hetspmd.plan.value import proportional_counts
+  from hetspmd.plan.counts import proportional_counts
 
   assert proportional_counts([2, 1, 1], 8) == (4, 2, 2)
   assert proportional_counts([1, 1, 1], 4) == (2, 1, 1)
