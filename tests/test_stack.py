@@ -15,7 +15,8 @@ from flax.training import train_state
 
 from hetspmd import models
 from hetspmd.errors import HetSpmdError, NoLayerStackError
-from hetspmd.lowering import staged, weighted
+from hetspmd.lowering import staged
+from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.frontend import stack as layer_stack
@@ -35,7 +36,7 @@ def _lowering_stack(step, state, batch):
   first = len(jax.tree.leaves(state))
   inputs = range(first, first + len(jax.tree.leaves(batch)))
   analysis = analyse(closed, inputs, jax.tree.leaves(batch)[0].shape[0])
-  return staged.find_stack(weighted._Program(analysis, inputs, fuse=False))
+  return staged.find_stack(Program(analysis, inputs, fuse=False))
 
 
 def _assert_agree(step, state, batch, layers):
