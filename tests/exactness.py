@@ -15,11 +15,16 @@ is evaluated with every float32 value, literal, cast target and accumulation
 type widened to float64 (bfloat16/float16 stay as they are; random bits
 converted into float32 stay float32 values, then widen).
 
-K = 4: reordering a sum of n terms has the same worst-case error bound
-(``(n - 1) * eps * sum|x_i|``, or ``log2(n) * eps * sum|x_i|`` for a tree) as
-the order the single-device step happens to use; the parallel step adds a few
-roundings of its own (one per microbatch partial, one per cross-device
-reduction, a rescale), so it is allowed a small multiple, not an exact match.
+K = 8: reordering a sum of n terms has a worst-case error bound of the same
+form as the order the single-device step happens to use (``log2(n) * eps *
+sum|x_i|`` for XLA's tree reduction); the parallel step's reduction is up to
+about twice as deep (a tree inside each microbatch, then its count of
+microbatch partials added in turn, then the devices' partials, then a
+rescale), and a leaf's realised single-device error can sit a few times below
+its bound by chance (a bias summed over every token: observed up to 5.5x in
+this suite, e.g. c_proj.bias under ZeRO-3 and c_fc.bias under a logical-spec
+sharding). 8 keeps a margin over that; a real error is far outside it (one
+leaf scaled by 1 + 1e-4 is 24x over, a dropped microbatch 1e5x).
 
 The floor: ``FLOOR_ULPS * eps32 * scale`` with ``scale`` the leaf's largest
 magnitude in the float64 result (at least ``eps32``-relative ``unit`` for
@@ -39,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-K = 4.0
+K = 8.0
 EPS32 = float(np.finfo(np.float32).eps)
 FLOOR_ULPS = 8.0
 
