@@ -433,9 +433,15 @@ def test_two_processes_match_single_device(layout, counts, zero_stage):
         state, metrics = step(state, {{k: v[mine] for k, v in b.items()}})
         losses.append(metrics["loss"])
       got = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state["params"])
-      over = excess(got, ref.single["params"], ref.ref64["params"])
+      # Adam divides a gradient by its own size, so a cancelling gradient's rounding (a bias's) is amplified beyond
+      # any factor of the single-device error; Adam bounds the step instead (lr per element per step), so each
+      # parameter is held to a tenth of three steps' reach of the float64 run, the losses to its distance
+      over = {{k: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)))) - 3e-3 / 10
+              for k, a, e in zip(map(str, range(len(jax.tree.leaves(got)))), jax.tree.leaves(got),
+                                 jax.tree.leaves(ref.ref64["params"]))}}
       over.update(excess(losses, [m["loss"] for m in ref.single_metrics], [m["loss"] for m in ref.ref64_metrics]))
-      print(json.dumps({{"over": {{k: v[0] for k, v in over.items() if v[0] > 0}}}}))
+      over = {{k: (v if isinstance(v, float) else v[0]) for k, v in over.items()}}
+      print(json.dumps({{"over": {{k: v for k, v in over.items() if v > 0}}}}))
   """, num_processes=2, devices_per_process=4, timeout=240)
   for r in results:  # leaves (and losses) further from float64 than exactness allows: none
     assert r["over"] == {}
