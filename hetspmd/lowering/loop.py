@@ -130,14 +130,10 @@ class _DeviceLoop:
     offset = self.ctx.start + i * m
     partial: dict[int, list] = {}
     for index in prog.loop_eqns[self.s]:
-      eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
-      if decision is None:  # example-free work on a local statistic
-        jx.eval_equations([eqn], env)
+      ran = run_equation(prog, index, env, offset, size)
+      if ran is None:  # example-free work on a local statistic
         continue
-      cut = prog.cuts.get(index)
-      out = apply(prog, eqn, decision, env, offset, size, zero_base=cut is not None and cut.base is not None)
-      summed = sum_outputs(decision)
-      env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
+      eqn, cut, out, summed = prog.eqns[index], prog.cuts.get(index), *ran
       if index in targets:
         partial[targets[index]] = [wide(out[j]) for j in summed]
         if prog.region and not cut.local:  # read as a mean, as the statistics are, by work on them
@@ -217,6 +213,20 @@ def split_fused(x, dim: int, k: int):
   """A per-example output of ``k`` microbatches run as one, its examples along ``dim`` → ``[k, *one's shape]``."""
   shape = x.shape
   return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
+
+
+def run_equation(prog, index: int, env: dict, offset, m: int) -> tuple[list[Any], list[int]] | None:
+  """Equation ``index`` on one microbatch of ``m`` examples from ``offset``: its outputs put in ``env`` but the
+  sums over the examples, returned with their positions; ``None`` for example-free work, evaluated as it is."""
+  eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
+  if decision is None:
+    jx.eval_equations([eqn], env)
+    return None
+  cut = prog.cuts.get(index)
+  out = apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
+  summed = sum_outputs(decision)
+  env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
+  return out, summed
 
 
 def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False) -> list[Any]:

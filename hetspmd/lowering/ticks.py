@@ -19,9 +19,8 @@ import jax.numpy as jnp
 from hetspmd.lowering import operands
 from hetspmd.lowering.exchange import Exchange
 from hetspmd._dtypes import wide
-from hetspmd.lowering.loop import apply, combiner, identity
+from hetspmd.lowering.loop import combiner, identity, run_equation
 from hetspmd.lowering.pipeline import tick_slot
-from hetspmd.lowering.program import sum_outputs
 from hetspmd.passes import _jax_adapter as jx
 
 
@@ -82,15 +81,11 @@ class StageDevice:
     position = {c.index: k for k, c in enumerate(self.loop.ops.cut_outs)}
     partial = {}
     for index in indices:
-      eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
-      if decision is None:
-        jx.eval_equations([eqn], env)
+      ran = run_equation(prog, index, env, offset, m)
+      if ran is None:
         continue
-      cut = prog.cuts.get(index)
-      out = apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
-      summed = sum_outputs(decision)
-      env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
-      if cut is not None:
+      out, summed = ran
+      if prog.cuts.get(index) is not None:
         partial[position[index]] = [wide(out[j]) for j in summed]
     return partial
 
