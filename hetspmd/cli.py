@@ -203,6 +203,9 @@ def _run_search(args: argparse.Namespace) -> int:
       "plans": [p.to_json(ideal) for p in result.plans],
       "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
                            result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
+      "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
+                                 result.homogeneous_equivalent.to_json(ideal)),
+      "heterogeneity_tax": result.heterogeneity_tax,
       "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
       "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
   }
@@ -226,6 +229,10 @@ def _run_search(args: argparse.Namespace) -> int:
     if name in result.baselines:
       b = result.baselines[name]
       print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
+  if result.homogeneous_equivalent is not None:
+    print(_plan_row("", result.homogeneous_equivalent, ideal, label="homogeneous_equivalent",
+                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device "
+                           "its mean)"))
   if stage_plans:
     print()
     print(f"{'':>2} pipeline stages (the step scans its layers; run with plan_for(..., stages=layers))")

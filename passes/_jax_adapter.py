@@ -72,6 +72,19 @@ def trace_to_jaxpr(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str
   return traced.jaxpr, traced.out_info
 
 
+# JAX's two wordings of a collective over an axis name that nothing binds (core.AxisEnv and lax.parallel).
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (?P<name>[^\s.]+)")
+
+
+def unbound_axis_name(error: BaseException) -> str | None:
+  """The axis name of JAX's ``NameError`` for a collective (``lax.pmean(x, 'batch')``) traced where no
+  transformation binds the axis; ``None`` for any other error."""
+  if not isinstance(error, NameError):
+    return None
+  found = _UNBOUND_AXIS.search(str(error))
+  return found.group("name") if found else None
+
+
 def to_abstract(tree: Any) -> Any:
   """Replaces every array leaf by a ``ShapeDtypeStruct`` (no device memory)."""
 

@@ -61,8 +61,25 @@ def _extended(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+# the dtypes the float64 run widens: float32, and with ``half=True`` float16 and bfloat16 too (set while a
+# Float64 traces and runs)
+_WIDENED = [frozenset({_F32})]
+_HALF = frozenset({np.dtype(np.float16), np.dtype(jnp.bfloat16)})
+
+
 def _is_f32(dtype) -> bool:
-  return dtype is not None and not _extended(dtype) and np.dtype(dtype) == _F32
+  return dtype is not None and not _extended(dtype) and np.dtype(dtype) in _WIDENED[-1]
+
+
+class _widening:
+  def __init__(self, half: bool):
+    self.dtypes = frozenset({_F32}) | (_HALF if half else frozenset())
+
+  def __enter__(self):
+    _WIDENED.append(self.dtypes)
+
+  def __exit__(self, *exc):
+    _WIDENED.pop()
 
 
 def _wide(dtype):
@@ -153,10 +170,14 @@ class Float64:
   Call it with float32 or float64 arguments of the shapes ``fn`` takes in
   float32 (keyword arguments too); it returns numpy float64 arrays where ``fn``
   returns float32. One trace and one compilation per argument signature.
+  ``half=True`` widens float16 and bfloat16 work too: the float64 run is then
+  the exact math of a mixed-precision step, and the single-device step's
+  distance from it includes its half-precision roundings.
   """
 
-  def __init__(self, fn: Callable[..., Any]):
+  def __init__(self, fn: Callable[..., Any], *, half: bool = False):
     self.fn = fn
+    self.half = half
     self._compiled = {}
 
   def __call__(self, *args, **kwargs):
@@ -173,7 +194,7 @@ class Float64:
         run = jax.jit(lambda *f: _eval(closed.jaxpr, closed.consts, *f))
       self._compiled[key] = (run, jax.tree.structure(out_shape))
     run, out_tree = self._compiled[key]
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), _widening(self.half):
       # each argument in the dtype it was traced with (a Python int step stays int32), floats widened
       out = run(*[_up(x if _extended(a.dtype) else jnp.asarray(x, a.dtype)) for x, a in zip(flat, avals)])
       out = [o if _extended(o.dtype) else np.asarray(o) for o in out]
@@ -184,9 +205,9 @@ class Reference:
   """A step run on one device twice, side by side: as written (float32, under ``jax.jit``) and as the same math
   in float64. ``step(*args, **kwargs)`` advances both from the states they hold and returns both metrics."""
 
-  def __init__(self, step_fn: Callable[..., Any], state: Any, *, jit=None):
+  def __init__(self, step_fn: Callable[..., Any], state: Any, *, jit=None, half: bool = False):
     self.single_step = jit if jit is not None else jax.jit(step_fn)
-    self.float64_step = Float64(step_fn)
+    self.float64_step = Float64(step_fn, half=half)
     self.single, self.ref64 = state, state
     self.single_metrics, self.ref64_metrics = [], []
 
@@ -260,10 +281,12 @@ def _array(x):
   return np.asarray(x.value if hasattr(x, "value") and not hasattr(x, "dtype") else x)
 
 
-def excess(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS):
+def excess(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS, eps: float | None = None):
   """Per leaf path: ``(max|got - ref| - (k * max|single - ref| + floor), max|got - ref|, max|single - ref|,
   floor)``; a positive first entry fails the check. Leaves that are not floating point (integers, booleans,
-  PRNG keys) must equal the single-device step's exactly (first entry ``inf`` where they do not)."""
+  PRNG keys) must equal the single-device step's exactly (first entry ``inf`` where they do not). ``eps``: the
+  floor's unit roundoff (default the leaf dtype's, at least float32's); a step computing in float16 rounds each
+  value to float16's, in whatever order it sums."""
   out = {}
   g_leaves, s_leaves, r_leaves = _leaves(got), jax.tree.leaves(single), jax.tree.leaves(ref)
   assert len(g_leaves) == len(s_leaves) == len(r_leaves), (len(g_leaves), len(s_leaves), len(r_leaves))
@@ -274,12 +297,12 @@ def excess(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS):
     if not jnp.issubdtype(g.dtype, jnp.inexact):
       out[name] = (0.0 if np.array_equal(g, s) else np.inf, 0.0, 0.0, 0.0)
       continue
-    eps = max(EPS32, float(jnp.finfo(g.dtype).eps))
+    unit = eps if eps is not None else max(EPS32, float(jnp.finfo(g.dtype).eps))
     g, s, r = (np.asarray(x, np.float64) for x in (g, s, r))
     if not g.size:
       out[name] = (0.0, 0.0, 0.0, 0.0)
       continue
-    floor = floor_ulps * eps * float(np.max(np.abs(r)))
+    floor = floor_ulps * unit * float(np.max(np.abs(r)))
     err_got, err_single = float(np.max(np.abs(g - r))), float(np.max(np.abs(s - r)))
     if not (np.isfinite(err_got) and np.isfinite(err_single)):  # a NaN or an overflow fails, whatever the rest
       out[name] = (np.inf, err_got, err_single, floor)
@@ -288,9 +311,11 @@ def excess(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS):
   return out
 
 
-def assert_exact(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS, what: str = ""):
+def assert_exact(got, single, ref, *, k: float = K, floor_ulps: float = FLOOR_ULPS, what: str = "",
+                 eps: float | None = None):
   """``got`` (the parallel step's result) is within ``k`` times the single-device float32 result's distance
-  from the float64 result ``ref``, plus a floor of ``floor_ulps`` float32 ulps of the leaf's scale."""
-  bad = {p: v for p, v in excess(got, single, ref, k=k, floor_ulps=floor_ulps).items() if v[0] > 0}
+  from the float64 result ``ref``, plus a floor of ``floor_ulps`` float32 ulps (or units of ``eps``) of the
+  leaf's scale."""
+  bad = {p: v for p, v in excess(got, single, ref, k=k, floor_ulps=floor_ulps, eps=eps).items() if v[0] > 0}
   assert not bad, f"{what}: leaves further from float64 than {k} x single-device + {floor_ulps} ulps " + "; ".join(
       f"{p}: |got-ref64|={v[1]:.3g} |single-ref64|={v[2]:.3g} floor={v[3]:.3g}" for p, v in list(bad.items())[:8])

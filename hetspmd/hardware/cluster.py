@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError, UnknownNameError
-from hetspmd.hardware.devices import LINK_PRESETS, DeviceSpec, Link, link, parse_latency, preset_for_device_kind
+from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
+                                      preset_for_device_kind)
 from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec
 
 DEFAULT_INTER = "25Gbps"
@@ -145,6 +146,13 @@ class Cluster:
   @property
   def is_homogeneous(self) -> bool:
     return len(self.kinds) == 1
+
+  def homogeneous_equivalent(self) -> "Cluster":
+    """The same hosts, device counts and links, every device the pool's mean device
+    (:func:`~hetspmd.hardware.devices.mean_spec`): what the pool would be without its differences."""
+    mean = mean_spec([d.spec for d in self.devices])
+    hosts = tuple(dataclasses.replace(h, device=mean) for h in self.hosts)
+    return dataclasses.replace(self, hosts=hosts, name=f"homogeneous equivalent of {self}")
 
   def spec_of(self, kind: str) -> DeviceSpec:
     for host in self.hosts:

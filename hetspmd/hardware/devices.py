@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError, UnknownNameError
 from hetspmd.passes._jax_adapter import reduced_precision_f32_matmuls
@@ -133,6 +133,28 @@ class DeviceSpec:
     if dtype in ("bfloat16", "float16", "bf16", "fp16"):
       return self.bf16_flops
     return self.f32_matmul_flops(reduced_precision_f32_matmuls())
+
+
+def mean_spec(specs: Sequence[DeviceSpec], name: str = "") -> DeviceSpec:
+  """One device kind with the means of ``specs`` (one entry per device): each peak (float32, float32 matmuls
+  with reduced-precision inputs, bfloat16), memory bandwidth (copy, read, cache write) and memory. A pool of
+  these has the same total peak, bandwidth and memory as the pool of ``specs``."""
+  specs = tuple(specs)
+  if not specs:
+    raise InvalidValueError("mean_spec needs at least one device spec")
+  mean = lambda values: float(sum(values)) / len(specs)
+  cached = all(s.cache_bytes is not None for s in specs)
+  reduced = any(s.reduced_f32_flops is not None for s in specs)
+  return DeviceSpec(
+      name=name or "mean(" + ",".join(dict.fromkeys(s.name for s in specs)) + ")",
+      fp32_flops=mean(s.fp32_flops for s in specs), bf16_flops=mean(s.bf16_flops for s in specs),
+      memory_bytes=int(mean(s.memory_bytes for s in specs)), memory_bandwidth=mean(s.memory_bandwidth for s in specs),
+      measured=all(s.measured for s in specs),
+      read_bandwidth=(mean(s.read_rate for s in specs) if any(s.read_bandwidth is not None for s in specs)
+                      else None),
+      cache_bytes=int(mean(s.cache_bytes for s in specs)) if cached else None,
+      cache_write_bandwidth=mean(s.cache_write_bandwidth for s in specs) if cached else None,
+      reduced_f32_flops=mean(s.f32_matmul_flops(True) for s in specs) if reduced else None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

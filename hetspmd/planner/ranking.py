@@ -71,6 +71,7 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.frontend import named_axes
 from hetspmd.passes.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import balanced_counts, even_counts, proportional_counts
@@ -86,11 +87,25 @@ SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
+  """Ranked plans (``plans[0]`` the best: never below a baseline, every baseline being a candidate too), the best
+  of each baseline, and ``homogeneous_equivalent``: the best plan the same search finds on the pool with every
+  device its mean (:meth:`~hetspmd.hardware.cluster.Cluster.homogeneous_equivalent`), for a plan of that pool,
+  not this one."""
+
   plans: tuple[Evaluated, ...]
   baselines: dict[str, Evaluated]
   ideal_throughput: float
   search_seconds: float
   candidates: int
+  homogeneous_equivalent: Evaluated | None = None
+
+  @property
+  def heterogeneity_tax(self) -> float | None:
+    """``1 - best / homogeneous_equivalent`` in throughput: what the pool's differences cost the best plan,
+    apart from what the network costs any plan."""
+    if self.homogeneous_equivalent is None:
+      return None
+    return 1.0 - self.plans[0].throughput / self.homogeneous_equivalent.throughput
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -223,10 +238,9 @@ class _Tally:
     if max(e.memory_bytes) > c.layout.memory:  # every device of a plan holds the same bytes
       self.overflow.append(e)
       return
+    self.plans.append(e)  # a baseline is a plan too: the best plan is never below one
     bucket = c.baseline
-    if bucket is None:
-      self.plans.append(e)
-    elif bucket not in self.best or e.step_seconds < self.best[bucket].step_seconds:
+    if bucket is not None and (bucket not in self.best or e.step_seconds < self.best[bucket].step_seconds):
       self.best[bucket] = e
 
 
@@ -234,7 +248,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None, *,
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
            grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
-           fuse_overlap: bool = True) -> SearchResult:
+           fuse_overlap: bool = True, homogeneous: bool = True) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
@@ -247,6 +261,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   policies (``("none",)`` for a step that cannot apply one: it does not use ``hetspmd.value_and_grad``).
   ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
   statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
+  ``homogeneous``: also search the pool's homogeneous equivalent (``SearchResult.homogeneous_equivalent``; a pool
+  of one kind is its own).
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
@@ -271,8 +287,24 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
       progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {tally.candidates} candidates costed")
   if not tally.plans:
     raise PlanDoesNotFitError(_overflow_message(cluster, tally.overflow))
-  return SearchResult(_top(tally.plans, top), tally.best, ideal_throughput(cluster, profile, global_batch),
-                      time.perf_counter() - start, tally.candidates)
+  ranked = _top(tally.plans, top)
+  equivalent = None
+  if homogeneous:
+    equivalent = ranked[0] if cluster.is_homogeneous else _homogeneous_best(
+        cluster, profile, global_batch, remat_policies=space.remat_policies, recompute=recompute,
+        grad_reduce_dtypes=space.grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
+        models=space.model_sizes)
+  return SearchResult(ranked, tally.best, ideal_throughput(cluster, profile, global_batch),
+                      time.perf_counter() - start, tally.candidates, equivalent)
+
+
+def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int, **options: Any) -> Evaluated | None:
+  """The best plan on ``cluster``'s homogeneous equivalent (``None`` if nothing fits there)."""
+  try:
+    return search(cluster.homogeneous_equivalent(), profile, global_batch, top=1, homogeneous=False,
+                  **options).plans[0]
+  except PlanDoesNotFitError:
+    return None
 
 
 def _top(plans: Sequence[Evaluated], top: int) -> tuple[Evaluated, ...]:
@@ -342,5 +374,6 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if progress:
     progress("tracing the step at two batch sizes")
+  fn = named_axes.binding(fn, None, lambda names: None)  # a pmap-style step: its collectives over the global batch
   return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
                 grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap)

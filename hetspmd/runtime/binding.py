@@ -80,7 +80,7 @@ class Call:
     rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
     batch_args = tuple(args[i] for i in batch_argnums)
     if step._plan is None:
-      search_fn = state_batch_function(step.fn, args, kwargs, graph_args=graph_args, graphdef=graphdef,
+      search_fn = state_batch_function(step.traced(step.fn), args, kwargs, graph_args=graph_args, graphdef=graphdef,
                                        batch_argnums=batch_argnums, state_argnum=state_argnum)
       step._resolve(state, search_fn, batch_args[0] if len(batch_args) == 1 else batch_args)
       if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
@@ -148,7 +148,7 @@ class Call:
         return nnx.state(objects), out
       return out
 
-    return pure
+    return self.step.traced(pure)
 
   def trace(self, global_batch: int):
     """The step's closed jaxpr at the global batch, and its output tree."""

@@ -36,6 +36,7 @@ from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
+from hetspmd.passes.frontend import named_axes
 from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.state_layout import auto_state_specs
@@ -72,9 +73,19 @@ class ParallelStep:
   _starts_array: Any = None
   _lockstep: bool | None = None  # decided from the first compiled program
   bound: tuple = ()  # NNX objects bound ahead of each call's arguments (an nnx.cached_partial's)
+  axis_name: tuple[str, ...] | None = None  # the step's collective axis names (pmap style); None: found on trace
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
+
+  def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (the step, or the step as a function of arrays) as hetspmd traces it: collectives over the step's
+    axis names (``lax.pmean(grads, 'batch')``) bound as the one replica of the global batch
+    (:mod:`hetspmd.passes.frontend.named_axes`)."""
+    return named_axes.binding(fn, self.axis_name, self._found_axis_names)
+
+  def _found_axis_names(self, names: tuple[str, ...]) -> None:
+    self.axis_name = names
 
   # --- plan ------------------------------------------------------------------
 
@@ -116,9 +127,9 @@ class ParallelStep:
     if batch is None:
       raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
                          "call the step (before shard_state) so that its first batch is used")
+    fn = search_fn or self.traced(self.fn)
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
-      profile = profile_step(search_fn or self.fn, state, batch)
-    fn = search_fn or self.fn
+      profile = profile_step(fn, state, batch)
     result = search(cluster, profile, self.global_batch, top=1,
                     remat_policies=SEARCHED_REMAT if calls else ("none",),
                     recompute=self._recompute(fn, state, batch),
@@ -299,7 +310,7 @@ def _loop_needs_lockstep(lowered: Any) -> bool:
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
-                batch_stats: str = "local", grad_reduce_dtype: str = "float32"):
+                batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -351,8 +362,14 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       bfloat16 per plan, by cost).
       Accumulation over microbatches stays float32 either way. ``"search"``
       plans overlap the reduction with each position's last microbatch.
+    axis_name: a ``jax.pmap``-style step's collective axis name(s)
+      (``lax.pmean(grads, 'batch')``); default: found from the step. It runs
+      as the one replica of the global batch, so its collectives mean "over
+      the global batch" under any plan (``lax.axis_index`` is 0; see
+      :mod:`hetspmd.passes.frontend.named_axes`).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
+  names = named_axes.axis_names(axis_name)
 
   def wrap(f: Callable[..., Any]) -> ParallelStep:
     if not callable(f):
@@ -364,7 +381,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       argnums = tuple(i + len(bound) for i in argnums)
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
                         batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
-                        bound=bound)
+                        bound=bound, axis_name=names)
 
   return wrap if fn is None else wrap(fn)
 
