@@ -16,7 +16,12 @@ share of its step spent in communication that is not hidden; the longest of
 the three search times; and the mechanisms the plan uses. ``ceiling`` is
 ideal / dp_even (same options): the most any plan could be over dp_even,
 with every device busy on its own share and nothing left of communication
-(up to the gain of larger microbatches on the faster devices). Models and
+(up to the gain of larger microbatches on the faster devices). ``homog.eq``
+is the efficiency of the best plan the same search finds on the pool's
+homogeneous equivalent (the same hosts and links, every device the pool's
+mean speed per dtype, memory bandwidth and memory), and ``tax`` the
+heterogeneity tax ``1 - best / homogeneous equivalent``: what the pool's
+differences cost, apart from what the network costs any plan. Models and
 clusters follow the reference experiments: HAP's BERT-base, ViT-B/16, VGG19
 and BERT-MoE on 16 V100 + 48 P100 at HAP's batch of 2048, AMP's GPT-2
 medium on T4 + V100 at AMP's batch of 32 and at 128, GPT-2 XL and GPT 1.3B
@@ -58,6 +63,7 @@ CASES = [
 # ddp = overlap, float32 (what PyTorch DDP does by default); all = overlap, and float32 or bfloat16 reduction
 SETTINGS = {"before": dict(overlap=False), "ddp": dict(overlap=True),
             "all": dict(overlap=True, grad_reduce_dtypes=("float32", "bfloat16"))}
+HEXISCALE_GAP = 0.035  # HexiScale's average gap to homogeneous hardware of equal peak
 
 
 def mechanisms(e) -> str:
@@ -82,8 +88,10 @@ def main() -> None:
 
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)
+  taxes = []  # heterogeneous pools: 1 - best / homogeneous equivalent
   print(f"{'cluster':<17} {'model':<13} {'batch':>5} {'dtype':>7} {'eff':>6} {'vs dp_even':>10} {'vs ddp f32':>10} "
-        f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'search s':>8}  best plan")
+        f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'homog.eq':>8} "
+        f"{'tax':>6} {'search s':>8}  best plan")
   for preset, name, batch, seq, dtype in CASES:
     w = models.get(name).with_dtype(dtype)
     if w.name not in profiles:
@@ -95,6 +103,8 @@ def main() -> None:
       start = time.perf_counter()
       results[key] = search(cluster, profiles[w.name], batch, **options)
       seconds = max(seconds, time.perf_counter() - start)
+    # the homogeneous equivalent: the same search on the pool with every device its mean (not in the search time)
+    results["all"] = search(cluster, profiles[w.name], batch, homogeneous=True, **SETTINGS["all"])
     result = results["all"]
     best = result.plans[0]
 
@@ -112,8 +122,14 @@ def main() -> None:
     total_comm = ddp.comm_seconds / (ddp.compute_seconds + ddp.comm_seconds)
     rows.append((best.throughput / result.ideal_throughput, total_comm if dtype == "float32" else 1.0,
                  min(speedup["dp_even"], speedup["homog"]), speedup["before"]))
+    tax = result.heterogeneity_tax
+    equivalent = result.homogeneous_equivalent
+    if tax is not None and not cluster.is_homogeneous:
+      taxes.append(tax)
+    homog = f"{equivalent.throughput / result.ideal_throughput:8.1%}" if equivalent else f"{'no fit':>8}"
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
-          f"{ceiling} {comm:5.0%} {seconds:8.2f}  {mechanisms(best)}", flush=True)
+          f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {seconds:8.2f}  "
+          f"{mechanisms(best)}", flush=True)
   bound = [e for e, comm, _, _ in rows if comm < COMPUTE_BOUND]
   worst = min(r[2] for r in rows)
   if bound:
@@ -124,6 +140,10 @@ def main() -> None:
     print(f"no case where compute dominates (communication under {COMPUTE_BOUND:.0%} of the step)")
   print(f"lowest speedup over dp_even and best_homogeneous: {worst:.2f} (goal >= 1.00: "
         f"{'met' if worst >= 1 - 1e-9 else 'NOT met'})")
+  if taxes:
+    print(f"heterogeneity tax (1 - best / the same search on the pool with every device its mean), {len(taxes)} "
+          f"mixed pools: mean {sum(taxes) / len(taxes):.1%}, range {min(taxes):.1%} to {max(taxes):.1%} "
+          f"(HexiScale reports {HEXISCALE_GAP:.1%} on average to homogeneous hardware of equal peak)")
   print(f"lowest speedup over the search before overlap and reduced precision: {min(r[3] for r in rows):.2f} "
         f"(goal >= 1.00: {'met' if min(r[3] for r in rows) >= 1 - 1e-9 else 'NOT met'})")
 

@@ -191,7 +191,7 @@ def _run_search(args: argparse.Namespace) -> int:
   progress("tracing the step at two batch sizes")
   profile = profile_step(workload.make_train_step(), state, batch)
   result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
-                  overlap=not args.no_overlap)
+                  overlap=not args.no_overlap, homogeneous=True)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
   ideal = result.ideal_throughput
   best = result.plans[0]

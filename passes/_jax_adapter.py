@@ -330,6 +330,11 @@ def static_while_trip_count(eqn: Equation, init_values: Sequence[Any]) -> int | 
   return max(0, hi - lo)
 
 
+def increments_by_one(closed: ClosedJaxpr, before: Any, after: Any) -> bool:
+  """Whether ``closed`` computes its variable ``after`` as ``before + 1`` (a loop counter's step)."""
+  return _increments_by_one(closed.jaxpr, before, after)
+
+
 def _increments_by_one(body: Jaxpr, before: Any, after: Any) -> bool:
   for eqn in body.eqns:
     if after in eqn.outvars:
@@ -508,6 +513,14 @@ def inline_calls(closed: ClosedJaxpr, keep: frozenset = frozenset()) -> ClosedJa
   avals = [v.aval for v in closed.jaxpr.invars]
   fn = lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args, keep)
   return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+
+
+def read_vars(closed: ClosedJaxpr) -> frozenset:
+  """The variables of ``closed`` that some equation or its outputs read (an output of an equation outside it is
+  unused, whether or not it is a ``DropVar``)."""
+  read = {v for e in closed.jaxpr.eqns for v in e.invars if not is_literal(v)}
+  read.update(v for v in closed.jaxpr.outvars if not is_literal(v))
+  return frozenset(read)
 
 
 def eval_equations(eqns: Sequence[Equation], env: dict[Any, Any],

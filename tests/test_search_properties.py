@@ -52,7 +52,7 @@ def _cases():
 @pytest.mark.parametrize("pool,model,batch", _cases())
 def test_best_plan_is_at_least_every_baseline_and_fits(pool, model, batch):
   cluster = Cluster.parse(pool)
-  result = search(cluster, _profile(model), global_batch=batch, top=3)
+  result = search(cluster, _profile(model), global_batch=batch, top=3, homogeneous=True)
   best = result.plans[0]
   assert set(result.baselines) <= set(BASELINES)
   for name, baseline in result.baselines.items():
@@ -88,5 +88,6 @@ def test_the_homogeneous_equivalent_keeps_the_pools_totals_and_network():
 
 
 def test_a_pool_of_one_kind_pays_no_heterogeneity_tax():
-  result = search(Cluster.parse("2x4xV100-32GB;inter=25Gbps"), _profile("gpt2-tiny"), global_batch=64)
+  result = search(Cluster.parse("2x4xV100-32GB;inter=25Gbps"), _profile("gpt2-tiny"), global_batch=64,
+                  homogeneous=True)
   assert result.heterogeneity_tax == 0.0 and result.homogeneous_equivalent is result.plans[0]

@@ -513,14 +513,20 @@ def test_steps_that_mix_examples_are_refused_naming_the_primitive(primitive, los
     step(step.shard_state(_mlp_state()), data)
 
 
-def test_a_step_with_its_own_accumulation_loop_is_told_what_to_do():
-  def accumulated(out, b):  # the batch in 4 chunks, as a gradient accumulation scan takes it
+def test_a_loop_over_chunks_inside_the_differentiated_loss_is_exact():
+  def accumulated(out, b):  # the loss sums its chunks' means; autodiff's transpose scans the chunks backwards
     return jax.lax.scan(lambda c, chunk: (c + chunk.mean(), None), 0.0, out.reshape((4, -1) + out.shape[1:]))[0]
 
-  step = hs.parallelize(_step_with_loss(accumulated), cluster=_cluster(), global_batch=16, microbatch=2)
-  with pytest.raises(hs.HetSpmdError, match=r"reshape .* splitting the batch into 4 chunks, as a gradient "
-                                            r"accumulation loop does.*without its own accumulation"):
-    step(step.shard_state(_mlp_state()), {"x": np.ones((16, 4), np.float32)})
+  step_fn = _step_with_loss(accumulated)
+  rs = np.random.RandomState(4)
+  batches = [{"x": rs.randn(16, 4).astype(np.float32)} for _ in range(STEPS)]
+  ref = Reference(step_fn, _mlp_state()).run(batches)
+  step = hs.parallelize(step_fn, cluster=_cluster(), global_batch=16, microbatch=2)
+  state = step.shard_state(_mlp_state())
+  for i, b in enumerate(batches):
+    state, metrics = step(state, b)
+    ref.check_metrics(metrics, i)
+  ref.check(state["params"], lambda s: s["params"])
 
 
 def _router_balance(out, b):

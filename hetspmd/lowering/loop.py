@@ -289,6 +289,7 @@ def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
     out = body.run(list(consts) + list(carry) + list(x), offset, m)
     return out[:nk], out[nk:]
 
-  carry, ys = jax.lax.scan(step, init, xs, length=parts.length, reverse=eqn.params["reverse"],
+  length = 1 if decision.body.chunked else parts.length  # an accumulation loop: the microbatch is one chunk
+  carry, ys = jax.lax.scan(step, init, xs, length=length, reverse=eqn.params["reverse"],
                            unroll=eqn.params.get("unroll", 1))
   return list(carry) + list(ys)

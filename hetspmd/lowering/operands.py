@@ -17,8 +17,11 @@ from hetspmd.passes.batch_axis.rules import Axis
 
 
 def resize(shape: Sequence[int], axis: Axis, m: int) -> tuple[int, ...]:
+  """``shape`` on a microbatch of ``m`` examples; a chunked axis (an accumulation loop's) is one chunk of ``m``."""
   out = list(shape)
   out[axis.dim] = m * axis.per_example
+  if axis.chunks > 1:
+    out[axis.dim - 1] = 1
   return tuple(out)
 
 

@@ -248,7 +248,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None, *,
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
            grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
-           fuse_overlap: bool = True, homogeneous: bool = True) -> SearchResult:
+           fuse_overlap: bool = True, homogeneous: bool = False) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
@@ -262,7 +262,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
   statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
   ``homogeneous``: also search the pool's homogeneous equivalent (``SearchResult.homogeneous_equivalent``; a pool
-  of one kind is its own).
+  of one kind is its own), for the heterogeneity tax.
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
@@ -364,8 +364,9 @@ BASELINES = ("dp_even", "dp_proportional", "fastest_only", "best_homogeneous")
 def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
                 top: int = 5, progress: Callable[[str], None] | None = None,
                 models: Sequence[int] | None = None, grad_reduce_dtypes: Sequence[str] = ("float32",),
-                overlap: bool = True, fuse_overlap: bool = True) -> SearchResult:
-  """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``.
+                overlap: bool = True, fuse_overlap: bool = True, homogeneous: bool = False) -> SearchResult:
+  """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``; with
+  ``homogeneous``, also the best plan of the pool's homogeneous equivalent (``result.heterogeneity_tax``).
 
   ``fuse_overlap=False`` for a step with per-microbatch batch statistics (BatchNorm under
   ``batch_stats="local"``): a fused overlapped pass would compute them over several microbatches.
@@ -376,4 +377,5 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
     progress("tracing the step at two batch sizes")
   fn = named_axes.binding(fn, None, lambda names: None)  # a pmap-style step: its collectives over the global batch
   return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
-                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap)
+                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
+                homogeneous=homogeneous)

@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis import self_indexing
+from hetspmd.passes.batch_axis import accumulation, self_indexing
 from hetspmd.passes.batch_axis.rules import RULES as RULES
 from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
@@ -158,6 +158,7 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
     cut_deps[v] = 1
   if linear_inputs:
     cut_list.append((-1, Decision((), (), reduce="sum")))
+  read = jx.read_vars(flat)
   for index, eqn in enumerate(jx.equations(flat)):
     in_axes_ = [None if jx.is_literal(v) else axes.get(v) for v in eqn.invars]
     deps, state = 0, False
@@ -173,7 +174,7 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
         if inside:
           loop_only.add(v)
       continue
-    decision = _decide(eqn, in_axes_, batch, keep)
+    decision = _decide(eqn, in_axes_, batch, keep, read)
     decisions.append(decision)
     loop_only.update(eqn.outvars[j] for j in decision.invariant)
     if decision.reduce is not None:
@@ -189,13 +190,21 @@ def propagate(flat: Any, in_axes: dict, batch: int, stateful_inputs: Sequence[An
   return Propagation(flat, axes, tuple(decisions), tuple(cut_list), cut_deps, stateful, frozenset(loop_only))
 
 
-def _decide(eqn, in_axes, batch, keep: frozenset = frozenset()) -> Decision:
+def _decide(eqn, in_axes, batch, keep: frozenset = frozenset(), read: frozenset = frozenset()) -> Decision:
+  """``eqn``'s Decision; ``read``: the variables of its jaxpr that something reads (its unused outputs are not)."""
   name = jx.primitive_name(eqn)
   if jx.is_effectful(eqn):
     raise refusal(eqn, "is a side effect that sees per-example values, so it cannot be split over devices")
+  chunked = [a for a in in_axes if a is not None and a.chunks > 1]
+  if chunked and name != "scan":
+    raise refusal(eqn, f"reads the batch split into {chunked[0].chunks} chunks (batch.reshape(chunks, -1, ...)) "
+                  "other than as the scanned input of a lax.scan that sums over them, as a gradient accumulation "
+                  "loop does")
   if jx.is_checkpoint(eqn):
     return _checkpoint_rule(eqn, in_axes, batch, keep)
   if name == "scan":
+    if chunked:
+      return _accumulation_rule(eqn, in_axes, batch, keep, read)
     return _scan_rule(eqn, in_axes, batch, keep)
   if name in ("while", "cond"):
     raise refusal(eqn, f"is a {name} over per-example values, which hetspmd does not split (write the loop as "
@@ -220,15 +229,21 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
-    return _analyse(self_indexing.rewrite(jx.inline_calls(closed, keep=_UNITS)), batch_inputs, global_batch,
+    return _analyse(_flat(closed, _UNITS, global_batch), batch_inputs, global_batch,
                     batch_stats=batch_stats, float_state_inputs=float_state_inputs, notes=(), keep=_UNITS)
   except _Inline as e:
-    return _analyse(self_indexing.rewrite(jx.inline_calls(closed)), batch_inputs, global_batch,
+    return _analyse(_flat(closed, frozenset(), global_batch), batch_inputs, global_batch,
                     batch_stats=batch_stats, float_state_inputs=float_state_inputs, keep=frozenset(),
                     notes=(f"checkpointed blocks inlined (their recomputation is lost): {e}",))
 
 
 _UNITS = jx.CHECKPOINTS
+
+
+def _flat(closed: Any, keep: frozenset, global_batch: int) -> Any:
+  """The step inlined but for ``keep``, its self-indexing gathers batched and its counted loops over chunks of the
+  batch written as scans over the chunks (:mod:`hetspmd.passes.batch_axis.accumulation`)."""
+  return accumulation.rewrite(self_indexing.rewrite(jx.inline_calls(closed, keep=keep)), global_batch)
 
 
 def _analyse(flat, batch_inputs, global_batch, *, batch_stats, float_state_inputs, notes, keep) -> Analysis:
@@ -262,6 +277,7 @@ class Body:
   propagation: Propagation
   presliced: frozenset
   accumulators: tuple[int, ...] = ()
+  chunked: bool = False  # a step's own accumulation loop over chunks of the batch: on a microbatch, one chunk
 
 
 # Equations through which a value stays a sum over examples (linear in it), when its other operands are not.
@@ -345,7 +361,8 @@ def _checkpoint_rule(eqn, in_axes, batch, keep) -> Decision:
   return _body_decision(eqn, prop, in_axes, invars, jx.outvars(body), ())
 
 
-def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, *, shift_in=None, shift_out=None) -> Decision:
+def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, *, shift_in=None, shift_out=None,
+                   chunked: bool = False) -> Decision:
   """The Decision of an equation whose body ``prop`` maps ``invars`` to ``outvars``."""
   demanded = _demanded(prop)
   inputs = []
@@ -362,7 +379,7 @@ def _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, *, shift_i
     axis = None if jx.is_literal(v) else prop.axes.get(v)
     outputs.append(axis if axis is None or shift_out is None else shift_out(j, axis))
   summed = any(not jx.is_literal(v) and prop.axes.get(v) is None and prop.cut_deps.get(v, 0) for v in outvars)
-  body = Body(prop, frozenset(presliced), tuple(accumulators))
+  body = Body(prop, frozenset(presliced), tuple(accumulators), chunked)
   return Decision(tuple(outputs), tuple(inputs), reduce="sum" if summed else None, body=body,
                   invariant=_invariant_outputs(prop))
 
@@ -424,6 +441,62 @@ def _scan_rule(eqn, in_axes, batch, keep) -> Decision:
   shift_out = lambda j, a: a.moved(a.dim + 1) if j >= nk else a
   decision = _body_decision(eqn, prop, outer_in, invars, outvars, accumulators, shift_in=shift_in, shift_out=shift_out)
   return decision
+
+
+def _accumulation_rule(eqn, in_axes, batch, keep, read) -> Decision:
+  """A step's own gradient accumulation loop: a ``scan`` over the ``k`` chunks of ``batch.reshape(k, -1, ...)``
+  whose carries sum over the examples. Its sums are sums over the whole batch, each chunk's constants kept (a
+  chunk's ``1/(B/k)``), so on a microbatch of ``m`` examples the loop runs its body once, on them as one chunk,
+  and the plan's microbatches and counts split the batch in place of the loop's chunks. Refused, with the
+  reason, where the loop does more than sum: a carry that changes and reaches a result (a running max, an
+  optimizer update inside the loop), per-chunk outputs, random draws per chunk, the whole batch beside its
+  chunks."""
+  parts = jx.scan_parts(eqn)
+  body = self_indexing.rewrite(jx.inline_calls(parts.body, keep=keep))
+  invars, outvars = jx.invars(body), jx.outvars(body)
+  nc, nk, k = parts.num_consts, parts.num_carry, parts.length
+  what = f"is a gradient accumulation loop over {k} chunks of the batch that"
+  for j, a in enumerate(in_axes):
+    if a is not None and (j < nc + nk or a.chunks != k or a.dim != 1):
+      raise refusal(eqn, f"{what} also reads examples other than its chunks, one per step")
+  chunk = batch // k
+  inner = [None] * (nc + nk) + [None if a is None else Axis(0, a.per_example) for a in in_axes[nc + nk:]]
+  start = {v: a for v, a in zip(invars, inner) if a is not None}
+  prop = propagate(body, start, chunk, linear_inputs=_accumulator_vars(body, nc, nk, inner, chunk), keep=keep)
+  accumulators = tuple(i for i in range(nk) if not jx.is_literal(outvars[i]) and prop.cut_deps.get(outvars[i], 0) & ~1)
+  prop = propagate(body, start, chunk, linear_inputs=[invars[nc + i] for i in accumulators], keep=keep)
+  for i in range(nk):
+    changes = outvars[i] is not invars[nc + i]
+    if i not in accumulators and changes and (_reaches_results(body, invars[nc + i], i)
+                                              or eqn.outvars[i] in read):
+      raise refusal(eqn, f"{what} carries a value from chunk to chunk that is not a sum over the examples (a "
+                    "running max, an update inside the loop), so its chunks cannot be split another way")
+  if any(v in read for v in eqn.outvars[nk:]):
+    if any(not jx.is_literal(v) and v in prop.axes for v in outvars[nk:]):
+      raise refusal(eqn, f"{what} returns per-example values chunk by chunk (the scan's ys; autodiff's transpose "
+                    "of a loop over chunks inside a differentiated loss makes them): loop over the chunks around "
+                    "jax.grad, summing the gradients in the carry")
+    raise refusal(eqn, f"{what} returns a value per chunk (the scan's ys): sum it in the carry instead, so that "
+                  "hetspmd's microbatches can stand for the chunks")
+  for e, d in zip(jx.equations(body), prop.decisions):
+    if d is not None and jx.primitive_name(e) in ("random_bits", "random_wrap", "threefry2x32"):
+      raise refusal(eqn, f"{what} draws random numbers for each chunk's examples, which hetspmd's microbatches "
+                    "would draw differently")
+  try:
+    _check_body(prop, "body", eqn)
+  except Mixing as e:
+    raise refusal(eqn, f"{what} does more than sum: {e}") from None
+  shift_in = lambda j, a: Axis(a.dim + 1, a.per_example, k) if j >= nc + nk else a
+  return _body_decision(eqn, prop, in_axes, invars, outvars, accumulators, shift_in=shift_in, chunked=True)
+
+
+def _reaches_results(body, carry_in, own: int) -> bool:
+  """Whether body input ``carry_in`` reaches any body output but its own carry (``own``)."""
+  reached = {carry_in}
+  for e in jx.equations(body):
+    if any(not jx.is_literal(v) and v in reached for v in e.invars):
+      reached.update(e.outvars)
+  return any(not jx.is_literal(v) and v in reached for j, v in enumerate(jx.outvars(body)) if j != own)
 
 
 def _accumulator_vars(body, nc, nk, inner, batch) -> list:

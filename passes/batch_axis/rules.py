@@ -24,13 +24,20 @@ from hetspmd.passes import _jax_adapter as jx
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Axis:
-  """Where a value carries the example axis: dimension ``dim`` has ``B * per_example`` entries."""
+  """Where a value carries the example axis: dimension ``dim`` has ``B * per_example`` entries.
+
+  ``chunks > 1``: the examples are split into ``chunks`` equal chunks along dimension ``dim - 1``, as a step's own
+  gradient accumulation loop splits them (``batch.reshape(chunks, -1, ...)``); dimension ``dim`` then has
+  ``B / chunks * per_example`` entries. Only a ``scan`` over the chunks reads such a value
+  (:mod:`hetspmd.passes.batch_axis.analysis`); on a microbatch of ``m`` examples it is one chunk of ``m``.
+  """
 
   dim: int
   per_example: int = 1
+  chunks: int = 1
 
   def moved(self, dim: int) -> "Axis":
-    return Axis(dim, self.per_example)
+    return Axis(dim, self.per_example, self.chunks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,11 +154,9 @@ def _reshape(eqn, axes, batch):
     running *= size
   shape = _shape(eqn.invars[0])
   chunks = out[axis.dim] if before == 1 and axis.dim == 0 and len(out) > len(shape) else 0
-  if chunks > 1 and out[1] * chunks == shape[0] and tuple(out[2:]) == tuple(shape[1:]):
-    raise Mixing(f"it reshapes {shape} to {out}, splitting the batch into {chunks} chunks, as a gradient "
-                 "accumulation loop does. hetspmd accumulates over microbatches itself (the plan's microbatch "
-                 "size, on each device its own count): parallelize the step without its own accumulation (one "
-                 "chunk), at the global batch")
+  if chunks > 1 and out[1] * chunks == shape[0] and tuple(out[2:]) == tuple(shape[1:]) and axis.per_example == 1:
+    # a gradient accumulation loop's chunks: only the scan over them may read this (analysis._decide)
+    return Decision((Axis(1, 1, chunks),), (axis,) + (None,) * (len(eqn.invars) - 1))
   raise Mixing(f"it reshapes {shape} to {out}, splitting or interleaving the examples")
 
 
