@@ -169,6 +169,7 @@ def test_resnet_step_written_for_pmap(batch_stats):
   ref.check(state.params, lambda s: s.params)
   ref.check(state.batch_stats, lambda s: s.batch_stats)
   assert step.axis_name == (AXIS,)
+  assert f"collectives over '{AXIS}' (pmap style)" in step.explain()
 
 
 # float16 work is rounded to float16's unit wherever it sits, and hetspmd sums it in another order (each microbatch's

@@ -61,6 +61,20 @@ def build(analysis: Analysis, batch_inputs: Sequence[int], layout: Layout):
 
 
 def _run(prog: Program, layout: Layout, inputs: list[Any], counts, starts) -> list[Any]:
+  env, ops = before_loops(prog, inputs, counts, starts)
+  totals, pe_buffers = (staged.loop_part if layout.stages else loop_part)(prog, layout, ops)
+  if prog.accumulated:
+    pe_buffers, accumulated = pe_buffers
+    env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))
+  after_loops(prog, env, ops.cut_outs, totals)
+  for v, buf in zip(ops.pe_outs, pe_buffers):
+    env[v] = _global_order(buf, prog.analysis.axes[v], layout)
+  return [jx.read(env, v) for v in prog.outvars]
+
+
+def before_loops(prog: Program, inputs: Sequence[Any], counts, starts) -> tuple[dict, LoopOperands]:
+  """The example-free work before the loops, on the step's flat inputs (batch inputs: their microbatch buffers),
+  and what the loops read: the values so far and the loops' operands."""
   env: dict = dict(zip(prog.constvars, prog.consts))
   for i, (v, x) in enumerate(zip(prog.invars, inputs)):
     if i not in prog.batch_inputs:
@@ -71,21 +85,20 @@ def _run(prog: Program, layout: Layout, inputs: list[Any], counts, starts) -> li
                        | set(prog.middle_inputs()), key=definition_order(prog))
   ops = LoopOperands(
       inputs=tuple(loop_inputs), values=tuple(env[v] for v in loop_inputs),
-      batch_vars=tuple(prog.invars[i] for i in prog.batch_inputs), buffers=tuple(inputs[i] for i in prog.batch_inputs),
-      counts=counts, starts=starts, cut_outs=tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed),
+      batch_vars=tuple(prog.invars[i] for i in prog.batch_inputs),
+      buffers=tuple(inputs[i] for i in prog.batch_inputs), counts=counts, starts=starts,
+      cut_outs=tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed),
       pe_outs=tuple(v for v in prog.outvars if not jx.is_literal(v) and v in prog.analysis.axes))
-  totals, pe_buffers = (staged.loop_part if layout.stages else loop_part)(prog, layout, ops)
-  if prog.accumulated:
-    pe_buffers, accumulated = pe_buffers
-    env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))
-  for cut, values in zip(ops.cut_outs, totals):
+  return env, ops
+
+
+def after_loops(prog: Program, env: dict, cut_outs: Sequence[Any], totals: Sequence[Sequence[Any]]) -> None:
+  """Every cut's total (with its base) into ``env``, then the example-free work after the loops."""
+  for cut, values in zip(cut_outs, totals):
     eqn = prog.eqns[cut.index]
     decision = prog.analysis.decisions[cut.index]
     env.update(zip([eqn.outvars[j] for j in sum_outputs(decision)], with_bases(eqn, decision, values, env)))
   jx.eval_equations([prog.eqns[i] for i in prog.post], env)
-  for v, buf in zip(ops.pe_outs, pe_buffers):
-    env[v] = _global_order(buf, prog.analysis.axes[v], layout)
-  return [jx.read(env, v) for v in prog.outvars]
 
 
 def _global_order(buf, axis: Axis, layout: Layout):

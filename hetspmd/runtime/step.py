@@ -201,6 +201,9 @@ class ParallelStep:
     else:
       mode = "weighted microbatch accumulation (per-device trip counts)"
     lines = [self.plan.summary(), f"  execution: {mode}"]
+    if self.axis_name:
+      names = ", ".join(repr(n) for n in self.axis_name)
+      lines.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
     if self._analysis is not None:
       analysis = self._analysis
       lines.append(f"  derived from the step's jaxpr: {len(analysis.cuts)} reduction(s) over the batch, "

@@ -1,0 +1,122 @@
+"""Group plans: the devices partitioned into groups, each running its own program with its own microbatch.
+
+One SPMD program gives every device the same buffers, so the pool's weakest
+device sets the microbatch size for all. A :class:`GroupPlan` gives each
+:class:`Group` of devices its own microbatch size and per-device counts: a
+step then runs as a short schedule of programs (:mod:`hetspmd.runtime.grouped`),
+one per group over a mesh of its devices (its microbatch loop, giving each
+device's partial sums), then one uniform program over every device that
+adds those sums and runs the rest of the step once.
+
+The examples are laid out group by group, device by device: device ``i`` of
+group ``g`` takes ``counts[i] * microbatch`` consecutive examples of the
+global batch, after those of the groups and devices before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+from hetspmd.errors import InvalidValueError
+
+GROUP_PLAN_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Devices (JAX device ids, in position order) that run one program: microbatches of ``microbatch``
+  examples, ``counts[i]`` of them on device ``i``."""
+
+  devices: tuple[int, ...]
+  microbatch: int
+  counts: tuple[int, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+    object.__setattr__(self, "counts", tuple(int(c) for c in self.counts))
+    if not self.devices:
+      raise InvalidValueError("a group needs at least one device")
+    if len(set(self.devices)) != len(self.devices):
+      raise InvalidValueError(f"a group names a device twice: devices {self.devices}")
+    if not isinstance(self.microbatch, int) or self.microbatch < 1:
+      raise InvalidValueError(f"a group's microbatch must be a positive integer, got {self.microbatch!r}")
+    if len(self.counts) != len(self.devices) or any(c < 0 for c in self.counts):
+      raise InvalidValueError(f"a group needs one count of at least 0 per device: {len(self.devices)} devices "
+                              f"{self.devices}, counts {self.counts}")
+
+  @property
+  def examples(self) -> int:
+    return sum(self.counts) * self.microbatch
+
+  @property
+  def max_count(self) -> int:
+    return max(max(self.counts), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+  """Groups that together cover the global batch, no device in two of them."""
+
+  groups: tuple[Group, ...]
+  global_batch: int
+
+  def __post_init__(self):
+    object.__setattr__(self, "groups", tuple(self.groups))
+    if not self.groups:
+      raise InvalidValueError("a group plan needs at least one group")
+    owner: dict[int, int] = {}
+    for g, group in enumerate(self.groups):
+      for d in group.devices:
+        if d in owner:
+          raise InvalidValueError(f"device {d} is in group {owner[d]} and in group {g}: each device belongs to "
+                                  "one group")
+        owner[d] = g
+    covered = sum(group.examples for group in self.groups)
+    if covered != self.global_batch:
+      detail = " + ".join(f"{sum(g.counts)} x {g.microbatch}" for g in self.groups)
+      raise InvalidValueError(f"the groups cover {covered} examples ({detail}), not the global batch of "
+                              f"{self.global_batch}: change the counts or the microbatch sizes")
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    return tuple(d for g in self.groups for d in g.devices)
+
+  def starts(self) -> tuple[tuple[int, ...], ...]:
+    """Per group, each device's first example of the global batch."""
+    out, at = [], 0
+    for group in self.groups:
+      firsts = []
+      for c in group.counts:
+        firsts.append(at)
+        at += c * group.microbatch
+      out.append(tuple(firsts))
+    return tuple(out)
+
+  def summary(self) -> str:
+    lines = [f"{len(self.groups)} group program(s), global batch {self.global_batch}"]
+    for g, group in enumerate(self.groups):
+      lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
+                   f"{list(group.counts)} ({group.examples} examples)")
+    return "\n".join(lines)
+
+  def to_json(self) -> dict[str, Any]:
+    return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
+            "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts)}
+                       for g in self.groups]}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "GroupPlan":
+    if data.get("version") != GROUP_PLAN_VERSION:
+      raise InvalidValueError(f"group plan version {data.get('version')!r} is not {GROUP_PLAN_VERSION}")
+    return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"])) for g in data["groups"]),
+               int(data["global_batch"]))
+
+  def dumps(self) -> str:
+    return json.dumps(self.to_json(), indent=2)
+
+
+def group_plan(groups: Sequence[tuple[Sequence[int], int, Sequence[int]]], global_batch: int) -> GroupPlan:
+  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples."""
+  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch)

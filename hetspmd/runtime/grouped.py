@@ -1,0 +1,148 @@
+"""A step run as a schedule of group programs (:class:`hetspmd.plan.groups.GroupPlan`).
+
+Per call: each group's program (:func:`hetspmd.lowering.groups.group_program`,
+``jax.jit`` over a mesh of the group's devices, its own microbatch size and
+counts) is dispatched in turn; JAX runs them asynchronously, so the groups
+compute at the same time. Their per-device partial sums are assembled into
+global arrays over every device without a copy
+(``jax.make_array_from_single_device_arrays``: every device's row has the
+same shape), and one uniform program over every device
+(:func:`hetspmd.lowering.groups.exchange_program`) combines them and runs the
+rest of the step: the optimizer update on the state, replicated on every
+device, and the metrics.
+
+This first form takes functional steps, ``step(state, batch, *rest) ->
+outputs``, with the state replicated (ZeRO-0) and one microbatch loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hetspmd import lowering
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.lowering import groups as group_lowering
+from hetspmd.lowering.program import Program
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.batch_axis.analysis import analyse
+from hetspmd.plan.groups import GroupPlan
+
+DATA = "data"
+
+
+@dataclasses.dataclass
+class GroupedStep:
+  """A functional train step bound to a :class:`GroupPlan`; call it as ``step(state, batch, *rest)`` with the
+  global batch (host arrays leading with ``plan.global_batch``)."""
+
+  fn: Callable[..., Any]
+  plan: GroupPlan
+  _built: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    by_id = {d.id: d for d in jax.devices()}
+    missing = [d for d in self.plan.devices if d not in by_id]
+    if missing:
+      raise InvalidValueError(f"the group plan names devices {missing} that JAX does not have (it has ids "
+                              f"{sorted(by_id)})")
+    self.devices = [by_id[d] for d in self.plan.devices]
+    self.mesh = Mesh(np.array(self.devices), (DATA,))
+    self.group_meshes = [Mesh(np.array([by_id[d] for d in g.devices]), (DATA,)) for g in self.plan.groups]
+
+  def shard_state(self, state: Any) -> Any:
+    """``state`` replicated on every device of the plan."""
+    return jax.device_put(state, NamedSharding(self.mesh, P()))
+
+  def __call__(self, state: Any, batch: Any, *rest: Any) -> Any:
+    leaves, tree = jax.tree.flatten((state, batch, rest))
+    n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
+    for x in jax.tree.leaves(batch):
+      if np.shape(x)[:1] != (self.plan.global_batch,):
+        raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
+                                f"{self.plan.global_batch}, got shape {np.shape(x)}")
+    key = (tree, tuple((np.shape(x), str(jnp.asarray(x).dtype)) for x in leaves))
+    if key not in self._built:
+      self._built[key] = self._build(tree, leaves, range(n_state, n_state + n_batch))
+    programs, exchange, out_tree = self._built[key]
+    state_leaves = leaves[:n_state]
+    others = leaves[n_state + n_batch:]
+    partials = []
+    for g, (group, mesh, program) in enumerate(zip(self.plan.groups, self.group_meshes, programs)):
+      inputs = [_on(mesh, x) for x in state_leaves] + self._buffers(g, leaves[n_state:n_state + n_batch]) + [
+          _on(mesh, x) for x in others]
+      counts = jax.device_put(np.asarray(group.counts, np.int32), NamedSharding(mesh, P(DATA)))
+      starts = jax.device_put(np.asarray(self.plan.starts()[g], np.int32), NamedSharding(mesh, P(DATA)))
+      partials.append(program(inputs, counts, starts))
+    joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
+              for k in range(len(partials[0]))]
+    outputs = exchange([_on(self.mesh, x) for x in state_leaves], [_on(self.mesh, x) for x in others], joined)
+    return jax.tree.unflatten(out_tree, outputs)
+
+  def _build(self, tree, leaves, batch_inputs):
+    avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+             for x in leaves]
+
+    def flat(*xs):
+      state, batch, rest = jax.tree.unflatten(tree, xs)
+      return self.fn(state, batch, *rest)
+
+    closed, shapes = jx.make_closed_jaxpr(flat, *avals, return_shape=True)
+    analysis = analyse(closed, tuple(batch_inputs), self.plan.global_batch)
+    prog = Program(analysis, tuple(batch_inputs))
+    group_lowering.check(prog)
+    programs = []
+    for group, mesh in zip(self.plan.groups, self.group_meshes):
+      layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
+      programs.append(jax.jit(group_lowering.group_program(prog, layout)))
+    n_batch = len(batch_inputs)
+    run = group_lowering.exchange_program(prog)
+    exchange = jax.jit(lambda state, others, partials: run(list(state) + [None] * n_batch + list(others),
+                                                          partials))
+    return programs, exchange, jax.tree.structure(shapes)
+
+  def _buffers(self, g: int, batch_leaves):
+    """Group ``g``'s padded microbatch buffers ``[devices * max_count, microbatch, ...]`` of each batch array."""
+    group, mesh = self.plan.groups[g], self.group_meshes[g]
+    starts = self.plan.starts()[g]
+    out = []
+    for x in batch_leaves:
+      x = np.asarray(x)
+      buf = np.zeros((len(group.devices) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
+      for i, (c, s) in enumerate(zip(group.counts, starts)):
+        rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
+        buf[i * group.max_count:i * group.max_count + c] = rows
+      out.append(jax.device_put(buf, NamedSharding(mesh, P(DATA))))
+    return out
+
+  def _rows(self, parts):
+    """One global array over every device from each group's rows (one per device, the same shape), no copy."""
+    shards = [s for part in parts for s in sorted(part.addressable_shards, key=lambda s: s.index[0].start or 0)]
+    by_device = {s.device: s.data for s in shards}
+    row = shards[0].data.shape
+    return jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(row[1:]),
+                                                    NamedSharding(self.mesh, P(DATA)),
+                                                    [by_device[d] for d in self.devices])
+
+
+def _on(mesh: Mesh, x: Any) -> Any:
+  """``x`` replicated on ``mesh``'s devices: its own per-device buffers where it has them (no copy)."""
+  sharding = NamedSharding(mesh, P())
+  if isinstance(x, jax.Array):
+    have = {s.device: s.data for s in x.addressable_shards}
+    if x.is_fully_replicated and all(d in have for d in mesh.devices.flat):
+      return jax.make_array_from_single_device_arrays(x.shape, sharding, [have[d] for d in mesh.devices.flat])
+  return jax.device_put(x, sharding)
+
+
+def run_groups(fn: Callable[..., Any], plan: GroupPlan) -> GroupedStep:
+  """``fn`` (a functional step) run under ``plan``'s group programs."""
+  if not isinstance(plan, GroupPlan):
+    raise HetSpmdError(f"run_groups needs a GroupPlan, got {type(plan).__name__}")
+  return GroupedStep(fn, plan)

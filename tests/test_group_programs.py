@@ -1,0 +1,141 @@
+"""Group programs: each device group runs its own microbatch loop (its own microbatch size and counts), joined by
+one uniform program over every device; exact against one device, and bad group plans refused."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import hetspmd as hs
+from hetspmd import models
+from hetspmd.plan.groups import Group, GroupPlan, group_plan
+from hetspmd.runtime.grouped import run_groups
+
+from conftest import require_devices
+from exactness import Reference
+
+STEPS = 3
+
+
+class Net(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(16)(x)))
+    return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+def _state():
+  model = Net()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)), train=False)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
+
+
+def dropout_step(state, batch):
+  key = jax.random.fold_in(jax.random.key(7), state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": key})
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _batches(size, seed=0):
+  rs = np.random.RandomState(seed)
+  return [{"x": rs.randn(size, 6).astype(np.float32), "y": rs.randint(0, 4, size).astype(np.int32)}
+          for _ in range(STEPS)]
+
+
+# (group devices, microbatch, counts) per group: a fast pair with large microbatches beside slower devices with
+# small ones, one device idle; three groups of three sizes
+PLANS = [
+    [((0, 1), 4, (3, 3)), ((2, 3, 4, 5, 6, 7), 2, (2, 2, 1, 1, 1, 0))],
+    [((0,), 8, (2,)), ((1, 2, 3), 4, (1, 1, 1)), ((4, 5, 6, 7), 1, (3, 2, 2, 1))],
+]
+
+
+@pytest.mark.parametrize("groups", PLANS, ids=["two-groups", "three-groups"])
+def test_group_programs_match_one_device(groups):
+  require_devices(8)
+  plan = group_plan(groups, sum(m * sum(c) for _, m, c in groups))
+  batches = _batches(plan.global_batch)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = run_groups(dropout_step, plan)
+  state = step.shard_state(_state())
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+
+
+def test_a_zoo_language_model_under_group_programs():
+  require_devices(8)
+  w = models.get("gpt2-tiny")
+  plan = group_plan([((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (2, 1, 1, 1))], 19)
+  rs = np.random.RandomState(1)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
+             for _ in range(2)]
+  train_step = w.make_train_step()
+  ref = Reference(train_step, w.init_state()).run(batches)
+  step = run_groups(train_step, plan)
+  state = step.shard_state(w.init_state())
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+
+
+@pytest.mark.parametrize("groups,batch,message", [
+    ([((0, 1), 2, (1, 1)), ((1, 2), 2, (1, 1))], 8, "device 1 is in group 0 and in group 1"),
+    ([((0, 1), 2, (1, 1)), ((2, 3), 2, (1, 1))], 10, r"cover 8 examples \(2 x 2 \+ 2 x 2\), not the global batch of 10"),
+    ([((0, 1), 2, (1,))], 2, "one count of at least 0 per device: 2 devices"),
+    ([((0, 1), 0, (1, 1))], 0, "microbatch must be a positive integer"),
+])
+def test_bad_group_plans_say_what_is_wrong(groups, batch, message):
+  with pytest.raises(hs.HetSpmdError, match=message):
+    group_plan(groups, batch)
+
+
+def test_a_group_plan_round_trips_through_json():
+  plan = group_plan(PLANS[1], 36)
+  assert GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  assert plan.starts() == ((0,), (16, 20, 24), (28, 31, 33, 35))
+
+
+def test_devices_jax_does_not_have_are_refused():
+  plan = GroupPlan((Group((0, 4096), 1, (1, 1)),), 2)
+  with pytest.raises(hs.HetSpmdError, match=r"names devices \[4096\] that JAX does not have"):
+    run_groups(dropout_step, plan)
+
+
+def test_steps_group_programs_do_not_run_yet_are_refused_with_the_way_out():
+  require_devices(8)
+
+  class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.BatchNorm(use_running_average=False)(x))
+
+  variables = Normed().init(jax.random.key(0), jnp.zeros((2, 6)))
+
+  def step(state, batch):
+    def loss_fn(params):
+      out, updates = Normed().apply({"params": params, "batch_stats": state["stats"]}, batch["x"],
+                                    mutable=["batch_stats"])
+      return out.mean(), updates
+    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    return {"params": jax.tree.map(lambda p, g: p - g, state["params"], grads),
+            "stats": updates["batch_stats"]}, loss
+
+  plan = group_plan([((0, 1), 2, (1, 1)), ((2, 3), 1, (2, 2))], 8)
+  state = {"params": variables["params"], "stats": variables["batch_stats"]}
+  grouped = run_groups(step, plan)
+  with pytest.raises(hs.HetSpmdError, match="group programs .*run it as one program"):
+    grouped(grouped.shard_state(state), _batches(8)[0])
