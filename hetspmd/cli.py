@@ -191,7 +191,7 @@ def _run_search(args: argparse.Namespace) -> int:
   progress("tracing the step at two batch sizes")
   profile = profile_step(workload.make_train_step(), state, batch)
   result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
-                  overlap=not args.no_overlap, homogeneous=True)
+                  overlap=not args.no_overlap, homogeneous=True, groups=True)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
   ideal = result.ideal_throughput
   best = result.plans[0]
@@ -206,6 +206,9 @@ def _run_search(args: argparse.Namespace) -> int:
       "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
                                  result.homogeneous_equivalent.to_json(ideal)),
       "heterogeneity_tax": result.heterogeneity_tax,
+      "group_plan": (None if result.group_plan is None else
+                     {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
+                      best.throughput}),
       "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
       "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
   }
@@ -233,6 +236,15 @@ def _run_search(args: argparse.Namespace) -> int:
     print(_plan_row("", result.homogeneous_equivalent, ideal, label="homogeneous_equivalent",
                     suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device "
                            "its mean)"))
+  if result.group_plan is not None:
+    g = result.group_plan
+    sizes = ", ".join(f"{k}: mb {m}" for k, m in dict(zip(g.kinds, g.microbatches)).items())
+    if g.tail[1]:
+      sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
+    print()
+    print(f"{'':>2} group programs (one per device kind, each its own microbatch; hetspmd.runtime.grouped runs them)")
+    print(_plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes}; {g.throughput / best.throughput:.2f}x "
+                    "the best plan)"))
   if stage_plans:
     print()
     print(f"{'':>2} pipeline stages (the step scans its layers; run with plan_for(..., stages=layers))")

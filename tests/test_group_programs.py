@@ -13,7 +13,11 @@ from flax.training import train_state
 
 import hetspmd as hs
 from hetspmd import models
+from hetspmd.passes.profile import profile_step
+from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import Group, GroupPlan, group_plan
+from hetspmd.planner.grouping import group_counts, search_groups, to_group_plan
+from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
@@ -58,12 +62,15 @@ PLANS = [
     [((0, 1), 4, (3, 3)), ((2, 3, 4, 5, 6, 7), 2, (2, 2, 1, 1, 1, 0))],
     [((0,), 8, (2,)), ((1, 2, 3), 4, (1, 1, 1)), ((4, 5, 6, 7), 1, (3, 2, 2, 1))],
 ]
+# (plan, tail (microbatch, count) per device: run inside the uniform program, overlapping the reduction)
+CASES = [(PLANS[0], (0, 0)), (PLANS[1], (0, 0)), (PLANS[0], (1, 1)), (PLANS[1], (2, 2))]
 
 
-@pytest.mark.parametrize("groups", PLANS, ids=["two-groups", "three-groups"])
-def test_group_programs_match_one_device(groups):
+@pytest.mark.parametrize("groups,tail", CASES, ids=["two-groups", "three-groups", "two-groups-tail-1x1",
+                                                    "three-groups-tail-2x2"])
+def test_group_programs_match_one_device(groups, tail):
   require_devices(8)
-  plan = group_plan(groups, sum(m * sum(c) for _, m, c in groups))
+  plan = group_plan(groups, sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1], tail=tail)
   batches = _batches(plan.global_batch)
   ref = Reference(dropout_step, _state()).run(batches)
   step = run_groups(dropout_step, plan)
@@ -139,3 +146,37 @@ def test_steps_group_programs_do_not_run_yet_are_refused_with_the_way_out():
   grouped = run_groups(step, plan)
   with pytest.raises(hs.HetSpmdError, match="group programs .*run it as one program"):
     grouped(grouped.shard_state(state), _batches(8)[0])
+
+
+def test_group_counts_cover_the_batch_exactly():
+  rs = np.random.RandomState(3)
+  for _ in range(200):
+    kinds = [f"k{rs.randint(3)}" for _ in range(rs.randint(1, 10))]
+    costs = {k: KindCost(float(rs.uniform(0.01, 1)), float(rs.uniform(0, 0.1)), first=float(rs.uniform(0, 0.05)))
+             for k in set(kinds)}
+    sizes = {k: int(rs.choice([1, 2, 3, 4, 8])) for k in set(kinds)}
+    batch = int(rs.randint(1, 200))
+    counts = group_counts(kinds, costs, sizes, batch)
+    if counts is not None:
+      assert sum(c * sizes[k] for k, c in zip(kinds, counts)) == batch and min(counts) >= 0
+    elif 1 in sizes.values():
+      raise AssertionError(f"a kind with microbatch 1 can make any batch: {kinds} {sizes} {batch}")
+
+
+def test_the_searched_group_plan_runs_exactly():
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
+  batch = 48
+  profile = profile_step(dropout_step, _state(), _batches(batch)[0])
+  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch), grad_reduce_dtypes=("float32",))
+  plan = to_group_plan(cluster, priced)
+  assert len(plan.groups) == 2 and plan.global_batch == batch
+  assert {g.microbatch for g in plan.groups} == set(priced.microbatches)
+  batches = _batches(batch)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = run_groups(dropout_step, plan)
+  state = step.shard_state(_state())
+  for i, b in enumerate(batches):
+    state, metrics = step(state, b)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)

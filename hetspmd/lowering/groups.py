@@ -20,6 +20,7 @@ shaped whatever the microbatch), so the exchange program is uniform.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from hetspmd.errors import HetSpmdError
 from hetspmd.lowering.loop import LoopContext, one_loop
 from hetspmd.lowering.program import Layout, Program, sum_outputs
-from hetspmd.lowering.weighted import after_loops, before_loops
+from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
 
 _COMBINE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
@@ -74,19 +75,34 @@ def group_program(prog: Program, layout: Layout):
   return run
 
 
-def exchange_program(prog: Program):
-  """``program(inputs, partials) -> outputs``: every cut's partials combined over the devices (their leading
-  axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs (batch inputs unread)."""
+def exchange_program(prog: Program, tail: Layout | None = None):
+  """``program(inputs, partials, counts, starts) -> outputs``: every cut's partials combined over the devices
+  (their leading axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs.
 
-  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]]) -> list[Any]:
-    env, ops = before_loops(prog, inputs, None, None)
-    totals = []
-    for cut, part in zip(ops.cut_outs, partials):
-      outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
-      totals.append([_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)])
-    for v, (x,) in zip(prog.accumulated, partials[len(ops.cut_outs):]):
-      env[v] = jnp.sum(x, axis=0).astype(v.aval.dtype)
+  Without ``tail`` the batch inputs are unread (``counts``, ``starts`` too). With ``tail`` (a layout over every
+  device, each running the same count of the same microbatch, its last one peeled so the reduction overlaps
+  it), each batch input is the tail's microbatch buffer: every device runs the tail's microbatches, adds the
+  groups' partials into their sums and reduces them (:func:`hetspmd.lowering.weighted.loop_part`)."""
+
+  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None) -> list[Any]:
+    env, ops = before_loops(prog, inputs, counts, starts)
+    if tail is not None:
+      totals, accumulated = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
+    else:
+      totals = []
+      for cut, part in zip(ops.cut_outs, partials):
+        outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
+        totals.append([_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)])
+      accumulated = [jnp.sum(x, axis=0) for (x,) in partials[len(ops.cut_outs):]]
+    env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
     return [jx.read(env, v) for v in prog.outvars]
 
   return run
+
+
+def _with_tail(prog: Program, tail: Layout, ops):
+  """The tail's loop on every device, the groups' partials added into its sums before they are reduced: the
+  cuts' totals and the accumulated values."""
+  totals, rest = loop_part(prog, tail, ops)
+  return totals, (rest[1] if prog.accumulated else [])

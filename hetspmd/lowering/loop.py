@@ -70,6 +70,9 @@ class LoopOperands:
   starts: Any
   cut_outs: tuple
   pe_outs: tuple
+  # partial values made elsewhere (group programs' loops), added into the final loop's before it is reduced: per
+  # cut of ``cut_outs``, then per accumulated value, its values with a leading axis of one row per position
+  extra: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

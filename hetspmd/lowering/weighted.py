@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from hetspmd.lowering.collectives import reduce_over_data
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.lowering import staged
-from hetspmd.lowering.loop import LoopContext, LoopOperands, between_loops, feed_back, one_loop
+from hetspmd.lowering.loop import LoopContext, LoopOperands, between_loops, combiner, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, definition_order, is_backward, low_precision, scatter_dim_of,
                                      sum_outputs, with_bases)
 from hetspmd.passes.batch_axis.analysis import Analysis
@@ -139,7 +139,7 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
   reduce = functools.partial(reduce_over_data, axis=axis, single=single, data_only=data_only,
                              dtype=layout.reduce_dtype)
 
-  def per_device(values, buffers, counts, starts):
+  def per_device(values, buffers, counts, starts, extra):
     outer = dict(zip(ops.inputs, values))
     ctx = LoopContext(prog, layout, cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0])
     totals: dict[int, list] = {}
@@ -147,6 +147,10 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
     for s in range(prog.analysis.loops):
       mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
       partials, outs = one_loop(ctx, s, outer, mine, ops.pe_outs if s == final else ())
+      if s == final and extra:  # other programs' partial values of the same sums
+        kinds = [cut_outs[k].reduce for k in mine] + ["sum"] * (len(partials) - len(mine))
+        partials = [[combiner(r)(p, e[0]) for p, e in zip(part, rows)]
+                    for r, part, rows in zip(kinds, partials, extra)]
       if s == final and prog.accumulated:
         extra = partials[len(mine):]
         partials = partials[:len(mine)]
@@ -174,10 +178,10 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
   if prog.accumulated:
     out_specs = (out_specs[0], (out_specs[1], [P() if d is None else P(*([None] * d), axis) for d in acc_scatter]))
   if single:
-    return per_device(list(ops.values), list(ops.buffers), ops.counts, ops.starts)
-  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
+    return per_device(list(ops.values), list(ops.buffers), ops.counts, ops.starts, ops.extra)
+  mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis), P(axis)),
                          out_specs=out_specs, axis_names={axis}, check_vma=False)
-  totals, pe = mapped(list(ops.values), list(ops.buffers), ops.counts, ops.starts)
+  totals, pe = mapped(list(ops.values), list(ops.buffers), ops.counts, ops.starts, [list(e) for e in ops.extra])
   return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
            for t, j in zip(tt, sum_outputs(prog.analysis.decisions[c.index]))]
           for tt, c in zip(totals, cut_outs)], pe

@@ -57,15 +57,25 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
-  """Groups that together cover the global batch, no device in two of them."""
+  """Groups that together cover the global batch, no device in two of them.
+
+  ``tail_count`` microbatches of ``tail_microbatch`` examples per device (every device of every group, in
+  group order) run last, inside the uniform program that reduces the groups' sums: the reduction then
+  overlaps their backward pass, as a single program's does its last microbatch's. They take the last
+  examples of the batch."""
 
   groups: tuple[Group, ...]
   global_batch: int
+  tail_microbatch: int = 0
+  tail_count: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "groups", tuple(self.groups))
     if not self.groups:
       raise InvalidValueError("a group plan needs at least one group")
+    if (self.tail_microbatch > 0) != (self.tail_count > 0) or self.tail_microbatch < 0 or self.tail_count < 0:
+      raise InvalidValueError(f"a tail needs a positive microbatch and count together, got tail_microbatch="
+                              f"{self.tail_microbatch}, tail_count={self.tail_count}")
     owner: dict[int, int] = {}
     for g, group in enumerate(self.groups):
       for d in group.devices:
@@ -73,15 +83,25 @@ class GroupPlan:
           raise InvalidValueError(f"device {d} is in group {owner[d]} and in group {g}: each device belongs to "
                                   "one group")
         owner[d] = g
-    covered = sum(group.examples for group in self.groups)
+    covered = sum(group.examples for group in self.groups) + self.tail_examples
     if covered != self.global_batch:
-      detail = " + ".join(f"{sum(g.counts)} x {g.microbatch}" for g in self.groups)
+      detail = " + ".join([f"{sum(g.counts)} x {g.microbatch}" for g in self.groups] + (
+          [f"{len(self.devices) * self.tail_count} x {self.tail_microbatch} in the tail"] if self.tail_count else []))
       raise InvalidValueError(f"the groups cover {covered} examples ({detail}), not the global batch of "
                               f"{self.global_batch}: change the counts or the microbatch sizes")
 
   @property
   def devices(self) -> tuple[int, ...]:
     return tuple(d for g in self.groups for d in g.devices)
+
+  @property
+  def tail_examples(self) -> int:
+    return len(self.devices) * self.tail_count * self.tail_microbatch
+
+  def tail_starts(self) -> tuple[int, ...]:
+    """Each device's first tail example (devices in group order)."""
+    first = self.global_batch - self.tail_examples
+    return tuple(first + i * self.tail_count * self.tail_microbatch for i in range(len(self.devices)))
 
   def starts(self) -> tuple[tuple[int, ...], ...]:
     """Per group, each device's first example of the global batch."""
@@ -99,10 +119,14 @@ class GroupPlan:
     for g, group in enumerate(self.groups):
       lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
                    f"{list(group.counts)} ({group.examples} examples)")
+    if self.tail_count:
+      lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
+                   f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
     return "\n".join(lines)
 
   def to_json(self) -> dict[str, Any]:
     return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
+            "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts)}
                        for g in self.groups]}
 
@@ -111,12 +135,13 @@ class GroupPlan:
     if data.get("version") != GROUP_PLAN_VERSION:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not {GROUP_PLAN_VERSION}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"])) for g in data["groups"]),
-               int(data["global_batch"]))
+               int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)))
 
   def dumps(self) -> str:
     return json.dumps(self.to_json(), indent=2)
 
 
-def group_plan(groups: Sequence[tuple[Sequence[int], int, Sequence[int]]], global_batch: int) -> GroupPlan:
-  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples."""
-  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch)
+def group_plan(groups: Sequence[tuple[Sequence[int], int, Sequence[int]]], global_batch: int, *,
+               tail: tuple[int, int] = (0, 0)) -> GroupPlan:
+  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples; ``tail``: ``(microbatch, count)`` per device."""
+  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch, *tail)

@@ -52,6 +52,14 @@ class Evaluated:
   overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
   hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
   overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
+  microbatches: tuple[int, ...] = ()  # a group plan: each position's own microbatch size (else ``microbatch``)
+  tail: tuple[int, int] = (0, 0)      # a group plan: (microbatch, count) every position runs in the uniform program
+
+  @property
+  def examples(self) -> tuple[int, ...]:
+    """Examples per data position."""
+    sizes = self.microbatches or (self.microbatch,) * len(self.counts)
+    return tuple(c * m + self.tail[0] * self.tail[1] for c, m in zip(self.counts, sizes))
 
   @property
   def model(self) -> int:
@@ -87,6 +95,8 @@ class Evaluated:
         "zero_stage": self.zero_stage,
         "remat": self.remat,
         "memory_bytes": list(self.memory_bytes),
+        **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]}}
+           if self.microbatches else {}),
     }
 
 
@@ -308,7 +318,7 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]
   timed = []
   for peeled in options:
-    per_position = _position_seconds(costing, layout, costs, counts, peeled)
+    per_position = position_seconds(costing, layout, costs, counts, peeled)
     busiest = max(range(n), key=lambda i: per_position[i])
     kind = layout.kinds[busiest]
     # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
@@ -379,7 +389,7 @@ def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
   return out
 
 
-def _position_seconds(costing: Costing, layout: DeviceGroups, costs: dict, counts: Sequence[int],
+def position_seconds(costing: Costing, layout: DeviceGroups, costs: dict, counts: Sequence[int],
                       peeled: bool) -> tuple[float, ...]:
   """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
   work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]

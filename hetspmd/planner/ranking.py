@@ -69,6 +69,7 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
+from hetspmd.planner.grouping import search_groups
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
@@ -98,6 +99,7 @@ class SearchResult:
   search_seconds: float
   candidates: int
   homogeneous_equivalent: Evaluated | None = None
+  group_plan: Evaluated | None = None  # the best group plan (one program per kind: hetspmd.planner.grouping)
 
   @property
   def heterogeneity_tax(self) -> float | None:
@@ -248,7 +250,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
            progress: Callable[[str], None] | None = None, models: Sequence[int] | None = None, *,
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
            grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
-           fuse_overlap: bool = True, homogeneous: bool = False) -> SearchResult:
+           fuse_overlap: bool = True, homogeneous: bool = False, groups: bool = False) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
@@ -262,7 +264,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   ``recompute``: the microbatch work the step's program does over one pass of it (> 1 with exact batch
   statistics, whose earlier loops run part of the forward pass again: :func:`hetspmd.lowering.recompute_factor`).
   ``homogeneous``: also search the pool's homogeneous equivalent (``SearchResult.homogeneous_equivalent``; a pool
-  of one kind is its own), for the heterogeneity tax.
+  of one kind is its own), for the heterogeneity tax. ``groups``: also price group plans (one program per device
+  kind, each its own microbatch: :func:`hetspmd.planner.grouping.search_groups`), reported apart
+  (``SearchResult.group_plan``; :mod:`hetspmd.runtime.grouped` runs them).
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
@@ -294,8 +298,12 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
         cluster, profile, global_batch, remat_policies=space.remat_policies, recompute=recompute,
         grad_reduce_dtypes=space.grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
         models=space.model_sizes)
+  grouped = None
+  if groups:
+    grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
+                            grad_reduce_dtypes=space.grad_reduce_dtypes, recompute=recompute)
   return SearchResult(ranked, tally.best, ideal_throughput(cluster, profile, global_batch),
-                      time.perf_counter() - start, tally.candidates, equivalent)
+                      time.perf_counter() - start, tally.candidates, equivalent, grouped)
 
 
 def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int, **options: Any) -> Evaluated | None:

@@ -82,7 +82,12 @@ class GroupedStep:
       partials.append(program(inputs, counts, starts))
     joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
               for k in range(len(partials[0]))]
-    outputs = exchange([_on(self.mesh, x) for x in state_leaves], [_on(self.mesh, x) for x in others], joined)
+    plan = self.plan
+    tail = self._tail_buffers(leaves[n_state:n_state + n_batch]) if plan.tail_count else [None] * n_batch
+    counts = jax.device_put(np.full(len(self.devices), plan.tail_count, np.int32), NamedSharding(self.mesh, P(DATA)))
+    starts = jax.device_put(np.asarray(plan.tail_starts(), np.int32), NamedSharding(self.mesh, P(DATA)))
+    outputs = exchange([_on(self.mesh, x) for x in state_leaves], tail, [_on(self.mesh, x) for x in others], joined,
+                       counts, starts)
     return jax.tree.unflatten(out_tree, outputs)
 
   def _build(self, tree, leaves, batch_inputs):
@@ -101,10 +106,14 @@ class GroupedStep:
     for group, mesh in zip(self.plan.groups, self.group_meshes):
       layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
       programs.append(jax.jit(group_lowering.group_program(prog, layout)))
-    n_batch = len(batch_inputs)
-    run = group_lowering.exchange_program(prog)
-    exchange = jax.jit(lambda state, others, partials: run(list(state) + [None] * n_batch + list(others),
-                                                          partials))
+    tail = None
+    if self.plan.tail_count:
+      count = self.plan.tail_count
+      tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
+                             overlap=True)
+    run = group_lowering.exchange_program(prog, tail)
+    exchange = jax.jit(lambda state, batch, others, partials, counts, starts: run(
+        list(state) + list(batch) + list(others), partials, counts, starts))
     return programs, exchange, jax.tree.structure(shapes)
 
   def _buffers(self, g: int, batch_leaves):
@@ -119,6 +128,16 @@ class GroupedStep:
         rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
         buf[i * group.max_count:i * group.max_count + c] = rows
       out.append(jax.device_put(buf, NamedSharding(mesh, P(DATA))))
+    return out
+
+  def _tail_buffers(self, batch_leaves):
+    """The tail's microbatch buffers ``[devices * tail_count, tail_microbatch, ...]`` over every device."""
+    plan, count, size = self.plan, self.plan.tail_count, self.plan.tail_microbatch
+    out = []
+    for x in batch_leaves:
+      x = np.asarray(x)
+      rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) for s in plan.tail_starts()]
+      out.append(jax.device_put(np.concatenate(rows), NamedSharding(self.mesh, P(DATA))))
     return out
 
   def _rows(self, parts):

@@ -1,0 +1,160 @@
+"""Pricing group plans: one program per device kind, each with its own microbatch size and counts.
+
+A group plan (:class:`hetspmd.plan.groups.GroupPlan`, run by
+:mod:`hetspmd.runtime.grouped`) lets each device kind run the microbatch that
+suits it, where one SPMD program makes every device run the same one. This
+module searches the group plans of its first form: every device on data
+(no model axis), the state replicated (ZeRO-0), one group per device kind,
+one remat policy. For each kind a microbatch size that fits its memory, for
+the global batch each device's count: the smallest makespan whose capacity
+covers the batch, found by bisection, then trimmed to the batch exactly
+(the largest microbatches first). Optionally a uniform tail: one microbatch
+on every device inside the exchange program, after its group's loop, so
+that the reduction overlaps its backward pass (nothing overlaps across a
+program boundary). The step is the slowest device's loop and tail, plus the
+gradient reduction over every device less what the tail hides, plus one
+dispatch per program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.plan.counts import KindCost
+from hetspmd.plan.groups import GroupPlan, group_plan
+from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, gradient_reductions, memory_per_device
+from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
+                                     position_seconds)
+
+# host-side cost of launching one program of the schedule (each group's, the exchange)
+PROGRAM_DISPATCH_SECONDS = 50e-6
+# combinations of per-kind microbatch sizes priced at most
+MAX_COMBINATIONS = 4096
+
+
+def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[str, int],
+                 global_batch: int) -> tuple[int, ...] | None:
+  """Per-position counts with ``sum(count * sizes[kind]) == global_batch`` minimising the slowest position's
+  time; ``None`` when the sizes cannot make the batch exactly."""
+  order = list(dict.fromkeys(kinds))
+  n = {k: kinds.count(k) for k in order}
+
+  def most(k: str, t: float) -> int:  # microbatches position of kind k finishes within t
+    c = costs[k]
+    return max(0, int((t - c.fixed - c.first) / c.micro + 1e-9))  # at(count) itself finishes count microbatches
+
+  def capacity(t: float) -> int:
+    return sum(n[k] * most(k, t) * sizes[k] for k in order)
+
+  low, high = 0.0, max(costs[k].at(-(-global_batch // sizes[k])) for k in order)
+  for _ in range(60):
+    mid = (low + high) / 2
+    low, high = (low, mid) if capacity(mid) >= global_batch else (mid, high)
+  for _ in range(_MAX_RAISES):  # the least makespan may not make the batch exactly: allow the next microbatch
+    counts = _trimmed(kinds, {k: most(k, high) for k in order}, sizes, global_batch)
+    if counts is not None:
+      return counts
+    high = min(costs[k].at(most(k, high) + 1) for k in order)
+  return None
+
+
+# times group_counts lets the makespan grow by one microbatch to make the batch exactly
+_MAX_RAISES = 256
+
+
+def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], global_batch: int
+             ) -> tuple[int, ...] | None:
+  """``base`` counts per kind less microbatches (the largest first, spread over a kind's positions) so that they
+  make ``global_batch`` exactly; None if they cannot."""
+  order = list(dict.fromkeys(kinds))
+  n = {k: kinds.count(k) for k in order}
+  excess = sum(n[k] * base[k] * sizes[k] for k in order) - global_batch
+  fewer = {k: 0 for k in order}
+  for k in sorted(order, key=lambda k: -sizes[k]):
+    take = min(n[k] * base[k], excess // sizes[k])
+    fewer[k], excess = take, excess - take * sizes[k]
+  if excess:
+    return None
+  seen = {k: 0 for k in order}
+  counts = []
+  for k in kinds:
+    share, extra = divmod(fewer[k], n[k])
+    counts.append(base[k] - share - (1 if seen[k] < extra else 0))
+    seen[k] += 1
+  return tuple(counts)
+
+
+def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str, global_batch: int, *,
+                 dtype: str = "float32", tail: tuple[int, int] = (0, 0)) -> Evaluated | None:
+  """The group plan with microbatch ``sizes[kind]`` per kind on ``layout`` (every device on data), or None if a
+  kind's microbatch does not fit its memory or the sizes cannot make the batch. ``tail``: ``(microbatch,
+  count)`` every device runs in the uniform program after its group's loop, the reduction overlapping the last
+  one's backward pass."""
+  n, kinds = len(layout.groups), layout.kinds
+  size, count = tail
+  order = list(dict.fromkeys(kinds))
+  memory = {k: max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL) for m in {sizes[k], size}
+                   if m) for k in order}
+  if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
+    return None
+  costs = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, sizes[k], remat, 0, n) for k in order}
+  tails = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, size, remat, 0, n) if count else None for k in order}
+  # every device's tail runs after its loop: for the counts, part of its per-step time
+  with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
+                                                                        if count else 0.0)) for k in order}
+  counts = group_counts(kinds, with_tail, sizes, global_batch - n * size * count)
+  if counts is None:
+    return None
+  per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
+  busiest = max(range(n), key=lambda i: per_position[i])
+  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  hidden = 0.0
+  if count:
+    kind = kinds[busiest]
+    window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
+    hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
+  dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1)
+  return Evaluated(
+      name="group programs by kind" + (f", tail {count}x{size}" if count else ""), device_positions=layout.devices,
+      kinds=kinds, microbatch=max(sizes.values()), counts=counts, zero_stage=0, remat=remat,
+      compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce, memory_bytes=tuple(memory[k]
+                                                                                                for k in kinds),
+      global_batch=global_batch, position_seconds=per_position, grad_reduce_dtype=dtype, overlap=hidden > 0,
+      hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds), tail=tail)
+
+
+def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
+                  remat_policies: Sequence[str] = ("none",), grad_reduce_dtypes: Sequence[str] = ("float32",),
+                  recompute: float = 1.0) -> Evaluated | None:
+  """The fastest group plan of one group per device kind (every device of the cluster on data), over each
+  kind's microbatch in ``sizes``; None if none fits or the pool has one kind (a group plan is then one
+  program)."""
+  kinds = cluster.kinds
+  if len(kinds) < 2:
+    return None
+  layout = device_groups(cluster, "group programs by kind", tuple(d.id for d in cluster.devices), 1)
+  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  best = None
+  tails = [(0, 0)] + [(m, 1) for m in sizes if m * cluster.num_devices < global_batch]
+  for remat in remat_policies:
+    combos = itertools.islice(itertools.product(sizes, repeat=len(kinds)), MAX_COMBINATIONS)
+    for combo, tail, dtype in itertools.product(list(combos), tails, grad_reduce_dtypes):
+      e = price_groups(costing, layout, dict(zip(kinds, combo)), remat, global_batch, dtype=dtype, tail=tail)
+      if e is not None and (best is None or e.step_seconds < best.step_seconds):
+        best = e
+  return best
+
+
+def to_group_plan(cluster: Cluster, e: Evaluated) -> GroupPlan:
+  """The :class:`GroupPlan` of a priced group plan: one group per kind, devices by JAX id where the cluster is
+  bound to JAX devices (else by cluster position)."""
+  ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
+  groups = []
+  for kind in dict.fromkeys(e.kinds):
+    mine = [i for i, k in enumerate(e.kinds) if k == kind]
+    groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine]))
+  return group_plan(groups, e.global_batch, tail=e.tail)
