@@ -21,7 +21,7 @@ from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
-from exactness import Reference
+from exactness import Reference, assert_exact
 
 STEPS = 3
 
@@ -180,3 +180,67 @@ def test_the_searched_group_plan_runs_exactly():
     state, metrics = step(state, b)
     ref.check_metrics(metrics, i)
   ref.check(state.params, lambda s: s.params)
+
+
+def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_path):
+  """Two steps under one group plan, saved with orbax; restored under another group plan and under a single
+  program (ZeRO-1), one more step each: both equal three steps on one device."""
+  import orbax.checkpoint as ocp
+
+  require_devices(8)
+  first = group_plan(PLANS[0], 38)
+  batches = _batches(first.global_batch)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = run_groups(dropout_step, first)
+  state = step.shard_state(_state())
+  for batch in batches[:2]:
+    state, _ = step(state, batch)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", state)
+  checkpointer.wait_until_finished()
+
+  def restored(runner):
+    template = _state()
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=s),
+                          template, runner.state_shardings(template))
+    return checkpointer.restore(tmp_path / "ckpt", target)
+
+  other = run_groups(dropout_step, group_plan([((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (5, 5, 4, 4))],
+                                              38, tail=(1, 1)))
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 8)
+  plan = hs.plan_for(cluster, _state(), global_batch=38, microbatch=1, counts=(5,) * 6 + (4, 4), zero_stage=1)
+  single = hs.parallelize(dropout_step, cluster=cluster, plan=plan, global_batch=38)
+  for runner in (other, single):
+    resumed, metrics = runner(restored(runner), batches[2])
+    ref.check_metrics(metrics, 2)
+    ref.check(resumed.params, lambda s: s.params)
+    ref.check(resumed.opt_state, lambda s: s.opt_state)
+
+
+def test_an_nnx_step_in_place_under_group_programs():
+  from flax import nnx
+
+  from exactness import NnxReference
+
+  require_devices(8)
+
+  def objects():
+    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+
+  def train_step(model, optimizer, batch):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  plan = group_plan(PLANS[1], 36, tail=(0, 0))
+  batches = _batches(plan.global_batch)
+  ref = NnxReference(train_step, objects()).run(batches)
+  model, optimizer = objects()
+  step = run_groups(train_step, plan)
+  for batch in batches:
+    step(model, optimizer, batch)
+  single = nnx.state(ref.single[0], nnx.Param)
+  assert_exact(nnx.state(model, nnx.Param), single, nnx.state(ref.ref64[0], nnx.Param), what="params")

@@ -12,7 +12,9 @@ rest of the step: the optimizer update on the state, replicated on every
 device, and the metrics.
 
 This first form takes functional steps, ``step(state, batch, *rest) ->
-outputs``, with the state replicated (ZeRO-0) and one microbatch loop.
+outputs`` (a Linen ``TrainState``), and NNX steps that update their objects
+in place, ``step(model, optimizer, ..., batch)``; the state is replicated
+(ZeRO-0) and the step has one microbatch loop.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.groups import GroupPlan
+from hetspmd.runtime.binding import is_graph_node
 
 DATA = "data"
 
@@ -56,20 +59,62 @@ class GroupedStep:
     self.mesh = Mesh(np.array(self.devices), (DATA,))
     self.group_meshes = [Mesh(np.array([by_id[d] for d in g.devices]), (DATA,)) for g in self.plan.groups]
 
+  def state_shardings(self, state: Any) -> Any:
+    """The shardings the state lives in between steps: replicated on every device of the plan (to restore a
+    checkpoint into, as ``ParallelStep.state_shardings``)."""
+    return jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+
   def shard_state(self, state: Any) -> Any:
     """``state`` replicated on every device of the plan."""
-    return jax.device_put(state, NamedSharding(self.mesh, P()))
+    return jax.device_put(state, self.state_shardings(state))
 
-  def __call__(self, state: Any, batch: Any, *rest: Any) -> Any:
+  def explain(self) -> str:
+    return self.plan.summary() + ("\n  state replicated on every device (ZeRO-0); each group's program runs its "
+                                  "loop, one uniform program over every device reduces and updates")
+
+  def __call__(self, *args: Any) -> Any:
+    """``step(state, batch, *rest)`` for a functional step; for NNX in place, ``step(*objects and batch)``: the
+    objects' state is split out (as ``nnx.jit`` does), and updated in place after the step."""
+    from flax import nnx
+
+    graph = [i for i, a in enumerate(args) if is_graph_node(a)]
+    if not graph:
+      if len(args) < 2:
+        raise InvalidValueError("a functional step is called as step(state, batch, *rest)")
+      return self._run(self.fn, None, args[0], args[1], args[2:])
+    batch_at = next((i for i, a in enumerate(args) if i not in graph and jax.tree.leaves(a)
+                     and all(np.shape(x)[:1] == (self.plan.global_batch,) for x in jax.tree.leaves(a))), None)
+    if batch_at is None:
+      raise InvalidValueError(f"no argument of the step is a batch of {self.plan.global_batch} examples")
+    objects = tuple(args[i] for i in graph)
+    graphdef, state = nnx.split(objects)
+    rest_at = [i for i in range(len(args)) if i not in graph and i != batch_at]
+
+    def pure(state, batch, *rest):
+      merged = nnx.merge(graphdef, state)
+      call = list(args)
+      for i, o in zip(graph, merged):
+        call[i] = o
+      call[batch_at] = batch
+      for i, r in zip(rest_at, rest):
+        call[i] = r
+      out = self.fn(*call)
+      return nnx.state(merged), out
+
+    new_state, out = self._run(pure, graphdef, state, args[batch_at], tuple(args[i] for i in rest_at))
+    nnx.update(objects, new_state)
+    return out
+
+  def _run(self, fn: Callable[..., Any], graphdef: Any, state: Any, batch: Any, rest: tuple) -> Any:
     leaves, tree = jax.tree.flatten((state, batch, rest))
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
     for x in jax.tree.leaves(batch):
       if np.shape(x)[:1] != (self.plan.global_batch,):
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
-    key = (tree, tuple((np.shape(x), str(jnp.asarray(x).dtype)) for x in leaves))
+    key = (tree, graphdef, tuple((np.shape(x), str(jnp.asarray(x).dtype)) for x in leaves))
     if key not in self._built:
-      self._built[key] = self._build(tree, leaves, range(n_state, n_state + n_batch))
+      self._built[key] = self._build(fn, tree, leaves, range(n_state, n_state + n_batch))
     programs, exchange, out_tree = self._built[key]
     state_leaves = leaves[:n_state]
     others = leaves[n_state + n_batch:]
@@ -90,13 +135,13 @@ class GroupedStep:
                        counts, starts)
     return jax.tree.unflatten(out_tree, outputs)
 
-  def _build(self, tree, leaves, batch_inputs):
+  def _build(self, fn, tree, leaves, batch_inputs):
     avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
              for x in leaves]
 
     def flat(*xs):
       state, batch, rest = jax.tree.unflatten(tree, xs)
-      return self.fn(state, batch, *rest)
+      return fn(state, batch, *rest)
 
     closed, shapes = jx.make_closed_jaxpr(flat, *avals, return_shape=True)
     analysis = analyse(closed, tuple(batch_inputs), self.plan.global_batch)
