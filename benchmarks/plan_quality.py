@@ -21,7 +21,9 @@ is the efficiency of the best plan the same search finds on the pool's
 homogeneous equivalent (the same hosts and links, every device the pool's
 mean speed per dtype, memory bandwidth and memory), and ``tax`` the
 heterogeneity tax ``1 - best / homogeneous equivalent``: what the pool's
-differences cost, apart from what the network costs any plan. Models and
+differences cost, apart from what the network costs any plan. ``groups``
+is the best group plan's throughput (one program per device kind, each its
+own microbatch: ``hetspmd.planner.grouping``) over the best plan's. Models and
 clusters follow the reference experiments: HAP's BERT-base, ViT-B/16, VGG19
 and BERT-MoE on 16 V100 + 48 P100 at HAP's batch of 2048, AMP's GPT-2
 medium on T4 + V100 at AMP's batch of 32 and at 128, GPT-2 XL and GPT 1.3B
@@ -93,7 +95,7 @@ def main() -> None:
   taxes = []  # heterogeneous pools: 1 - best / homogeneous equivalent
   print(f"{'cluster':<17} {'model':<13} {'batch':>5} {'dtype':>7} {'eff':>6} {'vs dp_even':>10} {'vs ddp f32':>10} "
         f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'homog.eq':>8} "
-        f"{'tax':>6} {'search s':>8}  best plan")
+        f"{'tax':>6} {'groups':>6} {'search s':>8}  best plan")
   for preset, name, batch, seq, dtype in CASES:
     w = models.get(name).with_dtype(dtype)
     if w.name not in profiles:
@@ -106,7 +108,7 @@ def main() -> None:
       results[key] = search(cluster, profiles[w.name], batch, **options)
       seconds = max(seconds, time.perf_counter() - start)
     # the homogeneous equivalent: the same search on the pool with every device its mean (not in the search time)
-    results["all"] = search(cluster, profiles[w.name], batch, homogeneous=True, **SETTINGS["all"])
+    results["all"] = search(cluster, profiles[w.name], batch, homogeneous=True, groups=True, **SETTINGS["all"])
     result = results["all"]
     best = result.plans[0]
 
@@ -129,8 +131,10 @@ def main() -> None:
     if tax is not None and not cluster.is_homogeneous:
       taxes.append(tax)
     homog = f"{equivalent.throughput / result.ideal_throughput:8.1%}" if equivalent else f"{'no fit':>8}"
+    grouped = result.group_plan
+    groups = f"{grouped.throughput / best.throughput:6.2f}" if grouped else f"{'-':>6}"
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
-          f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {seconds:8.2f}  "
+          f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {groups} {seconds:8.2f}  "
           f"{mechanisms(best)}", flush=True)
   bound = [e for e, comm, _, _ in rows if comm < COMPUTE_BOUND]
   worst = min(r[2] for r in rows)
