@@ -515,6 +515,22 @@ def inline_calls(closed: ClosedJaxpr, keep: frozenset = frozenset()) -> ClosedJa
   return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
+def retraced(closed: ClosedJaxpr, replaced: dict[int, Callable[[Equation, dict[Any, Any]], list[Any]]]
+             ) -> ClosedJaxpr:
+  """``closed`` traced again with the equations ``replaced`` names (by ``id``) computed by their function of
+  ``(equation, env)`` instead of their primitive: a rewrite of some equations, the rest as they are."""
+
+  def run(*args):
+    env = dict(zip(constvars(closed), consts(closed)))
+    env.update(zip(invars(closed), args))
+    for eqn in equations(closed):
+      out = replaced[id(eqn)](eqn, env) if id(eqn) in replaced else bind(eqn, [read(env, v) for v in eqn.invars])
+      env.update(zip(eqn.outvars, out))
+    return [read(env, v) for v in outvars(closed)]
+
+  return make_closed_jaxpr(run, *input_avals(closed))
+
+
 def read_vars(closed: ClosedJaxpr) -> frozenset:
   """The variables of ``closed`` that some equation or its outputs read (an output of an equation outside it is
   unused, whether or not it is a ``DropVar``)."""

@@ -56,6 +56,18 @@ def _batches(size, seed=0):
           for _ in range(STEPS)]
 
 
+def _trained(step_fn, plan, state, batches):
+  """``state`` trained under ``plan`` on ``batches``, every step's metrics checked against one device; the
+  final state and the reference."""
+  ref = Reference(step_fn, state()).run(batches)
+  step = run_groups(step_fn, plan)
+  trained = step.shard_state(state())
+  for i, batch in enumerate(batches):
+    trained, metrics = step(trained, batch)
+    ref.check_metrics(metrics, i)
+  return trained, ref
+
+
 # (group devices, microbatch, counts) per group: a fast pair with large microbatches beside slower devices with
 # small ones, one device idle; three groups of three sizes
 PLANS = [
@@ -71,13 +83,7 @@ CASES = [(PLANS[0], (0, 0)), (PLANS[1], (0, 0)), (PLANS[0], (1, 1)), (PLANS[1], 
 def test_group_programs_match_one_device(groups, tail):
   require_devices(8)
   plan = group_plan(groups, sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1], tail=tail)
-  batches = _batches(plan.global_batch)
-  ref = Reference(dropout_step, _state()).run(batches)
-  step = run_groups(dropout_step, plan)
-  state = step.shard_state(_state())
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch)
-    ref.check_metrics(metrics, i)
+  state, ref = _trained(dropout_step, plan, _state, _batches(plan.global_batch))
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
 
@@ -89,13 +95,7 @@ def test_a_zoo_language_model_under_group_programs():
   rs = np.random.RandomState(1)
   batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
              for _ in range(2)]
-  train_step = w.make_train_step()
-  ref = Reference(train_step, w.init_state()).run(batches)
-  step = run_groups(train_step, plan)
-  state = step.shard_state(w.init_state())
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch)
-    ref.check_metrics(metrics, i)
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
   ref.check(state)
 
 
@@ -172,13 +172,7 @@ def test_the_searched_group_plan_runs_exactly():
   plan = to_group_plan(cluster, priced)
   assert len(plan.groups) == 2 and plan.global_batch == batch
   assert {g.microbatch for g in plan.groups} == set(priced.microbatches)
-  batches = _batches(batch)
-  ref = Reference(dropout_step, _state()).run(batches)
-  step = run_groups(dropout_step, plan)
-  state = step.shard_state(_state())
-  for i, b in enumerate(batches):
-    state, metrics = step(state, b)
-    ref.check_metrics(metrics, i)
+  state, ref = _trained(dropout_step, plan, _state, _batches(batch))
   ref.check(state.params, lambda s: s.params)
 
 

@@ -46,16 +46,10 @@ def rewrite(closed: Any, global_batch: int) -> Any:
   if not found:
     return closed
 
-  def run(*args):
-    env = dict(zip(jx.constvars(closed), jx.consts(closed)))
-    env.update(zip(jx.invars(closed), args))
-    for eqn in eqns:
-      invals = [jx.read(env, v) for v in eqn.invars]
-      out = _scan_over_chunks(eqn, found[id(eqn)], invals) if id(eqn) in found else jx.bind(eqn, invals)
-      env.update(zip(eqn.outvars, out))
-    return [jx.read(env, v) for v in jx.outvars(closed)]
+  def over_chunks(eqn, env):
+    return _scan_over_chunks(eqn, found[id(eqn)], [jx.read(env, v) for v in eqn.invars])
 
-  return jx.make_closed_jaxpr(run, *jx.input_avals(closed))
+  return jx.retraced(closed, {key: over_chunks for key in found})
 
 
 def _counted_chunks(eqn, global_batch: int, read: frozenset) -> _Loop | None:

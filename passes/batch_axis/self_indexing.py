@@ -41,22 +41,14 @@ def rewrite(closed: Any) -> Any:
   if not plan:
     return closed
 
-  def run(*args):
-    env = dict(zip(jx.constvars(closed), jx.consts(closed)))
-    env.update(zip(jx.invars(closed), args))
-    for eqn in eqns:
-      invals = [jx.read(env, v) for v in eqn.invars]
-      if id(eqn) in plan:
-        params, parts, axis = plan[id(eqn)]
-        values = [jx.read(env, v) for v in parts]
-        invals[1] = values[0] if len(values) == 1 else jax.lax.concatenate(values, axis)
-        out = jx.bind(eqn, invals, params)
-      else:
-        out = jx.bind(eqn, invals)
-      env.update(zip(eqn.outvars, out))
-    return [jx.read(env, v) for v in jx.outvars(closed)]
+  def batched(eqn, env):
+    params, parts, axis = plan[id(eqn)]
+    invals = [jx.read(env, v) for v in eqn.invars]
+    values = [jx.read(env, v) for v in parts]
+    invals[1] = values[0] if len(values) == 1 else jax.lax.concatenate(values, axis)
+    return jx.bind(eqn, invals, params)
 
-  return jx.make_closed_jaxpr(run, *jx.input_avals(closed))
+  return jx.retraced(closed, {key: batched for key in plan})
 
 
 def _provenance(eqns) -> tuple[dict, dict, dict]:
