@@ -69,13 +69,26 @@ def _total(stack, head, xs, targets):
   return sum(one(xs[m], targets[m]) for m in range(xs.shape[0]))
 
 
+_GRAD = jax.value_and_grad(_total, argnums=(0, 1, 2))
+_GRAD_JIT = jax.jit(_GRAD)
+_GRAD64 = Float64(_GRAD)  # one trace and compilation per shape, kept for the module
+
+
 def _reference(stack, head, xs, targets):
-  return jax.jit(jax.value_and_grad(_total, argnums=(0, 1, 2)))(stack, head, xs, targets)
+  return _GRAD_JIT(stack, head, xs, targets)
 
 
 def _reference64(stack, head, xs, targets):
   """``_reference`` as the same math in float64."""
-  return Float64(jax.value_and_grad(_total, argnums=(0, 1, 2)))(stack, head, xs, targets)
+  return _GRAD64(stack, head, xs, targets)
+
+
+@functools.cache
+def _case(layers: int, microbatches: int, examples: int):
+  """``_setup``'s inputs with their ``_reference`` and ``_reference64``, built once per shape: cases that differ
+  only in the stages (or recomputation) share them."""
+  inputs = _setup(layers, microbatches, examples)
+  return inputs, _reference(*inputs), _reference64(*inputs)
 
 
 CASES = [  # (stages' layers, data axis size, microbatches, examples per microbatch, recompute)
@@ -98,14 +111,12 @@ def test_uneven_stages_match_one_device(layers, data, microbatches, examples, re
   stages = pipeline.Stages(layers=layers, microbatches=microbatches, recompute=recompute)
   devices = np.array(jax.devices()[:len(layers) * data]).reshape(len(layers), data)
   mesh = Mesh(devices, ("stage", "data"))
-  stack, head, xs, targets = _setup(sum(layers), microbatches, examples)
-
-  loss, (dstack, dhead, dxs) = _reference(stack, head, xs, targets)
+  (stack, head, xs, targets), (loss, (dstack, dhead, dxs)), ref64 = _case(sum(layers), microbatches, examples)
   run = jax.jit(pipeline.pipelined_grad(_block, _head, stages, mesh))
   got_loss, got_dstack, got_dhead, got_dxs = run(pipeline.pack(stack, stages), head, xs, targets)
 
   got = (got_loss, (pipeline.unpack(got_dstack, stages), got_dhead, got_dxs))
-  assert_exact(got, (loss, (dstack, dhead, dxs)), _reference64(stack, head, xs, targets), what="loss and gradients")
+  assert_exact(got, (loss, (dstack, dhead, dxs)), ref64, what="loss and gradients")
   padding = np.setdiff1d(np.arange(len(layers) * stages.max_layers), stages.rows())
   for leaf in jax.tree.leaves(got_dstack):
     assert not np.any(np.asarray(leaf)[padding]), "a padding row of the stack got a gradient"

@@ -90,6 +90,13 @@ def _batches(batch):
   return out
 
 
+@functools.cache
+def _reference(batch: int) -> Reference:
+  """``train_step`` on one device over ``_batches(batch)``, in float32 and float64; built once per batch size and
+  shared by the cases of that size (read only after its run)."""
+  return Reference(train_step, _state()).run(_batches(batch), jax.random.key(7))
+
+
 CASES = [  # (layers per stage, microbatch, microbatches per data position: one count for all, or one each)
     ((3, 1), 2, 3),
     ((1, 3), 1, 2),
@@ -117,7 +124,7 @@ def test_stages_train_like_one_device(stages, microbatch, count):
   batch = sum(counts) * microbatch
   batches = _batches(batch)
   rng = jax.random.key(7)
-  ref = Reference(train_step, _state()).run(batches, rng)
+  ref = _reference(batch)
 
   plan = hs.plan_for(cluster, _state(), global_batch=batch, microbatch=microbatch, stages=stages,
                      counts=None if isinstance(count, int) else counts)
@@ -289,6 +296,16 @@ def test_rows_move_between_even_blocks_and_uneven_stages(layers):
   np.testing.assert_array_equal(np.asarray(back), rows * 2)
 
 
+@functools.cache
+def _zoo_gpt2_scan_reference() -> Reference:
+  """The zoo's gpt2-tiny-scan step on one device over its synthetic batches 0-2 of 16, in float32 and float64;
+  shared by every stage plan of it (read only after its run)."""
+  from hetspmd import models
+
+  w = models.get("gpt2-tiny-scan")
+  return Reference(w.make_train_step(), w.init_state(0)).run([w.synthetic_batch(seed, batch=16) for seed in range(STEPS)])
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages,counts", [((3, 1), None), ((1, 1, 1, 1), None), ((3, 1), (3, 1, 2, 2)),
                                            ((1, 1, 1, 1), (5, 3))])
@@ -303,7 +320,7 @@ def test_zoo_gpt2_with_scanned_layers_trains_as_stages(stages, counts):
   step_fn = w.make_train_step()
   batch, microbatch = 16, 2
   batches = [w.synthetic_batch(seed, batch=batch) for seed in range(STEPS)]
-  ref = Reference(step_fn, w.init_state(0)).run(batches)
+  ref = _zoo_gpt2_scan_reference()
   plan = hs.plan_for(cluster, w.init_state(0), global_batch=batch, microbatch=microbatch, stages=stages, counts=counts)
   assert counts is None or plan.microbatch_counts == counts
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
