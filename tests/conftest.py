@@ -15,10 +15,18 @@ import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
+#
+# Under pytest-xdist the controller imports this file first and makes the folder; each worker inherits it and
+# keeps its own subfolder (two processes never write one cache entry at once), and the controller removes the
+# whole folder when it exits, after its workers.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="hetspmd-xla-cache-")
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+if os.environ.get("PYTEST_XDIST_WORKER") and "HETSPMD_WORKER_CACHE" not in os.environ:
+  _WORKER_CACHE = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
+  os.makedirs(_WORKER_CACHE, exist_ok=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["HETSPMD_WORKER_CACHE"] = _WORKER_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
