@@ -34,6 +34,19 @@ import jax  # noqa: E402  (must follow the environment above)
 import pytest  # noqa: E402
 
 
+# The files holding the longest tests of a serial run's --durations (the multi-process, pipeline and stage tests)
+# go first, so that the two workers finish together rather than one waiting on a long file started last.
+LONGEST_FIRST = ("test_staged_step.py", "test_pipeline.py", "test_runtime.py", "test_gradient_reduction.py",
+                 "test_unmodified_steps.py", "test_wmt_step.py", "test_imagenet_step.py", "test_expert_parallel.py",
+                 "test_sst2_step.py", "test_models.py")
+
+
+def pytest_collection_modifyitems(items):
+  """The longest files first (:data:`LONGEST_FIRST`), every file's tests in their own order."""
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def require_devices(n: int) -> None:
   """Skips the calling test when fewer than ``n`` devices exist."""
   if jax.device_count() < n:

@@ -44,6 +44,7 @@ class Head(nn.Module):
     return -jnp.take_along_axis(logp, targets[..., None], -1).sum()
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # one compiled program, not an op-by-op init per shape
 def _setup(layers: int, microbatches: int, examples: int):
   keys = jax.random.split(jax.random.key(0), layers + 3)
   h = jnp.zeros((1, SEQ, WIDTH))
