@@ -383,7 +383,7 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
   if progress:
     progress("tracing the step at two batch sizes")
-  fn = named_axes.binding(fn, None, lambda names: None)  # a pmap-style step: its collectives over the global batch
+  fn = named_axes.binding(fn, None)  # a pmap-style step: its collectives over the global batch
   return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
                 grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
                 homogeneous=homogeneous)

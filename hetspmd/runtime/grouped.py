@@ -58,6 +58,11 @@ class GroupedStep:
     self.devices = [by_id[d] for d in self.plan.devices]
     self.mesh = Mesh(np.array(self.devices), (DATA,))
     self.group_meshes = [Mesh(np.array([by_id[d] for d in g.devices]), (DATA,)) for g in self.plan.groups]
+    # each loop's counts and first examples, placed once: (group meshes'..., the tail's over every device)
+    on = lambda mesh, values: jax.device_put(np.asarray(values, np.int32), NamedSharding(mesh, P(DATA)))
+    self._loops = [(on(mesh, g.counts), on(mesh, starts))
+                   for g, mesh, starts in zip(self.plan.groups, self.group_meshes, self.plan.starts())]
+    self._tail = (on(self.mesh, [self.plan.tail_count] * len(self.devices)), on(self.mesh, self.plan.tail_starts()))
 
   def state_shardings(self, state: Any) -> Any:
     """The shardings the state lives in between steps: replicated on every device of the plan (to restore a
@@ -112,32 +117,26 @@ class GroupedStep:
       if np.shape(x)[:1] != (self.plan.global_batch,):
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
-    key = (tree, graphdef, tuple((np.shape(x), str(jnp.asarray(x).dtype)) for x in leaves))
+    key = (tree, graphdef, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
     if key not in self._built:
       self._built[key] = self._build(fn, tree, leaves, range(n_state, n_state + n_batch))
     programs, exchange, out_tree = self._built[key]
     state_leaves = leaves[:n_state]
     others = leaves[n_state + n_batch:]
     partials = []
-    for g, (group, mesh, program) in enumerate(zip(self.plan.groups, self.group_meshes, programs)):
+    for g, (mesh, program, (counts, starts)) in enumerate(zip(self.group_meshes, programs, self._loops)):
       inputs = [_on(mesh, x) for x in state_leaves] + self._buffers(g, leaves[n_state:n_state + n_batch]) + [
           _on(mesh, x) for x in others]
-      counts = jax.device_put(np.asarray(group.counts, np.int32), NamedSharding(mesh, P(DATA)))
-      starts = jax.device_put(np.asarray(self.plan.starts()[g], np.int32), NamedSharding(mesh, P(DATA)))
       partials.append(program(inputs, counts, starts))
     joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
               for k in range(len(partials[0]))]
-    plan = self.plan
-    tail = self._tail_buffers(leaves[n_state:n_state + n_batch]) if plan.tail_count else [None] * n_batch
-    counts = jax.device_put(np.full(len(self.devices), plan.tail_count, np.int32), NamedSharding(self.mesh, P(DATA)))
-    starts = jax.device_put(np.asarray(plan.tail_starts(), np.int32), NamedSharding(self.mesh, P(DATA)))
+    tail = self._tail_buffers(leaves[n_state:n_state + n_batch]) if self.plan.tail_count else [None] * n_batch
     outputs = exchange([_on(self.mesh, x) for x in state_leaves], tail, [_on(self.mesh, x) for x in others], joined,
-                       counts, starts)
+                       *self._tail)
     return jax.tree.unflatten(out_tree, outputs)
 
   def _build(self, fn, tree, leaves, batch_inputs):
-    avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
-             for x in leaves]
+    avals = [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)) for x in leaves]
 
     def flat(*xs):
       state, batch, rest = jax.tree.unflatten(tree, xs)
@@ -193,6 +192,11 @@ class GroupedStep:
     return jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(row[1:]),
                                                     NamedSharding(self.mesh, P(DATA)),
                                                     [by_device[d] for d in self.devices])
+
+
+def _traced_dtype(x: Any) -> Any:
+  """The dtype ``x`` is traced with (a Python scalar: JAX's default for it)."""
+  return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def _on(mesh: Mesh, x: Any) -> Any:

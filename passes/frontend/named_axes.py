@@ -68,16 +68,17 @@ def free_names(fn: Callable[..., Any], *args: Any, known: Sequence[str] = ()) ->
   return names
 
 
-def binding(fn: Callable[..., Any], names: tuple[str, ...] | None, found: Callable[[tuple[str, ...]], None]
-            ) -> Callable[..., Any]:
+def binding(fn: Callable[..., Any], names: tuple[str, ...] | None,
+            found: Callable[[tuple[str, ...]], None] = lambda names: None) -> Callable[..., Any]:
   """``fn`` with its collective axis names bound. ``names=None``: the names are found on the first call, by one
-  extra abstract trace, and handed to ``found`` for the calls after it."""
+  extra abstract trace, kept for the calls after it and handed to ``found``."""
+  known = [names]
 
   @functools.wraps(fn)
   def bound(*args: Any) -> Any:
-    chosen = names
+    chosen = known[0]
     if chosen is None:
-      chosen = free_names(fn, *args)
+      chosen = known[0] = free_names(fn, *args)
       found(chosen)
     if not chosen:
       return fn(*args)
