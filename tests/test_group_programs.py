@@ -15,7 +15,7 @@ import hetspmd as hs
 from hetspmd import models
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.counts import KindCost
-from hetspmd.plan.groups import Group, GroupPlan, group_plan
+from hetspmd.plan.groups import Group, GroupPlan, assign_owners, group_plan
 from hetspmd.planner.grouping import group_counts, search_groups, to_group_plan
 from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.grouped import run_groups
@@ -75,6 +75,8 @@ PLANS = [
     [((0,), 8, (2,)), ((1, 2, 3), 4, (1, 1, 1)), ((4, 5, 6, 7), 1, (3, 2, 2, 1))],
 ]
 # (plan, tail (microbatch, count) per device: run inside the uniform program, overlapping the reduction)
+# per device: four with 80 GB beside four with 16 GB, the optimizer state held in proportion
+SHARES_80_16 = (80 / 384,) * 4 + (16 / 384,) * 4
 CASES = [(PLANS[0], (0, 0)), (PLANS[1], (0, 0)), (PLANS[0], (1, 1)), (PLANS[1], (2, 2))]
 
 
@@ -177,12 +179,13 @@ def test_the_searched_group_plan_runs_exactly():
 
 
 def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_path):
-  """Two steps under one group plan, saved with orbax; restored under another group plan and under a single
+  """Two steps under one group plan (its optimizer state in memory shares, each moment on one device), saved
+  with orbax; restored under another group plan (even shares, placed before its first call) and under a single
   program (ZeRO-1), one more step each: both equal three steps on one device."""
   import orbax.checkpoint as ocp
 
   require_devices(8)
-  first = group_plan(PLANS[0], 38)
+  first = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
   batches = _batches(first.global_batch)
   ref = Reference(dropout_step, _state()).run(batches)
   step = run_groups(dropout_step, first)
@@ -200,7 +203,7 @@ def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_
     return checkpointer.restore(tmp_path / "ckpt", target)
 
   other = run_groups(dropout_step, group_plan([((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (5, 5, 4, 4))],
-                                              38, tail=(1, 1)))
+                                              38, tail=(1, 1), state_shares=(1 / 8,) * 8), example_batch=batches[0])
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 8)
   plan = hs.plan_for(cluster, _state(), global_batch=38, microbatch=1, counts=(5,) * 6 + (4, 4), zero_stage=1)
   single = hs.parallelize(dropout_step, cluster=cluster, plan=plan, global_batch=38)
@@ -211,7 +214,8 @@ def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_
     ref.check(resumed.opt_state, lambda s: s.opt_state)
 
 
-def test_an_nnx_step_in_place_under_group_programs():
+@pytest.mark.parametrize("shares", [(), SHARES_80_16], ids=["replicated", "memory-shares"])
+def test_an_nnx_step_in_place_under_group_programs(shares):
   from flax import nnx
 
   from exactness import NnxReference
@@ -229,7 +233,7 @@ def test_an_nnx_step_in_place_under_group_programs():
     optimizer.update(model, grads)
     return {"loss": loss}
 
-  plan = group_plan(PLANS[1], 36, tail=(0, 0))
+  plan = group_plan(PLANS[1], 36, tail=(0, 0), state_shares=shares)
   batches = _batches(plan.global_batch)
   ref = NnxReference(train_step, objects()).run(batches)
   model, optimizer = objects()
@@ -238,3 +242,93 @@ def test_an_nnx_step_in_place_under_group_programs():
     step(model, optimizer, batch)
   single = nnx.state(ref.single[0], nnx.Param)
   assert_exact(nnx.state(model, nnx.Param), single, nnx.state(ref.ref64[0], nnx.Param), what="params")
+  if shares:
+    _held_on_one_device(nnx.state(optimizer, nnx.OptState))
+
+
+
+
+def _held_on_one_device(opt_state):
+  """Every optimizer-state leaf with more than one element lives on exactly one device."""
+  for x in jax.tree.leaves(opt_state):
+    if np.size(x) > 1:
+      assert len(x.sharding.device_set) == 1, x.sharding
+
+
+@pytest.mark.parametrize("groups,tail", [(PLANS[0], (0, 0)), (PLANS[1], (2, 2))], ids=["two-groups", "three-tail"])
+def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail):
+  """ZeRO-1 by memory: each Adam moment lives whole on one device, which updates it and sends its parameter to
+  every device; parameters, moments and metrics equal one device's."""
+  require_devices(8)
+  batch = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
+  plan = group_plan(groups, batch, tail=tail, state_shares=SHARES_80_16)
+  state, ref = _trained(dropout_step, plan, _state, _batches(batch))
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  _held_on_one_device(state.opt_state)
+  assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(state.params))
+  assert plan.zero_stage == 1 and "unpadded shares" in run_groups(dropout_step, plan).explain()
+
+
+def test_state_owners_fill_each_device_to_its_share():
+  """Whole units, the largest first, each to the device furthest below its share: no device exceeds its share by
+  more than the largest unit, and devices without a share hold nothing."""
+  rs = np.random.RandomState(3)
+  for _ in range(50):
+    sizes = rs.randint(1, 1000, rs.randint(1, 40)).tolist()
+    shares = rs.rand(rs.randint(1, 9)) * (rs.rand(1) > 0.2)
+    if shares.sum() == 0:
+      shares[0] = 1.0
+    shares = shares / shares.sum()
+    owners = assign_owners(sizes, shares)
+    held = np.bincount(owners, weights=sizes, minlength=len(shares))
+    assert np.all(held <= shares * sum(sizes) + max(sizes) + 1e-9)
+    assert np.all(held[shares == 0] == 0)
+
+
+@pytest.mark.parametrize("shares,message", [
+    ((0.5, 0.5), "one share per device of the plan \\(8"),
+    ((0.2,) * 8, r"adding up to 1, got .* \(sum 1.6\)"),
+    ((-0.1, 0.3) + (0.8 / 6,) * 6, "fractions of at least 0"),
+])
+def test_bad_state_shares_say_what_is_wrong(shares, message):
+  with pytest.raises(hs.HetSpmdError, match=message):
+    group_plan(PLANS[0], 38, state_shares=shares)
+
+
+def test_a_loop_that_reads_optimizer_state_is_refused_with_the_way_out():
+  """Per-example work on parameters moved by Adam's moments needs them in every group's loop: refused."""
+  require_devices(8)
+
+  def step(state, batch):
+    def loss_fn(params):
+      moved = jax.tree.map(lambda p, m: p + 1e-3 * m, params, state.opt_state[0].mu)
+      logits = state.apply_fn({"params": moved}, batch["x"], train=False)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  with pytest.raises(hs.HetSpmdError, match="microbatch loop reads optimizer-state leaves.*without state_shares"):
+    run_groups(step, plan)(_state(), _batches(38)[0])
+
+
+def test_an_update_that_reads_every_moment_holds_them_together():
+  """A penalty on every moment (outside the loop) ties the whole update into one unit, held by one device;
+  still exact."""
+  require_devices(8)
+
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"], train=False)
+      pull = sum(jnp.sum(m * p) for m, p in zip(jax.tree.leaves(state.opt_state[0].mu), jax.tree.leaves(params)))
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean() + 1e-3 * pull
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  state, ref = _trained(step, plan, _state, _batches(38))
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  held = {d for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1 for d in x.sharding.device_set}
+  assert len(held) == 1

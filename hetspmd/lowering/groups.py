@@ -16,6 +16,15 @@ kinds of programs built from the same microbatch analysis:
 
 The partials are the same shape on every device (a gradient is parameter
 shaped whatever the microbatch), so the exchange program is uniform.
+
+With the optimizer state in shares (ZeRO-1 by memory), :func:`state_units`
+cuts the update into units that read disjoint optimizer-state leaves (for
+Adam: one parameter, its two moments and its new value), found by following
+each output back through the step's equations. Each unit's leaves live whole
+and unpadded on one device. The exchange program then computes only the
+outputs no unit holds (the metrics, a step count) and hands every device the
+reduced sums; :func:`update_program` runs one device's units on them, and
+the parameters it made are sent to every device.
 """
 
 from __future__ import annotations
@@ -51,6 +60,72 @@ def check(prog: Program) -> None:
                        "outputs keep the batch axis, such as logits in the metrics): run it as one program")
 
 
+@dataclasses.dataclass(frozen=True)
+class StateUnits:
+  """The step's update cut into units over the held optimizer-state leaves (flat input indices ``held``).
+
+  ``units[u]``: ``(held inputs, outputs)`` of unit ``u``, the outputs (flat output indices) that read those
+  leaves and no other held leaf; ``kept``: ``{output: held input}`` for the outputs that are a held leaf's new
+  value (they stay where the leaf lives); ``common``: the outputs that read no held leaf (computed once, in
+  the exchange program, on every device)."""
+
+  held: tuple[int, ...]
+  units: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+  kept: tuple[tuple[int, int], ...]
+  common: tuple[int, ...]
+
+
+def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]) -> StateUnits:
+  """:class:`StateUnits` of ``prog`` for the flat inputs ``held`` (large optimizer-state leaves); ``new_value_of``:
+  ``{output: input}`` for the outputs that are the new value of a state leaf.
+
+  Refuses a step whose microbatch loop reads a held leaf: the group programs could not read it."""
+  deps: dict[Any, frozenset] = {prog.invars[i]: frozenset((i,)) for i in held}
+  loop = set(range(len(prog.eqns))) - set(prog.pre) - set(prog.post)
+  for k, eqn in enumerate(prog.eqns):
+    read = frozenset().union(*[deps.get(v, frozenset()) for v in eqn.invars if not jx.is_literal(v)])
+    if read and k in loop:
+      raise HetSpmdError(f"the microbatch loop reads optimizer-state leaves (flat inputs {sorted(read)}, at "
+                         f"{jx.user_location(eqn)}): hold the state replicated (a group plan without state_shares)")
+    if read:
+      deps.update((v, read) for v in eqn.outvars)
+  parent = {i: i for i in held}
+
+  def root(i):
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  reads = {}
+  for o, v in enumerate(prog.outvars):
+    mine = set(deps.get(v, frozenset())) if not jx.is_literal(v) else set()
+    if o in new_value_of and new_value_of[o] in parent:
+      mine.add(new_value_of[o])
+    reads[o] = sorted(mine)
+    for i in reads[o][1:]:
+      parent[root(i)] = root(reads[o][0])
+  groups: dict[int, tuple[list, list]] = {}
+  for i in held:
+    groups.setdefault(root(i), ([], []))[0].append(i)
+  for o, mine in reads.items():
+    if mine:
+      groups[root(mine[0])][1].append(o)
+  units = tuple((tuple(ins), tuple(outs)) for ins, outs in groups.values())
+  kept = tuple((o, i) for o, i in sorted(new_value_of.items()) if i in parent)
+  return StateUnits(tuple(held), units, kept, tuple(o for o, mine in reads.items() if not mine))
+
+
+def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[int]) -> list[Any]:
+  """The step's flat inputs with zeros standing in at ``missing``: leaves held on other devices, which no output
+  of the program reads (``jax.jit`` drops the zeros with the work that would use them)."""
+  out, given = [], iter(inputs)
+  missing = set(missing)
+  for i, v in enumerate(prog.invars):
+    out.append(jnp.zeros(jx.aval_shape(v), jx.aval_dtype(v)) if i in missing else next(given))
+  return out
+
+
 def group_program(prog: Program, layout: Layout):
   """``program(inputs, counts, starts) -> partials``: the group's loop. ``inputs``: the step's flat jaxpr inputs on
   the group's devices, each batch input its padded microbatch buffer ``[devices * max_count, microbatch, ...]``
@@ -75,16 +150,19 @@ def group_program(prog: Program, layout: Layout):
   return run
 
 
-def exchange_program(prog: Program, tail: Layout | None = None):
+def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None):
   """``program(inputs, partials, counts, starts) -> outputs``: every cut's partials combined over the devices
   (their leading axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs.
 
   Without ``tail`` the batch inputs are unread (``counts``, ``starts`` too). With ``tail`` (a layout over every
   device, each running the same count of the same microbatch, its last one peeled so the reduction overlaps
   it), each batch input is the tail's microbatch buffer: every device runs the tail's microbatches, adds the
-  groups' partials into their sums and reduces them (:func:`hetspmd.lowering.weighted.loop_part`)."""
+  groups' partials into their sums and reduces them (:func:`hetspmd.lowering.weighted.loop_part`).
 
-  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None) -> list[Any]:
+  With ``outputs`` (flat output indices: the ones no state unit holds), the program returns ``(those outputs,
+  sums)``, ``sums`` being ``(cut totals, accumulated values)`` for :func:`update_program`."""
+
+  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None):
     env, ops = before_loops(prog, inputs, counts, starts)
     if tail is not None:
       totals, accumulated = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
@@ -94,9 +172,27 @@ def exchange_program(prog: Program, tail: Layout | None = None):
         outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
         totals.append([_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)])
       accumulated = [jnp.sum(x, axis=0) for (x,) in partials[len(ops.cut_outs):]]
-    env.update((v, x.astype(v.aval.dtype)) for v, x in zip(prog.accumulated, accumulated))
+    accumulated = [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]
+    env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
-    return [jx.read(env, v) for v in prog.outvars]
+    if outputs is None:
+      return [jx.read(env, v) for v in prog.outvars]
+    return [jx.read(env, prog.outvars[o]) for o in outputs], (list(totals), accumulated)
+
+  return run
+
+
+def update_program(prog: Program, outputs: Sequence[int]):
+  """``program(inputs, sums) -> outputs``: the example-free rest of the step from the reduced ``sums`` of
+  :func:`exchange_program`, giving the flat outputs ``outputs`` (one device's state units). ``inputs``: the
+  step's flat jaxpr inputs; the batch inputs are unread."""
+
+  def run(inputs: Sequence[Any], sums) -> list[Any]:
+    totals, accumulated = sums
+    env, ops = before_loops(prog, inputs, None, None)
+    env.update(zip(prog.accumulated, accumulated))
+    after_loops(prog, env, ops.cut_outs, totals)
+    return [jx.read(env, prog.outvars[o]) for o in outputs]
 
   return run
 

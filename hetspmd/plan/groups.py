@@ -11,6 +11,11 @@ adds those sums and runs the rest of the step once.
 The examples are laid out group by group, device by device: device ``i`` of
 group ``g`` takes ``counts[i] * microbatch`` consecutive examples of the
 global batch, after those of the groups and devices before it.
+
+With ``state_shares`` (ZeRO-1 by memory), the optimizer state is not
+replicated: each device holds whole, unpadded optimizer-state leaves adding
+up to about its share of the bytes (:func:`assign_owners`), updates them in
+its own program, and sends the parameters it updated to every device.
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError
 
-GROUP_PLAN_VERSION = 1
+GROUP_PLAN_VERSION = 2
+# the JSON versions from_json reads (version 1: no state shares)
+_READS = (1, 2)
+# relative slack on state shares that must add up to 1
+_SHARE_SLACK = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +77,11 @@ class GroupPlan:
   global_batch: int
   tail_microbatch: int = 0
   tail_count: int = 0
+  state_shares: tuple[float, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "groups", tuple(self.groups))
+    object.__setattr__(self, "state_shares", tuple(float(s) for s in self.state_shares))
     if not self.groups:
       raise InvalidValueError("a group plan needs at least one group")
     if (self.tail_microbatch > 0) != (self.tail_count > 0) or self.tail_microbatch < 0 or self.tail_count < 0:
@@ -89,6 +100,23 @@ class GroupPlan:
           [f"{len(self.devices) * self.tail_count} x {self.tail_microbatch} in the tail"] if self.tail_count else []))
       raise InvalidValueError(f"the groups cover {covered} examples ({detail}), not the global batch of "
                               f"{self.global_batch}: change the counts or the microbatch sizes")
+    self._check_shares()
+
+  def _check_shares(self) -> None:
+    shares, n = self.state_shares, len(self.devices)
+    if not shares:
+      return
+    if len(shares) != n:
+      raise InvalidValueError(f"state_shares needs one share per device of the plan ({n}: devices "
+                              f"{list(self.devices)}), got {len(shares)}")
+    if any(not s >= 0 for s in shares) or abs(sum(shares) - 1) > _SHARE_SLACK:
+      raise InvalidValueError(f"state_shares must be fractions of at least 0 adding up to 1, got {list(shares)} "
+                              f"(sum {sum(shares):.6g}): use shares_for(...) to make them from free memory")
+
+  @property
+  def zero_stage(self) -> int:
+    """1 when the optimizer state is held in shares (:attr:`state_shares`), 0 when replicated."""
+    return 1 if self.state_shares else 0
 
   @property
   def devices(self) -> tuple[int, ...]:
@@ -119,6 +147,9 @@ class GroupPlan:
     for g, group in enumerate(self.groups):
       lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
                    f"{list(group.counts)} ({group.examples} examples)")
+    if self.state_shares:
+      shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
+      lines.append(f"  optimizer state (ZeRO-1) in unpadded shares of whole leaves by device: {shares}")
     if self.tail_count:
       lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
                    f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
@@ -127,21 +158,51 @@ class GroupPlan:
   def to_json(self) -> dict[str, Any]:
     return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
             "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
+            "state_shares": list(self.state_shares),
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts)}
                        for g in self.groups]}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "GroupPlan":
-    if data.get("version") != GROUP_PLAN_VERSION:
-      raise InvalidValueError(f"group plan version {data.get('version')!r} is not {GROUP_PLAN_VERSION}")
+    if data.get("version") not in _READS:
+      raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"])) for g in data["groups"]),
-               int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)))
+               int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
+               tuple(data.get("state_shares", ())))
 
   def dumps(self) -> str:
     return json.dumps(self.to_json(), indent=2)
 
 
 def group_plan(groups: Sequence[tuple[Sequence[int], int, Sequence[int]]], global_batch: int, *,
-               tail: tuple[int, int] = (0, 0)) -> GroupPlan:
-  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples; ``tail``: ``(microbatch, count)`` per device."""
-  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch, *tail)
+               tail: tuple[int, int] = (0, 0), state_shares: Sequence[float] = ()) -> GroupPlan:
+  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples; ``tail``: ``(microbatch, count)`` per device;
+  ``state_shares``: each device's fraction of the optimizer state (devices in group order), or none to
+  replicate it."""
+  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch, *tail,
+                   state_shares=tuple(state_shares))
+
+
+def shares_for(free_bytes: Sequence[float]) -> tuple[float, ...]:
+  """State shares in proportion to each device's free bytes (what the rest of the step leaves it)."""
+  free = [max(float(f), 0.0) for f in free_bytes]
+  if not free or sum(free) <= 0:
+    raise InvalidValueError(f"state shares need some free memory, got free bytes {list(free_bytes)}")
+  return tuple(f / sum(free) for f in free)
+
+
+def assign_owners(sizes: Sequence[int], shares: Sequence[float]) -> tuple[int, ...]:
+  """The device (index into ``shares``) holding each unit of ``sizes`` bytes, whole: the largest units first,
+  each to the device furthest below its share of the total. Devices with no share hold nothing."""
+  total = float(sum(sizes))
+  target = [s * total for s in shares]
+  held = [0.0] * len(shares)
+  owners = [0] * len(sizes)
+  able = [d for d, s in enumerate(shares) if s > 0]
+  if not able:
+    raise InvalidValueError(f"no device has a state share: {list(shares)}")
+  for u in sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)):
+    d = max(able, key=lambda d: (target[d] - held[d], -d))
+    owners[u] = d
+    held[d] += sizes[u]
+  return tuple(owners)

@@ -11,15 +11,26 @@ same shape), and one uniform program over every device
 rest of the step: the optimizer update on the state, replicated on every
 device, and the metrics.
 
-This first form takes functional steps, ``step(state, batch, *rest) ->
-outputs`` (a Linen ``TrainState``), and NNX steps that update their objects
-in place, ``step(model, optimizer, ..., batch)``; the state is replicated
-(ZeRO-0) and the step has one microbatch loop.
+Under a plan with ``state_shares`` (ZeRO-1 by memory) each large
+optimizer-state leaf lives whole and unpadded on one device
+(:func:`hetspmd.plan.groups.assign_owners` over the update's state units,
+:func:`hetspmd.lowering.groups.state_units`). The exchange program then
+computes only what reads no held leaf (metrics, a step count) and leaves the
+reduced sums on every device; each device's own program
+(:func:`hetspmd.lowering.groups.update_program`, ``jax.jit`` on that device)
+updates its leaves and makes their parameters, which are sent to every
+device (``jax.device_put``).
+
+It takes functional steps, ``step(state, batch, *rest) -> outputs`` (a Linen
+``TrainState``), and NNX steps that update their objects in place,
+``step(model, optimizer, ..., batch)``, with one microbatch loop, in one
+process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -34,7 +45,9 @@ from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
-from hetspmd.plan.groups import GroupPlan
+from hetspmd._pytree import leaves_with_paths
+from hetspmd.plan.groups import GroupPlan, assign_owners
+from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import is_graph_node
 
 DATA = "data"
@@ -47,7 +60,9 @@ class GroupedStep:
 
   fn: Callable[..., Any]
   plan: GroupPlan
+  example_batch: Any = None
   _built: dict = dataclasses.field(default_factory=dict)
+  _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
 
   def __post_init__(self):
     by_id = {d.id: d for d in jax.devices()}
@@ -65,17 +80,63 @@ class GroupedStep:
     self._tail = (on(self.mesh, [self.plan.tail_count] * len(self.devices)), on(self.mesh, self.plan.tail_starts()))
 
   def state_shardings(self, state: Any) -> Any:
-    """The shardings the state lives in between steps: replicated on every device of the plan (to restore a
-    checkpoint into, as ``ParallelStep.state_shardings``)."""
-    return jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+    """The shardings the state lives in between steps (to restore a checkpoint into, as
+    ``ParallelStep.state_shardings``): replicated on every device of the plan, except, under state shares, each
+    held optimizer-state leaf whole on the one device that updates it."""
+    owners = self._owners_of(state) if self.plan.state_shares else {}
+    replicated = NamedSharding(self.mesh, P())
+    return jax.tree.unflatten(jax.tree.structure(state), [
+        jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else replicated
+        for path, _ in leaves_with_paths(state)])
 
   def shard_state(self, state: Any) -> Any:
-    """``state`` replicated on every device of the plan."""
+    """``state`` placed as :meth:`state_shardings` says. Under state shares, before the step has been traced
+    (no call yet, no ``example_batch``), the optimizer-state leaves stay where they are until the first call
+    places each on its device."""
+    if self.plan.state_shares and not self._owners and self.example_batch is None:
+      replicated = NamedSharding(self.mesh, P())
+      return jax.tree.unflatten(jax.tree.structure(state), [
+          x if role_of(path, _traced_dtype(x)) == "opt_state" else jax.device_put(x, replicated)
+          for path, x in leaves_with_paths(state)])
     return jax.device_put(state, self.state_shardings(state))
 
+  def _owners_of(self, state: Any) -> dict:
+    """``{path: device}`` of the held optimizer-state leaves, which come from the step's trace: of the first call,
+    or of ``example_batch``."""
+    if not self._owners:
+      if self.example_batch is None:
+        raise HetSpmdError("under state_shares the device holding each optimizer-state leaf comes from the step's "
+                           "trace: call the step once first, or pass run_groups(..., example_batch=batch)")
+      leaves, tree = jax.tree.flatten((state, self.example_batch, ()))
+      self._built_for(self.fn, None, state, leaves, tree, len(jax.tree.leaves(self.example_batch)))
+    return self._owners
+
+  def resident_bytes(self, state: Any) -> dict[int, int]:
+    """Bytes of ``state`` each device of the plan (by JAX id) holds between steps."""
+    out = {d.id: 0 for d in self.devices}
+    for x in jax.tree.leaves(state):
+      for shard in getattr(x, "addressable_shards", ()):
+        if shard.device.id in out:
+          out[shard.device.id] += shard.data.nbytes
+    return out
+
   def explain(self) -> str:
-    return self.plan.summary() + ("\n  state replicated on every device (ZeRO-0); each group's program runs its "
-                                  "loop, one uniform program over every device reduces and updates")
+    lines = [self.plan.summary()]
+    if not self.plan.state_shares:
+      lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
+                   "program over every device reduces and updates")
+      return "\n".join(lines)
+    lines.append("  each group's program runs its loop; one uniform program over every device reduces the sums "
+                 "and computes what reads no held leaf; each device's own program updates its held leaves and "
+                 "sends the parameters it made to every device")
+    for built in self._built.values():
+      if built.units is not None:
+        by_device = {d.id: 0 for d in self.devices}
+        for path, device in built.owner_paths.items():
+          by_device[device.id] += 1
+        lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner)} held leaves; leaves held "
+                     f"per device: {by_device}")
+    return "\n".join(lines)
 
   def __call__(self, *args: Any) -> Any:
     """``step(state, batch, *rest)`` for a functional step; for NNX in place, ``step(*objects and batch)``: the
@@ -117,25 +178,61 @@ class GroupedStep:
       if np.shape(x)[:1] != (self.plan.global_batch,):
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
-    key = (tree, graphdef, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
-    if key not in self._built:
-      self._built[key] = self._build(fn, tree, leaves, range(n_state, n_state + n_batch))
-    programs, exchange, out_tree = self._built[key]
-    state_leaves = leaves[:n_state]
+    built = self._built_for(fn, graphdef, state, leaves, tree, n_batch)
+    batch_leaves = leaves[n_state:n_state + n_batch]
+    state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
     others = leaves[n_state + n_batch:]
+    free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     partials = []
-    for g, (mesh, program, (counts, starts)) in enumerate(zip(self.group_meshes, programs, self._loops)):
-      inputs = [_on(mesh, x) for x in state_leaves] + self._buffers(g, leaves[n_state:n_state + n_batch]) + [
+    for g, (mesh, program, (counts, starts)) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
+      inputs = [_on(mesh, state_leaves[i]) for i in free] + self._buffers(g, batch_leaves) + [
           _on(mesh, x) for x in others]
       partials.append(program(inputs, counts, starts))
     joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
               for k in range(len(partials[0]))]
-    tail = self._tail_buffers(leaves[n_state:n_state + n_batch]) if self.plan.tail_count else [None] * n_batch
-    outputs = exchange([_on(self.mesh, x) for x in state_leaves], tail, [_on(self.mesh, x) for x in others], joined,
-                       *self._tail)
-    return jax.tree.unflatten(out_tree, outputs)
+    tail = self._tail_buffers(batch_leaves) if self.plan.tail_count else [None] * n_batch
+    common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
+    if built.units is None:
+      return jax.tree.unflatten(built.out_tree, built.exchange(common, joined, *self._tail))
+    results, sums = built.exchange(common, joined, *self._tail)
+    outputs: list[Any] = [None] * built.out_tree.num_leaves
+    for o, x in zip(built.units.common, results):
+      outputs[o] = x
+    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums)
+    return jax.tree.unflatten(built.out_tree, outputs)
 
-  def _build(self, fn, tree, leaves, batch_inputs):
+  def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
+    """Each device's update program on its held leaves (the rest of the state and ``sums``: its own copies); a
+    held leaf's new value stays on the device, every other output is sent to every device."""
+    kept = dict(built.units.kept)
+    replicated = NamedSharding(self.mesh, P())
+    for device, (outs, program) in built.updates.items():
+      mine = functools.partial(_shard_on, device=device)
+      inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
+                if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
+      for o, x in zip(outs, program(inputs, jax.tree.map(mine, sums))):
+        outputs[o] = x if o in kept else jax.device_put(x, replicated)
+
+  def _placed(self, built: "_Built", i: int, x: Any) -> Any:
+    """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner; any other as it
+    is (the programs place it)."""
+    if i not in built.owner:
+      return x
+    device = built.owner[i]
+    if isinstance(x, jax.Array) and x.sharding.device_set == {device}:
+      return x
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+
+  def _built_for(self, fn, graphdef, state, leaves, tree, n_batch) -> "_Built":
+    key = (tree, graphdef, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
+    if key not in self._built:
+      self._built[key] = self._build(fn, state, tree, leaves, n_batch)
+      self._owners = self._built[key].owner_paths
+    return self._built[key]
+
+  def _build(self, fn, state, tree, leaves, n_batch) -> "_Built":
+    n_state = len(jax.tree.leaves(state))
+    batch_inputs = tuple(range(n_state, n_state + n_batch))
     avals = [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)) for x in leaves]
 
     def flat(*xs):
@@ -143,22 +240,47 @@ class GroupedStep:
       return fn(state, batch, *rest)
 
     closed, shapes = jx.make_closed_jaxpr(flat, *avals, return_shape=True)
-    analysis = analyse(closed, tuple(batch_inputs), self.plan.global_batch)
-    prog = Program(analysis, tuple(batch_inputs))
+    prog = Program(analyse(closed, batch_inputs, self.plan.global_batch), batch_inputs)
     group_lowering.check(prog)
+    out_tree = jax.tree.structure(shapes)
+    units, owner = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {})
+    held = tuple(sorted(owner))
     programs = []
     for group, mesh in zip(self.plan.groups, self.group_meshes):
       layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
-      programs.append(jax.jit(group_lowering.group_program(prog, layout)))
+      programs.append(jax.jit(_missing(prog, held, group_lowering.group_program(prog, layout))))
     tail = None
     if self.plan.tail_count:
       count = self.plan.tail_count
       tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
                              overlap=True)
-    run = group_lowering.exchange_program(prog, tail)
-    exchange = jax.jit(lambda state, batch, others, partials, counts, starts: run(
-        list(state) + list(batch) + list(others), partials, counts, starts))
-    return programs, exchange, jax.tree.structure(shapes)
+    run = group_lowering.exchange_program(prog, tail, units.common if units else None)
+    exchange = jax.jit(_missing(prog, held, run))
+    updates = {}
+    for device in self.devices:
+      outs = tuple(sorted(o for ins, unit_outs in (units.units if units else ()) if owner[ins[0]] == device
+                          for o in unit_outs))
+      if outs:
+        mine = {i for i in held if owner[i] == device}
+        updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine),
+                                                  group_lowering.update_program(prog, outs))))
+    paths = [path for path, _ in leaves_with_paths(state)]
+    return _Built(programs, exchange, updates, out_tree, units, owner, {paths[i]: d for i, d in owner.items()})
+
+  def _units(self, prog: Program, state: Any, out_tree: Any):
+    """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
+    entries = leaves_with_paths(state)
+    held = [i for i, (path, leaf) in enumerate(entries)
+            if np.ndim(leaf) >= 1 and np.size(leaf) > 1 and role_of(path, _traced_dtype(leaf)) == "opt_state"]
+    outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
+    structure = jax.tree.structure(state)
+    new_state = (outputs if jax.tree.structure(outputs) == structure else outputs[0]
+                 if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == structure else None)
+    new_value_of = dict(zip(jax.tree.leaves(new_state), range(len(entries)))) if new_state is not None else {}
+    units = group_lowering.state_units(prog, held, new_value_of)
+    sizes = [sum(_nbytes(entries[i][1]) for i in ins) for ins, _ in units.units]
+    owners = assign_owners(sizes, self.plan.state_shares)
+    return units, {i: self.devices[owners[u]] for u, (ins, _) in enumerate(units.units) for i in ins}
 
   def _buffers(self, g: int, batch_leaves):
     """Group ``g``'s padded microbatch buffers ``[devices * max_count, microbatch, ...]`` of each batch array."""
@@ -194,6 +316,44 @@ class GroupedStep:
                                                     [by_device[d] for d in self.devices])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Built:
+  """The programs of one argument structure: each group's loop, the exchange, each device's update (under
+  state shares: ``{device: (outputs, program)}``), the output tree, the state units and the device holding each
+  held optimizer-state leaf (by flat state index and by path)."""
+
+  programs: list
+  exchange: Any
+  updates: dict
+  out_tree: Any
+  units: Any
+  owner: dict
+  owner_paths: dict
+
+
+def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` taking the step's flat inputs less ``held`` (leaves on other devices that it does not read)."""
+  if not held:
+    return run
+  return lambda inputs, *rest: run(group_lowering.with_placeholders(prog, inputs, held), *rest)
+
+
+def _shard_on(x: Any, device: Any) -> Any:
+  """``device``'s own copy of a replicated array (no copy made)."""
+  if x is None:
+    return None
+  if not isinstance(x, jax.Array):
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+  for shard in x.addressable_shards:
+    if shard.device == device:
+      return shard.data
+  return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+
+
+def _nbytes(x: Any) -> int:
+  return int(np.size(x)) * np.dtype(_traced_dtype(x)).itemsize
+
+
 def _traced_dtype(x: Any) -> Any:
   """The dtype ``x`` is traced with (a Python scalar: JAX's default for it)."""
   return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
@@ -209,8 +369,10 @@ def _on(mesh: Mesh, x: Any) -> Any:
   return jax.device_put(x, sharding)
 
 
-def run_groups(fn: Callable[..., Any], plan: GroupPlan) -> GroupedStep:
-  """``fn`` (a functional step) run under ``plan``'s group programs."""
+def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None) -> GroupedStep:
+  """``fn`` (a functional step, or NNX in place) run under ``plan``'s group programs. ``example_batch``: a global
+  batch to trace the step on before its first call, so that :meth:`GroupedStep.state_shardings` can say where a
+  plan with state shares keeps each optimizer-state leaf (to restore a checkpoint into)."""
   if not isinstance(plan, GroupPlan):
     raise HetSpmdError(f"run_groups needs a GroupPlan, got {type(plan).__name__}")
-  return GroupedStep(fn, plan)
+  return GroupedStep(fn, plan, example_batch)
