@@ -253,7 +253,7 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
 
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
-                      tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+                      tp: TensorParallel = NO_TENSOR_PARALLEL, *, optimizer_share: float | None = None) -> int:
   """Bytes on every device of a plan with ``n`` data positions.
 
   The state as held between steps (ZeRO-1/3 keep shards of what they
@@ -262,12 +262,15 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   reduced gradients (reduce-scattered onto ZeRO's shards where the runtime
   does so). ZeRO-3 gathers its split parameters whole for the loop, beside
   their shards: it lowers the state between steps, not a step's peak.
+  ``optimizer_share``: the fraction of the optimizer state the device holds
+  (a group plan's state shares), in place of ZeRO's.
   """
   zs = zero_split(profile, n, tp)
   sharded = zs.kept(n)  # what ZeRO keeps of a split state
   params = profile.param_bytes * tp.param_share * (sharded + zs.gathered if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
-  optimizer = profile.opt_state_bytes * tp.param_share * (sharded if zero_stage >= 1 else 1)
+  optimizer = profile.opt_state_bytes * tp.param_share * (
+      optimizer_share if optimizer_share is not None else sharded if zero_stage >= 1 else 1)
   scattered = zs.scattered(n) if zero_stage >= 1 and tp.m == 1 and n > 1 else 0.0
   working = max(microbatch_bytes(profile, microbatch, remat, tp), grads * (1 - scattered))  # in the loop, after it
   return int((params + grads + optimizer + working) * WORKSPACE)

@@ -3,9 +3,10 @@
 A group plan (:class:`hetspmd.plan.groups.GroupPlan`, run by
 :mod:`hetspmd.runtime.grouped`) lets each device kind run the microbatch that
 suits it, where one SPMD program makes every device run the same one. This
-module searches the group plans of its first form: every device on data
-(no model axis), the state replicated (ZeRO-0), one group per device kind,
-one remat policy. For each kind a microbatch size that fits its memory, for
+module searches group plans with every device on data (no model axis), one
+group per device kind, one remat policy, and the optimizer state replicated
+or held in shares by free memory (each device updating its share, then
+sending the parameters it made to every device). For each kind a microbatch size that fits its memory, for
 the global batch each device's count: the smallest makespan whose capacity
 covers the batch, found by bisection, then trimmed to the batch exactly
 (the largest microbatches first). Optionally a uniform tail: one microbatch
@@ -26,7 +27,7 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import GroupPlan, group_plan
-from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, gradient_reductions, memory_per_device
+from hetspmd.planner.data_axis import WORKSPACE, NO_TENSOR_PARALLEL, gradient_reductions, memory_per_device
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
@@ -89,20 +90,24 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str, global_batch: int, *,
-                 dtype: str = "float32", tail: tuple[int, int] = (0, 0)) -> Evaluated | None:
+                 dtype: str = "float32", tail: tuple[int, int] = (0, 0), zero: int = 0) -> Evaluated | None:
   """The group plan with microbatch ``sizes[kind]`` per kind on ``layout`` (every device on data), or None if a
   kind's microbatch does not fit its memory or the sizes cannot make the batch. ``tail``: ``(microbatch,
   count)`` every device runs in the uniform program after its group's loop, the reduction overlapping the last
-  one's backward pass."""
+  one's backward pass. ``zero=1``: the optimizer state in shares by free memory (each device updates its
+  share, then sends the parameters it made to every device), else replicated."""
   n, kinds = len(layout.groups), layout.kinds
   size, count = tail
   order = list(dict.fromkeys(kinds))
-  memory = {k: max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL) for m in {sizes[k], size}
-                   if m) for k in order}
+  shares = _state_shares(costing, kinds, sizes, size, remat) if zero else {}
+  if zero and not shares:
+    return None
+  memory = {k: max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL,
+                                     optimizer_share=shares.get(k)) for m in {sizes[k], size} if m) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, sizes[k], remat, 0, n) for k in order}
-  tails = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, size, remat, 0, n) if count else None for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remat, n, shares.get(k)) for k in order}
+  tails = {k: _kind_cost(costing, k, size, remat, n, shares.get(k)) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
                                                                         if count else 0.0)) for k in order}
@@ -112,19 +117,47 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
   busiest = max(range(n), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
   hidden = 0.0
   if count:
     kind = kinds[busiest]
     window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
-  dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1)
+  dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
+  name = "group programs by kind" + (", optimizer state in memory shares" if zero else "") + (
+      f", tail {count}x{size}" if count else "")
   return Evaluated(
-      name="group programs by kind" + (f", tail {count}x{size}" if count else ""), device_positions=layout.devices,
-      kinds=kinds, microbatch=max(sizes.values()), counts=counts, zero_stage=0, remat=remat,
-      compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce, memory_bytes=tuple(memory[k]
-                                                                                                for k in kinds),
-      global_batch=global_batch, position_seconds=per_position, grad_reduce_dtype=dtype, overlap=hidden > 0,
-      hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds), tail=tail)
+      name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
+      zero_stage=zero, remat=remat, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
+      memory_bytes=tuple(memory[k] for k in kinds), global_batch=global_batch, position_seconds=per_position,
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
+      tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else ())
+
+
+def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: int, remat: str
+                  ) -> dict[str, float]:
+  """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
+  on it; empty when the free memory of every device together cannot hold the state."""
+  n, profile = len(kinds), costing.profile
+  free = {}
+  for k in dict.fromkeys(kinds):
+    used = max(memory_per_device(profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=0.0)
+               for m in {sizes[k], tail} if m)
+    free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
+  total = sum(free[k] for k in kinds)
+  if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
+    return {}
+  return {k: free[k] / total for k in free}
+
+
+def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None) -> KindCost:
+  """A device's microbatch costs; with a state ``share`` its update covers that share of the optimizer state
+  and it writes the parameters the others send it."""
+  cost = costing.kind_cost(kind, NO_TENSOR_PARALLEL, microbatch, remat, 0, n)
+  if share is None:
+    return cost
+  spec = costing.cluster.spec_of(kind)
+  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + costing.profile.param_bytes / spec.write_rate)
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
@@ -140,10 +173,12 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   best = None
   tails = [(0, 0)] + [(m, 1) for m in sizes if m * cluster.num_devices < global_batch]
+  zeros = (0, 1) if profile.opt_state_bytes > 0 else (0,)
   for remat in remat_policies:
     combos = itertools.islice(itertools.product(sizes, repeat=len(kinds)), MAX_COMBINATIONS)
-    for combo, tail, dtype in itertools.product(list(combos), tails, grad_reduce_dtypes):
-      e = price_groups(costing, layout, dict(zip(kinds, combo)), remat, global_batch, dtype=dtype, tail=tail)
+    for combo, tail, dtype, zero in itertools.product(list(combos), tails, grad_reduce_dtypes, zeros):
+      e = price_groups(costing, layout, dict(zip(kinds, combo)), remat, global_batch, dtype=dtype, tail=tail,
+                       zero=zero)
       if e is not None and (best is None or e.step_seconds < best.step_seconds):
         best = e
   return best
@@ -153,8 +188,10 @@ def to_group_plan(cluster: Cluster, e: Evaluated) -> GroupPlan:
   """The :class:`GroupPlan` of a priced group plan: one group per kind, devices by JAX id where the cluster is
   bound to JAX devices (else by cluster position)."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
-  groups = []
+  groups, shares = [], []
   for kind in dict.fromkeys(e.kinds):
     mine = [i for i, k in enumerate(e.kinds) if k == kind]
     groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine]))
-  return group_plan(groups, e.global_batch, tail=e.tail)
+    shares += [e.state_shares[i] for i in mine] if e.state_shares else []
+  return group_plan(groups, e.global_batch, tail=e.tail,
+                    state_shares=tuple(s / sum(shares) for s in shares) if shares else ())

@@ -54,6 +54,7 @@ class Evaluated:
   overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
   microbatches: tuple[int, ...] = ()  # a group plan: each position's own microbatch size (else ``microbatch``)
   tail: tuple[int, int] = (0, 0)      # a group plan: (microbatch, count) every position runs in the uniform program
+  state_shares: tuple[float, ...] = ()  # a group plan: each position's share of the optimizer state (ZeRO-1)
 
   @property
   def examples(self) -> tuple[int, ...]:
@@ -95,8 +96,8 @@ class Evaluated:
         "zero_stage": self.zero_stage,
         "remat": self.remat,
         "memory_bytes": list(self.memory_bytes),
-        **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]}}
-           if self.microbatches else {}),
+        **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
+            "state_shares": list(self.state_shares)} if self.microbatches else {}),
     }
 
 

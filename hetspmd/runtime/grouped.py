@@ -63,6 +63,7 @@ class GroupedStep:
   example_batch: Any = None
   _built: dict = dataclasses.field(default_factory=dict)
   _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
+  _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
 
   def __post_init__(self):
     by_id = {d.id: d for d in jax.devices()}
@@ -187,14 +188,14 @@ class GroupedStep:
     for g, (mesh, program, (counts, starts)) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
       inputs = [_on(mesh, state_leaves[i]) for i in free] + self._buffers(g, batch_leaves) + [
           _on(mesh, x) for x in others]
-      partials.append(program(inputs, counts, starts))
+      partials.append(self._call(f"group {g}", program, inputs, counts, starts))
     joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
               for k in range(len(partials[0]))]
     tail = self._tail_buffers(batch_leaves) if self.plan.tail_count else [None] * n_batch
     common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
     if built.units is None:
-      return jax.tree.unflatten(built.out_tree, built.exchange(common, joined, *self._tail))
-    results, sums = built.exchange(common, joined, *self._tail)
+      return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail))
+    results, sums = self._call("exchange", built.exchange, common, joined, *self._tail)
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
@@ -210,8 +211,22 @@ class GroupedStep:
       mine = functools.partial(_shard_on, device=device)
       inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
                 if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
-      for o, x in zip(outs, program(inputs, jax.tree.map(mine, sums))):
+      for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, jax.tree.map(mine, sums))):
         outputs[o] = x if o in kept else jax.device_put(x, replicated)
+
+  def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
+    """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis`."""
+    self._last[name] = (program, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        args))
+    return program(*args)
+
+  def memory_analysis(self) -> dict[str, Any]:
+    """Each program of the last call (by name: ``group 0``, ``exchange``, ``update on device 3``) and XLA's
+    ``Compiled.memory_analysis()`` of it: argument, output and temporary bytes per device."""
+    if not self._last:
+      raise HetSpmdError("memory_analysis describes the programs of the last call: call the step first")
+    return {name: program.lower(*args).compile().memory_analysis() for name, (program, args) in self._last.items()}
 
   def _placed(self, built: "_Built", i: int, x: Any) -> Any:
     """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner; any other as it

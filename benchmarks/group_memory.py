@@ -1,0 +1,107 @@
+"""What each device holds under a group plan whose optimizer state follows memory, measured.
+
+    python benchmarks/group_memory.py [--layers 48] [--width 128] [--memory 80,80,80,80,16,16,16,16]
+
+Trains a deep Linen MLP (``--layers`` Dense + LayerNorm blocks of ``--width``, Adam, float32) for two steps on
+8 emulated CPU devices posing as four large-memory and four small-memory devices (``--memory``, GB), under a
+group plan (:mod:`hetspmd.runtime.grouped`): the large devices one group with microbatches of 4, the small
+ones another with microbatches of 1, and the optimizer state in shares in proportion to memory
+(``state_shares``). Each Adam moment lives whole and unpadded on one device.
+
+Prints per device: its share, the optimizer-state bytes it should hold (share x total), the bytes it does hold
+(the state's arrays' shards on it), their ratio, and the bytes of every live array on it between steps
+(``jax.live_arrays()``); then each program's ``Compiled.memory_analysis()`` (argument, output and temporary
+bytes per device), and the ratio of what a small device holds to what one SPMD program would give it:
+an even ZeRO shard padded to the largest memory-weighted share (``benchmarks/uneven_state.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, default=48)
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--memory", default="80,80,80,80,16,16,16,16", help="GB per device, comma-separated")
+  args = parser.parse_args()
+
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax.training import train_state
+
+  from hetspmd.plan.groups import group_plan, shares_for
+  from hetspmd.runtime.grouped import run_groups
+
+  memory = [float(x) for x in args.memory.split(",")]
+  if len(memory) != 8 or len(jax.devices()) < 8:
+    raise SystemExit(f"needs 8 devices and 8 memory sizes, found {len(jax.devices())} and {len(memory)}")
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(args.layers):
+        x = x + nn.gelu(nn.Dense(args.width)(nn.LayerNorm()(x)))
+      return nn.Dense(10)(x)
+
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  model = Deep()
+  params = model.init(jax.random.key(0), jnp.zeros((1, args.width)))["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+  del params  # the state holds them; its placed copy replaces it below
+  shares = shares_for(memory)
+  plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)), ((4, 5, 6, 7), 1, (2, 2, 2, 2))], 40, state_shares=shares)
+  rs = np.random.RandomState(0)
+  batch = {"x": rs.randn(40, args.width).astype(np.float32), "y": rs.randint(0, 10, 40).astype(np.int32)}
+  runner = run_groups(step, plan)
+  state = runner.shard_state(state)
+  for _ in range(2):
+    state, metrics = runner(state, batch)
+  jax.block_until_ready((state, metrics))
+  del metrics
+
+  def on_devices(tree):
+    out = {d.id: 0 for d in runner.devices}
+    for x in tree:
+      for shard in x.addressable_shards:
+        out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+  held = on_devices(x for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1)
+  total = sum(held.values())
+  live = on_devices(jax.live_arrays())
+  print(runner.explain())
+  print(f"\noptimizer state (leaves of more than one element): {total / 1e6:.3f} MB over "
+        f"{len([x for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1])} leaves")
+  print(f"{'device':>6} {'memory':>7} {'share':>7} {'target MB':>10} {'holds MB':>9} {'ratio':>6} {'live MB':>8}")
+  for d, mem, share in zip(plan.devices, memory, shares):
+    target = share * total
+    print(f"{d:>6} {mem:>6.0f}G {share:>7.2%} {target / 1e6:>10.3f} {held[d] / 1e6:>9.3f} "
+          f"{held[d] / target:>6.3f} {live[d] / 1e6:>8.3f}")
+  print("\nper-program memory_analysis (bytes per device):")
+  print(f"{'program':>22} {'arguments':>10} {'outputs':>10} {'temporary':>10}")
+  for name, stats in runner.memory_analysis().items():
+    print(f"{name:>22} {stats.argument_size_in_bytes:>10} {stats.output_size_in_bytes:>10} "
+          f"{stats.temp_size_in_bytes:>10}")
+  small = [d for d, mem in zip(plan.devices, memory) if mem == min(memory)]
+  padded = max(shares) * total  # one SPMD program: every device's shard padded to the largest share
+  worst = max(held[d] / (shares[plan.devices.index(d)] * total) for d in small)
+  print(f"\nsmall devices hold at most {worst:.3f}x their share (goal: within 1.10x); "
+        f"{max(held[d] for d in small) / padded:.3f}x the padded shard one SPMD program would give them")
+
+
+if __name__ == "__main__":
+  main()
