@@ -332,3 +332,29 @@ def test_an_update_that_reads_every_moment_holds_them_together():
   ref.check(state.opt_state, lambda s: s.opt_state)
   held = {d for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1 for d in x.sharding.device_set}
   assert len(held) == 1
+
+
+def test_the_search_holds_state_in_shares_where_replicated_state_does_not_fit():
+  """Five devices too small for the replicated Adam state beside three large ones: the searched group plan holds
+  the optimizer state in shares by free memory (smaller on the small devices), and runs exactly."""
+  import dataclasses
+
+  from hetspmd.hardware.profiler import device_spec
+  from hetspmd.planner.data_axis import memory_per_device
+
+  require_devices(8)
+  batch = 48
+  profile = profile_step(dropout_step, _state(), _batches(batch)[0])
+  without = memory_per_device(profile, 8, 1, 0, "none", optimizer_share=0.0)
+  replicated = memory_per_device(profile, 8, 1, 0, "none")
+  small = dataclasses.replace(device_spec("P100-16GB"), name="P100-small", memory_bytes=(without + replicated) // 2)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-small"] * 5,
+                               custom={"P100-small": small})
+  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch)[:1], grad_reduce_dtypes=("float32",))
+  assert priced.zero_stage == 1 and all(m <= small.memory_bytes for m in priced.memory_bytes[3:])
+  plan = to_group_plan(cluster, priced)
+  assert plan.state_shares[3] < plan.state_shares[0] and abs(sum(plan.state_shares) - 1) < 1e-9
+  state, ref = _trained(dropout_step, plan, _state, _batches(batch))
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  _held_on_one_device(state.opt_state)
