@@ -30,6 +30,17 @@ def test_preset_sanity_against_datasheets():
   assert DEVICE_PRESETS["H100-80GB"].bf16_flops > DEVICE_PRESETS["A100-80GB"].bf16_flops > DEVICE_PRESETS["L4"].bf16_flops
 
 
+def test_a_workstation_that_mixes_kinds():
+  """Cephalo's workstation (2 L4, an RTX A6000, a P40): the preset, the spec and its TOML agree. Pascal's P40
+  computes float16 at 1/64 of its float32 rate; the A6000 has twice an L4's memory."""
+  cluster = Cluster.preset("cephalo-workstation")
+  assert [d.spec.name for d in cluster.devices] == ["L4", "L4", "RTX-A6000", "P40"]
+  assert cluster.inter.name == "pcie3" and Cluster.parse(cluster.describe()).devices == cluster.devices
+  p40, a6000 = DEVICE_PRESETS["P40"], DEVICE_PRESETS["RTX-A6000"]
+  assert p40.bf16_flops == pytest.approx(p40.fp32_flops / 64) and p40.memory_bytes == 24 * GiB
+  assert a6000.memory_bytes == 2 * DEVICE_PRESETS["L4"].memory_bytes and a6000.bf16_flops > a6000.fp32_flops
+
+
 def test_cpu_spec_is_measured():
   spec = hetspmd.hardware.device_spec("cpu")
   assert spec.measured and spec.fp32_flops > 1e8 and spec.memory_bandwidth > 1e7
@@ -41,7 +52,7 @@ def test_cpu_spec_is_measured():
     ("Tesla V100-SXM2-32GB", "V100-32GB"), ("Tesla V100-PCIE-16GB", "V100-16GB"), ("Tesla P100-PCIE-16GB", "P100-16GB"),
     ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA H100 80GB HBM3", "H100-80GB"),
     ("NVIDIA H200", "H200"), ("NVIDIA L4", "L4"), ("Tesla T4", "T4"), ("NVIDIA A10G", "A10G"), ("TPU v4", "TPU-v4"),
-    ("TPU v5 lite", "TPU-v5e"), ("cpu", None),
+    ("TPU v5 lite", "TPU-v5e"), ("NVIDIA RTX A6000", "RTX-A6000"), ("Tesla P40", "P40"), ("cpu", None),
 ])
 def test_device_kind_to_preset(device_kind, preset):
   assert preset_for_device_kind(device_kind) == preset

@@ -40,7 +40,7 @@ DEFAULT_INTER_LATENCY = 20e-6
 _DEFAULT_INTRA = {
     "P100-16GB": "pcie3", "V100-16GB": "nvlink2", "V100-32GB": "nvlink2", "T4": "pcie3", "A10G": "pcie4",
     "L4": "pcie4", "A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "H100-80GB": "nvlink4", "H200": "nvlink4",
-    "RTX3090": "pcie4", "RTX4090": "pcie4", "MI250X": "xgmi", "MI300X": "xgmi", "TPU-v4": "ici",
+    "RTX3090": "pcie4", "RTX-A6000": "pcie4", "P40": "pcie3", "RTX4090": "pcie4", "MI250X": "xgmi", "MI300X": "xgmi", "TPU-v4": "ici",
     "TPU-v5e": "ici", "cpu": "host",
 }
 
@@ -52,6 +52,9 @@ CLUSTER_PRESETS: dict[str, str] = {
     "amp-t4-v100": "3x4xT4+1x4xV100-16GB;inter=10Gbps",
     "a100-v100-mix": "1x8xA100-40GB+2x8xV100-32GB;inter=100Gbps",
     "h100-a100-l4-mix": "1x8xH100-80GB+1x8xA100-80GB+2x8xL4;inter=200Gbps",
+    # Cephalo (Guo et al., 2024): one workstation of 2 L4, an RTX A6000 and a P40. One device kind per host in
+    # this model, so the kinds are hosts joined by the workstation's PCIe 3 (the P40's link bounds it)
+    "cephalo-workstation": "2xL4+RTX-A6000+P40;inter=pcie3",
     # homogeneous references
     "v100x16": "2x8xV100-32GB;inter=10.4Gbps",
     "p100x48": "6x8xP100-16GB;inter=10.4Gbps",

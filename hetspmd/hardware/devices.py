@@ -205,6 +205,12 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     _spec("H100-80GB", 67, 989, 80, 3350, reduced_f32_tflops=494.5),
     # NVIDIA H200 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 141 GB, 4.8 TB/s
     _spec("H200", 67, 989, 141, 4800, reduced_f32_tflops=494.5),
+    # NVIDIA Tesla P40 datasheet: 11.76 TF fp32, 24 GB GDDR5, 346 GB/s; Pascal GP102 runs fp16 at 1/64 of fp32
+    # (no tensor cores)
+    _spec("P40", 11.76, 11.76 / 64, 24, 346),
+    # NVIDIA RTX A6000 datasheet: 38.7 TF fp32, 77.4 TF tf32 / 154.8 TF fp16/bf16 tensor (dense), 48 GB GDDR6,
+    # 768 GB/s
+    _spec("RTX-A6000", 38.7, 154.8, 48, 768, reduced_f32_tflops=77.4),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 35.6 TF fp32, 71 TF fp16 tensor (fp32 acc.), 936 GB/s
     _spec("RTX3090", 35.6, 71, 24, 936),
     # NVIDIA Ada whitepaper (RTX 4090): 82.6 TF fp32, 165.2 TF fp16 tensor (fp32 acc.), 1008 GB/s
@@ -232,6 +238,8 @@ _DEVICE_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"A100", "A100-40GB"),
     (r"H200", "H200"),
     (r"H100", "H100-80GB"),
+    (r"\bP40\b", "P40"),
+    (r"RTX A6000", "RTX-A6000"),
     (r"3090", "RTX3090"),
     (r"4090", "RTX4090"),
     (r"MI250", "MI250X"),
