@@ -358,3 +358,49 @@ def test_the_search_holds_state_in_shares_where_replicated_state_does_not_fit():
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
   _held_on_one_device(state.opt_state)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shares", [(), SHARES_80_16], ids=["replicated", "memory-shares"])
+def test_two_processes_each_run_their_own_group(shares):
+  """2 processes x 4 CPU devices over jax.distributed (gloo), one group per process (microbatches of 4 and of 1)
+  and a uniform tail: each process dispatches only its group's program (and its devices' updates); parameters,
+  the moments each process holds and the metrics equal one device's."""
+  import os
+
+  from multiprocess import run_processes
+
+  results = run_processes(f"""
+      import json, sys
+      import numpy as np, jax
+      sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+      jax.devices()  # the backend starts with this process's 4 devices, before conftest asks for 8
+      import test_group_programs as t
+      from exactness import Reference
+      from hetspmd.plan.groups import group_plan
+      from hetspmd.runtime.grouped import run_groups
+
+      ids = [[d.id for d in jax.devices() if d.process_index == p] for p in (0, 1)]
+      plan = group_plan([(ids[0], 4, (2, 2, 1, 1)), (ids[1], 1, (3, 3, 2, 2))], 42, tail=(1, 1),
+                        state_shares={shares!r})
+      batches = t._batches(42)
+      ref = Reference(t.dropout_step, t._state(), jit=jax.jit(t.dropout_step, device=jax.local_devices()[0]))
+      ref.run(batches)
+      step = run_groups(t.dropout_step, plan)
+      state = step.shard_state(t._state())
+      for i, batch in enumerate(batches):
+        state, metrics = step(state, batch)
+        ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
+      local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
+      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+      mine = jax.tree.map(local, state.opt_state)
+      held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]
+      ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, ref.single.opt_state,
+                             is_leaf=lambda x: x is None), lambda s: s.opt_state)
+      print(json.dumps({{"held": held, "groups": sum(1 for name in step.memory_analysis() if name.startswith("group"))}}))
+  """, num_processes=2, devices_per_process=4, timeout=240)
+  assert [r["groups"] for r in results] == [1, 1]
+  held = np.array([r["held"] for r in results])
+  assert held.any(axis=0).all()  # every moment is checked by the process that holds it
+  if shares:
+    assert not held.all(axis=0)[1:].any()  # each large moment lives in one process only

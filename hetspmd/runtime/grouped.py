@@ -21,10 +21,16 @@ reduced sums on every device; each device's own program
 updates its leaves and makes their parameters, which are sent to every
 device (``jax.device_put``).
 
+Across processes (``jax.distributed``), every group's devices are one
+process's, and each process dispatches only its own groups' programs and its
+own devices' updates; the exchange program spans them all, and the
+parameters an update makes reach every device through one uniform program
+that adds each device's row (the value on its maker, zeros elsewhere). Every
+process passes the whole global batch.
+
 It takes functional steps, ``step(state, batch, *rest) -> outputs`` (a Linen
 ``TrainState``), and NNX steps that update their objects in place,
-``step(model, optimizer, ..., batch)``, with one microbatch loop, in one
-process.
+``step(model, optimizer, ..., batch)``, with one microbatch loop.
 """
 
 from __future__ import annotations
@@ -74,11 +80,24 @@ class GroupedStep:
     self.devices = [by_id[d] for d in self.plan.devices]
     self.mesh = Mesh(np.array(self.devices), (DATA,))
     self.group_meshes = [Mesh(np.array([by_id[d] for d in g.devices]), (DATA,)) for g in self.plan.groups]
-    # each loop's counts and first examples, placed once: (group meshes'..., the tail's over every device)
+    here = jax.process_index()
+    for g, mesh in enumerate(self.group_meshes):
+      processes = sorted({d.process_index for d in mesh.devices.flat})
+      if len(processes) > 1:
+        raise InvalidValueError(f"group {g} holds devices of processes {processes}: each group's program runs in "
+                                "one process, so a group's devices must all be one process's")
+    self.local = [any(d.process_index == here for d in mesh.devices.flat) for mesh in self.group_meshes]
+    if not any(self.local):
+      raise InvalidValueError(f"the group plan gives process {here} no devices: every process runs at least one "
+                              "group")
+    # each loop's counts and first examples, placed once: (this process's group meshes'..., the tail's)
     on = lambda mesh, values: jax.device_put(np.asarray(values, np.int32), NamedSharding(mesh, P(DATA)))
-    self._loops = [(on(mesh, g.counts), on(mesh, starts))
-                   for g, mesh, starts in zip(self.plan.groups, self.group_meshes, self.plan.starts())]
+    self._loops = [(on(mesh, g.counts), on(mesh, starts)) if local else None
+                   for g, mesh, starts, local in zip(self.plan.groups, self.group_meshes, self.plan.starts(),
+                                                     self.local)]
     self._tail = (on(self.mesh, [self.plan.tail_count] * len(self.devices)), on(self.mesh, self.plan.tail_starts()))
+    self._sum_rows = jax.jit(lambda rows: [r.sum(axis=0) for r in rows],
+                             out_shardings=NamedSharding(self.mesh, P()))
 
   def state_shardings(self, state: Any) -> Any:
     """The shardings the state lives in between steps (to restore a checkpoint into, as
@@ -185,10 +204,11 @@ class GroupedStep:
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     partials = []
-    for g, (mesh, program, (counts, starts)) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
-      inputs = [_on(mesh, state_leaves[i]) for i in free] + self._buffers(g, batch_leaves) + [
-          _on(mesh, x) for x in others]
-      partials.append(self._call(f"group {g}", program, inputs, counts, starts))
+    for g, (mesh, program, loop) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
+      if loop is not None:  # this process's groups only
+        inputs = [_on(mesh, state_leaves[i]) for i in free] + self._buffers(g, batch_leaves) + [
+            _on(mesh, x) for x in others]
+        partials.append(self._call(f"group {g}", program, inputs, *loop))
     joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
               for k in range(len(partials[0]))]
     tail = self._tail_buffers(batch_leaves) if self.plan.tail_count else [None] * n_batch
@@ -203,16 +223,47 @@ class GroupedStep:
     return jax.tree.unflatten(built.out_tree, outputs)
 
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
-    """Each device's update program on its held leaves (the rest of the state and ``sums``: its own copies); a
-    held leaf's new value stays on the device, every other output is sent to every device."""
+    """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
+    own copies); a held leaf's new value stays on the device, every other output is sent to every device."""
     kept = dict(built.units.kept)
-    replicated = NamedSharding(self.mesh, P())
+    made: dict[int, Any] = {}
     for device, (outs, program) in built.updates.items():
+      if device.process_index != jax.process_index():
+        for o in outs:  # made in another process: this process's handle on it has no shard here
+          if o in kept:
+            outputs[o] = _elsewhere(built.out_avals[o], device)
+        continue
       mine = functools.partial(_shard_on, device=device)
       inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
                 if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
       for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, jax.tree.map(mine, sums))):
-        outputs[o] = x if o in kept else jax.device_put(x, replicated)
+        if o in kept:
+          outputs[o] = x
+        else:
+          made[o] = x
+    sent = self._send(built, made)
+    for o in sent:
+      outputs[o] = sent[o]
+
+  def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
+    """The outputs of the update programs that every device needs, on every device. In one process each is copied
+    from its device; across processes, one uniform program adds rows that are the value on its device and zeros
+    on every other."""
+    replicated = NamedSharding(self.mesh, P())
+    if jax.process_count() == 1:
+      return {o: jax.device_put(x, replicated) for o, x in made.items()}
+    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs
+             if o not in dict(built.units.kept)}
+    order = sorted(owner)
+    rows = []
+    for o in order:
+      aval = built.out_avals[o]
+      pieces = [made[o] if owner[o] == d else jnp.zeros(aval.shape, aval.dtype, device=d) for d in self.devices
+                if d.process_index == jax.process_index()]
+      rows.append(jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(aval.shape),
+                                                           NamedSharding(self.mesh, P(DATA)),
+                                                           [x[None] for x in pieces]))
+    return dict(zip(order, self._call("send", self._sum_rows, rows))) if order else {}
 
   def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
     """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis`."""
@@ -229,13 +280,15 @@ class GroupedStep:
     return {name: program.lower(*args).compile().memory_analysis() for name, (program, args) in self._last.items()}
 
   def _placed(self, built: "_Built", i: int, x: Any) -> Any:
-    """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner; any other as it
-    is (the programs place it)."""
+    """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner (a handle with no
+    shard here when another process holds it); any other as it is (the programs place it)."""
     if i not in built.owner:
       return x
     device = built.owner[i]
     if isinstance(x, jax.Array) and x.sharding.device_set == {device}:
       return x
+    if device.process_index != jax.process_index():
+      return _elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device)
     return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
 
   def _built_for(self, fn, graphdef, state, leaves, tree, n_batch) -> "_Built":
@@ -280,7 +333,8 @@ class GroupedStep:
         updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine),
                                                   group_lowering.update_program(prog, outs))))
     paths = [path for path, _ in leaves_with_paths(state)]
-    return _Built(programs, exchange, updates, out_tree, units, owner, {paths[i]: d for i, d in owner.items()})
+    return _Built(programs, exchange, updates, out_tree, units, owner, {paths[i]: d for i, d in owner.items()},
+                  tuple(jax.tree.leaves(shapes)))
 
   def _units(self, prog: Program, state: Any, out_tree: Any):
     """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
@@ -322,13 +376,14 @@ class GroupedStep:
     return out
 
   def _rows(self, parts):
-    """One global array over every device from each group's rows (one per device, the same shape), no copy."""
+    """One global array over every device from each of this process's groups' rows (one per device, the same
+    shape), no copy."""
     shards = [s for part in parts for s in sorted(part.addressable_shards, key=lambda s: s.index[0].start or 0)]
     by_device = {s.device: s.data for s in shards}
     row = shards[0].data.shape
     return jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(row[1:]),
                                                     NamedSharding(self.mesh, P(DATA)),
-                                                    [by_device[d] for d in self.devices])
+                                                    [by_device[d] for d in self.devices if d in by_device])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +399,7 @@ class _Built:
   units: Any
   owner: dict
   owner_paths: dict
+  out_avals: tuple = ()
 
 
 def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
@@ -363,6 +419,12 @@ def _shard_on(x: Any, device: Any) -> Any:
     if shard.device == device:
       return shard.data
   return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+
+
+def _elsewhere(aval: Any, device: Any) -> Any:
+  """This process's handle on an array that lives whole on ``device`` of another process."""
+  return jax.make_array_from_single_device_arrays(tuple(aval.shape), jax.sharding.SingleDeviceSharding(device), [],
+                                                  dtype=aval.dtype)
 
 
 def _nbytes(x: Any) -> int:
