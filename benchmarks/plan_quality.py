@@ -93,6 +93,7 @@ def main() -> None:
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)
   taxes = []  # heterogeneous pools: 1 - best / homogeneous equivalent
+  group_lines = []  # the best group plan of each case that has one
   print(f"{'cluster':<17} {'model':<13} {'batch':>5} {'dtype':>7} {'eff':>6} {'vs dp_even':>10} {'vs ddp f32':>10} "
         f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'homog.eq':>8} "
         f"{'tax':>6} {'groups':>6} {'search s':>8}  best plan")
@@ -133,9 +134,14 @@ def main() -> None:
     homog = f"{equivalent.throughput / result.ideal_throughput:8.1%}" if equivalent else f"{'no fit':>8}"
     grouped = result.group_plan
     groups = f"{grouped.throughput / best.throughput:6.2f}" if grouped else f"{'-':>6}"
+    if grouped:
+      group_lines.append(f"  {preset} {name} {batch} {dtype}: {grouped.throughput / best.throughput:.2f}x, "
+                         f"{grouped.name}; microbatches {sorted(set(grouped.microbatches))}, remat {grouped.remat}")
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
           f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {groups} {seconds:8.2f}  "
           f"{mechanisms(best)}", flush=True)
+  print("best group plan per case (its mechanism):")
+  print("\n".join(group_lines))
   bound = [e for e, comm, _, _ in rows if comm < COMPUTE_BOUND]
   worst = min(r[2] for r in rows)
   if bound:

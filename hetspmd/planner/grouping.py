@@ -124,7 +124,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
-  name = "group programs by kind" + (", optimizer state in memory shares" if zero else "") + (
+  name = layout.name + (", optimizer state in memory shares" if zero else "") + (
       f", tail {count}x{size}" if count else "")
   return Evaluated(
       name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
@@ -163,21 +163,38 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
                   remat_policies: Sequence[str] = ("none",), grad_reduce_dtypes: Sequence[str] = ("float32",),
                   recompute: float = 1.0) -> Evaluated | None:
-  """The fastest group plan of one group per device kind (every device of the cluster on data), over each
-  kind's microbatch in ``sizes``; None if none fits or the pool has one kind (a group plan is then one
-  program)."""
+  """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
+  or more kinds, and each kind's microbatch in ``sizes``; None if none fits or the pool has one kind (a group
+  plan is then one program)."""
   kinds = cluster.kinds
   if len(kinds) < 2:
     return None
-  layout = device_groups(cluster, "group programs by kind", tuple(d.id for d in cluster.devices), 1)
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  speed = {k: profile.microbatch_seconds(cluster.spec_of(k), sizes[0]) for k in kinds}
+  by_speed = sorted(kinds, key=lambda k: speed[k])
   best = None
-  tails = [(0, 0)] + [(m, 1) for m in sizes if m * cluster.num_devices < global_batch]
-  zeros = (0, 1) if profile.opt_state_bytes > 0 else (0,)
+  for n in range(len(kinds), 1, -1):
+    chosen = set(by_speed[:n])
+    name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
+    layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
+    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes)
+    if e is not None and (best is None or e.step_seconds < best.step_seconds):
+      best = e
+  return best
+
+
+def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
+             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str]) -> Evaluated | None:
+  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails, remat policies, reduce
+  dtypes and the optimizer state replicated or in shares."""
+  order = list(dict.fromkeys(layout.kinds))
+  tails = [(0, 0)] + [(m, 1) for m in sizes if m * len(layout.devices) < global_batch]
+  zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
+  best = None
   for remat in remat_policies:
-    combos = itertools.islice(itertools.product(sizes, repeat=len(kinds)), MAX_COMBINATIONS)
+    combos = itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS)
     for combo, tail, dtype, zero in itertools.product(list(combos), tails, grad_reduce_dtypes, zeros):
-      e = price_groups(costing, layout, dict(zip(kinds, combo)), remat, global_batch, dtype=dtype, tail=tail,
+      e = price_groups(costing, layout, dict(zip(order, combo)), remat, global_batch, dtype=dtype, tail=tail,
                        zero=zero)
       if e is not None and (best is None or e.step_seconds < best.step_seconds):
         best = e
