@@ -156,6 +156,10 @@ class GroupedStep:
           by_device[device.id] += 1
         lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner)} held leaves; leaves held "
                      f"per device: {by_device}")
+        total = sum(built.held_bytes) or 1
+        lines.append("  optimizer-state bytes held per device (of its share): " + ", ".join(
+            f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
+            for d, b, share in zip(self.devices, built.held_bytes, self.plan.state_shares)))
     return "\n".join(lines)
 
   def __call__(self, *args: Any) -> Any:
@@ -332,9 +336,10 @@ class GroupedStep:
         mine = {i for i in held if owner[i] == device}
         updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine),
                                                   group_lowering.update_program(prog, outs))))
-    paths = [path for path, _ in leaves_with_paths(state)]
-    return _Built(programs, exchange, updates, out_tree, units, owner, {paths[i]: d for i, d in owner.items()},
-                  tuple(jax.tree.leaves(shapes)))
+    entries = leaves_with_paths(state)
+    held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in owner.items() if d == device) for device in self.devices)
+    return _Built(programs, exchange, updates, out_tree, units, owner,
+                  {entries[i][0]: d for i, d in owner.items()}, tuple(jax.tree.leaves(shapes)), held_bytes)
 
   def _units(self, prog: Program, state: Any, out_tree: Any):
     """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
@@ -400,6 +405,7 @@ class _Built:
   owner: dict
   owner_paths: dict
   out_avals: tuple = ()
+  held_bytes: tuple = ()  # per device of the plan: the bytes of the optimizer-state leaves it holds
 
 
 def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
