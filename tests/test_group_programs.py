@@ -124,30 +124,56 @@ def test_devices_jax_does_not_have_are_refused():
     run_groups(dropout_step, plan)
 
 
-def test_steps_group_programs_do_not_run_yet_are_refused_with_the_way_out():
-  require_devices(8)
+class Normed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))))
 
-  class Normed(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(4)(nn.BatchNorm(use_running_average=False)(x))
 
+def _normed_state():
   variables = Normed().init(jax.random.key(0), jnp.zeros((2, 6)))
+  return {"params": variables["params"], "stats": variables["batch_stats"]}
 
-  def step(state, batch):
-    def loss_fn(params):
-      out, updates = Normed().apply({"params": params, "batch_stats": state["stats"]}, batch["x"],
-                                    mutable=["batch_stats"])
-      return out.mean(), updates
-    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    return {"params": jax.tree.map(lambda p, g: p - g, state["params"], grads),
-            "stats": updates["batch_stats"]}, loss
 
+def normed_step(state, batch):
+  def loss_fn(params):
+    out, updates = Normed().apply({"params": params, "batch_stats": state["stats"]}, batch["x"],
+                                  mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean(), updates
+  (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+  return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads),
+          "stats": updates["batch_stats"]}, {"loss": loss}
+
+
+def test_batchnorm_statistics_over_the_global_batch_under_group_programs():
+  """BatchNorm, exact: its mean and variance are reduced over every group's examples first (a loop of their own,
+  combined by a uniform program), then every group's gradient loop reads them; equal to one device."""
+  require_devices(8)
+  plan = group_plan(PLANS[1], 36)
+  state, ref = _trained(normed_step, plan, _normed_state, _batches(36))
+  ref.check(state)
+  names = run_groups(normed_step, plan)
+  names(_normed_state(), _batches(36)[0])
+  assert {"combine loop 0", "group 0, loop 1"} <= set(names.memory_analysis())
+
+
+def test_steps_group_programs_do_not_run_are_refused_with_the_way_out():
+  require_devices(8)
   plan = group_plan([((0, 1), 2, (1, 1)), ((2, 3), 1, (2, 2))], 8)
-  state = {"params": variables["params"], "stats": variables["batch_stats"]}
-  grouped = run_groups(step, plan)
-  with pytest.raises(hs.HetSpmdError, match="group programs .*run it as one program"):
-    grouped(grouped.shard_state(state), _batches(8)[0])
+  with pytest.raises(hs.HetSpmdError, match="per-microbatch statistics.*batch_stats='exact'"):
+    run_groups(normed_step, plan, batch_stats="local")(_normed_state(), _batches(8)[0])
+  tail = group_plan([((0, 1), 2, (1, 1)), ((2, 3), 1, (1, 1))], 10, tail=(1, 1))
+  with pytest.raises(hs.HetSpmdError, match=r"needs \d microbatch loops.*without a tail"):
+    run_groups(normed_step, tail)(_normed_state(), _batches(10)[0])
+
+  def with_logits(state, batch):
+    new_state, metrics = dropout_step(state, batch)
+    return new_state, {**metrics, "logits": state.apply_fn({"params": state.params}, batch["x"], train=False)}
+
+  with pytest.raises(hs.HetSpmdError, match="per-example outputs.*run it as one program"):
+    run_groups(with_logits, plan)(_state(), _batches(8)[0])
+  with pytest.raises(hs.HetSpmdError, match="batch_stats must be 'exact' or 'local'"):
+    run_groups(normed_step, plan, batch_stats="global")
 
 
 def test_group_counts_cover_the_batch_exactly():

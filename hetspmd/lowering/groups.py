@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.lowering.loop import LoopContext, one_loop
+from hetspmd.lowering.loop import LoopContext, between_loops, feed_back, one_loop
 from hetspmd.lowering.program import Layout, Program, sum_outputs
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
@@ -45,19 +45,35 @@ from hetspmd.passes import _jax_adapter as jx
 _COMBINE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
 
-def check(prog: Program) -> None:
+def check(prog: Program, tail: bool = False) -> None:
   """Refuses, with the reason, what group programs do not run yet."""
-  if prog.analysis.loops > 1:
-    raise HetSpmdError(f"group programs run steps with one microbatch loop; this step needs "
-                       f"{prog.analysis.loops} (a reduction over the batch feeds later per-example work: exact batch "
-                       "statistics, a token count that scales the loss): run it as one program")
+  if prog.analysis.loops > 1 and tail:
+    raise HetSpmdError(f"this step needs {prog.analysis.loops} microbatch loops (a reduction over the batch feeds "
+                       "later per-example work: exact batch statistics, a token count that scales the loss), and "
+                       "a tail's examples would have to join every loop's reduction: use a group plan without a "
+                       "tail")
   if prog.region or any(c.local for c in prog.analysis.cuts):
-    raise HetSpmdError("group programs do not yet run steps with per-microbatch statistics (BatchNorm under "
-                       "batch_stats='local'): run it as one program")
+    raise HetSpmdError("group programs do not run steps with per-microbatch statistics (BatchNorm under "
+                       "batch_stats='local'): run it with batch_stats='exact', or as one program")
   outvars = [v for v in prog.outvars if v in prog.analysis.axes]
   if outvars:
     raise HetSpmdError(f"group programs do not yet return per-example outputs ({len(outvars)} of the step's "
                        "outputs keep the batch axis, such as logits in the metrics): run it as one program")
+
+
+def loop_cuts(cut_outs: Sequence[Any], s: int) -> list[int]:
+  """The positions in ``cut_outs`` of loop ``s``'s cuts."""
+  return [k for k, c in enumerate(cut_outs) if c.loop == s]
+
+
+def _after_earlier(prog: Program, cut_outs: Sequence[Any], earlier: dict, s: int, outer: dict) -> None:
+  """Into ``outer``: the reduced cuts of the loops before ``s`` that later loops read, and the example-free work
+  between loops, as the single program puts them there."""
+  for t in range(s):
+    for k in loop_cuts(cut_outs, t):
+      if cut_outs[k].feedback:
+        feed_back(prog, cut_outs[k], earlier[k], outer)
+    between_loops(prog, t, outer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,28 +142,50 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
   return out
 
 
-def group_program(prog: Program, layout: Layout):
-  """``program(inputs, counts, starts) -> partials``: the group's loop. ``inputs``: the step's flat jaxpr inputs on
-  the group's devices, each batch input its padded microbatch buffer ``[devices * max_count, microbatch, ...]``
-  sharded over ``layout.data_axis``; ``counts`` and ``starts``: each device's count and first global example.
-  ``partials``: per cut, then per value the loop adds into (``Program.accumulated``: a gradient's transpose or a
-  sum of two gradients, fused into the loop), its values with a leading axis of one row per device, sharded over
-  the group."""
+def group_program(prog: Program, layout: Layout, s: int | None = None):
+  """``program(inputs, counts, starts, earlier) -> partials``: the group's loop ``s`` (default: the last).
+  ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
+  ``[devices * max_count, microbatch, ...]`` sharded over ``layout.data_axis``; ``counts`` and ``starts``: each
+  device's count and first global example; ``earlier``: ``{cut position: reduced values}`` of the earlier loops'
+  cuts (:func:`combine_program`). ``partials``: per cut of loop ``s``, then (for the last loop) per value the loop
+  adds into (``Program.accumulated``: a gradient's transpose or a sum of two gradients, fused into the loop), its
+  values with a leading axis of one row per device, sharded over the group."""
   axis = layout.data_axis
+  s = prog.analysis.loops - 1 if s is None else s
 
-  def run(inputs, counts, starts):
+  def run(inputs, counts, starts, earlier=None):
     _, ops = before_loops(prog, inputs, counts, starts)
+    mine = loop_cuts(ops.cut_outs, s)
 
-    def per_device(values, buffers, counts, starts):
+    def per_device(values, buffers, counts, starts, earlier):
+      outer = dict(zip(ops.inputs, values))
+      _after_earlier(prog, ops.cut_outs, earlier, s, outer)
       ctx = LoopContext(prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0])
-      partials, _ = one_loop(ctx, 0, dict(zip(ops.inputs, values)), range(len(ops.cut_outs)))
+      partials, _ = one_loop(ctx, s, outer, mine)
       return [[x[None] for x in part] for part in partials]  # the cuts', then the sums the loop adds into
 
-    return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
+    return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis), P()),
                          out_specs=P(axis), axis_names={axis}, check_vma=False)(
-                             list(ops.values), list(ops.buffers), counts, starts)
+                             list(ops.values), list(ops.buffers), counts, starts, dict(earlier or {}))
 
   return run
+
+
+def combine_program(prog: Program, s: int):
+  """``program(partials) -> {cut position: values}``: loop ``s``'s cuts, each device's partial values (a leading
+  axis of one row per device) combined over the devices, for the later loops' group programs."""
+
+  def run(partials):
+    cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
+    return {k: _combined(prog, cut_outs[k], part) for k, part in zip(loop_cuts(cut_outs, s), partials)}
+
+  return run
+
+
+def _combined(prog: Program, cut: Any, part: Sequence[Any]) -> list[Any]:
+  """One cut's per-device rows combined over the devices, in its outputs' dtypes."""
+  outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
+  return [_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)]
 
 
 def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None):
@@ -162,16 +200,15 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
   With ``outputs`` (flat output indices: the ones no state unit holds), the program returns ``(those outputs,
   sums)``, ``sums`` being ``(cut totals, accumulated values)`` for :func:`update_program`."""
 
-  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None):
+  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None, earlier=None):
     env, ops = before_loops(prog, inputs, counts, starts)
     if tail is not None:
       totals, accumulated = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
     else:
-      totals = []
-      for cut, part in zip(ops.cut_outs, partials):
-        outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
-        totals.append([_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)])
-      accumulated = [jnp.sum(x, axis=0) for (x,) in partials[len(ops.cut_outs):]]
+      last = loop_cuts(ops.cut_outs, prog.analysis.loops - 1)
+      final = {k: _combined(prog, ops.cut_outs[k], part) for k, part in zip(last, partials)}
+      totals = [final[k] if k in final else earlier[k] for k in range(len(ops.cut_outs))]
+      accumulated = [jnp.sum(x, axis=0) for (x,) in partials[len(last):]]
     accumulated = [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]
     env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)

@@ -67,11 +67,14 @@ class GroupedStep:
   fn: Callable[..., Any]
   plan: GroupPlan
   example_batch: Any = None
+  batch_stats: str = "exact"
   _built: dict = dataclasses.field(default_factory=dict)
   _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
   _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
 
   def __post_init__(self):
+    if self.batch_stats not in ("exact", "local"):
+      raise InvalidValueError(f"batch_stats must be 'exact' or 'local', got {self.batch_stats!r}")
     by_id = {d.id: d for d in jax.devices()}
     missing = [d for d in self.plan.devices if d not in by_id]
     if missing:
@@ -207,24 +210,38 @@ class GroupedStep:
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
-    partials = []
-    for g, (mesh, program, loop) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
-      if loop is not None:  # this process's groups only
-        inputs = [_on(mesh, state_leaves[i]) for i in free] + self._buffers(g, batch_leaves) + [
-            _on(mesh, x) for x in others]
-        partials.append(self._call(f"group {g}", program, inputs, *loop))
-    joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
-              for k in range(len(partials[0]))]
+    joined, earlier = self._loops_of(built, [state_leaves[i] for i in free], batch_leaves, others)
     tail = self._tail_buffers(batch_leaves) if self.plan.tail_count else [None] * n_batch
     common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
     if built.units is None:
-      return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail))
-    results, sums = self._call("exchange", built.exchange, common, joined, *self._tail)
+      return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail,
+                                                           earlier))
+    results, sums = self._call("exchange", built.exchange, common, joined, *self._tail, earlier)
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
     self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums)
     return jax.tree.unflatten(built.out_tree, outputs)
+
+  def _loops_of(self, built: "_Built", state: list, batch_leaves: list, others: list):
+    """Each loop's group programs (this process's groups), every loop but the last reduced by its uniform combine
+    program for the next: the last loop's partials as global arrays, and the earlier loops' reduced cuts."""
+    buffers = {g: self._buffers(g, batch_leaves) for g, loop in enumerate(self._loops) if loop is not None}
+    earlier: dict = {}
+    loops = len(built.combines) + 1
+    for s in range(loops):
+      partials = []
+      for g, (mesh, programs, loop) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
+        if loop is not None:  # this process's groups only
+          inputs = [_on(mesh, x) for x in state] + buffers[g] + [_on(mesh, x) for x in others]
+          name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
+          partials.append(self._call(name, programs[s], inputs, *loop, jax.tree.map(functools.partial(_on, mesh),
+                                                                                     earlier)))
+      joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
+                for k in range(len(partials[0]))]
+      if s < loops - 1:
+        earlier.update(self._call(f"combine loop {s}", built.combines[s], joined))
+    return joined, earlier
 
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
@@ -312,15 +329,21 @@ class GroupedStep:
       return fn(state, batch, *rest)
 
     closed, shapes = jx.make_closed_jaxpr(flat, *avals, return_shape=True)
-    prog = Program(analyse(closed, batch_inputs, self.plan.global_batch), batch_inputs)
-    group_lowering.check(prog)
+    floats = tuple(i for i, x in enumerate(leaves[:n_state]) if jnp.issubdtype(_traced_dtype(x), jnp.floating))
+    prog = Program(analyse(closed, batch_inputs, self.plan.global_batch, batch_stats=self.batch_stats,
+                           float_state_inputs=floats), batch_inputs)
+    group_lowering.check(prog, tail=bool(self.plan.tail_count))
     out_tree = jax.tree.structure(shapes)
     units, owner = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {})
     held = tuple(sorted(owner))
+    loops = prog.analysis.loops
     programs = []
     for group, mesh in zip(self.plan.groups, self.group_meshes):
       layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
-      programs.append(jax.jit(_missing(prog, held, group_lowering.group_program(prog, layout))))
+      programs.append([jax.jit(_missing(prog, held, group_lowering.group_program(prog, layout, s)))
+                       for s in range(loops)])
+    combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
+                for s in range(loops - 1)]
     tail = None
     if self.plan.tail_count:
       count = self.plan.tail_count
@@ -339,7 +362,7 @@ class GroupedStep:
     entries = leaves_with_paths(state)
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in owner.items() if d == device) for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner,
-                  {entries[i][0]: d for i, d in owner.items()}, tuple(jax.tree.leaves(shapes)), held_bytes)
+                  {entries[i][0]: d for i, d in owner.items()}, tuple(jax.tree.leaves(shapes)), held_bytes, combines)
 
   def _units(self, prog: Program, state: Any, out_tree: Any):
     """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
@@ -406,6 +429,7 @@ class _Built:
   owner_paths: dict
   out_avals: tuple = ()
   held_bytes: tuple = ()  # per device of the plan: the bytes of the optimizer-state leaves it holds
+  combines: list = dataclasses.field(default_factory=list)  # per loop but the last: its uniform combine program
 
 
 def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
@@ -452,10 +476,14 @@ def _on(mesh: Mesh, x: Any) -> Any:
   return jax.device_put(x, sharding)
 
 
-def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None) -> GroupedStep:
+def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None,
+               batch_stats: str = "exact") -> GroupedStep:
   """``fn`` (a functional step, or NNX in place) run under ``plan``'s group programs. ``example_batch``: a global
   batch to trace the step on before its first call, so that :meth:`GroupedStep.state_shardings` can say where a
-  plan with state shares keeps each optimizer-state leaf (to restore a checkpoint into)."""
+  plan with state shares keeps each optimizer-state leaf (to restore a checkpoint into). ``batch_stats``:
+  ``"exact"`` (BatchNorm statistics over the global batch, in a loop of their own before the loop that uses
+  them, as ``parallelize`` does); ``"local"`` (per-microbatch statistics) is refused, since groups run different
+  microbatch sizes."""
   if not isinstance(plan, GroupPlan):
     raise HetSpmdError(f"run_groups needs a GroupPlan, got {type(plan).__name__}")
-  return GroupedStep(fn, plan, example_batch)
+  return GroupedStep(fn, plan, example_batch, batch_stats)
