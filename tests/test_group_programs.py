@@ -430,3 +430,61 @@ def test_two_processes_each_run_their_own_group(shares):
   assert held.any(axis=0).all()  # every moment is checked by the process that holds it
   if shares:
     assert not held.all(axis=0)[1:].any()  # each large moment lives in one process only
+
+
+class TinyLM(nn.Module):
+  """A language model shaped like Flax's lm1b example: embeddings, a dropout'd MLP block, logits tied to the
+  embedding."""
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = True):
+    embed = nn.Embed(32, 16)
+    x = embed(tokens)
+    x = x + nn.Dropout(0.1, deterministic=not train)(nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x)))))
+    return embed.attend(nn.LayerNorm()(x))
+
+
+def lm1b_style_step(state, batch, dropout_rng):
+  """As lm1b's train_step: padding weights, label smoothing, the loss normalised by the batch's token count, a
+  per-step dropout key, metrics as sums with their denominator."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  weights = jnp.where(targets > 0, 1.0, 0.0)
+  rng = jax.random.fold_in(dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, rngs={"dropout": rng})
+    soft = optax.smooth_labels(jax.nn.one_hot(targets, 32), 0.1)
+    loss = optax.softmax_cross_entropy(logits, soft) * weights
+    return loss.sum() / weights.sum(), logits
+
+  (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  correct = (jnp.argmax(logits, -1) == targets) * weights
+  return new_state, {"accuracy": correct.sum(), "denominator": weights.sum()}
+
+
+def test_an_lm1b_style_linen_step_under_group_programs_with_state_shares():
+  """A Linen TrainState whose apply_fn closes over its module, a loss normalised by the global token count (two
+  loops), dropout keyed by the step, Adam moments in memory shares: equal to one device."""
+  require_devices(8)
+  model = TinyLM()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), train=False)["params"]
+  make = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-3))
+  plan = group_plan([((0, 1, 2, 3), 4, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 0))], 22,
+                    state_shares=SHARES_80_16)
+  rs = np.random.RandomState(5)
+  batches = []
+  for _ in range(STEPS):
+    tokens = rs.randint(1, 32, (22, 9)).astype(np.int32)
+    tokens[rs.rand(22, 9) < 0.2] = 0  # padding
+    batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  key = jax.random.key(3)
+  ref = Reference(lm1b_style_step, make()).run(batches, key)
+  step = run_groups(lm1b_style_step, plan)
+  state = step.shard_state(make())
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch, key)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  _held_on_one_device(state.opt_state)
