@@ -177,18 +177,20 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
-    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes)
+    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes, tails=recompute <= 1.0)
     if e is not None and (best is None or e.step_seconds < best.step_seconds):
       best = e
   return best
 
 
 def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str]) -> Evaluated | None:
-  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails, remat policies, reduce
-  dtypes and the optimizer state replicated or in shares."""
+             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str], *, tails: bool = True
+             ) -> Evaluated | None:
+  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails (unless ``tails`` is False:
+  a step whose exact batch statistics take loops of their own runs without one), remat policies, reduce dtypes
+  and the optimizer state replicated or in shares."""
   order = list(dict.fromkeys(layout.kinds))
-  tails = [(0, 0)] + [(m, 1) for m in sizes if m * len(layout.devices) < global_batch]
+  tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if tails else [])
   zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   best = None
   for remat in remat_policies:
