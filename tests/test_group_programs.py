@@ -16,6 +16,7 @@ from hetspmd import models
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import Group, GroupPlan, assign_owners, group_plan
+from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.grouping import group_counts, search_groups, to_group_plan
 from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.grouped import run_groups
@@ -488,3 +489,28 @@ def test_an_lm1b_style_linen_step_under_group_programs_with_state_shares():
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
   _held_on_one_device(state.opt_state)
+
+
+@pytest.mark.parametrize("remats", [("none", "full"), ("dots", "all_dots")], ids=["none-full", "dots-all_dots"])
+def test_groups_with_their_own_remat_policies_match_one_device(remats):
+  """The zoo's GPT-2 with hetspmd.value_and_grad: a group of large microbatches that saves its forward pass
+  beside a group of small ones that recomputes it (each group's program its own trace, its sums matched to the
+  exchange program's by where the update reads them), a tail under the policy that recomputes most."""
+  require_devices(8)
+  w = models.get("gpt2-tiny")
+  plan = group_plan([((0, 1, 2, 3), 2, (2, 2, 1, 1), remats[0]), ((4, 5, 6, 7), 1, (2, 1, 1, 1), remats[1])], 25,
+                    tail=(1, 1))
+  assert plan.tail_remat == max(remats, key=REMAT_POLICIES.index)
+  rs = np.random.RandomState(2)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
+             for _ in range(2)]
+  step_fn = w.make_train_step(hs.value_and_grad)
+  state, ref = _trained(step_fn, plan, w.init_state, batches)
+  ref.check(state)
+  runner = run_groups(step_fn, plan)
+  runner(w.init_state(), batches[0])
+  lowered = {name: program.lower(*args).as_text() for name, (program, args) in runner._last.items()
+             if name.startswith("group")}
+  dots = [lowered[f"group {g}"].count("stablehlo.dot_general") for g in range(2)]
+  if remats[0] == "none":  # the group that recomputes its forward pass runs its matmuls again in the backward
+    assert dots[0] < dots[1]

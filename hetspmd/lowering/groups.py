@@ -30,6 +30,7 @@ the parameters it made are sent to every device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -130,6 +131,70 @@ def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]
   units = tuple((tuple(ins), tuple(outs)) for ins, outs in groups.values())
   kept = tuple((o, i) for o, i in sorted(new_value_of.items()) if i in parent)
   return StateUnits(tuple(held), units, kept, tuple(o for o, mine in reads.items() if not mine))
+
+
+def sums_order(base: Program, other: Program) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """How the partial sums of ``other`` (the same step traced under another remat policy) line up with those of
+  ``base`` (the exchange program's trace): for each value ``base``'s last loop returns (its cuts' values, then its
+  accumulated values, flattened), the position of the same value among ``other``'s, and ``base``'s values per
+  partial sum. Remat changes how the backward pass is cut (a checkpointed block's gradients come out of one
+  cut, where without it they are sums fused into the loop), not what the example-free rest of the step does
+  with each gradient: values are matched by their reduction, shape and the step's outputs they reach (a
+  gradient keeps its shape on the way to its parameter's new value, or is padded into it). Refused when a value
+  is not told apart or has no match."""
+  mine, theirs = _signatures(base), _signatures(other)
+  if sorted(mine) != sorted(theirs) or len(set(mine)) != len(mine):
+    raise HetSpmdError("under another remat policy this step's reductions over the batch do not line up with "
+                       "the ones the exchange program reduces: give every group the same remat policy")
+  where = {sig: i for i, sig in enumerate(theirs)}
+  return tuple(where[sig] for sig in mine), tuple(_partial_sizes(base))
+
+
+def _partial_values(prog: Program) -> list[tuple[str, Any]]:
+  """``(reduction, var)`` of every value the last loop returns: its cuts' summed outputs, then the accumulated."""
+  cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
+  out = []
+  for k in loop_cuts(cut_outs, prog.analysis.loops - 1):
+    cut = cut_outs[k]
+    out += [(cut.reduce, prog.eqns[cut.index].outvars[j]) for j in sum_outputs(prog.analysis.decisions[cut.index])]
+  return out + [("sum", v) for v in prog.accumulated]
+
+
+def _partial_sizes(prog: Program) -> list[int]:
+  cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
+  sizes = [len(sum_outputs(prog.analysis.decisions[cut_outs[k].index]))
+           for k in loop_cuts(cut_outs, prog.analysis.loops - 1)]
+  return sizes + [1] * len(prog.accumulated)
+
+
+def _signatures(prog: Program) -> list[tuple]:
+  """Per value of :func:`_partial_values`: its reduction, shape, and the step outputs (by position) it reaches through the
+  example-free rest of the step, by equations that neither reduce it (a gradient norm) nor broadcast it (a
+  normaliser): a gradient reaches its parameter's new value and moments."""
+  readers: dict[Any, list] = {}
+  for i in prog.post:
+    for v in prog.eqns[i].invars:
+      if not jx.is_literal(v):
+        readers.setdefault(v, []).append(prog.eqns[i])
+  outputs: dict[Any, list[int]] = {}
+  for j, v in enumerate(prog.outvars):
+    if not jx.is_literal(v):
+      outputs.setdefault(v, []).append(j)
+  out = []
+  for reduce, var in _partial_values(prog):
+    seen, todo, reached = {var}, [var], set()
+    while todo:
+      v = todo.pop()
+      reached.update(outputs.get(v, ()))
+      for eqn in readers.get(v, ()):
+        if jx.primitive_name(eqn) == "broadcast_in_dim":  # a scalar (a normaliser, a norm) reaches everything
+          continue
+        for w in eqn.outvars:
+          if w not in seen and math.prod(jx.aval_shape(w)) >= math.prod(jx.aval_shape(v)):  # not reduced away
+            seen.add(w)
+            todo.append(w)
+    out.append((reduce, jx.aval_shape(var), tuple(sorted(reached))))
+  return out
 
 
 def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[int]) -> list[Any]:

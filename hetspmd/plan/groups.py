@@ -25,6 +25,7 @@ import json
 from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError
+from hetspmd.plan.options import REMAT_POLICIES
 
 GROUP_PLAN_VERSION = 2
 # the JSON versions from_json reads (version 1: no state shares)
@@ -36,11 +37,13 @@ _SHARE_SLACK = 1e-6
 @dataclasses.dataclass(frozen=True)
 class Group:
   """Devices (JAX device ids, in position order) that run one program: microbatches of ``microbatch``
-  examples, ``counts[i]`` of them on device ``i``."""
+  examples, ``counts[i]`` of them on device ``i``, each microbatch's forward pass saved or recomputed as
+  ``remat`` says (:data:`hetspmd.plan.options.REMAT_POLICIES`; applied by ``hetspmd.value_and_grad``)."""
 
   devices: tuple[int, ...]
   microbatch: int
   counts: tuple[int, ...]
+  remat: str = "none"
 
   def __post_init__(self):
     object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -51,6 +54,8 @@ class Group:
       raise InvalidValueError(f"a group names a device twice: devices {self.devices}")
     if not isinstance(self.microbatch, int) or self.microbatch < 1:
       raise InvalidValueError(f"a group's microbatch must be a positive integer, got {self.microbatch!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise InvalidValueError(f"a group's remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     if len(self.counts) != len(self.devices) or any(c < 0 for c in self.counts):
       raise InvalidValueError(f"a group needs one count of at least 0 per device: {len(self.devices)} devices "
                               f"{self.devices}, counts {self.counts}")
@@ -123,6 +128,11 @@ class GroupPlan:
     return tuple(d for g in self.groups for d in g.devices)
 
   @property
+  def tail_remat(self) -> str:
+    """The remat policy of the tail and of the exchange program's trace: the groups' that recomputes most."""
+    return max((g.remat for g in self.groups), key=REMAT_POLICIES.index)
+
+  @property
   def tail_examples(self) -> int:
     return len(self.devices) * self.tail_count * self.tail_microbatch
 
@@ -146,7 +156,7 @@ class GroupPlan:
     lines = [f"{len(self.groups)} group program(s), global batch {self.global_batch}"]
     for g, group in enumerate(self.groups):
       lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
-                   f"{list(group.counts)} ({group.examples} examples)")
+                   f"{list(group.counts)} ({group.examples} examples), remat {group.remat}")
     if self.state_shares:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
       lines.append(f"  optimizer state (ZeRO-1) in unpadded shares of whole leaves by device: {shares}")
@@ -159,14 +169,15 @@ class GroupPlan:
     return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
             "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
             "state_shares": list(self.state_shares),
-            "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts)}
-                       for g in self.groups]}
+            "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
+                        "remat": g.remat} for g in self.groups]}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "GroupPlan":
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
-    return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"])) for g in data["groups"]),
+    return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"))
+                     for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())))
 
@@ -174,12 +185,12 @@ class GroupPlan:
     return json.dumps(self.to_json(), indent=2)
 
 
-def group_plan(groups: Sequence[tuple[Sequence[int], int, Sequence[int]]], global_batch: int, *,
-               tail: tuple[int, int] = (0, 0), state_shares: Sequence[float] = ()) -> GroupPlan:
-  """``GroupPlan`` from ``(devices, microbatch, counts)`` triples; ``tail``: ``(microbatch, count)`` per device;
-  ``state_shares``: each device's fraction of the optimizer state (devices in group order), or none to
-  replicate it."""
-  return GroupPlan(tuple(Group(tuple(d), m, tuple(c)) for d, m, c in groups), global_batch, *tail,
+def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
+               state_shares: Sequence[float] = ()) -> GroupPlan:
+  """``GroupPlan`` from ``(devices, microbatch, counts)`` or ``(devices, microbatch, counts, remat)`` tuples;
+  ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the optimizer state
+  (devices in group order), or none to replicate it."""
+  return GroupPlan(tuple(Group(tuple(g[0]), g[1], tuple(g[2]), *g[3:]) for g in groups), global_batch, *tail,
                    state_shares=tuple(state_shares))
 
 

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetspmd import lowering
+from hetspmd.autodiff import SAVED, remat_policy
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.program import Program
@@ -321,18 +322,8 @@ class GroupedStep:
 
   def _build(self, fn, state, tree, leaves, n_batch) -> "_Built":
     n_state = len(jax.tree.leaves(state))
-    batch_inputs = tuple(range(n_state, n_state + n_batch))
-    avals = [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)) for x in leaves]
-
-    def flat(*xs):
-      state, batch, rest = jax.tree.unflatten(tree, xs)
-      return fn(state, batch, *rest)
-
-    closed, shapes = jx.make_closed_jaxpr(flat, *avals, return_shape=True)
-    floats = tuple(i for i, x in enumerate(leaves[:n_state]) if jnp.issubdtype(_traced_dtype(x), jnp.floating))
-    prog = Program(analyse(closed, batch_inputs, self.plan.global_batch, batch_stats=self.batch_stats,
-                           float_state_inputs=floats), batch_inputs)
-    group_lowering.check(prog, tail=bool(self.plan.tail_count))
+    progs, shapes = self._traced(fn, tree, leaves, n_state, n_batch)
+    prog = progs[self.plan.tail_remat]  # the exchange program's trace
     out_tree = jax.tree.structure(shapes)
     units, owner = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {})
     held = tuple(sorted(owner))
@@ -340,7 +331,9 @@ class GroupedStep:
     programs = []
     for group, mesh in zip(self.plan.groups, self.group_meshes):
       layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
-      programs.append([jax.jit(_missing(prog, held, group_lowering.group_program(prog, layout, s)))
+      own = progs[group.remat]
+      order = None if own is prog else group_lowering.sums_order(prog, own)
+      programs.append([jax.jit(_reordered(order, _missing(own, held, group_lowering.group_program(own, layout, s))))
                        for s in range(loops)])
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
@@ -363,6 +356,32 @@ class GroupedStep:
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in owner.items() if d == device) for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner,
                   {entries[i][0]: d for i, d in owner.items()}, tuple(jax.tree.leaves(shapes)), held_bytes, combines)
+
+  def _traced(self, fn, tree, leaves, n_state: int, n_batch: int) -> tuple[dict[str, Program], Any]:
+    """The step's analysed program under each remat policy the plan uses (its groups' and the tail's), and its
+    output shapes."""
+    batch_inputs = tuple(range(n_state, n_state + n_batch))
+    avals = [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)) for x in leaves]
+    floats = tuple(i for i, x in enumerate(leaves[:n_state]) if jnp.issubdtype(_traced_dtype(x), jnp.floating))
+
+    def flat(*xs):  # one function per trace: JAX caches a trace by its function, which does not see the policy
+      state, batch, rest = jax.tree.unflatten(tree, xs)
+      return fn(state, batch, *rest)
+
+    progs, shapes = {}, None
+    policies = list(dict.fromkeys([self.plan.tail_remat] + [g.remat for g in self.plan.groups]))
+    for policy in policies:
+      # beside checkpointed groups, "none" is traced checkpointed too, saving everything: the same cuts
+      with remat_policy(SAVED if policy == "none" and len(policies) > 1 else policy):
+        closed, shapes = jx.make_closed_jaxpr(functools.partial(flat), *avals, return_shape=True)
+      progs[policy] = Program(analyse(closed, batch_inputs, self.plan.global_batch, batch_stats=self.batch_stats,
+                                      float_state_inputs=floats), batch_inputs)
+      group_lowering.check(progs[policy], tail=bool(self.plan.tail_count))
+    if len(progs) > 1 and progs[self.plan.tail_remat].analysis.loops > 1:
+      raise HetSpmdError(f"this step needs {progs[self.plan.tail_remat].analysis.loops} microbatch loops, whose "
+                         f"sums feed one another: give every group the same remat policy (the plan has "
+                         f"{', '.join(progs)})")
+    return progs, shapes
 
   def _units(self, prog: Program, state: Any, out_tree: Any):
     """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
@@ -437,6 +456,21 @@ def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> C
   if not held:
     return run
   return lambda inputs, *rest: run(group_lowering.with_placeholders(prog, inputs, held), *rest)
+
+
+def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` with its partial sums laid out as the exchange program's trace lays them out (``order``: from
+  :func:`hetspmd.lowering.groups.sums_order`; another remat policy's trace cuts the backward pass otherwise)."""
+  if order is None:
+    return run
+  positions, sizes = order
+
+  def reordered(*args):
+    values = [x for part in run(*args) for x in part]
+    flat = [values[i] for i in positions]
+    return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+
+  return reordered
 
 
 def _shard_on(x: Any, device: Any) -> Any:
