@@ -24,6 +24,7 @@ import numpy as np
 
 from hetspmd._dtypes import wide
 from hetspmd._pytree import leaves_with_paths
+from hetspmd.passes import _jax_adapter as jx
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +75,8 @@ def remat_policy(policy: str):
   """Within: :func:`value_and_grad` checkpoints its loss under ``policy``."""
   token = _REMAT.set(policy)
   try:
-    yield policy
+    with jx.trace_key(f"remat={policy}"):  # a jitted step traced under another policy is traced again
+      yield policy
   finally:
     _REMAT.reset(token)
 

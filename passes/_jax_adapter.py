@@ -15,6 +15,7 @@ counts; ``cond`` carries ``branches`` and takes the branch index first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import re
@@ -621,3 +622,33 @@ def random_bits_slice(key: Any, bit_width: int, shape: Sequence[int], dim: int, 
   bits1, bits2 = threefry2x32_p.bind(data[0], data[1], lax.full(sliced, 0, np.uint32), flat)
   bits = bits1 ^ bits2
   return bits if bit_width == 32 else lax.convert_element_type(bits, np.dtype(f"uint{bit_width}"))
+
+
+def _trace_key_state() -> Any:
+  """A value of JAX's own trace context (part of every ``jax.jit`` cache key) that hetspmd sets, or None where
+  this JAX has no such states."""
+  try:
+    from jax._src import config as jax_config
+
+    return jax_config.config_ext.Config("hetspmd_trace_key", "", include_in_jit_key=True,
+                                        include_in_trace_context=True)
+  except (ImportError, AttributeError, TypeError):
+    return None
+
+
+_TRACE_KEY = _trace_key_state()
+
+
+@contextlib.contextmanager
+def trace_key(value: str):
+  """Within: ``value`` is part of JAX's trace context, so a ``jax.jit``-ed function the step calls (a user's
+  jitted ``train_step``) is traced afresh for each ``value`` instead of reusing a trace made under another (a
+  remat policy that ``hetspmd.value_and_grad`` reads when it is traced)."""
+  if _TRACE_KEY is None:
+    yield
+    return
+  previous = _TRACE_KEY.swap_local(value)
+  try:
+    yield
+  finally:
+    _TRACE_KEY.set_local(previous)

@@ -119,6 +119,27 @@ def test_remat_policies_match_single_device(remat, shape, counts):
   assert "optimization_barrier" in step.lower(step.shard_state(workload.init_state(0)), batches[0]).as_text()
 
 
+def test_a_jitted_step_is_traced_again_under_another_remat_policy():
+  """A user's jax.jit-ed step, traced once without remat, is traced again under a plan's policy: jax.jit's cache
+  does not hand back the first trace (the policy is part of JAX's trace context while hetspmd traces)."""
+  from hetspmd.autodiff import remat_policy
+
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+  @jax.jit
+  def step(w, x):
+    value, grad = hs.value_and_grad(loss)(w, x)
+    return w - 0.1 * grad, value
+
+  args = (jnp.ones((3, 3)), jnp.ones((2, 3)))
+  found = []
+  for policy in ("none", "full", "none", "dots"):
+    with remat_policy(policy):
+      found.append("remat" in str(jax.make_jaxpr(lambda *a: step(*a))(*args)))
+  assert found == [False, True, False, True]
+
+
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt2-tiny"])
 def test_single_data_position_with_a_model_axis_matches_single_device(name):
   require_devices(4)
