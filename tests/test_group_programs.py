@@ -514,3 +514,32 @@ def test_groups_with_their_own_remat_policies_match_one_device(remats):
   dots = [lowered[f"group {g}"].count("stablehlo.dot_general") for g in range(2)]
   if remats[0] == "none":  # the group that recomputes its forward pass runs its matmuls again in the backward
     assert dots[0] < dots[1]
+
+
+def test_the_search_gives_each_kind_the_remat_it_needs():
+  """Small devices whose memory holds a microbatch only when its forward pass is recomputed, beside large ones
+  that need not: the searched group plan recomputes on the small kind alone, and runs exactly."""
+  import dataclasses
+
+  from hetspmd.hardware.profiler import device_spec
+  from hetspmd.planner.data_axis import memory_per_device
+
+  require_devices(8)
+  w = models.get("gpt2-tiny")
+  step_fn = w.make_train_step(hs.value_and_grad)
+  batch, m = 96, 8
+  rs = np.random.RandomState(4)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(batch))
+             for _ in range(2)]
+  profile = profile_step(step_fn, w.init_state(), batches[0])
+  saved, recomputed = (memory_per_device(profile, 8, m, 0, r, optimizer_share=0.0) for r in ("none", "all_dots"))
+  assert recomputed < saved
+  small = dataclasses.replace(device_spec("P100-16GB"), name="P100-small", memory_bytes=(saved + recomputed) // 2)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-small"] * 4,
+                               custom={"P100-small": small})
+  priced = search_groups(cluster, profile, batch, [m], remat_policies=REMAT_POLICIES)
+  assert priced.remats[0] == "none" and priced.remats[-1] != "none", priced.remats
+  plan = to_group_plan(cluster, priced)
+  assert [g.remat for g in plan.groups] == ["none", priced.remats[-1]]
+  state, ref = _trained(step_fn, plan, w.init_state, batches)
+  ref.check(state)

@@ -4,9 +4,10 @@ A group plan (:class:`hetspmd.plan.groups.GroupPlan`, run by
 :mod:`hetspmd.runtime.grouped`) lets each device kind run the microbatch that
 suits it, where one SPMD program makes every device run the same one. This
 module searches group plans with every device on data (no model axis), one
-group per device kind, one remat policy, and the optimizer state replicated
-or held in shares by free memory (each device updating its share, then
-sending the parameters it made to every device). For each kind a microbatch size that fits its memory, for
+group per device kind, one remat policy for all or per kind the one that
+recomputes least of those that fit, and the optimizer state replicated or
+held in shares by free memory (each device updating its share, then sending
+the parameters it made to every device). For each kind a microbatch size that fits its memory, for
 the global batch each device's count: the smallest makespan whose capacity
 covers the batch, found by bisection, then trimmed to the batch exactly
 (the largest microbatches first). Optionally a uniform tail: one microbatch
@@ -27,6 +28,7 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import GroupPlan, group_plan
+from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import WORKSPACE, NO_TENSOR_PARALLEL, gradient_reductions, memory_per_device
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
@@ -89,25 +91,28 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
   return tuple(counts)
 
 
-def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str, global_batch: int, *,
-                 dtype: str = "float32", tail: tuple[int, int] = (0, 0), zero: int = 0) -> Evaluated | None:
-  """The group plan with microbatch ``sizes[kind]`` per kind on ``layout`` (every device on data), or None if a
-  kind's microbatch does not fit its memory or the sizes cannot make the batch. ``tail``: ``(microbatch,
-  count)`` every device runs in the uniform program after its group's loop, the reduction overlapping the last
-  one's backward pass. ``zero=1``: the optimizer state in shares by free memory (each device updates its
-  share, then sends the parameters it made to every device), else replicated."""
+def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
+                 global_batch: int, *, dtype: str = "float32", tail: tuple[int, int] = (0, 0), zero: int = 0
+                 ) -> Evaluated | None:
+  """The group plan with microbatch ``sizes[kind]`` and remat policy ``remat`` (one, or one per kind) per kind on
+  ``layout`` (every device on data), or None if a kind's microbatch does not fit its memory or the sizes cannot
+  make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
+  loop, under the policy that recomputes most, the reduction overlapping the last one's backward pass.
+  ``zero=1``: the optimizer state in shares by free memory (each device updates its share, then sends the
+  parameters it made to every device), else replicated."""
   n, kinds = len(layout.groups), layout.kinds
   size, count = tail
   order = list(dict.fromkeys(kinds))
-  shares = _state_shares(costing, kinds, sizes, size, remat) if zero else {}
+  remats = remat if isinstance(remat, dict) else {k: remat for k in order}
+  last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
+  shares = _state_shares(costing, kinds, sizes, tail, remats) if zero else {}
   if zero and not shares:
     return None
-  memory = {k: max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL,
-                                     optimizer_share=shares.get(k)) for m in {sizes[k], size} if m) for k in order}
+  memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k)) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remat, n, shares.get(k)) for k in order}
-  tails = {k: _kind_cost(costing, k, size, remat, n, shares.get(k)) if count else None for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)) for k in order}
+  tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k)) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
                                                                         if count else 0.0)) for k in order}
@@ -125,29 +130,36 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
   name = layout.name + (", optimizer state in memory shares" if zero else "") + (
-      f", tail {count}x{size}" if count else "")
+      ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "")
   return Evaluated(
       name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
-      zero_stage=zero, remat=remat, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
+      zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=tuple(memory[k] for k in kinds), global_batch=global_batch, position_seconds=per_position,
       grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
-      tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else ())
+      tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else (), remats=tuple(remats[k] for k in kinds))
 
 
-def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: int, remat: str
-                  ) -> dict[str, float]:
+def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
+                  remats: dict[str, str]) -> dict[str, float]:
   """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
   on it; empty when the free memory of every device together cannot hold the state."""
   n, profile = len(kinds), costing.profile
+  last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
   for k in dict.fromkeys(kinds):
-    used = max(memory_per_device(profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=0.0)
-               for m in {sizes[k], tail} if m)
+    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] for k in kinds)
   if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
     return {}
   return {k: free[k] / total for k in free}
+
+
+def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None) -> int:
+  """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
+  is 0), with ``share`` of the optimizer state (all of it when None)."""
+  return max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=share)
+             for m, remat in (loop, tail) if m)
 
 
 def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None) -> KindCost:
@@ -177,30 +189,45 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
-    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes, tails=recompute <= 1.0)
+    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes, one_loop=recompute <= 1.0)
     if e is not None and (best is None or e.step_seconds < best.step_seconds):
       best = e
   return best
 
 
 def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str], *, tails: bool = True
+             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str], *, one_loop: bool = True
              ) -> Evaluated | None:
-  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails (unless ``tails`` is False:
-  a step whose exact batch statistics take loops of their own runs without one), remat policies, reduce dtypes
-  and the optimizer state replicated or in shares."""
+  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails, reduce dtypes, the
+  optimizer state replicated or in shares, and remat: one policy for every group, or per kind the one that
+  recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch statistics
+  take loops of their own) neither a tail nor a policy per kind."""
   order = list(dict.fromkeys(layout.kinds))
-  tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if tails else [])
+  tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if one_loop else [])
   zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
+  n = len(layout.groups)
   best = None
-  for remat in remat_policies:
-    combos = itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS)
-    for combo, tail, dtype, zero in itertools.product(list(combos), tails, grad_reduce_dtypes, zeros):
-      e = price_groups(costing, layout, dict(zip(order, combo)), remat, global_batch, dtype=dtype, tail=tail,
-                       zero=zero)
+  for combo in itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS):
+    chosen = dict(zip(order, combo))
+    choices = [dict.fromkeys(order, r) for r in remat_policies]
+    if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
+      choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
+    for remats, tail, dtype, zero in itertools.product(choices, tails, grad_reduce_dtypes, zeros):
+      e = price_groups(costing, layout, chosen, remats, global_batch, dtype=dtype, tail=tail, zero=zero)
       if e is not None and (best is None or e.step_seconds < best.step_seconds):
         best = e
   return best
+
+
+def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> str:
+  """Of ``policies``, the one recomputing least whose microbatch fits a device of ``kind`` with the optimizer
+  state held elsewhere (the most recomputing one when none fits)."""
+  spec = costing.cluster.spec_of(kind)
+  ranked = sorted(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
+  for r in ranked:
+    if _peak(costing, n, (microbatch, r), (0, r), 0.0) <= spec.memory_bytes:
+      return r
+  return max(policies, key=REMAT_POLICIES.index)
 
 
 def to_group_plan(cluster: Cluster, e: Evaluated) -> GroupPlan:
@@ -210,7 +237,8 @@ def to_group_plan(cluster: Cluster, e: Evaluated) -> GroupPlan:
   groups, shares = [], []
   for kind in dict.fromkeys(e.kinds):
     mine = [i for i, k in enumerate(e.kinds) if k == kind]
-    groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine]))
+    groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine],
+                   e.remats[mine[0]] if e.remats else e.remat))
     shares += [e.state_shares[i] for i in mine] if e.state_shares else []
   return group_plan(groups, e.global_batch, tail=e.tail,
                     state_shares=tuple(s / sum(shares) for s in shares) if shares else ())

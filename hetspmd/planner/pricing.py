@@ -55,6 +55,7 @@ class Evaluated:
   microbatches: tuple[int, ...] = ()  # a group plan: each position's own microbatch size (else ``microbatch``)
   tail: tuple[int, int] = (0, 0)      # a group plan: (microbatch, count) every position runs in the uniform program
   state_shares: tuple[float, ...] = ()  # a group plan: each position's share of the optimizer state (ZeRO-1)
+  remats: tuple[str, ...] = ()        # a group plan: each position's remat policy (``remat``: the tail's)
 
   @property
   def examples(self) -> tuple[int, ...]:
@@ -97,7 +98,7 @@ class Evaluated:
         "remat": self.remat,
         "memory_bytes": list(self.memory_bytes),
         **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
-            "state_shares": list(self.state_shares)} if self.microbatches else {}),
+            "state_shares": list(self.state_shares), "remats": list(self.remats)} if self.microbatches else {}),
     }
 
 
