@@ -136,7 +136,10 @@ def main() -> None:
     groups = f"{grouped.throughput / best.throughput:6.2f}" if grouped else f"{'-':>6}"
     if grouped:
       group_lines.append(f"  {preset} {name} {batch} {dtype}: {grouped.throughput / best.throughput:.2f}x, "
-                         f"{grouped.name}; microbatches {sorted(set(grouped.microbatches))}, remat {grouped.remat}")
+                         f"{grouped.name}; " + ", ".join(
+                             f"{k}: mb {m}, remat {r}" for k, m, r in dict.fromkeys(
+                                 zip(grouped.kinds, grouped.microbatches, grouped.remats or (grouped.remat,) * len(
+                                     grouped.kinds)))))
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
           f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {groups} {seconds:8.2f}  "
           f"{mechanisms(best)}", flush=True)
