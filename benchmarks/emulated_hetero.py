@@ -17,7 +17,8 @@ Printed side by side, from one run:
 * hetspmd (group plan): the best group plan the search prices on the same
   specs (one program per process's device, each its own microbatch of
   ``--microbatch`` or half of it, a tail or not), run by
-  ``hetspmd.runtime.grouped``;
+  ``hetspmd.runtime.grouped``, its batch placed ahead (``shard_batch``) as
+  the single programs' is;
 * step ideal: both devices' throughputs added, each measured training alone
   (the same hetspmd step, whole global batch, on that device only): what the
   two devices would do with no communication and no imbalance;
@@ -123,11 +124,11 @@ WORKER = textwrap.dedent("""
         t = time.perf_counter(); st, m = step(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
       result[name] = {"counts": list(plan.microbatch_counts), "median_s": statistics.median(times)}
     step = run_groups(workload.make_train_step(hs.value_and_grad), grouped)
-    st = step.shard_state(workload.init_state(0))
-    st, m = step(st, host_batch); jax.block_until_ready(m)
+    st, sb = step.shard_state(workload.init_state(0)), step.shard_batch(host_batch)
+    st, m = step(st, sb); jax.block_until_ready(m)
     times = []
     for _ in range(steps):
-      t = time.perf_counter(); st, m = step(st, host_batch); jax.block_until_ready(m); times.append(time.perf_counter() - t)
+      t = time.perf_counter(); st, m = step(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
     result["hetspmd (group plan)"] = {"counts": [f"{g.microbatch}x{list(g.counts)}" for g in grouped.groups]
                                       + ([f"tail {grouped.tail_count}x{grouped.tail_microbatch}"]
                                          if grouped.tail_count else []), "median_s": statistics.median(times)}

@@ -57,14 +57,14 @@ def _batches(size, seed=0):
           for _ in range(STEPS)]
 
 
-def _trained(step_fn, plan, state, batches):
-  """``state`` trained under ``plan`` on ``batches``, every step's metrics checked against one device; the
-  final state and the reference."""
+def _trained(step_fn, plan, state, batches, placed=False):
+  """``state`` trained under ``plan`` on ``batches`` (``placed``: each placed ahead with ``shard_batch``), every
+  step's metrics checked against one device; the final state and the reference."""
   ref = Reference(step_fn, state()).run(batches)
   step = run_groups(step_fn, plan)
   trained = step.shard_state(state())
   for i, batch in enumerate(batches):
-    trained, metrics = step(trained, batch)
+    trained, metrics = step(trained, step.shard_batch(batch) if placed else batch)
     ref.check_metrics(metrics, i)
   return trained, ref
 
@@ -289,7 +289,7 @@ def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail):
   require_devices(8)
   batch = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
   plan = group_plan(groups, batch, tail=tail, state_shares=SHARES_80_16)
-  state, ref = _trained(dropout_step, plan, _state, _batches(batch))
+  state, ref = _trained(dropout_step, plan, _state, _batches(batch), placed=True)
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
   _held_on_one_device(state.opt_state)

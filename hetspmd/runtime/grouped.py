@@ -118,11 +118,19 @@ class GroupedStep:
     (no call yet, no ``example_batch``), the optimizer-state leaves stay where they are until the first call
     places each on its device."""
     if self.plan.state_shares and not self._owners and self.example_batch is None:
-      replicated = NamedSharding(self.mesh, P())
       return jax.tree.unflatten(jax.tree.structure(state), [
-          x if role_of(path, _traced_dtype(x)) == "opt_state" else jax.device_put(x, replicated)
+          x if role_of(path, _traced_dtype(x)) == "opt_state" else _on(self.mesh, x)
           for path, x in leaves_with_paths(state)])
-    return jax.device_put(state, self.state_shardings(state))
+    placed = []
+    for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(self.state_shardings(state))):
+      device = next(iter(sharding.device_set))
+      if isinstance(sharding, NamedSharding):
+        placed.append(_on(self.mesh, x))
+      elif device.process_index == jax.process_index():
+        placed.append(jax.device_put(x, sharding))
+      else:
+        placed.append(_elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device))
+    return jax.tree.unflatten(jax.tree.structure(state), placed)
 
   def _owners_of(self, state: Any) -> dict:
     """``{path: device}`` of the held optimizer-state leaves, which come from the step's trace: of the first call,
@@ -176,8 +184,9 @@ class GroupedStep:
       if len(args) < 2:
         raise InvalidValueError("a functional step is called as step(state, batch, *rest)")
       return self._run(self.fn, None, args[0], args[1], args[2:])
-    batch_at = next((i for i, a in enumerate(args) if i not in graph and jax.tree.leaves(a)
-                     and all(np.shape(x)[:1] == (self.plan.global_batch,) for x in jax.tree.leaves(a))), None)
+    batch_at = next((i for i, a in enumerate(args) if i not in graph and (isinstance(a, GroupedBatch) or (
+        jax.tree.leaves(a) and all(np.shape(x)[:1] == (self.plan.global_batch,) for x in jax.tree.leaves(a))))),
+                    None)
     if batch_at is None:
       raise InvalidValueError(f"no argument of the step is a batch of {self.plan.global_batch} examples")
     objects = tuple(args[i] for i in graph)
@@ -199,20 +208,37 @@ class GroupedStep:
     nnx.update(objects, new_state)
     return out
 
-  def _run(self, fn: Callable[..., Any], graphdef: Any, state: Any, batch: Any, rest: tuple) -> Any:
-    leaves, tree = jax.tree.flatten((state, batch, rest))
-    n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
+  def shard_batch(self, batch: Any) -> "GroupedBatch":
+    """``batch`` (the global batch, on every process) placed for this plan ahead of the step: this process's
+    groups' microbatch buffers and the tail's. Pass it to the step in the batch's place, as
+    ``ParallelStep.shard_batch``'s result."""
+    self._check_batch(batch)
+    leaves, tree = jax.tree.flatten(batch)
+    return GroupedBatch(jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x))
+                                                  for x in leaves]),
+                        {g: self._buffers(g, leaves) for g, loop in enumerate(self._loops) if loop is not None},
+                        self._tail_buffers(leaves) if self.plan.tail_count else [None] * len(leaves))
+
+  def _check_batch(self, batch: Any) -> None:
     for x in jax.tree.leaves(batch):
       if np.shape(x)[:1] != (self.plan.global_batch,):
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
+
+  def _run(self, fn: Callable[..., Any], graphdef: Any, state: Any, batch: Any, rest: tuple) -> Any:
+    placed = batch if isinstance(batch, GroupedBatch) else None
+    batch = placed.abstract if placed is not None else batch
+    leaves, tree = jax.tree.flatten((state, batch, rest))
+    n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
+    self._check_batch(batch)
     built = self._built_for(fn, graphdef, state, leaves, tree, n_batch)
     batch_leaves = leaves[n_state:n_state + n_batch]
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
-    joined, earlier = self._loops_of(built, [state_leaves[i] for i in free], batch_leaves, others)
-    tail = self._tail_buffers(batch_leaves) if self.plan.tail_count else [None] * n_batch
+    placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), batch_leaves))
+    joined, earlier = self._loops_of(built, [state_leaves[i] for i in free], placed.groups, others)
+    tail = placed.tail
     common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail,
@@ -224,10 +250,10 @@ class GroupedStep:
     self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums)
     return jax.tree.unflatten(built.out_tree, outputs)
 
-  def _loops_of(self, built: "_Built", state: list, batch_leaves: list, others: list):
-    """Each loop's group programs (this process's groups), every loop but the last reduced by its uniform combine
-    program for the next: the last loop's partials as global arrays, and the earlier loops' reduced cuts."""
-    buffers = {g: self._buffers(g, batch_leaves) for g, loop in enumerate(self._loops) if loop is not None}
+  def _loops_of(self, built: "_Built", state: list, buffers: dict, others: list):
+    """Each loop's group programs (this process's groups, ``buffers``: each one's microbatch buffers), every loop
+    but the last reduced by its uniform combine program for the next: the last loop's partials as global
+    arrays, and the earlier loops' reduced cuts."""
     earlier: dict = {}
     loops = len(built.combines) + 1
     for s in range(loops):
@@ -343,7 +369,8 @@ class GroupedStep:
       tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
                              overlap=True)
     run = group_lowering.exchange_program(prog, tail, units.common if units else None)
-    exchange = jax.jit(_missing(prog, held, run))
+    # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
+    exchange = jax.jit(_missing(prog, held, run), out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
     for device in self.devices:
       outs = tuple(sorted(o for ins, unit_outs in (units.units if units else ()) if owner[ins[0]] == device
@@ -434,6 +461,16 @@ class GroupedStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedBatch:
+  """A global batch placed for a group plan (:meth:`GroupedStep.shard_batch`): its shapes (``abstract``), this
+  process's groups' microbatch buffers (by group) and the tail's buffers over every device."""
+
+  abstract: Any
+  groups: dict
+  tail: list
+
+
+@dataclasses.dataclass(frozen=True)
 class _Built:
   """The programs of one argument structure: each group's loop, the exchange, each device's update (under
   state shares: ``{device: (outputs, program)}``), the output tree, the state units and the device holding each
@@ -501,13 +538,18 @@ def _traced_dtype(x: Any) -> Any:
 
 
 def _on(mesh: Mesh, x: Any) -> Any:
-  """``x`` replicated on ``mesh``'s devices: its own per-device buffers where it has them (no copy)."""
+  """``x`` (a host value or a replicated array) replicated on ``mesh``'s devices, made from this process's
+  pieces: its own per-device buffers where it has them (no copy), a copy of one of them (or of the host value)
+  on this process's other devices of ``mesh``. (``jax.device_put`` of a single-device array onto devices of
+  several processes does not give a usable array.)"""
   sharding = NamedSharding(mesh, P())
-  if isinstance(x, jax.Array):
-    have = {s.device: s.data for s in x.addressable_shards}
-    if x.is_fully_replicated and all(d in have for d in mesh.devices.flat):
-      return jax.make_array_from_single_device_arrays(x.shape, sharding, [have[d] for d in mesh.devices.flat])
-  return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_replicated:
+    return jax.device_put(x, sharding)  # sharded: one process holds it all
+  have = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
+  here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  source = next(iter(have.values()), None) if have else np.asarray(x)
+  pieces = [have[d] if d in have else jax.device_put(source, d) for d in here]
+  return jax.make_array_from_single_device_arrays(np.shape(x), sharding, pieces)
 
 
 def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None,
