@@ -314,10 +314,12 @@ class GroupedStep:
     return dict(zip(order, self._call("send", self._sum_rows, rows))) if order else {}
 
   def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
-    """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis`."""
-    self._last[name] = (program, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
-        args))
+    """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis` (once per
+    program: a program's arguments keep their shapes)."""
+    if self._last.get(name, (None,))[0] is not program:
+      self._last[name] = (program, jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+          args))
     return program(*args)
 
   def memory_analysis(self) -> dict[str, Any]:
