@@ -2,7 +2,8 @@
 
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
-    hetspmd search [--model gpt2-small] [--cluster amp-t4-v100] [--global-batch 64] [--out plan.json] [--json]
+    hetspmd search [--model gpt2-small] [--cluster amp-t4-v100] [--global-batch 64] [--out plan.json]
+                   [--group-plan-out groups.json] [--json]
     hetspmd explain plan.json [--png plan.png] [--json]
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
@@ -31,6 +32,7 @@ from hetspmd.passes.profile import profile_step
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
+from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import BASELINES
 from hetspmd.planner.ranking import search as search_plans
 from hetspmd.planner.stages import describe, search_stages
@@ -106,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
   search.add_argument("--no-overlap", action="store_true",
                       help="do not overlap gradient reductions with the last microbatch's backward pass")
   search.add_argument("--out", help="write the best plan to this JSON file")
+  search.add_argument("--group-plan-out", metavar="FILE",
+                      help="write the best group plan to this JSON file (devices by cluster position; run it with "
+                      "hetspmd.runtime.grouped.run_groups(step, GroupPlan.load(FILE)))")
   search.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
   search.set_defaults(run=_run_search)
 
@@ -200,6 +205,12 @@ def _run_search(args: argparse.Namespace) -> int:
   best = result.plans[0]
   if args.out:
     plan_from(best, cluster, state, ideal).save(args.out)
+  if args.group_plan_out:
+    if result.group_plan is None:
+      raise HetSpmdError(f"no group plan fits {workload.name} on {cluster} at global batch {args.global_batch} "
+                         "(one device kind, or replicated and shared state both too large): nothing written to "
+                         f"{args.group_plan_out}")
+    to_group_plan(cluster, result.group_plan).save(args.group_plan_out)
   report = {
       "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
       "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
@@ -241,7 +252,10 @@ def _run_search(args: argparse.Namespace) -> int:
                            "its mean)"))
   if result.group_plan is not None:
     g = result.group_plan
-    sizes = ", ".join(f"{k}: mb {m}" for k, m in dict(zip(g.kinds, g.microbatches)).items())
+    sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", {share:.1%} of the optimizer state per device" if share
+                                                   else "")
+                      for k, m, r, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * len(
+                          g.kinds), g.state_shares or (None,) * len(g.kinds))))
     if g.tail[1]:
       sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
     print()
@@ -256,6 +270,8 @@ def _run_search(args: argparse.Namespace) -> int:
             f"samples/s {p.memory_bytes / 1e9:6.2f} GB/dev  {best.step_seconds / p.step_seconds:.2f}x the best plan")
   if args.out:
     print(f"\nwrote the best plan to {args.out}")
+  if args.group_plan_out:
+    print(f"wrote the best group plan to {args.group_plan_out}")
   return 0
 
 

@@ -543,3 +543,30 @@ def test_the_search_gives_each_kind_the_remat_it_needs():
   assert [g.remat for g in plan.groups] == ["none", priced.remats[-1]]
   state, ref = _trained(step_fn, plan, w.init_state, batches)
   ref.check(state)
+
+
+def test_the_cli_writes_a_group_plan_that_runs_exactly(tmp_path, capsys):
+  """hetspmd search --group-plan-out on a V100 + P100 spec of 8 devices; the file, loaded, runs the zoo's MLP
+  on 8 CPU devices (devices by cluster position) exactly; a missing or foreign file says what is wrong."""
+  from hetspmd.cli import main
+
+  require_devices(8)
+  path = tmp_path / "groups.json"
+  assert main(["search", "--model", "mlp-tiny", "--cluster", "1x4xV100-32GB+1x4xP100-16GB", "--global-batch", "32",
+               "--group-plan-out", str(path), "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  plan = GroupPlan.load(path)
+  assert plan.global_batch == 32 and sorted(plan.devices) == list(range(8))
+  assert [g.microbatch for g in plan.groups] == sorted(set(report["group_plan"]["microbatches"]),
+                                                       key=report["group_plan"]["microbatches"].index)
+  w = models.get("mlp-tiny")
+  rs = np.random.RandomState(6)
+  batches = [jax.tree.map(lambda s: rs.standard_normal(s.shape).astype(s.dtype) if s.dtype.kind == "f"
+                          else rs.randint(0, 2, s.shape).astype(s.dtype), w.example_batch(32)) for _ in range(2)]
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
+  ref.check(state)
+  with pytest.raises(hs.HetSpmdError, match="does not exist"):
+    GroupPlan.load(tmp_path / "missing.json")
+  (tmp_path / "other.json").write_text("[1, 2]")
+  with pytest.raises(hs.HetSpmdError, match="holds no groups"):
+    GroupPlan.load(tmp_path / "other.json")

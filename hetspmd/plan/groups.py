@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError
@@ -183,6 +184,23 @@ class GroupPlan:
 
   def dumps(self) -> str:
     return json.dumps(self.to_json(), indent=2)
+
+  def save(self, path: str | Path) -> None:
+    Path(path).write_text(self.dumps())
+
+  @classmethod
+  def load(cls, path: str | Path) -> "GroupPlan":
+    """Reads a group plan JSON file written by :meth:`save` (``hetspmd search --group-plan-out``)."""
+    try:
+      data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+      raise InvalidValueError(f"group plan file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+      raise InvalidValueError(f"group plan file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or "groups" not in data:
+      raise InvalidValueError(f"group plan file {str(path)!r} holds no groups: write one with "
+                              "hetspmd search --group-plan-out")
+    return cls.from_json(data)
 
 
 def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
