@@ -251,17 +251,9 @@ def _run_search(args: argparse.Namespace) -> int:
                     suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device "
                            "its mean)"))
   if result.group_plan is not None:
-    g = result.group_plan
-    sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", {share:.1%} of the optimizer state per device" if share
-                                                   else "")
-                      for k, m, r, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * len(
-                          g.kinds), g.state_shares or (None,) * len(g.kinds))))
-    if g.tail[1]:
-      sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
     print()
     print(f"{'':>2} group programs (one per device kind, each its own microbatch; hetspmd.runtime.grouped runs them)")
-    print(_plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes}; {g.throughput / best.throughput:.2f}x "
-                    "the best plan)"))
+    print(_group_plan_row(result.group_plan, best, ideal))
   if stage_plans:
     print()
     print(f"{'':>2} pipeline stages (the step scans its layers; run with plan_for(..., stages=layers))")
@@ -273,6 +265,17 @@ def _run_search(args: argparse.Namespace) -> int:
   if args.group_plan_out:
     print(f"wrote the best group plan to {args.group_plan_out}")
   return 0
+
+
+def _group_plan_row(g, best, ideal: float) -> str:
+  """The best group plan's row: each kind's microbatch, remat and state share, the tail, against the best plan."""
+  sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", {share:.1%} of the optimizer state per device" if share else "")
+                    for k, m, r, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * len(
+                        g.kinds), g.state_shares or (None,) * len(g.kinds))))
+  if g.tail[1]:
+    sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
+  return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes}; {g.throughput / best.throughput:.2f}x "
+                   "the best plan)")
 
 
 def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
