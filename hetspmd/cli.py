@@ -206,11 +206,7 @@ def _run_search(args: argparse.Namespace) -> int:
   if args.out:
     plan_from(best, cluster, state, ideal).save(args.out)
   if args.group_plan_out:
-    if result.group_plan is None:
-      raise HetSpmdError(f"no group plan fits {workload.name} on {cluster} at global batch {args.global_batch} "
-                         "(one device kind, or replicated and shared state both too large): nothing written to "
-                         f"{args.group_plan_out}")
-    to_group_plan(cluster, result.group_plan).save(args.group_plan_out)
+    _write_group_plan(args, cluster, result.group_plan)
   report = {
       "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
       "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
@@ -265,6 +261,14 @@ def _run_search(args: argparse.Namespace) -> int:
   if args.group_plan_out:
     print(f"wrote the best group plan to {args.group_plan_out}")
   return 0
+
+
+def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced) -> None:
+  if priced is None:
+    raise HetSpmdError(f"no group plan fits {args.model} on {cluster} at global batch {args.global_batch} (one "
+                       "device kind, or replicated and shared state both too large): nothing written to "
+                       f"{args.group_plan_out}")
+  to_group_plan(cluster, priced).save(args.group_plan_out)
 
 
 def _group_plan_row(g, best, ideal: float) -> str:
