@@ -37,8 +37,8 @@ import pytest  # noqa: E402
 # The files holding the longest tests of a serial run's --durations (the multi-process, pipeline and stage tests)
 # go first, so that the two workers finish together rather than one waiting on a long file started last.
 LONGEST_FIRST = ("test_staged_step.py", "test_pipeline.py", "test_runtime.py", "test_gradient_reduction.py",
-                 "test_unmodified_steps.py", "test_wmt_step.py", "test_imagenet_step.py", "test_expert_parallel.py",
-                 "test_sst2_step.py", "test_models.py")
+                 "test_unmodified_steps.py", "test_group_programs.py", "test_pmap_steps.py", "test_wmt_step.py",
+                 "test_imagenet_step.py", "test_expert_parallel.py", "test_sst2_step.py", "test_models.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -388,11 +388,11 @@ def test_the_search_holds_state_in_shares_where_replicated_state_does_not_fit():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shares", [(), SHARES_80_16], ids=["replicated", "memory-shares"])
-def test_two_processes_each_run_their_own_group(shares):
+def test_two_processes_each_run_their_own_group():
   """2 processes x 4 CPU devices over jax.distributed (gloo), one group per process (microbatches of 4 and of 1)
-  and a uniform tail: each process dispatches only its group's program (and its devices' updates); parameters,
-  the moments each process holds and the metrics equal one device's."""
+  and a uniform tail, the state replicated and then in memory shares: each process dispatches only its group's
+  program (and its devices' updates); parameters, the moments each process holds and the metrics equal one
+  device's."""
   import os
 
   from multiprocess import run_processes
@@ -408,29 +408,34 @@ def test_two_processes_each_run_their_own_group(shares):
       from hetspmd.runtime.grouped import run_groups
 
       ids = [[d.id for d in jax.devices() if d.process_index == p] for p in (0, 1)]
-      plan = group_plan([(ids[0], 4, (2, 2, 1, 1)), (ids[1], 1, (3, 3, 2, 2))], 42, tail=(1, 1),
-                        state_shares={shares!r})
       batches = t._batches(42)
       ref = Reference(t.dropout_step, t._state(), jit=jax.jit(t.dropout_step, device=jax.local_devices()[0]))
       ref.run(batches)
-      step = run_groups(t.dropout_step, plan)
-      state = step.shard_state(t._state())
-      for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
-        ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
       local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
-      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
-      mine = jax.tree.map(local, state.opt_state)
-      held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]
-      ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, ref.single.opt_state,
-                             is_leaf=lambda x: x is None), lambda s: s.opt_state)
-      print(json.dumps({{"held": held, "groups": sum(1 for name in step.memory_analysis() if name.startswith("group"))}}))
+      report = {{}}
+      for name, shares in (("replicated", ()), ("shares", {SHARES_80_16!r})):
+        plan = group_plan([(ids[0], 4, (2, 2, 1, 1)), (ids[1], 1, (3, 3, 2, 2))], 42, tail=(1, 1),
+                          state_shares=shares)
+        step = run_groups(t.dropout_step, plan)
+        state = step.shard_state(t._state())
+        for i, batch in enumerate(batches):
+          state, metrics = step(state, step.shard_batch(batch) if shares else batch)
+          ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
+        ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+        mine = jax.tree.map(local, state.opt_state)
+        held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]
+        ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, ref.single.opt_state,
+                               is_leaf=lambda x: x is None), lambda s: s.opt_state)
+        report[name] = {{"held": held,
+                         "groups": sum(1 for n in step.memory_analysis() if n.startswith("group"))}}
+      print(json.dumps(report))
   """, num_processes=2, devices_per_process=4, timeout=240)
-  assert [r["groups"] for r in results] == [1, 1]
-  held = np.array([r["held"] for r in results])
-  assert held.any(axis=0).all()  # every moment is checked by the process that holds it
-  if shares:
-    assert not held.all(axis=0)[1:].any()  # each large moment lives in one process only
+  for name in ("replicated", "shares"):
+    assert [r[name]["groups"] for r in results] == [1, 1]
+    held = np.array([r[name]["held"] for r in results])
+    assert held.any(axis=0).all()  # every moment is checked by the process that holds it
+  held = np.array([r["shares"]["held"] for r in results])
+  assert not held.all(axis=0)[1:].any()  # in shares, each large moment lives in one process only
 
 
 class TinyLM(nn.Module):
