@@ -57,14 +57,15 @@ def _batches(size, seed=0):
           for _ in range(STEPS)]
 
 
-def _trained(step_fn, plan, state, batches, placed=False):
-  """``state`` trained under ``plan`` on ``batches`` (``placed``: each placed ahead with ``shard_batch``), every
-  step's metrics checked against one device; the final state and the reference."""
-  ref = Reference(step_fn, state()).run(batches)
+def _trained(step_fn, plan, state, batches, *rest, placed=False):
+  """``state`` trained under ``plan`` on ``batches`` (``rest``: the step's further arguments; ``placed``: each
+  batch placed ahead with ``shard_batch``), every step's metrics checked against one device; the final state
+  and the reference."""
+  ref = Reference(step_fn, state()).run(batches, *rest)
   step = run_groups(step_fn, plan)
   trained = step.shard_state(state())
   for i, batch in enumerate(batches):
-    trained, metrics = step(trained, step.shard_batch(batch) if placed else batch)
+    trained, metrics = step(trained, step.shard_batch(batch) if placed else batch, *rest)
     ref.check_metrics(metrics, i)
   return trained, ref
 
@@ -484,13 +485,7 @@ def test_an_lm1b_style_linen_step_under_group_programs_with_state_shares():
     tokens = rs.randint(1, 32, (22, 9)).astype(np.int32)
     tokens[rs.rand(22, 9) < 0.2] = 0  # padding
     batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-  key = jax.random.key(3)
-  ref = Reference(lm1b_style_step, make()).run(batches, key)
-  step = run_groups(lm1b_style_step, plan)
-  state = step.shard_state(make())
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch, key)
-    ref.check_metrics(metrics, i)
+  state, ref = _trained(lm1b_style_step, plan, make, batches, jax.random.key(3))
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
   _held_on_one_device(state.opt_state)

@@ -91,6 +91,11 @@ class StateUnits:
   kept: tuple[tuple[int, int], ...]
   common: tuple[int, ...]
 
+  @property
+  def kept_outputs(self) -> frozenset:
+    """The outputs that stay where their held leaf lives."""
+    return frozenset(o for o, _ in self.kept)
+
 
 def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]) -> StateUnits:
   """:class:`StateUnits` of ``prog`` for the flat inputs ``held`` (large optimizer-state leaves); ``new_value_of``:
@@ -147,28 +152,23 @@ def sums_order(base: Program, other: Program) -> tuple[tuple[int, ...], tuple[in
     raise HetSpmdError("under another remat policy this step's reductions over the batch do not line up with "
                        "the ones the exchange program reduces: give every group the same remat policy")
   where = {sig: i for i, sig in enumerate(theirs)}
-  return tuple(where[sig] for sig in mine), tuple(_partial_sizes(base))
+  return tuple(where[sig] for sig in mine), tuple(len(part) for part in _partials(base))
 
 
-def _partial_values(prog: Program) -> list[tuple[str, Any]]:
-  """``(reduction, var)`` of every value the last loop returns: its cuts' summed outputs, then the accumulated."""
-  cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
+def _partials(prog: Program) -> list[list[tuple[str, Any]]]:
+  """Per partial sum the last loop returns (its cuts, then the accumulated values), ``(reduction, var)`` of each
+  of its values."""
+  cut_outs = prog.cut_outs
   out = []
   for k in loop_cuts(cut_outs, prog.analysis.loops - 1):
     cut = cut_outs[k]
-    out += [(cut.reduce, prog.eqns[cut.index].outvars[j]) for j in sum_outputs(prog.analysis.decisions[cut.index])]
-  return out + [("sum", v) for v in prog.accumulated]
-
-
-def _partial_sizes(prog: Program) -> list[int]:
-  cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
-  sizes = [len(sum_outputs(prog.analysis.decisions[cut_outs[k].index]))
-           for k in loop_cuts(cut_outs, prog.analysis.loops - 1)]
-  return sizes + [1] * len(prog.accumulated)
+    out.append([(cut.reduce, prog.eqns[cut.index].outvars[j])
+                for j in sum_outputs(prog.analysis.decisions[cut.index])])
+  return out + [[("sum", v)] for v in prog.accumulated]
 
 
 def _signatures(prog: Program) -> list[tuple]:
-  """Per value of :func:`_partial_values`: its reduction, shape, and the step outputs (by position) it reaches through the
+  """Per value of :func:`_partials` (flattened): its reduction, shape, and the step outputs (by position) it reaches through the
   example-free rest of the step, by equations that neither reduce it (a gradient norm) nor broadcast it (a
   normaliser): a gradient reaches its parameter's new value and moments."""
   readers: dict[Any, list] = {}
@@ -181,7 +181,7 @@ def _signatures(prog: Program) -> list[tuple]:
     if not jx.is_literal(v):
       outputs.setdefault(v, []).append(j)
   out = []
-  for reduce, var in _partial_values(prog):
+  for reduce, var in (value for part in _partials(prog) for value in part):
     seen, todo, reached = {var}, [var], set()
     while todo:
       v = todo.pop()
@@ -241,7 +241,7 @@ def combine_program(prog: Program, s: int):
   axis of one row per device) combined over the devices, for the later loops' group programs."""
 
   def run(partials):
-    cut_outs = tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed)
+    cut_outs = prog.cut_outs
     return {k: _combined(prog, cut_outs[k], part) for k, part in zip(loop_cuts(cut_outs, s), partials)}
 
   return run

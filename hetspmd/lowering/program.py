@@ -262,6 +262,11 @@ class Program:
         need.update(v for v in eqn.invars if not jx.is_literal(v))
     return sorted(chosen)
 
+  @property
+  def cut_outs(self) -> tuple:
+    """The cuts the loops sum and reduce, in order: every cut but those absorbed into a fused sum."""
+    return tuple(c for c in self.analysis.cuts if c.index not in self.absorbed)
+
   def middle_inputs(self) -> list[Any]:
     """Pre-loop values that the work between loops reads."""
     made = {v for s in range(self.analysis.loops) for i in self.middle[s] for v in self.eqns[i].outvars}

@@ -87,7 +87,7 @@ def before_loops(prog: Program, inputs: Sequence[Any], counts, starts) -> tuple[
       inputs=tuple(loop_inputs), values=tuple(env[v] for v in loop_inputs),
       batch_vars=tuple(prog.invars[i] for i in prog.batch_inputs),
       buffers=tuple(inputs[i] for i in prog.batch_inputs), counts=counts, starts=starts,
-      cut_outs=tuple(c for c in prog.analysis.cuts if c.index not in prog.absorbed),
+      cut_outs=prog.cut_outs,
       pe_outs=tuple(v for v in prog.outvars if not jx.is_literal(v) and v in prog.analysis.axes))
   return env, ops
 

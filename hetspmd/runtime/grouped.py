@@ -273,7 +273,7 @@ class GroupedStep:
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
     own copies); a held leaf's new value stays on the device, every other output is sent to every device."""
-    kept = dict(built.units.kept)
+    kept = built.units.kept_outputs
     made: dict[int, Any] = {}
     for device, (outs, program) in built.updates.items():
       if device.process_index != jax.process_index():
@@ -300,8 +300,8 @@ class GroupedStep:
     replicated = NamedSharding(self.mesh, P())
     if jax.process_count() == 1:
       return {o: jax.device_put(x, replicated) for o, x in made.items()}
-    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs
-             if o not in dict(built.units.kept)}
+    kept = built.units.kept_outputs
+    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in kept}
     order = sorted(owner)
     rows = []
     for o in order:
