@@ -1,10 +1,33 @@
 """Test setup: 8 emulated CPU devices, set before JAX is imported."""
 
 import os
+import subprocess
+import sys
 
+# The tests check numbers, not speed: XLA compiles their programs without LLVM's expensive optimisations, which
+# takes a quarter less time over the suite (most of a test's time is compilation). Every comparison is against
+# a float64 reference with derived bounds, so a different instruction order cannot fail one. The flags are
+# probed once (the controller's environment passes the answer to workers and child processes): a jaxlib that
+# no longer knows one of them runs the tests with XLA's defaults instead of aborting.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_use_fusion_emitters=false")
+
+
+def _known(flags: tuple[str, ...]) -> str:
+  probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready()"
+  try:
+    ok = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "XLA_FLAGS": " ".join(flags),
+                        "JAX_PLATFORMS": "cpu"}, capture_output=True, timeout=120).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    ok = False
+  return " ".join(flags) if ok else ""
+
+
+if "HETSPMD_TEST_XLA_FLAGS" not in os.environ:
+  os.environ["HETSPMD_TEST_XLA_FLAGS"] = _known(FAST_COMPILE)
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-) + " --xla_force_host_platform_device_count=8"
+    and f not in FAST_COMPILE) + " " + os.environ["HETSPMD_TEST_XLA_FLAGS"] + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent XLA compilation cache for the session, in a temporary folder. Tests build the same programs

@@ -18,7 +18,7 @@ import textwrap
 
 PRELUDE = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+os.environ["XLA_FLAGS"] = os.environ.get("HETSPMD_TEST_XLA_FLAGS", "") + " --xla_force_host_platform_device_count={devices}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
