@@ -4,9 +4,10 @@ import os
 import subprocess
 import sys
 
-# The tests check numbers, not speed: XLA compiles their programs without LLVM's expensive optimisations, which
-# takes a quarter less time over the suite (most of a test's time is compilation). Every comparison is against
-# a float64 reference with derived bounds, so a different instruction order cannot fail one. The flags are
+# The tests check numbers, not speed: XLA compiles their programs without LLVM's expensive optimisations and with
+# its older CPU fusion emitters, which halves the suite's time on two cores (15:50 to 7:27; most of a test's time
+# is compilation). Every comparison is against a float64 reference with derived bounds (tests/exactness.py), so
+# another instruction order cannot fail one. The flags are
 # probed once (the controller's environment passes the answer to workers and child processes): a jaxlib that
 # no longer knows one of them runs the tests with XLA's defaults instead of aborting.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
