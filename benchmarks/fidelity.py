@@ -47,8 +47,6 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=5)
   args = parser.parse_args()
 
-  import jax
-
   import hetspmd as hs
   from hetspmd import models
   from hetspmd.planner.pricing import evaluate

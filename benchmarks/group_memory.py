@@ -5,10 +5,11 @@
 Trains a deep Linen MLP (``--layers`` Dense + LayerNorm blocks of ``--width``, Adam, float32) for two steps on
 8 emulated CPU devices posing as four large-memory and four small-memory devices (``--memory``, GB), under a
 group plan (:mod:`hetspmd.runtime.grouped`): the large devices one group with microbatches of 4, the small
-ones another with microbatches of 1, and the optimizer state in shares in proportion to memory
-(``state_shares``). Each Adam moment lives whole and unpadded on one device.
+ones another with microbatches of 1, and the state in shares in proportion to memory (``state_shares``):
+under ZeRO-1 each Adam moment lives whole and unpadded on one device, under ZeRO-3 each parameter too (both
+stages are measured in one run).
 
-Prints per device: its share, the optimizer-state bytes it should hold (share x total), the bytes it does hold
+Prints per stage and device: its share, the bytes of the sharded state it should hold (share x total), the bytes it does hold
 (the state's arrays' shards on it), their ratio, and the bytes of every live array on it between steps
 (``jax.live_arrays()``); then each program's ``Compiled.memory_analysis()`` (argument, output and temporary
 bytes per device), and the ratio of what a small device holds to what one SPMD program would give it:
@@ -59,15 +60,25 @@ def main() -> None:
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   model = Deep()
-  params = model.init(jax.random.key(0), jnp.zeros((1, args.width)))["params"]
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-  del params  # the state holds them; its placed copy replaces it below
+  params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, args.width)))["params"])  # on the host
   shares = shares_for(memory)
-  plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)), ((4, 5, 6, 7), 1, (2, 2, 2, 2))], 40, state_shares=shares)
   rs = np.random.RandomState(0)
   batch = {"x": rs.randn(40, args.width).astype(np.float32), "y": rs.randint(0, 10, 40).astype(np.int32)}
-  runner = run_groups(step, plan)
-  state = runner.shard_state(state)
+  for zero in (1, 3):
+    fresh = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)), ((4, 5, 6, 7), 1, (2, 2, 2, 2))], 40, state_shares=shares,
+                      zero_stage=zero)
+    _report(run_groups(step, plan), fresh, batch, memory)
+
+
+def _report(runner, fresh, batch, memory) -> None:
+  """Two steps of ``runner`` from ``fresh()`` (the state; nothing else keeps it), then what each device holds
+  against its share."""
+  import jax
+  import numpy as np
+
+  plan, shares = runner.plan, runner.plan.state_shares
+  state = runner.shard_state(fresh())
   for _ in range(2):
     state, metrics = runner(state, batch)
   jax.block_until_ready((state, metrics))
@@ -80,12 +91,14 @@ def main() -> None:
         out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
     return out
 
-  held = on_devices(x for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1)
+  sharded = (state.opt_state,) if plan.zero_stage == 1 else (state.params, state.opt_state)
+  leaves = [x for x in jax.tree.leaves(sharded) if np.size(x) > 1]
+  held = on_devices(leaves)
   total = sum(held.values())
   live = on_devices(jax.live_arrays())
-  print(runner.explain())
-  print(f"\noptimizer state (leaves of more than one element): {total / 1e6:.3f} MB over "
-        f"{len([x for x in jax.tree.leaves(state.opt_state) if np.size(x) > 1])} leaves")
+  what = "optimizer state" if plan.zero_stage == 1 else "parameters and optimizer state"
+  print(f"\n=== ZeRO-{plan.zero_stage} ===\n" + runner.explain())
+  print(f"\n{what} (leaves of more than one element): {total / 1e6:.3f} MB over {len(leaves)} leaves")
   print(f"{'device':>6} {'memory':>7} {'share':>7} {'target MB':>10} {'holds MB':>9} {'ratio':>6} {'live MB':>8}")
   for d, mem, share in zip(plan.devices, memory, shares):
     target = share * total
@@ -99,9 +112,10 @@ def main() -> None:
   small = [d for d, mem in zip(plan.devices, memory) if mem == min(memory)]
   padded = max(shares) * total  # one SPMD program: every device's shard padded to the largest share
   worst = max(held[d] / (shares[plan.devices.index(d)] * total) for d in small)
-  print(f"\nsmall devices hold at most {worst:.3f}x their share (goal: within 1.10x); "
-        f"{max(held[d] for d in small) / padded:.3f}x the padded shard one SPMD program would give them")
-
+  print(f"\nsmall devices hold at most {worst:.3f}x their share of the {what} (goal: within 1.10x); "
+        f"{max(held[d] for d in small) / padded:.3f}x the padded shard one SPMD program would give them; "
+        f"live bytes on a small device {live[small[0]] / 1e6:.3f} MB, on a large one "
+        f"{live[plan.devices[0]] / 1e6:.3f} MB")
 
 if __name__ == "__main__":
   main()

@@ -4,7 +4,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import linen as nn

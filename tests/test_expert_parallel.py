@@ -13,7 +13,6 @@ microbatch loop keeps its per-device trip counts.
 import dataclasses
 
 import jax
-import numpy as np
 import optax
 import pytest
 

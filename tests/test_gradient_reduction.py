@@ -31,7 +31,7 @@ import pytest
 import hetspmd as hs
 from conftest import require_devices
 from exactness import Reference, assert_exact
-from test_unmodified_steps import (_close, _lm_state, _metrics_close, _token_batches, lm1b_in_processes,
+from test_unmodified_steps import (_lm_state, _token_batches, lm1b_in_processes,
                                    lm1b_train_step)
 
 KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4

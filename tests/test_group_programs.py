@@ -115,8 +115,11 @@ def test_bad_group_plans_say_what_is_wrong(groups, batch, message):
 
 
 def test_a_group_plan_round_trips_through_json():
-  plan = group_plan(PLANS[1], 36)
-  assert GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  for plan in (group_plan(PLANS[1], 36), group_plan(PLANS[1], 36, state_shares=(1 / 8,) * 8, zero_stage=3)):
+    assert GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  older = {**json.loads(group_plan(PLANS[1], 36, state_shares=(1 / 8,) * 8).dumps()), "version": 2}
+  del older["zero_stage"]
+  assert GroupPlan.from_json(older).zero_stage == 1  # version 2 held the optimizer state in its shares
   assert plan.starts() == ((0,), (16, 20, 24), (28, 31, 33, 35))
 
 
@@ -207,13 +210,13 @@ def test_the_searched_group_plan_runs_exactly():
 
 
 def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_path):
-  """Two steps under one group plan (its optimizer state in memory shares, each moment on one device), saved
-  with orbax; restored under another group plan (even shares, placed before its first call) and under a single
-  program (ZeRO-1), one more step each: both equal three steps on one device."""
+  """Two steps under one group plan (ZeRO-3: its parameters and optimizer state in memory shares, each leaf on
+  one device), saved with orbax; restored under another group plan (ZeRO-1, even shares, placed before its first
+  call) and under a single program (ZeRO-1), one more step each: both equal three steps on one device."""
   import orbax.checkpoint as ocp
 
   require_devices(8)
-  first = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  first = group_plan(PLANS[0], 38, state_shares=SHARES_80_16, zero_stage=3)
   batches = _batches(first.global_batch)
   ref = Reference(dropout_step, _state()).run(batches)
   step = run_groups(dropout_step, first)
@@ -276,6 +279,10 @@ def test_an_nnx_step_in_place_under_group_programs(shares):
 
 
 
+def _nbytes_of(x) -> int:
+  return int(np.size(x)) * np.dtype(x.dtype).itemsize
+
+
 def _held_on_one_device(opt_state):
   """Every optimizer-state leaf with more than one element lives on exactly one device."""
   for x in jax.tree.leaves(opt_state):
@@ -283,19 +290,30 @@ def _held_on_one_device(opt_state):
       assert len(x.sharding.device_set) == 1, x.sharding
 
 
-@pytest.mark.parametrize("groups,tail", [(PLANS[0], (0, 0)), (PLANS[1], (2, 2))], ids=["two-groups", "three-tail"])
-def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail):
+@pytest.mark.parametrize("groups,tail,zero", [(PLANS[0], (0, 0), 1), (PLANS[1], (2, 2), 1), (PLANS[1], (2, 2), 3)],
+                         ids=["two-groups", "three-tail", "three-tail-zero3"])
+def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail, zero):
   """ZeRO-1 by memory: each Adam moment lives whole on one device, which updates it and sends its parameter to
-  every device; parameters, moments and metrics equal one device's."""
+  every device; ZeRO-3: the device keeps the parameter too, and sends it at the start of the next step.
+  Parameters, moments and metrics equal one device's; under ZeRO-3 each device holds its share of the state's
+  bytes between steps (within one leaf's bytes)."""
   require_devices(8)
   batch = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
-  plan = group_plan(groups, batch, tail=tail, state_shares=SHARES_80_16)
+  plan = group_plan(groups, batch, tail=tail, state_shares=SHARES_80_16, zero_stage=zero)
   state, ref = _trained(dropout_step, plan, _state, _batches(batch), placed=True)
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
   _held_on_one_device(state.opt_state)
-  assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(state.params))
-  assert plan.zero_stage == 1 and "unpadded shares" in run_groups(dropout_step, plan).explain()
+  spread = [len(x.sharding.device_set) for x in jax.tree.leaves(state.params)]
+  assert spread == ([8] * len(spread) if zero == 1 else [1] * len(spread))
+  explained = run_groups(dropout_step, plan).explain()
+  assert plan.zero_stage == zero and f"(ZeRO-{zero}) in unpadded shares" in explained
+  if zero == 3:
+    step = run_groups(dropout_step, plan, example_batch=_batches(batch)[0])
+    held = step.resident_bytes({"params": state.params, "opt_state": state.opt_state})
+    total, largest = sum(held.values()), max(_nbytes_of(x) for x in jax.tree.leaves(state.params))
+    for d, share in zip(plan.devices, plan.state_shares):
+      assert abs(held[d] - share * total) <= 3 * largest, (d, held[d], share * total)
 
 
 def test_state_owners_fill_each_device_to_its_share():
@@ -314,14 +332,17 @@ def test_state_owners_fill_each_device_to_its_share():
     assert np.all(held[shares == 0] == 0)
 
 
-@pytest.mark.parametrize("shares,message", [
-    ((0.5, 0.5), "one share per device of the plan \\(8"),
-    ((0.2,) * 8, r"adding up to 1, got .* \(sum 1.6\)"),
-    ((-0.1, 0.3) + (0.8 / 6,) * 6, "fractions of at least 0"),
+@pytest.mark.parametrize("shares,zero,message", [
+    ((0.5, 0.5), None, "one share per device of the plan \\(8"),
+    ((0.2,) * 8, None, r"adding up to 1, got .* \(sum 1.6\)"),
+    ((-0.1, 0.3) + (0.8 / 6,) * 6, None, "fractions of at least 0"),
+    ((1 / 8,) * 8, 2, r"zero_stage must be one of \[0, 1, 3\], got 2"),
+    ((), 3, "zero_stage 3 needs state_shares"),
+    ((1 / 8,) * 8, 0, "zero_stage 0 .* replicates the state"),
 ])
-def test_bad_state_shares_say_what_is_wrong(shares, message):
+def test_bad_state_shares_say_what_is_wrong(shares, zero, message):
   with pytest.raises(hs.HetSpmdError, match=message):
-    group_plan(PLANS[0], 38, state_shares=shares)
+    group_plan(PLANS[0], 38, state_shares=shares, zero_stage=zero)
 
 
 def test_a_loop_that_reads_optimizer_state_is_refused_with_the_way_out():
@@ -391,9 +412,10 @@ def test_the_search_holds_state_in_shares_where_replicated_state_does_not_fit():
 @pytest.mark.timeout(300)
 def test_two_processes_each_run_their_own_group():
   """2 processes x 4 CPU devices over jax.distributed (gloo), one group per process (microbatches of 4 and of 1)
-  and a uniform tail, the state replicated and then in memory shares: each process dispatches only its group's
-  program (and its devices' updates); parameters, the moments each process holds and the metrics equal one
-  device's."""
+  and a uniform tail, the state replicated, then the optimizer state in memory shares (ZeRO-1), then the
+  parameters too (ZeRO-3, each sent to every device by one uniform program at the start of the next step): each
+  process dispatches only its group's program (and its devices' updates); the parameters and moments each
+  process holds and the metrics equal one device's."""
   import os
 
   from multiprocess import run_processes
@@ -414,29 +436,34 @@ def test_two_processes_each_run_their_own_group():
       ref.run(batches)
       local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
       report = {{}}
-      for name, shares in (("replicated", ()), ("shares", {SHARES_80_16!r})):
+      for name, shares, zero in (("replicated", (), 0), ("shares", {SHARES_80_16!r}, 1),
+                                 ("zero3", {SHARES_80_16!r}, 3)):
         plan = group_plan([(ids[0], 4, (2, 2, 1, 1)), (ids[1], 1, (3, 3, 2, 2))], 42, tail=(1, 1),
-                          state_shares=shares)
+                          state_shares=shares, zero_stage=zero)
         step = run_groups(t.dropout_step, plan)
         state = step.shard_state(t._state())
         for i, batch in enumerate(batches):
           state, metrics = step(state, step.shard_batch(batch) if shares else batch)
           ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
-        ref.check(jax.tree.map(local, state.params), lambda s: s.params)
-        mine = jax.tree.map(local, state.opt_state)
+        mine = jax.tree.map(local, (state.params, state.opt_state))
         held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]
-        ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, ref.single.opt_state,
-                               is_leaf=lambda x: x is None), lambda s: s.opt_state)
+        ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, (ref.single.params, ref.single.opt_state),
+                               is_leaf=lambda x: x is None), lambda s: (s.params, s.opt_state))
         report[name] = {{"held": held,
                          "groups": sum(1 for n in step.memory_analysis() if n.startswith("group"))}}
       print(json.dumps(report))
   """, num_processes=2, devices_per_process=4, timeout=240)
-  for name in ("replicated", "shares"):
+  params = 6  # leaves of (params, opt_state): the model's 6 parameters, then the step count and the moments
+  for name in ("replicated", "shares", "zero3"):
     assert [r[name]["groups"] for r in results] == [1, 1]
     held = np.array([r[name]["held"] for r in results])
-    assert held.any(axis=0).all()  # every moment is checked by the process that holds it
-  held = np.array([r["shares"]["held"] for r in results])
-  assert not held.all(axis=0)[1:].any()  # in shares, each large moment lives in one process only
+    assert held.any(axis=0).all()  # every leaf is checked by a process that holds it
+  assert np.array([r["shares"]["held"] for r in results])[:, :params].all()  # ZeRO-1: parameters everywhere
+  for name, first in (("shares", params), ("zero3", 0)):  # each large leaf lives in one process only
+    held = np.array([r[name]["held"] for r in results])
+    large = np.arange(held.shape[1]) >= first
+    large[params] = False  # the step count, on every device
+    assert not held.all(axis=0)[large].any() and held[:, params].all()
 
 
 class TinyLM(nn.Module):

@@ -15,7 +15,10 @@ global batch, after those of the groups and devices before it.
 With ``state_shares`` (ZeRO-1 by memory), the optimizer state is not
 replicated: each device holds whole, unpadded optimizer-state leaves adding
 up to about its share of the bytes (:func:`assign_owners`), updates them in
-its own program, and sends the parameters it updated to every device.
+its own program, and sends the parameters it updated to every device. With
+``zero_stage=3`` the parameters stay with their optimizer state between
+steps too (each device holds its share of both), and are sent to every
+device at the start of the next step instead.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import REMAT_POLICIES
 
-GROUP_PLAN_VERSION = 2
-# the JSON versions from_json reads (version 1: no state shares)
-_READS = (1, 2)
+GROUP_PLAN_VERSION = 3
+# the JSON versions from_json reads (version 1: no state shares; version 2: no zero_stage, ZeRO-1 under shares)
+_READS = (1, 2, 3)
+# the ZeRO stages a group plan runs: 0 replicated, 1 optimizer state in shares, 3 parameters in shares too
+ZERO_STAGES = (0, 1, 3)
 # relative slack on state shares that must add up to 1
 _SHARE_SLACK = 1e-6
 
@@ -77,17 +82,31 @@ class GroupPlan:
   ``tail_count`` microbatches of ``tail_microbatch`` examples per device (every device of every group, in
   group order) run last, inside the uniform program that reduces the groups' sums: the reduction then
   overlaps their backward pass, as a single program's does its last microbatch's. They take the last
-  examples of the batch."""
+  examples of the batch.
+
+  ``state_shares``: each device's fraction of the state it holds between steps (devices in group order), or
+  none to replicate it; ``zero_stage``: what the shares hold, 1 the optimizer state, 3 the parameters as well
+  (default: 1 with shares, 0 without)."""
 
   groups: tuple[Group, ...]
   global_batch: int
   tail_microbatch: int = 0
   tail_count: int = 0
   state_shares: tuple[float, ...] = ()
+  zero_stage: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "groups", tuple(self.groups))
     object.__setattr__(self, "state_shares", tuple(float(s) for s in self.state_shares))
+    if self.zero_stage is None:
+      object.__setattr__(self, "zero_stage", 1 if self.state_shares else 0)
+    if self.zero_stage not in ZERO_STAGES:
+      raise InvalidValueError(f"a group plan's zero_stage must be one of {list(ZERO_STAGES)}, got "
+                              f"{self.zero_stage!r}")
+    if bool(self.zero_stage) != bool(self.state_shares):
+      raise InvalidValueError(f"zero_stage {self.zero_stage} needs " + (
+          "state_shares (each device's fraction of the state): use shares_for(...)" if self.zero_stage else
+          "zero_stage 1 or 3 beside state_shares (0 replicates the state)"))
     if not self.groups:
       raise InvalidValueError("a group plan needs at least one group")
     if (self.tail_microbatch > 0) != (self.tail_count > 0) or self.tail_microbatch < 0 or self.tail_count < 0:
@@ -118,11 +137,6 @@ class GroupPlan:
     if any(not s >= 0 for s in shares) or abs(sum(shares) - 1) > _SHARE_SLACK:
       raise InvalidValueError(f"state_shares must be fractions of at least 0 adding up to 1, got {list(shares)} "
                               f"(sum {sum(shares):.6g}): use shares_for(...) to make them from free memory")
-
-  @property
-  def zero_stage(self) -> int:
-    """1 when the optimizer state is held in shares (:attr:`state_shares`), 0 when replicated."""
-    return 1 if self.state_shares else 0
 
   @property
   def devices(self) -> tuple[int, ...]:
@@ -160,7 +174,8 @@ class GroupPlan:
                    f"{list(group.counts)} ({group.examples} examples), remat {group.remat}")
     if self.state_shares:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
-      lines.append(f"  optimizer state (ZeRO-1) in unpadded shares of whole leaves by device: {shares}")
+      what = "optimizer state" if self.zero_stage == 1 else "parameters and optimizer state"
+      lines.append(f"  {what} (ZeRO-{self.zero_stage}) in unpadded shares of whole leaves by device: {shares}")
     if self.tail_count:
       lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
                    f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
@@ -169,7 +184,7 @@ class GroupPlan:
   def to_json(self) -> dict[str, Any]:
     return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
             "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
-            "state_shares": list(self.state_shares),
+            "state_shares": list(self.state_shares), "zero_stage": self.zero_stage,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
                         "remat": g.remat} for g in self.groups]}
 
@@ -180,7 +195,7 @@ class GroupPlan:
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
-               tuple(data.get("state_shares", ())))
+               tuple(data.get("state_shares", ())), data.get("zero_stage"))
 
   def dumps(self) -> str:
     return json.dumps(self.to_json(), indent=2)
@@ -204,12 +219,13 @@ class GroupPlan:
 
 
 def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
-               state_shares: Sequence[float] = ()) -> GroupPlan:
+               state_shares: Sequence[float] = (), zero_stage: int | None = None) -> GroupPlan:
   """``GroupPlan`` from ``(devices, microbatch, counts)`` or ``(devices, microbatch, counts, remat)`` tuples;
-  ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the optimizer state
-  (devices in group order), or none to replicate it."""
+  ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the state it holds
+  (devices in group order), or none to replicate it; ``zero_stage``: 1 (the default with shares) holds the
+  optimizer state in the shares, 3 the parameters too."""
   return GroupPlan(tuple(Group(tuple(g[0]), g[1], tuple(g[2]), *g[3:]) for g in groups), global_batch, *tail,
-                   state_shares=tuple(state_shares))
+                   state_shares=tuple(state_shares), zero_stage=zero_stage)
 
 
 def shares_for(free_bytes: Sequence[float]) -> tuple[float, ...]:

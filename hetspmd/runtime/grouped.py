@@ -158,18 +158,22 @@ class GroupedStep:
       lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
                    "program over every device reduces and updates")
       return "\n".join(lines)
-    lines.append("  each group's program runs its loop; one uniform program over every device reduces the sums "
-                 "and computes what reads no held leaf; each device's own program updates its held leaves and "
-                 "sends the parameters it made to every device")
+    three = self.plan.zero_stage == 3
+    lines.append(("  each device sends the parameters it holds to every device; " if three else "  ") +
+                 "each group's program runs its loop; one uniform program over every device reduces the sums and "
+                 "computes what reads no held leaf; each device's own program updates its held leaves" +
+                 (" and keeps the parameters it made" if three else " and sends the parameters it made to every "
+                  "device"))
     for built in self._built.values():
       if built.units is not None:
         by_device = {d.id: 0 for d in self.devices}
         for path, device in built.owner_paths.items():
           by_device[device.id] += 1
-        lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner)} held leaves; leaves held "
-                     f"per device: {by_device}")
+        lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner_paths)} held leaves; leaves "
+                     f"held per device: {by_device}")
         total = sum(built.held_bytes) or 1
-        lines.append("  optimizer-state bytes held per device (of its share): " + ", ".join(
+        lines.append(("  parameter and optimizer-state" if three else "  optimizer-state") +
+                     " bytes held per device (of its share): " + ", ".join(
             f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
             for d, b, share in zip(self.devices, built.held_bytes, self.plan.state_shares)))
     return "\n".join(lines)
@@ -234,6 +238,8 @@ class GroupedStep:
     built = self._built_for(fn, graphdef, state, leaves, tree, n_batch)
     batch_leaves = leaves[n_state:n_state + n_batch]
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
+    if built.params:
+      state_leaves = self._gathered(built, state_leaves)
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), batch_leaves))
@@ -273,7 +279,7 @@ class GroupedStep:
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
     own copies); a held leaf's new value stays on the device, every other output is sent to every device."""
-    kept = built.units.kept_outputs
+    kept = built.kept
     made: dict[int, Any] = {}
     for device, (outs, program) in built.updates.items():
       if device.process_index != jax.process_index():
@@ -294,24 +300,37 @@ class GroupedStep:
       outputs[o] = sent[o]
 
   def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
-    """The outputs of the update programs that every device needs, on every device. In one process each is copied
+    """The outputs of the update programs that every device needs, on every device."""
+    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in built.kept}
+    return self._broadcast("send", owner, made, {o: built.out_avals[o] for o in owner})
+
+  def _gathered(self, built: "_Built", state_leaves: list) -> list:
+    """``state_leaves`` with each parameter ZeRO-3 holds on one device (between steps) on every device, for the
+    step's programs; a parameter already replicated (a first call) stays as it is."""
+    held = {i: device for i, (device, _) in built.params.items()
+            if isinstance(state_leaves[i], jax.Array) and state_leaves[i].sharding.device_set == {device}}
+    local = {i: state_leaves[i] for i, device in held.items() if device.process_index == jax.process_index()}
+    sent = self._broadcast("gather", held, local, {i: state_leaves[i] for i in held})
+    return [sent[i] if i in sent else x for i, x in enumerate(state_leaves)]
+
+  def _broadcast(self, name: str, owner: dict, local: dict, avals: dict) -> dict:
+    """``{key: value}`` on every device, for each ``key`` of ``owner`` whose value lives on ``owner[key]``
+    (``local``: this process's values; ``avals``: every value's shape and dtype). In one process each is copied
     from its device; across processes, one uniform program adds rows that are the value on its device and zeros
     on every other."""
     replicated = NamedSharding(self.mesh, P())
     if jax.process_count() == 1:
-      return {o: jax.device_put(x, replicated) for o, x in made.items()}
-    kept = built.units.kept_outputs
-    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in kept}
+      return {k: jax.device_put(x, replicated) for k, x in local.items()}
     order = sorted(owner)
     rows = []
-    for o in order:
-      aval = built.out_avals[o]
-      pieces = [made[o] if owner[o] == d else jnp.zeros(aval.shape, aval.dtype, device=d) for d in self.devices
+    for k in order:
+      aval = avals[k]
+      pieces = [local[k] if owner[k] == d else jnp.zeros(aval.shape, aval.dtype, device=d) for d in self.devices
                 if d.process_index == jax.process_index()]
       rows.append(jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(aval.shape),
                                                            NamedSharding(self.mesh, P(DATA)),
                                                            [x[None] for x in pieces]))
-    return dict(zip(order, self._call("send", self._sum_rows, rows))) if order else {}
+    return dict(zip(order, self._call(name, self._sum_rows, rows))) if order else {}
 
   def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
     """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis` (once per
@@ -353,7 +372,7 @@ class GroupedStep:
     progs, shapes = self._traced(fn, tree, leaves, n_state, n_batch)
     prog = progs[self.plan.tail_remat]  # the exchange program's trace
     out_tree = jax.tree.structure(shapes)
-    units, owner = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {})
+    units, owner, params = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {}, {})
     held = tuple(sorted(owner))
     loops = prog.analysis.loops
     programs = []
@@ -382,9 +401,11 @@ class GroupedStep:
         updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine),
                                                   group_lowering.update_program(prog, outs))))
     entries = leaves_with_paths(state)
-    held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in owner.items() if d == device) for device in self.devices)
-    return _Built(programs, exchange, updates, out_tree, units, owner,
-                  {entries[i][0]: d for i, d in owner.items()}, tuple(jax.tree.leaves(shapes)), held_bytes, combines)
+    holder = {**owner, **{i: device for i, (device, _) in params.items()}}
+    held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
+                       for device in self.devices)
+    return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
+                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params)
 
   def _traced(self, fn, tree, leaves, n_state: int, n_batch: int) -> tuple[dict[str, Program], Any]:
     """The step's analysed program under each remat policy the plan uses (its groups' and the tail's), and its
@@ -413,7 +434,8 @@ class GroupedStep:
     return progs, shapes
 
   def _units(self, prog: Program, state: Any, out_tree: Any):
-    """The update's state units and the device holding each held optimizer-state leaf (by flat index)."""
+    """The update's state units, the device holding each held optimizer-state leaf (by flat state index) and,
+    under ZeRO-3, each parameter a unit makes (``{state index: (device, output)}``)."""
     entries = leaves_with_paths(state)
     held = [i for i, (path, leaf) in enumerate(entries)
             if np.ndim(leaf) >= 1 and np.size(leaf) > 1 and role_of(path, _traced_dtype(leaf)) == "opt_state"]
@@ -423,9 +445,12 @@ class GroupedStep:
                  if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == structure else None)
     new_value_of = dict(zip(jax.tree.leaves(new_state), range(len(entries)))) if new_state is not None else {}
     units = group_lowering.state_units(prog, held, new_value_of)
-    sizes = [sum(_nbytes(entries[i][1]) for i in ins) for ins, _ in units.units]
-    owners = assign_owners(sizes, self.plan.state_shares)
-    return units, {i: self.devices[owners[u]] for u, (ins, _) in enumerate(units.units) for i in ins}
+    made = [{new_value_of[o]: o for o in outs if o in new_value_of and new_value_of[o] not in held}
+            if self.plan.zero_stage == 3 else {} for _, outs in units.units]  # the parameters each unit makes
+    sizes = [sum(_nbytes(entries[i][1]) for i in (*ins, *params)) for (ins, _), params in zip(units.units, made)]
+    owners = [self.devices[d] for d in assign_owners(sizes, self.plan.state_shares)]
+    return (units, {i: owners[u] for u, (ins, _) in enumerate(units.units) for i in ins},
+            {i: (owners[u], o) for u, params in enumerate(made) for i, o in params.items()})
 
   def _buffers(self, g: int, batch_leaves):
     """Group ``g``'s padded microbatch buffers ``[devices * max_count, microbatch, ...]`` of each batch array."""
@@ -486,8 +511,15 @@ class _Built:
   owner: dict
   owner_paths: dict
   out_avals: tuple = ()
-  held_bytes: tuple = ()  # per device of the plan: the bytes of the optimizer-state leaves it holds
+  held_bytes: tuple = ()  # per device of the plan: the bytes of the state leaves it holds
   combines: list = dataclasses.field(default_factory=list)  # per loop but the last: its uniform combine program
+  params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
+
+  @property
+  def kept(self) -> frozenset:
+    """The update programs' outputs that stay on the device that made them: held leaves' new values (and, under
+    ZeRO-3, the parameters')."""
+    return self.units.kept_outputs | {o for _, o in self.params.values()}
 
 
 def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
