@@ -245,8 +245,9 @@ def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_
     ref.check(resumed.opt_state, lambda s: s.opt_state)
 
 
-@pytest.mark.parametrize("shares", [(), SHARES_80_16], ids=["replicated", "memory-shares"])
-def test_an_nnx_step_in_place_under_group_programs(shares):
+@pytest.mark.parametrize("shares,zero", [((), 0), (SHARES_80_16, 1), (SHARES_80_16, 3)],
+                         ids=["replicated", "memory-shares", "memory-shares-zero3"])
+def test_an_nnx_step_in_place_under_group_programs(shares, zero):
   from flax import nnx
 
   from exactness import NnxReference
@@ -264,7 +265,7 @@ def test_an_nnx_step_in_place_under_group_programs(shares):
     optimizer.update(model, grads)
     return {"loss": loss}
 
-  plan = group_plan(PLANS[1], 36, tail=(0, 0), state_shares=shares)
+  plan = group_plan(PLANS[1], 36, tail=(0, 0), state_shares=shares, zero_stage=zero)
   batches = _batches(plan.global_batch)
   ref = NnxReference(train_step, objects()).run(batches)
   model, optimizer = objects()
@@ -275,17 +276,17 @@ def test_an_nnx_step_in_place_under_group_programs(shares):
   assert_exact(nnx.state(model, nnx.Param), single, nnx.state(ref.ref64[0], nnx.Param), what="params")
   if shares:
     _held_on_one_device(nnx.state(optimizer, nnx.OptState))
-
-
+  if zero == 3:  # the model's parameters, updated in place, each on the one device that holds it
+    _held_on_one_device(nnx.state(model, nnx.Param))
 
 
 def _nbytes_of(x) -> int:
   return int(np.size(x)) * np.dtype(x.dtype).itemsize
 
 
-def _held_on_one_device(opt_state):
-  """Every optimizer-state leaf with more than one element lives on exactly one device."""
-  for x in jax.tree.leaves(opt_state):
+def _held_on_one_device(state):
+  """Every leaf of ``state`` with more than one element lives on exactly one device."""
+  for x in jax.tree.leaves(state):
     if np.size(x) > 1:
       assert len(x.sharding.device_set) == 1, x.sharding
 
