@@ -317,6 +317,27 @@ def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail, zero)
       assert abs(held[d] - share * total) <= 3 * largest, (d, held[d], share * total)
 
 
+def test_each_device_reduces_only_the_sums_of_its_share():
+  """In shares without a tail (one process), the uniform program reduces only what the metrics read; each device's
+  update program reduces its own units' sums from every device's rows, copied to it: no device holds a reduced
+  gradient it does not update, and the device holding the fewest bytes takes fewer into its update than the one
+  holding the most."""
+  require_devices(8)
+  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  step = run_groups(dropout_step, plan)
+  state, metrics = step(step.shard_state(_state()), _batches(38)[0])
+  Reference(dropout_step, _state()).run(_batches(38)[:1]).check_metrics(metrics, 0)
+  analysis = step.memory_analysis()
+  grads = sum(_nbytes_of(x) for x in jax.tree.leaves(state.params))
+  assert analysis["exchange"].output_size_in_bytes < grads / 10, analysis["exchange"]
+  built = next(iter(step._built.values()))
+  held = {d.id: b for d, b in zip(step.devices, built.held_bytes) if f"update on device {d.id}" in analysis}
+  fewest, most = min(held, key=held.get), max(held, key=held.get)
+  assert held[fewest] < held[most]
+  taken = {d: analysis[f"update on device {d}"].argument_size_in_bytes for d in (fewest, most)}
+  assert taken[fewest] < taken[most], (held, taken)
+
+
 def test_state_owners_fill_each_device_to_its_share():
   """Whole units, the largest first, each to the device furthest below its share: no device exceeds its share by
   more than the largest unit, and devices without a share hold nothing."""

@@ -197,6 +197,24 @@ def _signatures(prog: Program) -> list[tuple]:
   return out
 
 
+def partial_readers(prog: Program) -> tuple[frozenset, ...]:
+  """Per value of the last loop's partial sums (flattened as :func:`_partials` orders them), the flat outputs that
+  read it through the example-free rest of the step (an equation's outputs read all its inputs)."""
+  deps: dict[Any, frozenset] = {}
+  for j, (_, var) in enumerate(value for part in _partials(prog) for value in part):
+    deps[var] = deps.get(var, frozenset()) | {j}
+  for i in prog.post:
+    eqn = prog.eqns[i]
+    read = frozenset().union(*[deps.get(v, frozenset()) for v in eqn.invars if not jx.is_literal(v)])
+    if read:
+      deps.update((v, deps.get(v, frozenset()) | read) for v in eqn.outvars)
+  readers: dict[int, set] = {j: set() for j in range(sum(len(part) for part in _partials(prog)))}
+  for o, v in enumerate(prog.outvars):
+    for j in ([] if jx.is_literal(v) else deps.get(v, ())):
+      readers[j].add(o)
+  return tuple(frozenset(readers[j]) for j in sorted(readers))
+
+
 def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[int]) -> list[Any]:
   """The step's flat inputs with zeros standing in at ``missing``: leaves held on other devices, which no output
   of the program reads (``jax.jit`` drops the zeros with the work that would use them)."""
@@ -253,7 +271,8 @@ def _combined(prog: Program, cut: Any, part: Sequence[Any]) -> list[Any]:
   return [_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)]
 
 
-def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None):
+def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None, *,
+                     sums: bool = True):
   """``program(inputs, partials, counts, starts) -> outputs``: every cut's partials combined over the devices
   (their leading axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs.
 
@@ -263,7 +282,8 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
   groups' partials into their sums and reduces them (:func:`hetspmd.lowering.weighted.loop_part`).
 
   With ``outputs`` (flat output indices: the ones no state unit holds), the program returns ``(those outputs,
-  sums)``, ``sums`` being ``(cut totals, accumulated values)`` for :func:`update_program`."""
+  sums)``, ``sums`` being ``(cut totals, accumulated values)`` for :func:`update_program`; with ``sums=False``
+  only those outputs (each device's :func:`owner_update_program` reduces the sums its units read)."""
 
   def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None, earlier=None):
     env, ops = before_loops(prog, inputs, counts, starts)
@@ -279,7 +299,8 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
     after_loops(prog, env, ops.cut_outs, totals)
     if outputs is None:
       return [jx.read(env, v) for v in prog.outvars]
-    return [jx.read(env, prog.outvars[o]) for o in outputs], (list(totals), accumulated)
+    mine = [jx.read(env, prog.outvars[o]) for o in outputs]
+    return (mine, (list(totals), accumulated)) if sums else mine
 
   return run
 
@@ -292,6 +313,28 @@ def update_program(prog: Program, outputs: Sequence[int]):
   def run(inputs: Sequence[Any], sums) -> list[Any]:
     totals, accumulated = sums
     env, ops = before_loops(prog, inputs, None, None)
+    env.update(zip(prog.accumulated, accumulated))
+    after_loops(prog, env, ops.cut_outs, totals)
+    return [jx.read(env, prog.outvars[o]) for o in outputs]
+
+  return run
+
+
+def owner_update_program(prog: Program, outputs: Sequence[int], devices: int):
+  """``program(inputs, rows, earlier) -> outputs``: :func:`update_program` reducing its own sums. ``rows``: per
+  value of the last loop's partial sums (flattened as :func:`partial_readers` lists them), every device's row
+  (a leading axis of one), ``devices`` of them, all on this device, or None for a value ``outputs`` do not read (zeros stand in;
+  ``jax.jit`` drops them); ``earlier``: the earlier loops' reduced cuts (:func:`combine_program`)."""
+
+  def run(inputs: Sequence[Any], rows: Sequence[Any], earlier=None) -> list[Any]:
+    env, ops = before_loops(prog, inputs, None, None)
+    flat = iter([jnp.concatenate(r) if r is not None else jnp.zeros((devices,) + jx.aval_shape(v), jx.aval_dtype(v))
+                 for r, (_, v) in zip(rows, (value for part in _partials(prog) for value in part))])
+    partials = [[next(flat) for _ in part] for part in _partials(prog)]
+    last = loop_cuts(ops.cut_outs, prog.analysis.loops - 1)
+    final = {k: _combined(prog, ops.cut_outs[k], part) for k, part in zip(last, partials)}
+    totals = [final[k] if k in final else earlier[k] for k in range(len(ops.cut_outs))]
+    accumulated = [jnp.sum(x, axis=0).astype(v.aval.dtype) for (x,), v in zip(partials[len(last):], prog.accumulated)]
     env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
     return [jx.read(env, prog.outvars[o]) for o in outputs]

@@ -253,7 +253,8 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
 
 
 def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage: int, remat: str,
-                      tp: TensorParallel = NO_TENSOR_PARALLEL, *, optimizer_share: float | None = None) -> int:
+                      tp: TensorParallel = NO_TENSOR_PARALLEL, *, optimizer_share: float | None = None,
+                      reduced_share: float | None = None) -> int:
   """Bytes on every device of a plan with ``n`` data positions.
 
   The state as held between steps (ZeRO-1/3 keep shards of what they
@@ -263,7 +264,10 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   does so). ZeRO-3 gathers its split parameters whole for the loop, beside
   their shards: it lowers the state between steps, not a step's peak.
   ``optimizer_share``: the fraction of the optimizer state the device holds
-  (a group plan's state shares), in place of ZeRO's.
+  (a group plan's state shares), in place of ZeRO's; ``reduced_share``: the
+  gradients' bytes after the loop, as a fraction of one full copy (a group
+  plan whose devices reduce their own shares receives every device's rows of
+  them), in place of the reduced gradients.
   """
   zs = zero_split(profile, n, tp)
   sharded = zs.kept(n)  # what ZeRO keeps of a split state
@@ -272,5 +276,6 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   optimizer = profile.opt_state_bytes * tp.param_share * (
       optimizer_share if optimizer_share is not None else sharded if zero_stage >= 1 else 1)
   scattered = zs.scattered(n) if zero_stage >= 1 and tp.m == 1 and n > 1 else 0.0
-  working = max(microbatch_bytes(profile, microbatch, remat, tp), grads * (1 - scattered))  # in the loop, after it
+  after = grads * (reduced_share if reduced_share is not None else 1 - scattered)
+  working = max(microbatch_bytes(profile, microbatch, remat, tp), after)  # in the loop, after it
   return int((params + grads + optimizer + working) * WORKSPACE)

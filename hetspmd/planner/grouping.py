@@ -99,16 +99,21 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
   loop, under the policy that recomputes most, the reduction overlapping the last one's backward pass.
   ``zero=1``: the optimizer state in shares by free memory (each device updates its share, then sends the
-  parameters it made to every device), else replicated."""
+  parameters it made to every device), else replicated. In shares without a tail, each device reduces its own
+  share's sums from every device's rows, copied to it (the runtime's path in one process): it holds those rows
+  after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
+  to the busiest device's bytes."""
   n, kinds = len(layout.groups), layout.kinds
   size, count = tail
   order = list(dict.fromkeys(kinds))
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
-  shares = _state_shares(costing, kinds, sizes, tail, remats) if zero else {}
+  owner = bool(zero) and not count  # each device reduces its own share
+  shares = _state_shares(costing, kinds, sizes, tail, remats, owner) if zero else {}
   if zero and not shares:
     return None
-  memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k)) for k in order}
+  memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
+                     n * shares[k] if owner else None) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)) for k in order}
@@ -122,6 +127,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
   busiest = max(range(n), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  if owner:
+    reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
   gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
   hidden = 0.0
   if count:
@@ -139,15 +146,24 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else (), remats=tuple(remats[k] for k in kinds))
 
 
+def _owner_factor(shares: Sequence[float]) -> float:
+  """Devices reducing their own shares of the sums from copies of every device's rows, against a ring
+  reduce-scatter: the busiest device receives ``(n - 1) * share`` of the gradients or sends ``1 - share``,
+  where a ring moves ``(n - 1) / n`` through each."""
+  n = len(shares)
+  return max((n - 1) * max(shares), 1 - min(shares)) / ((n - 1) / n) if n > 1 else 0.0
+
+
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
-                  remats: dict[str, str]) -> dict[str, float]:
+                  remats: dict[str, str], owner: bool = False) -> dict[str, float]:
   """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
-  on it; empty when the free memory of every device together cannot hold the state."""
+  on it (``owner``: no reduced gradient after the loop); empty when the free memory of every device together
+  cannot hold the state."""
   n, profile = len(kinds), costing.profile
   last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
   for k in dict.fromkeys(kinds):
-    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0)
+    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] for k in kinds)
   if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
@@ -155,11 +171,13 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
   return {k: free[k] / total for k in free}
 
 
-def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None) -> int:
+def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
+          rows: float | None = None) -> int:
   """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
-  is 0), with ``share`` of the optimizer state (all of it when None)."""
-  return max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=share)
-             for m, remat in (loop, tail) if m)
+  is 0), with ``share`` of the optimizer state (all of it when None) and, after the loop, ``rows`` (a fraction of
+  the gradients: the rows of its share it reduces) or the reduced gradients (None)."""
+  return max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=share,
+                               reduced_share=rows) for m, remat in (loop, tail) if m)
 
 
 def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None) -> KindCost:

@@ -15,11 +15,15 @@ Under a plan with ``state_shares`` (ZeRO-1 by memory) each large
 optimizer-state leaf lives whole and unpadded on one device
 (:func:`hetspmd.plan.groups.assign_owners` over the update's state units,
 :func:`hetspmd.lowering.groups.state_units`). The exchange program then
-computes only what reads no held leaf (metrics, a step count) and leaves the
-reduced sums on every device; each device's own program
-(:func:`hetspmd.lowering.groups.update_program`, ``jax.jit`` on that device)
-updates its leaves and makes their parameters, which are sent to every
-device (``jax.device_put``).
+computes only what reads no held leaf (metrics, a step count); each device's
+own program (``jax.jit`` on that device) updates its leaves and makes their
+parameters, which are sent to every device (``jax.device_put``). Without a
+tail, in one process, each device's update program
+(:func:`hetspmd.lowering.groups.owner_update_program`) reduces the sums its
+units read from every device's rows, copied to it; otherwise the exchange
+program reduces every sum onto every device
+(:func:`hetspmd.lowering.groups.update_program`). Under ZeRO-3 the device
+keeps the parameters it made, and sends them at the start of the next step.
 
 Across processes (``jax.distributed``), every group's devices are one
 process's, and each process dispatches only its own groups' programs and its
@@ -249,7 +253,8 @@ class GroupedStep:
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail,
                                                            earlier))
-    results, sums = self._call("exchange", built.exchange, common, joined, *self._tail, earlier)
+    results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier)
+    results, sums = (results, (joined, earlier)) if built.needs is not None else results
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
@@ -290,7 +295,9 @@ class GroupedStep:
       mine = functools.partial(_shard_on, device=device)
       inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
                 if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
-      for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, jax.tree.map(mine, sums))):
+      given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1])) \
+          if built.needs is not None else (jax.tree.map(mine, sums),)
+      for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, *given)):
         if o in kept:
           outputs[o] = x
         else:
@@ -298,6 +305,15 @@ class GroupedStep:
     sent = self._send(built, made)
     for o in sent:
       outputs[o] = sent[o]
+
+  def _rows_on(self, device: Any, needed: tuple[int, ...], partials: list) -> list:
+    """Per partial value (the last loop's, flattened), every device's row of it copied to ``device`` where its
+    update reads it (``needed``), else None."""
+    flat = [x for part in partials for x in part]
+    rows = {j: [s.data for s in sorted(flat[j].addressable_shards, key=lambda s: s.index[0].start or 0)]
+            for j in needed}
+    moved = jax.device_put(rows, device)
+    return [moved.get(j) for j in range(len(flat))]
 
   def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
     """The outputs of the update programs that every device needs, on every device."""
@@ -389,7 +405,10 @@ class GroupedStep:
       count = self.plan.tail_count
       tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
                              overlap=True)
-    run = group_lowering.exchange_program(prog, tail, units.common if units else None)
+    # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
+    # it needs are copied to it): no device holds a reduced gradient it does not update
+    to_owner = units is not None and not self.plan.tail_count and jax.process_count() == 1
+    run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner)
     # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
     exchange = jax.jit(_missing(prog, held, run), out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
@@ -398,14 +417,17 @@ class GroupedStep:
                           for o in unit_outs))
       if outs:
         mine = {i for i in held if owner[i] == device}
-        updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine),
-                                                  group_lowering.update_program(prog, outs))))
+        update = (group_lowering.owner_update_program(prog, outs, len(self.devices)) if to_owner else
+                  group_lowering.update_program(prog, outs))
+        updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine), update)))
+    readers = group_lowering.partial_readers(prog) if to_owner else ()
+    needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
     entries = leaves_with_paths(state)
     holder = {**owner, **{i: device for i, (device, _) in params.items()}}
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
                        for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
-                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params)
+                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None)
 
   def _traced(self, fn, tree, leaves, n_state: int, n_batch: int) -> tuple[dict[str, Program], Any]:
     """The step's analysed program under each remat policy the plan uses (its groups' and the tail's), and its
@@ -514,6 +536,7 @@ class _Built:
   held_bytes: tuple = ()  # per device of the plan: the bytes of the state leaves it holds
   combines: list = dataclasses.field(default_factory=list)  # per loop but the last: its uniform combine program
   params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
+  needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
 
   @property
   def kept(self) -> frozenset:
