@@ -162,11 +162,38 @@ def test_batchnorm_statistics_over_the_global_batch_under_group_programs():
   assert {"combine loop 0", "group 0, loop 1"} <= set(names.memory_analysis())
 
 
+@pytest.mark.parametrize("tail", [(0, 0), (2, 1)], ids=["no-tail", "tail"])
+def test_batchnorm_with_per_microbatch_statistics_under_group_programs(tail):
+  """BatchNorm, local (ghost batch norm): each microbatch is normalised with its own statistics, and groups run
+  microbatches of different sizes, so the statistics are over 8, 4 or 1 examples by group (2 in the tail). Each
+  microbatch's results (its gradient, its running statistics) count by its examples. With SGD the step is then
+  the mean of one-device steps on each microbatch, weighted by its examples, running statistics included."""
+  from exactness import Float64
+
+  require_devices(8)
+  plan = group_plan(PLANS[1], 36 + 16 * tail[0] * tail[1] // 2, tail=tail)
+  batch = _batches(plan.global_batch)[0]
+  chunks = [(s + k * g.microbatch, g.microbatch) for g, starts in zip(plan.groups, plan.starts())
+            for c, s in zip(g.counts, starts) for k in range(c)]
+  chunks += [(s + k * plan.tail_microbatch, plan.tail_microbatch) for s in plan.tail_starts()
+             for k in range(plan.tail_count)]
+  assert sum(m for _, m in chunks) == plan.global_batch
+  single, wide = jax.jit(normed_step), Float64(normed_step)
+
+  def weighted(step):
+    outs = [step(_normed_state(), jax.tree.map(lambda x: x[s:s + m], batch)) for s, m in chunks]
+    return jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) * m / plan.global_batch
+                                        for x, (_, m) in zip(xs, chunks)), *outs)
+
+  got = run_groups(normed_step, plan, batch_stats="local")(_normed_state(), batch)
+  assert_exact(got, weighted(single), weighted(wide), what="ghost batch norm")
+  whole, _ = single(_normed_state(), batch)  # statistics over the whole batch differ
+  assert not np.allclose(whole["stats"]["BatchNorm_0"]["var"], got[0]["stats"]["BatchNorm_0"]["var"], rtol=1e-5)
+
+
 def test_steps_group_programs_do_not_run_are_refused_with_the_way_out():
   require_devices(8)
   plan = group_plan([((0, 1), 2, (1, 1)), ((2, 3), 1, (2, 2))], 8)
-  with pytest.raises(hs.HetSpmdError, match="per-microbatch statistics.*batch_stats='exact'"):
-    run_groups(normed_step, plan, batch_stats="local")(_normed_state(), _batches(8)[0])
   tail = group_plan([((0, 1), 2, (1, 1)), ((2, 3), 1, (1, 1))], 10, tail=(1, 1))
   with pytest.raises(hs.HetSpmdError, match=r"needs \d microbatch loops.*without a tail"):
     run_groups(normed_step, tail)(_normed_state(), _batches(10)[0])

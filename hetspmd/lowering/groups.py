@@ -53,9 +53,6 @@ def check(prog: Program, tail: bool = False) -> None:
                        "later per-example work: exact batch statistics, a token count that scales the loss), and "
                        "a tail's examples would have to join every loop's reduction: use a group plan without a "
                        "tail")
-  if prog.region or any(c.local for c in prog.analysis.cuts):
-    raise HetSpmdError("group programs do not run steps with per-microbatch statistics (BatchNorm under "
-                       "batch_stats='local'): run it with batch_stats='exact', or as one program")
   outvars = [v for v in prog.outvars if v in prog.analysis.axes]
   if outvars:
     raise HetSpmdError(f"group programs do not yet return per-example outputs ({len(outvars)} of the step's "

@@ -615,8 +615,8 @@ def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = 
   batch to trace the step on before its first call, so that :meth:`GroupedStep.state_shardings` can say where a
   plan with state shares keeps each optimizer-state leaf (to restore a checkpoint into). ``batch_stats``:
   ``"exact"`` (BatchNorm statistics over the global batch, in a loop of their own before the loop that uses
-  them, as ``parallelize`` does); ``"local"`` (per-microbatch statistics) is refused, since groups run different
-  microbatch sizes."""
+  them, as ``parallelize`` does) or ``"local"`` (each microbatch normalised with its own statistics: over the
+  group's microbatch size, each microbatch's results counting by its examples)."""
   if not isinstance(plan, GroupPlan):
     raise HetSpmdError(f"run_groups needs a GroupPlan, got {type(plan).__name__}")
   return GroupedStep(fn, plan, example_batch, batch_stats)
