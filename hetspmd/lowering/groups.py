@@ -197,19 +197,20 @@ def _signatures(prog: Program) -> list[tuple]:
 def partial_readers(prog: Program) -> tuple[frozenset, ...]:
   """Per value of the last loop's partial sums (flattened as :func:`_partials` orders them), the flat outputs that
   read it through the example-free rest of the step (an equation's outputs read all its inputs)."""
+  values = [var for part in _partials(prog) for _, var in part]
   deps: dict[Any, frozenset] = {}
-  for j, (_, var) in enumerate(value for part in _partials(prog) for value in part):
+  for j, var in enumerate(values):
     deps[var] = deps.get(var, frozenset()) | {j}
   for i in prog.post:
     eqn = prog.eqns[i]
     read = frozenset().union(*[deps.get(v, frozenset()) for v in eqn.invars if not jx.is_literal(v)])
     if read:
       deps.update((v, deps.get(v, frozenset()) | read) for v in eqn.outvars)
-  readers: dict[int, set] = {j: set() for j in range(sum(len(part) for part in _partials(prog)))}
+  readers: list[set] = [set() for _ in values]
   for o, v in enumerate(prog.outvars):
     for j in ([] if jx.is_literal(v) else deps.get(v, ())):
       readers[j].add(o)
-  return tuple(frozenset(readers[j]) for j in sorted(readers))
+  return tuple(frozenset(r) for r in readers)
 
 
 def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[int]) -> list[Any]:
@@ -287,10 +288,7 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
     if tail is not None:
       totals, accumulated = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
     else:
-      last = loop_cuts(ops.cut_outs, prog.analysis.loops - 1)
-      final = {k: _combined(prog, ops.cut_outs[k], part) for k, part in zip(last, partials)}
-      totals = [final[k] if k in final else earlier[k] for k in range(len(ops.cut_outs))]
-      accumulated = [jnp.sum(x, axis=0) for (x,) in partials[len(last):]]
+      totals, accumulated = _reduced(prog, ops.cut_outs, partials, earlier)
     accumulated = [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]
     env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
@@ -320,23 +318,30 @@ def update_program(prog: Program, outputs: Sequence[int]):
 def owner_update_program(prog: Program, outputs: Sequence[int], devices: int):
   """``program(inputs, rows, earlier) -> outputs``: :func:`update_program` reducing its own sums. ``rows``: per
   value of the last loop's partial sums (flattened as :func:`partial_readers` lists them), every device's row
-  (a leading axis of one), ``devices`` of them, all on this device, or None for a value ``outputs`` do not read (zeros stand in;
-  ``jax.jit`` drops them); ``earlier``: the earlier loops' reduced cuts (:func:`combine_program`)."""
+  (a leading axis of one), ``devices`` of them, all on this device, or None for a value ``outputs`` do not read
+  (zeros stand in; ``jax.jit`` drops them); ``earlier``: the earlier loops' reduced cuts (:func:`combine_program`)."""
+
+  shapes = _partials(prog)
 
   def run(inputs: Sequence[Any], rows: Sequence[Any], earlier=None) -> list[Any]:
     env, ops = before_loops(prog, inputs, None, None)
     flat = iter([jnp.concatenate(r) if r is not None else jnp.zeros((devices,) + jx.aval_shape(v), jx.aval_dtype(v))
-                 for r, (_, v) in zip(rows, (value for part in _partials(prog) for value in part))])
-    partials = [[next(flat) for _ in part] for part in _partials(prog)]
-    last = loop_cuts(ops.cut_outs, prog.analysis.loops - 1)
-    final = {k: _combined(prog, ops.cut_outs[k], part) for k, part in zip(last, partials)}
-    totals = [final[k] if k in final else earlier[k] for k in range(len(ops.cut_outs))]
-    accumulated = [jnp.sum(x, axis=0).astype(v.aval.dtype) for (x,), v in zip(partials[len(last):], prog.accumulated)]
-    env.update(zip(prog.accumulated, accumulated))
+                 for r, (_, v) in zip(rows, (value for part in shapes for value in part))])
+    totals, accumulated = _reduced(prog, ops.cut_outs, [[next(flat) for _ in part] for part in shapes], earlier)
+    env.update(zip(prog.accumulated, [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]))
     after_loops(prog, env, ops.cut_outs, totals)
     return [jx.read(env, prog.outvars[o]) for o in outputs]
 
   return run
+
+
+def _reduced(prog: Program, cut_outs: Sequence[Any], partials: Sequence[Sequence[Any]], earlier) -> tuple[list, list]:
+  """The last loop's ``partials`` (each value with a leading axis of one row per device) combined over the rows:
+  every cut's totals (the earlier loops' from ``earlier``) and the accumulated values."""
+  last = loop_cuts(cut_outs, prog.analysis.loops - 1)
+  final = {k: _combined(prog, cut_outs[k], part) for k, part in zip(last, partials)}
+  totals = [final[k] if k in final else earlier[k] for k in range(len(cut_outs))]
+  return totals, [jnp.sum(x, axis=0) for (x,) in partials[len(last):]]
 
 
 def _with_tail(prog: Program, tail: Layout, ops):

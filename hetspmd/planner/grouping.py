@@ -99,8 +99,9 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
   loop, under the policy that recomputes most, the reduction overlapping the last one's backward pass.
   ``zero=1``: the optimizer state in shares by free memory (each device updates its share, then sends the
-  parameters it made to every device), else replicated. In shares without a tail, each device reduces its own
-  share's sums from every device's rows, copied to it (the runtime's path in one process): it holds those rows
+  parameters it made to every device), else replicated. In shares without a tail on one host, each device
+  reduces its own share's sums from every device's rows, copied to it (the runtime's path in one process; across
+  hosts, processes, the exchange program reduces every sum onto every device): it holds those rows
   after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
   to the busiest device's bytes."""
   n, kinds = len(layout.groups), layout.kinds
@@ -108,7 +109,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   order = list(dict.fromkeys(kinds))
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
-  owner = bool(zero) and not count  # each device reduces its own share
+  owner = bool(zero) and not count and len(layout.hosts) == 1  # each device reduces its own share (one process)
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner) if zero else {}
   if zero and not shares:
     return None

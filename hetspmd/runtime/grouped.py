@@ -295,8 +295,10 @@ class GroupedStep:
       mine = functools.partial(_shard_on, device=device)
       inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
                 if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
-      given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1])) \
-          if built.needs is not None else (jax.tree.map(mine, sums),)
+      if built.needs is None:  # the reduced sums: this device's copies
+        given = (jax.tree.map(mine, sums),)
+      else:  # every device's rows of the sums its units read, and the earlier loops' totals
+        given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1]))
       for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, *given)):
         if o in kept:
           outputs[o] = x
