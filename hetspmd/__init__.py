@@ -28,6 +28,7 @@ from hetspmd.passes import Graph as Graph
 from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.plan.annotations import annotated_specs as annotated_specs
+from hetspmd.plan.groups import GroupPlan as GroupPlan
 from hetspmd.plan.value import Plan as Plan
 from hetspmd.planner.building import plan_for as plan_for
 from hetspmd.planner.building import stage_layers as stage_layers
@@ -38,7 +39,7 @@ from hetspmd.runtime.step import parallelize as parallelize
 
 __all__ = [
     "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
-    "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
+    "GroupPlan", "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
     "value_and_grad",
     "search", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "PlanDoesNotFitError", "Role", "TraceError", "UnknownNameError",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import REMAT_POLICIES
@@ -251,3 +251,27 @@ def assign_owners(sizes: Sequence[int], shares: Sequence[float]) -> tuple[int, .
     owners[u] = d
     held[d] += sizes[u]
   return tuple(owners)
+
+
+def split_by_process(plan: GroupPlan, process_of: Mapping[int, int]) -> GroupPlan:
+  """``plan`` with each group cut where its devices change process (``process_of``: device id → process index),
+  so that every group's program runs in one process. The examples, counts and shares stay where they were:
+  the pieces keep their devices' order, so the batch is laid out as before."""
+  groups = []
+  for g in plan.groups:
+    start = 0
+    for i in range(1, len(g.devices) + 1):
+      if i == len(g.devices) or process_of[g.devices[i]] != process_of[g.devices[start]]:
+        groups.append(dataclasses.replace(g, devices=g.devices[start:i], counts=g.counts[start:i]))
+        start = i
+  return dataclasses.replace(plan, groups=tuple(groups))
+
+
+def is_group_plan_file(path: str | Path) -> bool:
+  """Whether ``path`` holds a group plan (a JSON object with ``groups``) rather than a single-program plan; a
+  file that cannot be read or parsed is not one (the single-program loader then says what is wrong)."""
+  try:
+    data = json.loads(Path(path).read_text())
+  except (OSError, ValueError):
+    return False
+  return isinstance(data, dict) and "groups" in data

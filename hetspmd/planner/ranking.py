@@ -306,6 +306,20 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                       time.perf_counter() - start, tally.candidates, equivalent, grouped)
 
 
+# how much faster than the best single program a group plan must be priced for the search to run it: on CPU
+# devices, group plans measured 4-7 points of the step ideal below the weighted single program that the cost
+# model prices them level with (benchmarks/emulated_hetero.py: separate programs, their dispatch and the partial
+# sums they write out)
+GROUP_PLAN_MARGIN = 1.05
+
+
+def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -> Evaluated | None:
+  """The search's group plan where it is priced at least ``margin`` times the best single program's throughput
+  (then worth its extra programs), else None."""
+  g = result.group_plan
+  return g if g is not None and result.plans and g.throughput >= margin * result.plans[0].throughput else None
+
+
 def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int, **options: Any) -> Evaluated | None:
   """The best plan on ``cluster``'s homogeneous equivalent (``None`` if nothing fits there)."""
   try:

@@ -37,6 +37,80 @@ def leading_sizes(tree: Any) -> list[int | None]:
   return [np.shape(x)[0] if np.ndim(x) >= 1 else None for x in jax.tree.leaves(tree) if is_dynamic(x)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+  """A call's positional arguments, sorted: the NNX objects (``graph_args``, split into ``graphdef`` and their
+  ``state``), or a functional step's state argument (``state_argnum``); the batch arguments; the rest."""
+
+  graph_args: tuple[int, ...]
+  batch_argnums: tuple[int, ...]
+  state_argnum: int | None
+  graphdef: Any
+  state: Any
+  batch: tuple
+  rest: tuple
+
+  @classmethod
+  def of(cls, step: Any, args: tuple) -> "Arguments":
+    from flax import nnx
+
+    graph_args = tuple(i for i, a in enumerate(args) if is_graph_node(a))
+    batch_argnums = step.batch_argnums if step.batch_argnums is not None else find_batch(step, args, graph_args)
+    for i in batch_argnums:
+      if i >= len(args) or i in graph_args:
+        raise InvalidValueError(f"batch_argnums={batch_argnums} names argument {i}, but the step got "
+                                f"{len(args)} positional argument(s)" + (" and that one is an NNX object"
+                                                                         if i in graph_args else ""))
+    graphdef, state, state_argnum = None, None, None
+    if graph_args:
+      graphdef, state = nnx.split(tuple(args[i] for i in graph_args))
+    else:
+      candidates = [i for i in range(len(args)) if i not in batch_argnums and leading_sizes(args[i])]
+      if not candidates:
+        raise HetSpmdError("the train step got no state: pass the train state (a pytree of arrays such as a "
+                           "flax TrainState, or NNX objects) as an argument beside the batch")
+      state_argnum = candidates[0]
+      state = args[state_argnum]
+    rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
+    return cls(graph_args, tuple(batch_argnums), state_argnum, graphdef, state,
+               tuple(args[i] for i in batch_argnums), rest)
+
+  def function(self, fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:
+    """``fn`` as ``f(state, batch, rest, kwargs)``: see :func:`positional_function`."""
+    return positional_function(fn, n_args, graph_args=self.graph_args, graphdef=self.graphdef,
+                               batch_argnums=self.batch_argnums, state_argnum=self.state_argnum)
+
+
+def positional_function(fn: Callable[..., Any], n_args: int, *, graph_args: tuple[int, ...], graphdef: Any,
+                        batch_argnums: tuple[int, ...], state_argnum: int | None) -> Callable[..., Any]:
+  """``fn`` as ``f(state, batch, rest, kwargs)``: ``batch`` the batch arguments (a tuple), ``rest`` the other
+  positional arguments in order; every argument an input, none closed over. With NNX objects, ``state`` is
+  theirs and ``f`` returns ``(their new state, fn's outputs)``, as ``nnx.jit`` traces them."""
+  from flax import nnx
+
+  def f(state, batch, rest, kwargs):
+    args: list = [None] * n_args
+    for i, b in zip(batch_argnums, batch):
+      args[i] = b
+    others = iter(rest)
+    objects = nnx.merge(graphdef, state) if graph_args else None
+    for i in range(n_args):
+      if i in batch_argnums:
+        continue
+      if i in graph_args:
+        args[i] = objects[graph_args.index(i)]
+      elif i == state_argnum:
+        args[i] = state
+      else:
+        args[i] = next(others)
+    out = fn(*args, **kwargs)
+    if graph_args:
+      return nnx.state(objects), out
+    return out
+
+  return f
+
+
 @dataclasses.dataclass
 class Call:
   """One call's arguments, seen as ``pure(state, batch, rest)``: the train state (a functional step's state
@@ -58,34 +132,11 @@ class Call:
 
   @classmethod
   def bind(cls, step: Any, args: tuple, kwargs: dict) -> "Call":
-    from flax import nnx
-
-    graph_args = tuple(i for i, a in enumerate(args) if is_graph_node(a))
-    batch_argnums = step.batch_argnums if step.batch_argnums is not None else find_batch(step, args, graph_args)
-    for i in batch_argnums:
-      if i >= len(args) or i in graph_args:
-        raise InvalidValueError(f"batch_argnums={batch_argnums} names argument {i}, but the step got "
-                                f"{len(args)} positional argument(s)" + (" and that one is an NNX object"
-                                                                         if i in graph_args else ""))
-    graphdef, state, state_argnum = None, None, None
-    if graph_args:
-      graphdef, state = nnx.split(tuple(args[i] for i in graph_args))
-    else:
-      candidates = [i for i in range(len(args)) if i not in batch_argnums and leading_sizes(args[i])]
-      if not candidates:
-        raise HetSpmdError("the train step got no state: pass the train state (a pytree of arrays such as a "
-                           "flax TrainState, or NNX objects) as an argument beside the batch")
-      state_argnum = candidates[0]
-      state = args[state_argnum]
-    rest = tuple(a for i, a in enumerate(args) if i not in batch_argnums and i not in graph_args and i != state_argnum)
-    batch_args = tuple(args[i] for i in batch_argnums)
-    if step._plan is None:
-      search_fn = state_batch_function(step.traced(step.fn), args, kwargs, graph_args=graph_args, graphdef=graphdef,
-                                       batch_argnums=batch_argnums, state_argnum=state_argnum)
-      step._resolve(state, search_fn, batch_args[0] if len(batch_args) == 1 else batch_args)
-      if graph_args:  # NNX objects are placed on the devices in place, as nnx.jit would leave them
-        state = jax.device_put(state, step.plan.state_shardings(step._mesh, state))
-        nnx.update(tuple(args[i] for i in graph_args), state)
+    parts = Arguments.of(step, args)
+    state = step._resolve_call(parts, args, kwargs) if step._plan is None else parts.state
+    graph_args, batch_argnums, graphdef, state_argnum = (parts.graph_args, parts.batch_argnums, parts.graphdef,
+                                                         parts.state_argnum)
+    rest, batch_args = parts.rest, parts.batch
     if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):  # placed already: one batch argument
       sharded = ShardedBatch((batch_args[0].data,), batch_args[0].counts)
     else:
@@ -118,35 +169,14 @@ class Call:
 
   def _pure(self):
     """``flat dynamic leaves -> outputs``: the user's step as a function of arrays."""
-    from flax import nnx
-
-    treedef, static, fn = self.treedef, dict(self.static), self.step.fn
-    graph_args, batch_argnums, state_argnum, graphdef = (self.graph_args, self.batch_argnums, self.state_argnum,
-                                                         self.graphdef)
-    n_args = len(self.args)
+    treedef, static = self.treedef, dict(self.static)
+    f = positional_function(self.step.fn, len(self.args), graph_args=self.graph_args, graphdef=self.graphdef,
+                            batch_argnums=self.batch_argnums, state_argnum=self.state_argnum)
 
     def pure(*dynamic):
       it = iter(dynamic)
       leaves = [static[i] if i in static else next(it) for i in range(treedef.num_leaves)]
-      state, batch, rest, kwargs = jax.tree.unflatten(treedef, leaves)
-      args: list = [None] * n_args
-      for i, b in zip(batch_argnums, batch):
-        args[i] = b
-      others = iter(rest)
-      objects = nnx.merge(graphdef, state) if graph_args else None
-      for i in range(n_args):
-        if i in batch_argnums:
-          continue
-        if i in graph_args:
-          args[i] = objects[graph_args.index(i)]
-        elif i == state_argnum:
-          args[i] = state
-        else:
-          args[i] = next(others)
-      out = fn(*args, **kwargs)
-      if graph_args:
-        return nnx.state(objects), out
-      return out
+      return f(*jax.tree.unflatten(treedef, leaves))
 
     return self.step.traced(pure)
 
@@ -243,14 +273,14 @@ def hashable(static: tuple) -> Any:
 def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int, ...]:
   """The positional arguments whose every array leaf leads with the batch (or are a ShardedBatch)."""
   expected = {step.global_batch}
-  if step._plan is not None and jax.process_count() > 1:
+  if step._plan is not None and not step.grouped and jax.process_count() > 1:
     positions = local_positions(step._mesh, step._plan)
     expected = {sum(step._plan.examples_per_position()[i] for i in positions)}
   found = []
   for i, a in enumerate(args):
     if i in graph_args:
       continue
-    if isinstance(a, ShardedBatch):
+    if isinstance(a, ShardedBatch) or getattr(a, "placed_for_groups", False):
       return (i,)
     leading = leading_sizes(a)
     if leading and all(n in expected for n in leading):

@@ -191,7 +191,7 @@ class GroupedStep:
     if not graph:
       if len(args) < 2:
         raise InvalidValueError("a functional step is called as step(state, batch, *rest)")
-      return self._run(self.fn, None, args[0], args[1], args[2:])
+      return self.run(self.fn, args[0], args[1], args[2:])
     batch_at = next((i for i, a in enumerate(args) if i not in graph and (isinstance(a, GroupedBatch) or (
         jax.tree.leaves(a) and all(np.shape(x)[:1] == (self.plan.global_batch,) for x in jax.tree.leaves(a))))),
                     None)
@@ -212,7 +212,7 @@ class GroupedStep:
       out = self.fn(*call)
       return nnx.state(merged), out
 
-    new_state, out = self._run(pure, graphdef, state, args[batch_at], tuple(args[i] for i in rest_at))
+    new_state, out = self.run(pure, state, args[batch_at], tuple(args[i] for i in rest_at), graphdef=graphdef)
     nnx.update(objects, new_state)
     return out
 
@@ -233,13 +233,23 @@ class GroupedStep:
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
 
-  def _run(self, fn: Callable[..., Any], graphdef: Any, state: Any, batch: Any, rest: tuple) -> Any:
+  def prepare(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None
+              ) -> "_Built":
+    """Traces ``fn(state, batch, *rest)`` and builds its programs (compiled on first run); raises
+    :class:`HetSpmdError` for a step group programs do not run."""
+    batch = batch.abstract if isinstance(batch, GroupedBatch) else batch
+    leaves, tree = jax.tree.flatten((state, batch, rest))
+    self._check_batch(batch)
+    return self._built_for(fn, graphdef, state, leaves, tree, len(jax.tree.leaves(batch)))
+
+  def run(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None) -> Any:
+    """One step of ``fn(state, batch, *rest)`` (``batch``: the global batch, or placed by :meth:`shard_batch`);
+    ``graphdef``: the NNX objects' whose state ``state`` is (part of the programs' cache key)."""
     placed = batch if isinstance(batch, GroupedBatch) else None
     batch = placed.abstract if placed is not None else batch
     leaves, tree = jax.tree.flatten((state, batch, rest))
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
-    self._check_batch(batch)
-    built = self._built_for(fn, graphdef, state, leaves, tree, n_batch)
+    built = self.prepare(fn, state, batch, rest, graphdef=graphdef)
     batch_leaves = leaves[n_state:n_state + n_batch]
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
     if built.params:
@@ -519,6 +529,7 @@ class GroupedBatch:
   abstract: Any
   groups: dict
   tail: list
+  placed_for_groups = True  # (a class attribute) a step's batch argument placed ahead, as a ShardedBatch is
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,10 +40,13 @@ from hetspmd.passes.frontend import named_axes
 from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.state_layout import auto_state_specs
+from hetspmd.plan.groups import GroupPlan, is_group_plan_file, split_by_process
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for, plan_from
-from hetspmd.planner.ranking import SEARCHED_REMAT, search
-from hetspmd.runtime.binding import Call, dtype_of, unbound
+from hetspmd.planner.grouping import to_group_plan
+from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan, search
+from hetspmd.runtime.binding import Arguments, Call, dtype_of, state_batch_function, unbound
+from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
 
 
@@ -74,6 +77,10 @@ class ParallelStep:
   _lockstep: bool | None = None  # decided from the first compiled program
   bound: tuple = ()  # NNX objects bound ahead of each call's arguments (an nnx.cached_partial's)
   axis_name: tuple[str, ...] | None = None  # the step's collective axis names (pmap style); None: found on trace
+  group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
+  _grouped: GroupedStep | None = None  # under a group plan: its runtime
+  _single: Plan | None = None  # a searched group plan's single-program alternative, for a step groups cannot run
+  _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -90,18 +97,25 @@ class ParallelStep:
   # --- plan ------------------------------------------------------------------
 
   @property
-  def plan(self) -> Plan:
+  def plan(self) -> Plan | GroupPlan:
     """The plan; an ``"auto"`` plan exists once the state has been seen."""
     return self._resolve(None)
 
-  def _resolve(self, state: Any, search_fn: Callable[[Any, Any], Any] | None = None, batch: Any = None) -> Plan:
+  @property
+  def grouped(self) -> bool:
+    """Whether the step runs under a :class:`~hetspmd.plan.groups.GroupPlan` (one program per device group:
+    :mod:`hetspmd.runtime.grouped`)."""
+    return self._grouped is not None
+
+  def _resolve(self, state: Any, search_fn: Callable[[Any, Any], Any] | None = None, batch: Any = None
+               ) -> Plan | GroupPlan:
     if self._plan is None:
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested = self.requested_plan
       if isinstance(requested, str) and requested not in ("auto", "search"):
-        requested = Plan.load(requested)
-      if isinstance(requested, Plan):
+        requested = GroupPlan.load(requested) if is_group_plan_file(requested) else Plan.load(requested)
+      if isinstance(requested, (Plan, GroupPlan)):
         plan = requested
       elif requested == "auto":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
@@ -111,15 +125,38 @@ class ParallelStep:
         plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, search_fn, batch)
       else:
         raise InvalidValueError(
-            f"plan must be 'search', 'auto', a Plan or a path to a plan JSON file, got {requested!r}")
+            f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
-      self._mesh = plan.mesh()
-      self._plan = plan
-    if state is not None:
+      self._adopt(plan)
+    if state is not None and not self.grouped:
       self._plan.check_state(state)
     return self._plan
+
+  def _adopt(self, plan: Plan | GroupPlan) -> None:
+    if isinstance(plan, GroupPlan):  # each group's program runs in one process: a group spanning several is cut
+      plan = split_by_process(plan, {d.id: d.process_index for d in jax.devices()})
+      self._grouped = GroupedStep(self.fn, plan, batch_stats=self.batch_stats)
+    else:
+      self._grouped = None
+      self._mesh = plan.mesh()
+    self._plan = plan
+
+  def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
+    """The plan resolved on a call's arguments (the search traces the step on them); returns the state to run
+    with: NNX objects are placed on a single program's devices in place, as ``nnx.jit`` would leave them."""
+    from flax import nnx
+
+    search_fn = state_batch_function(self.traced(self.fn), args, kwargs, graph_args=parts.graph_args,
+                                     graphdef=parts.graphdef, batch_argnums=parts.batch_argnums,
+                                     state_argnum=parts.state_argnum)
+    self._resolve(parts.state, search_fn, parts.batch[0] if len(parts.batch) == 1 else parts.batch)
+    state = parts.state
+    if parts.graph_args and not self.grouped:
+      state = jax.device_put(state, self._plan.state_shardings(self._mesh, state))
+      nnx.update(tuple(args[i] for i in parts.graph_args), state)
+    return state
 
   def _search(self, cluster: Cluster, state: Any, search_fn: Callable[[Any, Any], Any] | None, batch: Any
               ) -> Plan:
@@ -135,13 +172,23 @@ class ParallelStep:
                     recompute=self._recompute(fn, state, batch),
                     grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
                                         else (self.grad_reduce_dtype,)),
-                    fuse_overlap=not self._per_microbatch_statistics(fn, state, batch))
+                    fuse_overlap=not self._per_microbatch_statistics(fn, state, batch),
+                    groups=self.group_plans and not self.specs and cluster.jax_device_ids is not None)
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=self.specs,
                                 model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
       plan = plan.replace(state_specs=chosen)
-    return plan
+    grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN)
+    if result.group_plan is not None:
+      ratio = result.group_plan.throughput / result.plans[0].throughput
+      self._group_note = (f"chosen by the search: priced {ratio:.2f}x the best single program" if grouped else
+                          f"the best group plan was priced {ratio:.2f}x this plan") + (
+                              f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
+    if grouped is None:
+      return plan
+    self._single = plan
+    return to_group_plan(cluster, grouped)
 
   def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
     """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
@@ -163,10 +210,17 @@ class ParallelStep:
   def shard_state(self, state: Any) -> Any:
     """Places ``state`` on the devices with the plan's shardings."""
     plan = self._resolve(state)
+    if self.grouped:
+      return self._grouped.shard_state(state)
     return jax.device_put(state, plan.state_shardings(self._mesh, state))
 
   def state_shardings(self, state: Any) -> Any:
-    return self._resolve(state).state_shardings(self._mesh, state)
+    """Where the state lives between steps (to restore a checkpoint into). Under a group plan with state
+    shares, known once the step has run once (its trace says which leaves are optimizer state)."""
+    plan = self._resolve(state)
+    if self.grouped:
+      return self._grouped.state_shardings(state)
+    return plan.state_shardings(self._mesh, state)
 
   def shard_batch(self, batch: Any) -> ShardedBatch:
     """Host batch → padded per-device microbatch buffers and counts.
@@ -175,23 +229,72 @@ class ParallelStep:
     ``global_batch``). With several, each process passes only the examples
     of the data positions it hosts, in position order.
     """
-    return shard_batch(self._resolve(None), self._mesh, batch)
+    plan = self._resolve(None)
+    if self.grouped:  # the groups' microbatch buffers and the tail's, for the step's one batch argument
+      return self._grouped.shard_batch((batch,))
+    return shard_batch(plan, self._mesh, batch)
 
   # --- running -------------------------------------------------------------------
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
-    call = self._bind_call(args, kwargs)
+    args = self.bound + args
+    if self._plan is None or self.grouped:
+      parts = Arguments.of(self, args)
+      if self._plan is None:
+        self._resolve_call(parts, args, kwargs)
+      if self.grouped and self._runs_grouped(parts, args, kwargs):
+        return self._call_grouped(parts, args, kwargs)
+    call = Call.bind(self, args, kwargs)
     compiled = self._executable(call)
     outputs = compiled(*call.dynamic, call.batch.counts, self._starts())
     return call.finish(outputs)
 
+  def _grouped_call(self, parts: Arguments, args: tuple, kwargs: dict) -> tuple:
+    """``(f, batch, rest)`` for :meth:`GroupedStep.run`: the step as ``f(state, batch, rest, kwargs)``, the batch
+    arguments (or the one placed by :meth:`shard_batch`), the other arguments and keywords."""
+    placed = len(parts.batch) == 1 and getattr(parts.batch[0], "placed_for_groups", False)
+    return (self.traced(parts.function(self.fn, len(args))), parts.batch[0] if placed else parts.batch,
+            (parts.rest, kwargs))
+
+  def _runs_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> bool:
+    """Whether the group plan runs this call. A group plan the search chose gives way, on the first call, to
+    the best single program where the step is one group programs do not run (per-example outputs, say)."""
+    if self._single is None:
+      return True
+    f, batch, rest = self._grouped_call(parts, args, kwargs)
+    try:
+      self._grouped.prepare(f, parts.state, batch, rest, graphdef=parts.graphdef)
+    except HetSpmdError as e:
+      self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
+      self._adopt(self._single)
+      return False
+    finally:
+      self._single = None
+    return True
+
+  def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
+    from flax import nnx
+
+    f, batch, rest = self._grouped_call(parts, args, kwargs)
+    out = self._grouped.run(f, parts.state, batch, rest, graphdef=parts.graphdef)
+    if parts.graph_args:
+      new_state, out = out
+      nnx.update(tuple(args[i] for i in parts.graph_args), new_state)
+    return out
+
   def lower(self, *args: Any, **kwargs: Any):
     """The ``jax.stages.Lowered`` program for these arguments."""
+    if self.grouped:
+      raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "
+                         "updates): there is no one program to lower; step.explain() describes them")
     call = self._bind_call(args, kwargs)
     return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
 
   def explain(self) -> str:
+    if self.grouped:
+      return "\n".join([self._grouped.explain()] + self._call_notes() + (
+          [f"  {self._group_note}"] if self._group_note else []))
     if self.plan.stages:
       mode = (f"pipeline stages of {list(self.plan.stages)} layers along 'stage', lockstep GPipe ticks (one "
               "ppermute each), every stage running its own layers of the step's layer scan")
@@ -200,10 +303,9 @@ class ParallelStep:
               "(XLA placed a collective-permute or all-to-all inside the loop)")
     else:
       mode = "weighted microbatch accumulation (per-device trip counts)"
-    lines = [self.plan.summary(), f"  execution: {mode}"]
-    if self.axis_name:
-      names = ", ".join(repr(n) for n in self.axis_name)
-      lines.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
+    lines = [self.plan.summary(), f"  execution: {mode}"] + self._call_notes()
+    if self._group_note:
+      lines.append(f"  note: {self._group_note}")
     if self._analysis is not None:
       analysis = self._analysis
       lines.append(f"  derived from the step's jaxpr: {len(analysis.cuts)} reduction(s) over the batch, "
@@ -223,6 +325,12 @@ class ParallelStep:
         lines.append(f"  note: the plan's remat policy {self.plan.remat!r} did not reach the step (it applies "
                      "through hetspmd.value_and_grad)")
     return "\n".join(lines)
+
+  def _call_notes(self) -> list[str]:
+    if not self.axis_name:
+      return []
+    names = ", ".join(repr(n) for n in self.axis_name)
+    return [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
 
   def _starts(self):
     plan = self.plan
@@ -313,7 +421,8 @@ def _loop_needs_lockstep(lowered: Any) -> bool:
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
-                batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None):
+                batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
+                group_plans: bool = True):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -322,23 +431,24 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   or ``jax.grad`` over a closure of the batch, ``functools.partial``-bound
   configuration, already ``jax.jit``-ed or not), or NNX in place
   ``train_step(model, optimizer, metrics, batch, ...)`` (``nnx.jit``-ed or
-  not, or bound to its objects by ``nnx.cached_partial``), whose objects
-  are updated after each call. Call it with the global
-  batch; the microbatch program is derived from its jaxpr
-  (:mod:`hetspmd.passes.batch_axis.analysis`). A step that mixes examples in a way
-  that does not split into microbatches (a sort along the batch) is refused
-  with :class:`HetSpmdError` naming the primitive and the Flax module.
+  not, or bound by ``nnx.cached_partial``), its objects updated after each
+  call. Call it with the global batch; the microbatch program is derived
+  from its jaxpr (:mod:`hetspmd.passes.batch_axis.analysis`). A step that
+  mixes examples in a way that does not split into microbatches (a sort
+  along the batch) is refused, naming the primitive and the Flax module.
 
   Args:
     fn: the single-device step.
     cluster: the devices, bound to JAX (``Cluster.from_devices`` or
       ``Cluster.emulate``); default ``Cluster.from_devices(jax.devices())``.
-    plan: ``"search"``, ``"auto"``, a :class:`Plan`, or a path to a plan
-      JSON file. ``"search"`` runs :func:`hetspmd.search` on the state and
-      ``example_batch`` (or the first call's batch) when the state is first
-      seen and takes the best plan. ``"auto"`` skips the search: every device
-      on the data axis, each with a number of microbatches proportional to
-      its peak FLOP/s.
+    plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
+      (:mod:`hetspmd.runtime.grouped`: the global batch on every process), or
+      a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
+      on the state and ``example_batch`` (or the first call's batch) and takes
+      the best plan, or the best group plan where it is priced at least
+      :data:`~hetspmd.planner.ranking.GROUP_PLAN_MARGIN` times faster and runs
+      the step (``explain()`` says which). ``"auto"`` skips the search: every
+      device on the data axis, microbatches in proportion to peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the new state
@@ -370,6 +480,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       as the one replica of the global batch, so its collectives mean "over
       the global batch" under any plan (``lax.axis_index`` is 0; see
       :mod:`hetspmd.passes.frontend.named_axes`).
+    group_plans: ``False``: ``plan="search"`` takes single programs only.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   names = named_axes.axis_names(axis_name)
@@ -384,7 +495,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       argnums = tuple(i + len(bound) for i in argnums)
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
                         batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
-                        bound=bound, axis_name=names)
+                        bound=bound, axis_name=names, group_plans=group_plans)
 
   return wrap if fn is None else wrap(fn)
 

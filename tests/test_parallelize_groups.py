@@ -1,0 +1,214 @@
+"""Group plans through the front door: ``parallelize(plan=GroupPlan | its JSON | "search")`` runs the step as
+one program per device group, with every way of calling a step that ``parallelize`` accepts (extra arguments,
+keywords, NNX objects bound by ``nnx.cached_partial``, ``pmap``-style collectives, a batch placed ahead); the
+search's group plan runs where it is priced ahead, and gives way to the single program for a step group programs
+do not run. Each step is checked against one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import hetspmd as hs
+import hetspmd.runtime.step as step_module
+from hetspmd.passes.profile import profile_step
+from hetspmd.plan.groups import group_plan, split_by_process
+from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, chosen_group_plan, search
+
+from conftest import require_devices
+from exactness import NnxReference, Reference, assert_exact
+from test_pmap_steps import one_replica
+from test_group_programs import (PLANS, SHARES_80_16, STEPS, TinyLM, _batches, _held_on_one_device, _state,
+                                 dropout_step, lm1b_style_step)
+
+
+def _lm1b_batches(size, seed=5):
+  rs = np.random.RandomState(seed)
+  batches = []
+  for _ in range(STEPS):
+    tokens = rs.randint(1, 32, (size, 9)).astype(np.int32)
+    tokens[rs.rand(size, 9) < 0.2] = 0  # padding
+    batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  return batches
+
+
+def _lm1b_state():
+  model = TinyLM()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), train=False)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-3))
+
+
+@pytest.mark.parametrize("given", ["plan", "json"])
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional-rng", "keyword-rng"])
+def test_parallelize_runs_a_group_plan_exactly(given, keyword, tmp_path):
+  """An lm1b-style Linen step (a dropout key beside the batch, passed by position or by keyword; a loss over the
+  batch's token count, so two loops) under a group plan with the optimizer state in 80:16 memory shares, given
+  as a GroupPlan or as its JSON file."""
+  require_devices(8)
+  plan = group_plan([((0, 1, 2, 3), 4, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 0))], 22,
+                    state_shares=SHARES_80_16)
+  if given == "json":
+    plan.save(tmp_path / "groups.json")
+  step = hs.parallelize(lm1b_style_step, plan=str(tmp_path / "groups.json") if given == "json" else plan,
+                        global_batch=22)
+  batches, key = _lm1b_batches(22), jax.random.key(3)
+  ref = Reference(lm1b_style_step, _lm1b_state()).run(batches, key)
+  state = step.shard_state(_lm1b_state())
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch, dropout_rng=key) if keyword else step(state, batch, key)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  _held_on_one_device(state.opt_state)
+  assert step.grouped and step.plan == plan
+  assert "2 group program(s)" in step.explain()
+  shardings = step.state_shardings(state)  # where a checkpoint restores into: the moments on their owners
+  assert any(isinstance(s, jax.sharding.SingleDeviceSharding) for s in jax.tree.leaves(shardings.opt_state))
+  with pytest.raises(hs.HetSpmdError, match="no one program to lower"):
+    step.lower(state, batches[0], key)
+
+
+def test_an_nnx_step_bound_by_cached_partial_under_a_group_plan():
+  """NNX in place, its model and optimizer bound by ``nnx.cached_partial``, a batch placed ahead with
+  ``shard_batch``, ZeRO-3 shares: the caller's objects hold the one-device result."""
+  from flax import nnx
+
+  require_devices(8)
+
+  def objects():
+    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+
+  def train_step(model, optimizer, batch):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  plan = group_plan(PLANS[1], 36, state_shares=SHARES_80_16, zero_stage=3)
+  batches = _batches(36)
+  ref = NnxReference(train_step, objects()).run(batches)
+  model, optimizer = objects()
+  step = hs.parallelize(nnx.cached_partial(train_step, model, optimizer), plan=plan, global_batch=36)
+  for batch in batches:
+    step(step.shard_batch(batch))
+  assert_exact(nnx.state(model, nnx.Param), nnx.state(ref.single[0], nnx.Param),
+               nnx.state(ref.ref64[0], nnx.Param), what="params")
+  _held_on_one_device(nnx.state(model, nnx.Param))
+
+
+AXIS = "replicas"  # one_replica's default axis name
+
+
+def pmap_style_step(state, batch):
+  """Written for ``jax.pmap``: the gradients and the metrics averaged over the replicas' axis."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"], train=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  grads = jax.lax.pmean(grads, axis_name=AXIS)
+  return state.apply_gradients(grads=grads), {"loss": jax.lax.pmean(loss, axis_name=AXIS)}
+
+
+def test_a_pmap_style_step_under_a_group_plan():
+  """``lax.pmean`` over the replicas' axis means "over the global batch" under group programs too."""
+  require_devices(8)
+  plan = group_plan(PLANS[0], 38)
+  batches = _batches(38)
+  ref = Reference(one_replica(pmap_style_step), _state()).run(batches)
+  step = hs.parallelize(pmap_style_step, plan=plan, global_batch=38)
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert step.grouped and "collectives over 'replicas' (pmap style)" in step.explain()
+
+
+def _emulated_pool():
+  return hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
+
+
+def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
+  """With the margin lowered so that the search's group plan is taken, ``plan="search"`` runs it, exactly; at
+  the default margin the same tiny step (its dispatch dwarfs its compute) runs as one program, and ``explain``
+  says how the group plan was priced."""
+  require_devices(8)
+  batches = _batches(48)
+  ref = Reference(dropout_step, _state()).run(batches)
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  step = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48)
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert step.grouped and "chosen by the search" in step.explain()
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", GROUP_PLAN_MARGIN)
+  step = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48)
+  step(_state(), batches[0])
+  assert not step.grouped and "the best group plan was priced" in step.explain()
+  off = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48, group_plans=False)
+  off(_state(), batches[0])
+  assert not off.grouped and "group plan" not in off.explain()
+
+
+def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatch):
+  """Logits among the metrics (per-example outputs) do not run under group programs: the search's group plan
+  gives way to its best single program, which runs exactly; ``explain`` says why."""
+  require_devices(8)
+
+  def with_logits(state, batch):
+    new_state, metrics = dropout_step(state, batch)
+    return new_state, {**metrics, "logits": state.apply_fn({"params": state.params}, batch["x"], train=False)}
+
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  batches = _batches(48)
+  ref = Reference(with_logits, _state()).run(batches)
+  step = hs.parallelize(with_logits, cluster=_emulated_pool(), plan="search", global_batch=48)
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert not step.grouped and isinstance(step.plan, hs.Plan)
+  assert "does not run this step" in step.explain() and "per-example outputs" in step.explain()
+  # a group plan the user gave is not replaced: the same step says what is wrong
+  given = hs.parallelize(with_logits, plan=group_plan(PLANS[0], 38), global_batch=38)
+  with pytest.raises(hs.HetSpmdError, match="per-example outputs"):
+    given(_state(), _batches(38)[0])
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.5, 1.0, GROUP_PLAN_MARGIN, 50.0])
+def test_a_group_plan_is_chosen_only_at_its_margin(margin):
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  result = search(_emulated_pool(), profile, 48, top=1, groups=True)
+  ratio = result.group_plan.throughput / result.plans[0].throughput
+  chosen = chosen_group_plan(result, margin)
+  assert (chosen is result.group_plan) == (ratio >= margin)
+  assert chosen_group_plan(search(_emulated_pool(), profile, 48, top=1), 0.0) is None  # none priced
+
+
+def _layout(plan):
+  """Each device's examples: ``{device: (first example, examples)}``."""
+  return {d: (start, c * g.microbatch) for g, starts in zip(plan.groups, plan.starts())
+          for d, start, c in zip(g.devices, starts, g.counts)}
+
+
+@pytest.mark.parametrize("process_of", [
+    {d: d // 4 for d in range(8)},
+    {d: d % 2 for d in range(8)},
+    {d: 0 for d in range(8)},
+], ids=["halves", "interleaved", "one-process"])
+def test_groups_spanning_processes_are_cut_without_moving_an_example(process_of):
+  plan = group_plan([((0, 4, 1, 5), 2, (1, 2, 0, 1)), ((2, 3, 6, 7), 1, (3, 1, 1, 2))], 15,
+                    state_shares=(1 / 8,) * 8)
+  cut = split_by_process(plan, process_of)
+  assert all(len({process_of[d] for d in g.devices}) == 1 for g in cut.groups)
+  assert _layout(cut) == _layout(plan) and cut.devices == plan.devices and cut.state_shares == plan.state_shares
+  assert len(cut.groups) == len(plan.groups) + sum(
+      sum(process_of[a] != process_of[b] for a, b in zip(g.devices, g.devices[1:])) for g in plan.groups)
