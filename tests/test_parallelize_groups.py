@@ -212,3 +212,40 @@ def test_groups_spanning_processes_are_cut_without_moving_an_example(process_of)
   assert _layout(cut) == _layout(plan) and cut.devices == plan.devices and cut.state_shares == plan.state_shares
   assert len(cut.groups) == len(plan.groups) + sum(
       sum(process_of[a] != process_of[b] for a, b in zip(g.devices, g.devices[1:])) for g in plan.groups)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_run_a_group_plan_whose_groups_span_them():
+  """2 processes x 4 CPU devices (gloo): each group of the plan given to ``parallelize`` holds devices of both
+  processes, so each is cut into one group per process; the optimizer state in shares; the metrics and the
+  parameters every process holds equal one device's."""
+  import os
+
+  from multiprocess import run_processes
+
+  results = run_processes(f"""
+      import json, sys
+      import numpy as np, jax
+      sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+      jax.devices()  # the backend starts with this process's 4 devices, before conftest asks for 8
+      import hetspmd as hs
+      import test_group_programs as t
+      from exactness import Reference
+      from hetspmd.plan.groups import group_plan
+
+      ids = [[d.id for d in jax.devices() if d.process_index == p] for p in (0, 1)]
+      batches = t._batches(30)
+      ref = Reference(t.dropout_step, t._state(), jit=jax.jit(t.dropout_step, device=jax.local_devices()[0]))
+      ref.run(batches)
+      plan = group_plan([(ids[0][:2] + ids[1][:2], 4, (1, 2, 1, 1)), (ids[0][2:] + ids[1][2:], 1, (3, 2, 2, 3))],
+                        30, state_shares=(1 / 8,) * 8)
+      step = hs.parallelize(t.dropout_step, plan=plan, global_batch=30)
+      state = t._state()
+      for i, batch in enumerate(batches):
+        state, metrics = step(state, batch)
+        ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
+      ref.check(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.params), lambda s: s.params)
+      print(json.dumps({{"groups": len(step.plan.groups),
+                         "mine": sum(1 for n in step._grouped.memory_analysis() if n.startswith("group"))}}))
+  """, num_processes=2, devices_per_process=4, timeout=240)
+  assert [r["groups"] for r in results] == [4, 4] and [r["mine"] for r in results] == [2, 2]
