@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   search.add_argument("--out", help="write the best plan to this JSON file")
   search.add_argument("--group-plan-out", metavar="FILE",
                       help="write the best group plan to this JSON file (devices by cluster position; run it with "
-                      "hetspmd.runtime.grouped.run_groups(step, GroupPlan.load(FILE)))")
+                      "hetspmd.parallelize(step, plan=FILE, global_batch=...))")
   search.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
   search.set_defaults(run=_run_search)
 
@@ -248,7 +248,7 @@ def _run_search(args: argparse.Namespace) -> int:
                            "its mean)"))
   if result.group_plan is not None:
     print()
-    print(f"{'':>2} group programs (one per device kind, each its own microbatch; hetspmd.runtime.grouped runs them)")
+    print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
     print(_group_plan_row(result.group_plan, best, ideal))
   if stage_plans:
     print()
