@@ -6,7 +6,8 @@ Two processes with one CPU device each, pinned to separate cores with
 ``taskset`` and joined by ``jax.distributed`` (gloo on 127.0.0.1). A busy
 loop pinned to the second core (it stops by itself after
 ``--slowdown-seconds``) makes that device slower. Each process measures its
-own device with the profiler (matmul FLOP/s, copy and read bandwidth); the
+own device with the profiler (matmul FLOP/s, copy and read bandwidth), and
+one all-reduce of the gradients' bytes between the two times the link; the
 weighted plan splits microbatches by the cost model's time on those specs.
 Printed side by side, from one run:
 
@@ -15,8 +16,8 @@ Printed side by side, from one run:
   model's step time on the profiled specs, balanced), and for comparison the
   split proportional to each device's measured gradient throughput;
 * hetspmd (group plan): the best group plan the search prices on the same
-  specs (one program per process's device, each its own microbatch of
-  ``--microbatch`` or half of it, a tail or not), run by
+  specs and the measured link (one program per process's device, each its
+  own microbatch of ``--microbatch`` or half of it, a tail or not), run by
   ``hetspmd.runtime.grouped``, its batch placed ahead (``shard_batch``) as
   the single programs' is;
 * step ideal: both devices' throughputs added, each measured training alone
@@ -87,12 +88,26 @@ WORKER = textwrap.dedent("""
       t = time.perf_counter(); st, m = alone(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
     alone_rate = batch / statistics.median(times)
     del st, sb
+    # The link between the processes (gloo over TCP on 127.0.0.1): one all-reduce of the gradients' bytes, timed.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    n_floats = sum(int(np.size(x)) for x in jax.tree.leaves(state["params"]))
+    rows = jax.make_array_from_single_device_arrays((2, n_floats), NamedSharding(mesh, P("x")),
+                                                    [jax.device_put(np.ones((1, n_floats), np.float32), device)])
+    all_reduce = jax.jit(lambda r: r.sum(0), out_shardings=NamedSharding(mesh, P()))
+    jax.block_until_ready(all_reduce(rows))
+    reduce_times = []
+    for _ in range(10):
+      t = time.perf_counter(); jax.block_until_ready(all_reduce(rows)); reduce_times.append(time.perf_counter() - t)
+    reduce_s = statistics.median(reduce_times)
     speeds = multihost_utils.process_allgather(np.array([spec.fp32_flops, rate, alone_rate, spec.memory_bandwidth,
-                                                         spec.read_bandwidth or 0.0]))
+                                                         spec.read_bandwidth or 0.0, reduce_s]))
 
     custom = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", float(speeds[i][0]), float(speeds[i][0]), 2**30, float(speeds[i][3]),
                                        measured=True, read_bandwidth=float(speeds[i][4]) or None) for i in range(2)}
-    cluster = hs.Cluster.emulate(jax.devices(), kinds=["cpu0", "cpu1"], custom=custom)
+    # a 2-device all-reduce moves each device's bytes once each way: the link's rate is the bytes over the time
+    gloo = hs.Link("gloo", 4 * n_floats / max(float(s[5]) for s in speeds), 0.0)
+    cluster = hs.Cluster.emulate(jax.devices(), kinds=["cpu0", "cpu1"], custom=custom, inter=gloo)
     global_batch = batch
     total_microbatches = global_batch // microbatch
     plans = {
@@ -113,7 +128,8 @@ WORKER = textwrap.dedent("""
     mine = lambda plan: slice(0, plan.examples_per_position()[0]) if rank == 0 else slice(plan.examples_per_position()[0], None)
     result = {"speeds_flops": [float(s[0]) for s in speeds], "rates": [float(s[1]) for s in speeds],
               "bandwidths": [float(s[3]) for s in speeds], "read_bandwidths": [float(s[4]) for s in speeds],
-              "alone_rates": [float(s[2]) for s in speeds]}
+              "alone_rates": [float(s[2]) for s in speeds], "reduce_s": max(float(s[5]) for s in speeds),
+              "reduce_bytes": 4 * n_floats}
     for name, plan in plans.items():
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=global_batch)
       st = step.shard_state(workload.init_state(0))
@@ -157,7 +173,9 @@ def main() -> None:
         f"copy bandwidth {result['bandwidths'][0] / 1e9:.1f} and {result['bandwidths'][1] / 1e9:.1f} GB/s, "
         f"read {result['read_bandwidths'][0] / 1e9:.1f} and {result['read_bandwidths'][1] / 1e9:.1f} GB/s (0: not above copy)")
   print(f"measured gradient throughput alone: {rates[0]:.0f} and {rates[1]:.0f} examples/s; "
-        f"whole step alone: {alone_rates[0]:.0f} and {alone_rates[1]:.0f} examples/s")
+        f"whole step alone: {alone_rates[0]:.0f} and {alone_rates[1]:.0f} examples/s; "
+        f"all-reduce of the {result['reduce_bytes'] / 1e6:.1f} MB of gradients over gloo: "
+        f"{result['reduce_s'] * 1e3:.1f} ms (the cluster's link between the processes)")
   print(f"{'plan':22} {'counts':>10} {'median step s':>14} {'of ideal':>9} {'of step ideal':>14} {'speedup vs DP-EV':>17}")
   uniform = result["DP-EV (uniform)"]["median_s"]
   for name in ("DP-EV (uniform)", "hetspmd (weighted)", "hetspmd (by step rate)", "hetspmd (group plan)"):

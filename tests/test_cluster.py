@@ -274,3 +274,13 @@ def test_from_devices_measures_cpu():
   cluster = Cluster.from_devices(jax.devices())
   assert cluster.num_devices == jax.device_count()
   assert cluster.kinds == ("cpu",) and cluster.hosts[0].device.measured
+
+
+def test_emulate_takes_the_link_between_its_hosts():
+  """Two kinds make two virtual hosts. Processes joined over TCP (gloo) are slower than one process's memory: ``inter`` says so."""
+  gloo = hetspmd.Link("gloo", 0.5e9, 1e-4)
+  cluster = Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"], inter=gloo)
+  assert cluster.inter == gloo and len(cluster.hosts) == 2
+  assert Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"]).inter.name == "host"
+  with pytest.raises(hetspmd.InvalidValueError, match="takes a Link"):
+    Cluster.emulate(jax.devices()[:2], kinds=["T4", "T4"], inter=10e9)

@@ -646,3 +646,34 @@ def test_the_cli_writes_a_group_plan_that_runs_exactly(tmp_path, capsys):
   (tmp_path / "other.json").write_text("[1, 2]")
   with pytest.raises(hs.HetSpmdError, match="holds no groups"):
     GroupPlan.load(tmp_path / "other.json")
+
+
+def test_plans_priced_alike_take_the_fewest_microbatches():
+  """Of the group plans priced within TIE of the fastest, the search takes the one whose busiest device runs the
+  fewest microbatches: on a fast and a slow device, microbatches of 256 where 128 prices the same."""
+  import dataclasses
+  import itertools
+
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner.grouping import TIE, price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(2)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  # two CPU cores as benchmarks/emulated_hetero.py measured them, one slowed by a busy loop
+  specs = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", flops, flops, 2**30, copy, measured=True, read_bandwidth=read)
+           for i, (flops, copy, read) in enumerate(((104.2e9, 3.6e9, 31e9), (48.4e9, 1.5e9, 10.7e9)))}
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=list(specs), custom=specs)
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  best = search_groups(cluster, profile, 8192, [128, 256])
+  costing, layout = Costing(cluster, profile, 256, 1.0), device_groups(cluster, "g", (0, 1), 1)
+  priced = [price_groups(costing, layout, dict(zip(specs, sizes)), "none", 8192, tail=tail, zero=zero)
+            for sizes in itertools.product([128, 256], repeat=2) for tail in [(0, 0), (128, 1), (256, 1)]
+            for zero in (0, 1)]
+  priced = [e for e in priced if e is not None]
+  fastest = min(e.step_seconds for e in priced)
+  alike = [e for e in priced if e.step_seconds <= fastest * (1 + TIE)]
+  busiest = lambda e: max(c + e.tail[1] for c in e.counts)
+  assert best.step_seconds <= fastest * (1 + TIE)
+  assert busiest(best) == min(busiest(e) for e in alike)
+  assert any(busiest(e) > busiest(best) for e in alike)  # the rule decided something

@@ -266,17 +266,23 @@ class Cluster:
 
   @classmethod
   def emulate(cls, devices: Sequence[Any], kinds: Sequence[str],
-              custom: dict[str, DeviceSpec] | None = None) -> "Cluster":
+              custom: dict[str, DeviceSpec] | None = None, inter: Link | None = None) -> "Cluster":
     """Real devices (e.g. 8 emulated CPU devices) standing in for ``kinds``.
 
     Plans for the result run on ``devices``; costs use the virtual kinds.
     Consecutive devices of one kind in one process form one virtual host.
+    ``inter``: the link between virtual hosts (default the ``host`` preset,
+    20 GB/s: one process's memory); processes joined by ``jax.distributed``
+    over TCP (gloo on CPU) are better described by a measured link.
     """
     devices, kinds = list(devices), list(kinds)
     if len(devices) != len(kinds):
       raise InvalidValueError(f"emulate() got {len(devices)} devices but {len(kinds)} kinds; give one kind per device")
+    if inter is not None and not isinstance(inter, Link):
+      raise InvalidValueError(f"emulate(inter=...) takes a Link (bandwidth bytes/s, latency s), got {inter!r}")
     specs = {k: device_spec(k, custom) for k in dict.fromkeys(kinds)}
-    return _grouped(devices, kinds, specs, LINK_PRESETS["host"], name="emulated", intra=LINK_PRESETS["host"])
+    return _grouped(devices, kinds, specs, inter or LINK_PRESETS["host"], name="emulated",
+                    intra=LINK_PRESETS["host"])
 
 
 def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,

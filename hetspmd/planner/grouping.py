@@ -15,7 +15,9 @@ on every device inside the exchange program, after its group's loop, so
 that the reduction overlaps its backward pass (nothing overlaps across a
 program boundary). The step is the slowest device's loop and tail, plus the
 gradient reduction over every device less what the tail hides, plus one
-dispatch per program.
+dispatch per program. Plans priced within :data:`TIE` of the fastest count
+as alike; of those, the one with the fewest microbatches on its busiest
+device is taken, then one without state shares (fewer programs).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, 
 PROGRAM_DISPATCH_SECONDS = 50e-6
 # combinations of per-kind microbatch sizes priced at most
 MAX_COMBINATIONS = 4096
+# plans priced within this fraction of the fastest count as alike, and the one with the fewest microbatches is
+# taken: the cost model prices a microbatch of 2m as two of m, which on a device run smaller kernels and more loop
+# steps (benchmarks/emulated_hetero.py's group plan took microbatches of 128 on its fast device, priced 0.4% ahead
+# of 256, before this rule)
+TIE = 0.005
 
 
 def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[str, int],
@@ -225,7 +232,7 @@ def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if one_loop else [])
   zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   n = len(layout.groups)
-  best = None
+  near: list[Evaluated] = []  # the plans priced within TIE of the fastest so far
   for combo in itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
@@ -233,9 +240,19 @@ def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
       choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
     for remats, tail, dtype, zero in itertools.product(choices, tails, grad_reduce_dtypes, zeros):
       e = price_groups(costing, layout, chosen, remats, global_batch, dtype=dtype, tail=tail, zero=zero)
-      if e is not None and (best is None or e.step_seconds < best.step_seconds):
-        best = e
-  return best
+      if e is not None and (not near or e.step_seconds <= near[0].step_seconds * (1 + TIE)):
+        near.append(e)
+        near.sort(key=lambda p: p.step_seconds)
+        near = [p for p in near if p.step_seconds <= near[0].step_seconds * (1 + TIE)]
+  return min(near, key=_fewest_microbatches) if near else None
+
+
+def _fewest_microbatches(e: Evaluated) -> tuple:
+  """Of plans priced alike: the fewest microbatches on the busiest device, then the fewest programs (no state
+  shares), then the price. A linear cost model prices a microbatch of 2m as two of m; on a device the larger
+  one runs larger kernels and fewer loop steps, and each extra program adds a round of transfers."""
+  tail = e.tail[1] if e.tail else 0
+  return (max(c + tail for c in e.counts), bool(e.zero_stage), e.step_seconds)
 
 
 def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> str:
