@@ -306,10 +306,11 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                       time.perf_counter() - start, tally.candidates, equivalent, grouped)
 
 
-# how much faster than the best single program a group plan must be priced for the search to run it: on CPU
-# devices, group plans measured 4-7 points of the step ideal below the weighted single program that the cost
-# model prices them level with (benchmarks/emulated_hetero.py: separate programs, their dispatch and the partial
-# sums they write out)
+# how much faster than the best single program a group plan must be priced for the search to run it: a group
+# plan runs more programs (each dispatched, the partial sums written out between them) than the cost model's
+# dispatch term sees, and on two CPU processes (benchmarks/emulated_hetero.py) it measured from 2.6 points of the
+# step ideal below to 3.6 above the weighted single program, over three runs (4-7 points below before its link
+# was measured); it must be priced clearly ahead to be worth its extra programs
 GROUP_PLAN_MARGIN = 1.05
 
 
