@@ -88,11 +88,12 @@ def mechanisms(e) -> str:
 def main() -> None:
   from hetspmd import Cluster, models
   from hetspmd.passes.profile import profile_step
-  from hetspmd.planner.ranking import search
+  from hetspmd.planner.ranking import ideal_throughput, search
 
   profiles = {}
   rows = []  # (efficiency, exposed communication share, speedup over the slower of dp_even and best_homogeneous)
   taxes = []  # heterogeneous pools: 1 - best / homogeneous equivalent
+  bound_taxes = []  # compute-bound mixed pools: (tax, equivalent's ideal / pool's ideal, efficiency gap)
   group_lines = []  # the best group plan of each case that has one
   print(f"{'cluster':<17} {'model':<13} {'batch':>5} {'dtype':>7} {'eff':>6} {'vs dp_even':>10} {'vs ddp f32':>10} "
         f"{'vs fastest':>10} {'vs homog.':>9} {'vs before':>9} {'ceiling':>7} {'comm':>5} {'homog.eq':>8} "
@@ -129,10 +130,17 @@ def main() -> None:
                  min(speedup["dp_even"], speedup["homog"]), speedup["before"]))
     tax = result.heterogeneity_tax
     equivalent = result.homogeneous_equivalent
+    grouped = result.group_plan
     if tax is not None and not cluster.is_homogeneous:
       taxes.append(tax)
+      if total_comm < COMPUTE_BOUND and equivalent is not None:
+        # the equivalent's own ideal: its mean devices' throughputs added, against the pool's devices' own
+        own = ideal_throughput(cluster.homogeneous_equivalent(), profiles[w.name], batch)
+        either = max(best.throughput, grouped.throughput if grouped else 0.0)  # the group plan where it is ahead
+        bound_taxes.append((tax, own / result.ideal_throughput,
+                            1 - (best.throughput / result.ideal_throughput) / (equivalent.throughput / own),
+                            1 - (either / result.ideal_throughput) / (equivalent.throughput / own)))
     homog = f"{equivalent.throughput / result.ideal_throughput:8.1%}" if equivalent else f"{'no fit':>8}"
-    grouped = result.group_plan
     groups = f"{grouped.throughput / best.throughput:6.2f}" if grouped else f"{'-':>6}"
     if grouped:
       group_lines.append(f"  {preset} {name} {batch} {dtype}: {grouped.throughput / best.throughput:.2f}x, "
@@ -161,6 +169,15 @@ def main() -> None:
           f"{min(taxes):.1%} to {max(taxes):.1%}; negative where the mixed pool's best plan runs on its fastest kind "
           "alone, which its homogeneous equivalent cannot do "
           f"(HexiScale reports {HEXISCALE_GAP:.1%} on average to homogeneous hardware of equal peak)")
+  if bound_taxes:
+    tax, ratio, gap, grouped_gap = (tuple(zip(*bound_taxes))[i] for i in range(4))
+    print(f"compute-bound mixed pools ({len(bound_taxes)} cases): tax {min(tax):.1%} to {max(tax):.1%} (goal: within "
+          f"3%); of it, the homogeneous equivalent's own ideal (its mean devices' throughputs added) is "
+          f"{min(ratio) - 1:.1%} to {max(ratio) - 1:.1%} above the pool's (its devices' own throughputs added: a "
+          f"device's step time is not linear in its peak and bandwidth), which no plan on the pool can reach; "
+          f"each against its own ideal, the pool's best plan trails the equivalent's by {min(gap):.1%} to "
+          f"{max(gap):.1%}, and by {min(grouped_gap):.1%} to {max(grouped_gap):.1%} with the group plan where it "
+          "is priced ahead")
   print(f"lowest speedup over the search before overlap and reduced precision: {min(r[3] for r in rows):.2f} "
         f"(goal >= 1.00: {'met' if min(r[3] for r in rows) >= 1 - 1e-9 else 'NOT met'})")
 
