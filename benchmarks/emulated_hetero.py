@@ -18,8 +18,8 @@ Printed side by side, from one run:
 * hetspmd (group plan): the best group plan the search prices on the same
   specs and the measured link (one program per process's device, each its
   own microbatch of ``--microbatch`` or half of it, a tail or not), run by
-  ``hetspmd.runtime.grouped``, its batch placed ahead (``shard_batch``) as
-  the single programs' is;
+  ``hetspmd.parallelize(plan=group_plan)``, its batch placed ahead
+  (``shard_batch``) as the single programs' is;
 * step ideal: both devices' throughputs added, each measured training alone
   (the same hetspmd step, whole global batch, on that device only): what the
   two devices would do with no communication and no imbalance;
@@ -57,7 +57,6 @@ WORKER = textwrap.dedent("""
     from hetspmd.planner.building import plan_from
     from hetspmd.planner.grouping import search_groups, to_group_plan
     from hetspmd.planner.pricing import evaluate
-    from hetspmd.runtime.grouped import run_groups
     from jax.experimental import multihost_utils
 
     workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))
@@ -139,7 +138,7 @@ WORKER = textwrap.dedent("""
       for _ in range(steps):
         t = time.perf_counter(); st, m = step(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
       result[name] = {"counts": list(plan.microbatch_counts), "median_s": statistics.median(times)}
-    step = run_groups(workload.make_train_step(hs.value_and_grad), grouped)
+    step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=grouped, global_batch=global_batch)
     st, sb = step.shard_state(workload.init_state(0)), step.shard_batch(host_batch)
     st, m = step(st, sb); jax.block_until_ready(m)
     times = []

@@ -17,7 +17,8 @@ program boundary). The step is the slowest device's loop and tail, plus the
 gradient reduction over every device less what the tail hides, plus one
 dispatch per program. Plans priced within :data:`TIE` of the fastest count
 as alike; of those, the one with the fewest microbatches on its busiest
-device is taken, then one without state shares (fewer programs).
+device is taken, then on all devices, then one without state shares
+(fewer programs).
 """
 
 from __future__ import annotations
@@ -248,11 +249,13 @@ def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
-  """Of plans priced alike: the fewest microbatches on the busiest device, then the fewest programs (no state
-  shares), then the price. A linear cost model prices a microbatch of 2m as two of m; on a device the larger
-  one runs larger kernels and fewer loop steps, and each extra program adds a round of transfers."""
+  """Of plans priced alike: the fewest microbatches on the busiest device, then on all devices together, then
+  the fewest programs (no state shares), then the price. A linear cost model prices a microbatch of 2m as two of
+  m; on a device the larger one runs larger kernels and fewer loop steps, and each extra program adds a round of
+  transfers."""
   tail = e.tail[1] if e.tail else 0
-  return (max(c + tail for c in e.counts), bool(e.zero_stage), e.step_seconds)
+  counts = [c + tail for c in e.counts]
+  return (max(counts), sum(counts), bool(e.zero_stage), e.step_seconds)
 
 
 def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> str:
