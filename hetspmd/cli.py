@@ -206,7 +206,7 @@ def _run_search(args: argparse.Namespace) -> int:
   if args.out:
     plan_from(best, cluster, state, ideal).save(args.out)
   if args.group_plan_out:
-    _write_group_plan(args, cluster, result.group_plan)
+    _write_group_plan(args, cluster, result.group_plan, result.ideal_throughput)
   report = {
       "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
       "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
@@ -263,12 +263,12 @@ def _run_search(args: argparse.Namespace) -> int:
   return 0
 
 
-def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced) -> None:
+def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal: float) -> None:
   if priced is None:
     raise HetSpmdError(f"no group plan fits {args.model} on {cluster} at global batch {args.global_batch} (one "
                        "device kind, or replicated and shared state both too large): nothing written to "
                        f"{args.group_plan_out}")
-  to_group_plan(cluster, priced).save(args.group_plan_out)
+  to_group_plan(cluster, priced, ideal).save(args.group_plan_out)
 
 
 def _group_plan_row(g, best, ideal: float) -> str:

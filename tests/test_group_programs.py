@@ -677,3 +677,28 @@ def test_plans_priced_alike_take_the_fewest_microbatches():
   assert best.step_seconds <= fastest * (1 + TIE)
   assert busiest(best) == min(busiest(e) for e in alike)
   assert any(busiest(e) > busiest(best) for e in alike)  # the rule decided something
+
+
+def test_a_searched_group_plan_carries_its_predictions():
+  """The plan the search writes says what it predicted: the step, and per device (in the plan's device order)
+  its peak bytes beside its memory and its compute seconds; they survive JSON, show in the summary, and do not
+  take part in equality; a per-device list of the wrong length is refused."""
+  import dataclasses
+
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["P100-16GB"] * 5 + ["V100-32GB"] * 3)
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  priced = search_groups(cluster, profile, 48, microbatch_sizes(48))
+  plan = to_group_plan(cluster, priced, ideal=2 * priced.throughput)
+  predicted, per_device = dict(plan.predicted), dict(plan.predicted_per_device)
+  assert predicted["step_seconds"] == pytest.approx(priced.step_seconds) and predicted["efficiency"] == 0.5
+  kind_of = {d.id: k for d, k in zip(jax.devices()[:8], ["P100-16GB"] * 5 + ["V100-32GB"] * 3)}
+  assert [cluster.spec_of(kind_of[d]).memory_bytes for d in plan.devices] == list(per_device["memory_capacity_bytes"])
+  assert all(0 < m <= c for m, c in zip(per_device["memory_bytes"], per_device["memory_capacity_bytes"]))
+  assert len(per_device["compute_seconds"]) == 8
+  again = GroupPlan.from_json(json.loads(plan.dumps()))
+  assert again == plan and again.predicted == plan.predicted and again.predicted_per_device == plan.predicted_per_device
+  assert "predicted memory_bytes by device" in plan.summary()
+  assert dataclasses.replace(plan, predicted=()) == plan
+  with pytest.raises(hs.HetSpmdError, match="predicted 'memory_bytes' has 2 values for the plan's 8 devices"):
+    dataclasses.replace(plan, predicted_per_device=(("memory_bytes", (1.0, 2.0)),))

@@ -86,7 +86,10 @@ class GroupPlan:
 
   ``state_shares``: each device's fraction of the state it holds between steps (devices in group order), or
   none to replicate it; ``zero_stage``: what the shares hold, 1 the optimizer state, 3 the parameters as well
-  (default: 1 with shares, 0 without)."""
+  (default: 1 with shares, 0 without).
+
+  ``predicted`` (the search's figures: step seconds, throughput, ...) and ``predicted_per_device`` (per device
+  in group order: its peak bytes, its compute seconds) describe the plan; they do not take part in equality."""
 
   groups: tuple[Group, ...]
   global_batch: int
@@ -94,6 +97,8 @@ class GroupPlan:
   tail_count: int = 0
   state_shares: tuple[float, ...] = ()
   zero_stage: int | None = None
+  predicted: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+  predicted_per_device: tuple[tuple[str, tuple[float, ...]], ...] = dataclasses.field(default=(), compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "groups", tuple(self.groups))
@@ -103,6 +108,9 @@ class GroupPlan:
     if self.zero_stage not in ZERO_STAGES:
       raise InvalidValueError(f"a group plan's zero_stage must be one of {list(ZERO_STAGES)}, got "
                               f"{self.zero_stage!r}")
+    object.__setattr__(self, "predicted", tuple((str(k), float(v)) for k, v in self.predicted))
+    object.__setattr__(self, "predicted_per_device", tuple((str(k), tuple(map(float, v)))
+                                                           for k, v in self.predicted_per_device))
     if bool(self.zero_stage) != bool(self.state_shares):
       raise InvalidValueError(f"zero_stage {self.zero_stage} needs " + (
           "state_shares (each device's fraction of the state): use shares_for(...)" if self.zero_stage else
@@ -125,6 +133,9 @@ class GroupPlan:
           [f"{len(self.devices) * self.tail_count} x {self.tail_microbatch} in the tail"] if self.tail_count else []))
       raise InvalidValueError(f"the groups cover {covered} examples ({detail}), not the global batch of "
                               f"{self.global_batch}: change the counts or the microbatch sizes")
+    for key, values in self.predicted_per_device:
+      if len(values) != len(owner):
+        raise InvalidValueError(f"predicted {key!r} has {len(values)} values for the plan's {len(owner)} devices")
     self._check_shares()
 
   def _check_shares(self) -> None:
@@ -179,6 +190,9 @@ class GroupPlan:
     if self.tail_count:
       lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
                    f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
+    lines += [f"  predicted {key}: {value:.6g}" for key, value in self.predicted]
+    for key, values in self.predicted_per_device:
+      lines.append(f"  predicted {key} by device: " + ", ".join(f"{d}: {v:.4g}" for d, v in zip(self.devices, values)))
     return "\n".join(lines)
 
   def to_json(self) -> dict[str, Any]:
@@ -186,7 +200,9 @@ class GroupPlan:
             "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
             "state_shares": list(self.state_shares), "zero_stage": self.zero_stage,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
-                        "remat": g.remat} for g in self.groups]}
+                        "remat": g.remat} for g in self.groups],
+            "predicted": dict(self.predicted),
+            "predicted_per_device": {k: list(v) for k, v in self.predicted_per_device}}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "GroupPlan":
@@ -195,7 +211,8 @@ class GroupPlan:
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
-               tuple(data.get("state_shares", ())), data.get("zero_stage"))
+               tuple(data.get("state_shares", ())), data.get("zero_stage"),
+               tuple(data.get("predicted", {}).items()), tuple(data.get("predicted_per_device", {}).items()))
 
   def dumps(self) -> str:
     return json.dumps(self.to_json(), indent=2)

@@ -269,15 +269,26 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
   return max(policies, key=REMAT_POLICIES.index)
 
 
-def to_group_plan(cluster: Cluster, e: Evaluated) -> GroupPlan:
+def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) -> GroupPlan:
   """The :class:`GroupPlan` of a priced group plan: one group per kind, devices by JAX id where the cluster is
-  bound to JAX devices (else by cluster position)."""
+  bound to JAX devices (else by cluster position), with the search's predictions (``ideal``: the pool's ideal
+  throughput, for the efficiency): the step, and per device its peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
-  groups, shares = [], []
+  groups, shares, order = [], [], []
   for kind in dict.fromkeys(e.kinds):
     mine = [i for i, k in enumerate(e.kinds) if k == kind]
     groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine],
                    e.remats[mine[0]] if e.remats else e.remat))
     shares += [e.state_shares[i] for i in mine] if e.state_shares else []
-  return group_plan(groups, e.global_batch, tail=e.tail,
+    order += mine
+  predicted = {"step_seconds": e.step_seconds, "throughput": e.throughput, "compute_seconds": e.compute_seconds,
+               "communication_seconds": e.comm_seconds, "hidden_communication_seconds": e.hidden_seconds,
+               **({"efficiency": e.throughput / ideal} if ideal else {})}
+  per_device = {"memory_bytes": [e.memory_bytes[i] for i in order],
+                "memory_capacity_bytes": [cluster.devices[e.device_positions[i]].spec.memory_bytes for i in order]}
+  if e.position_seconds:
+    per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
+  plan = group_plan(groups, e.global_batch, tail=e.tail,
                     state_shares=tuple(s / sum(shares) for s in shares) if shares else ())
+  return dataclasses.replace(plan, predicted=tuple(predicted.items()),
+                             predicted_per_device=tuple((k, tuple(v)) for k, v in per_device.items()))

@@ -188,7 +188,7 @@ class ParallelStep:
     if grouped is None:
       return plan
     self._single = plan
-    return to_group_plan(cluster, grouped)
+    return to_group_plan(cluster, grouped, result.ideal_throughput)
 
   def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
     """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
