@@ -249,3 +249,25 @@ def test_two_processes_run_a_group_plan_whose_groups_span_them():
                          "mine": sum(1 for n in step._grouped.memory_analysis() if n.startswith("group"))}}))
   """, num_processes=2, devices_per_process=4, timeout=240)
   assert [r["groups"] for r in results] == [4, 4] and [r["mine"] for r in results] == [2, 2]
+
+
+def test_state_shardings_before_the_first_call_from_example_batch():
+  """With ``example_batch``, a group plan with state shares says where each optimizer-state leaf lives before
+  the step has run (to restore a checkpoint into), as it does after; a step that takes more than
+  ``(state, batch)`` says to call it first."""
+  require_devices(8)
+  plan = group_plan(PLANS[1], 36, state_shares=SHARES_80_16)
+  batch = _batches(36)[0]
+  step = hs.parallelize(dropout_step, plan=plan, global_batch=36, example_batch={k: v[:2] for k, v in batch.items()})
+  before = step.state_shardings(jax.eval_shape(_state))
+  held = [s for s in jax.tree.leaves(before.opt_state) if isinstance(s, jax.sharding.SingleDeviceSharding)]
+  assert held and len({next(iter(s.device_set)) for s in held}) > 1
+  state, _ = step(step.shard_state(_state()), batch)
+  after = step.state_shardings(state)
+  assert [s.device_set for s in jax.tree.leaves(before)] == [s.device_set for s in jax.tree.leaves(after)]
+  lm1b = hs.parallelize(lm1b_style_step, plan=group_plan([((0, 1, 2, 3), 4, (1, 1, 1, 1)),
+                                                          ((4, 5, 6, 7), 2, (1, 1, 1, 0))], 22,
+                                                         state_shares=SHARES_80_16),
+                        global_batch=22, example_batch=_lm1b_batches(22)[0])
+  with pytest.raises(hs.HetSpmdError, match=r"step\(state, batch\), which this step is not"):
+    lm1b.state_shardings(_lm1b_state())

@@ -136,13 +136,19 @@ class GroupedStep:
         placed.append(_elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device))
     return jax.tree.unflatten(jax.tree.structure(state), placed)
 
+  @property
+  def traced(self) -> bool:
+    """Whether the step has been traced (a call, or :meth:`prepare`): the held leaves' devices are known."""
+    return bool(self._built)
+
   def _owners_of(self, state: Any) -> dict:
     """``{path: device}`` of the held optimizer-state leaves, which come from the step's trace: of the first call,
     or of ``example_batch``."""
     if not self._owners:
       if self.example_batch is None:
         raise HetSpmdError("under state_shares the device holding each optimizer-state leaf comes from the step's "
-                           "trace: call the step once first, or pass run_groups(..., example_batch=batch)")
+                           "trace: call the step once first, or pass example_batch=batch (to parallelize or "
+                           "run_groups)")
       leaves, tree = jax.tree.flatten((state, self.example_batch, ()))
       self._built_for(self.fn, None, state, leaves, tree, len(jax.tree.leaves(self.example_batch)))
     return self._owners

@@ -45,7 +45,8 @@ from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan, search
-from hetspmd.runtime.binding import Arguments, Call, dtype_of, state_batch_function, unbound
+from hetspmd.runtime.binding import (Arguments, Call, dtype_of, positional_function, state_batch_function,
+                                    unbound)
 from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
 
@@ -216,11 +217,26 @@ class ParallelStep:
 
   def state_shardings(self, state: Any) -> Any:
     """Where the state lives between steps (to restore a checkpoint into). Under a group plan with state
-    shares, known once the step has run once (its trace says which leaves are optimizer state)."""
+    shares it comes from the step's trace (which leaves are optimizer state): of its first call, or of
+    ``example_batch`` for a ``step(state, batch)``."""
     plan = self._resolve(state)
     if self.grouped:
+      if plan.state_shares and self.example_batch is not None and not self._grouped.traced:
+        self._trace_groups(state)
       return self._grouped.state_shardings(state)
     return plan.state_shardings(self._mesh, state)
+
+  def _trace_groups(self, state: Any) -> None:
+    """The group programs built from ``example_batch`` at the global batch, the step called as
+    ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), dtype_of(x)),
+                         self.example_batch)
+    f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
+    try:
+      self._grouped.prepare(self.traced(f), state, (batch,), ((), {}))
+    except TypeError as e:
+      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
+                         "the step once first, then ask for state_shardings") from None
 
   def shard_batch(self, batch: Any) -> ShardedBatch:
     """Host batch → padded per-device microbatch buffers and counts.
