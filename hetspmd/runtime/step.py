@@ -137,7 +137,9 @@ class ParallelStep:
 
   def _adopt(self, plan: Plan | GroupPlan) -> None:
     if isinstance(plan, GroupPlan):  # each group's program runs in one process: a group spanning several is cut
-      plan = split_by_process(plan, {d.id: d.process_index for d in jax.devices()})
+      process_of = {d.id: d.process_index for d in jax.devices()}
+      if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
+        plan = split_by_process(plan, process_of)
       self._grouped = GroupedStep(self.fn, plan, batch_stats=self.batch_stats)
     else:
       self._grouped = None
@@ -174,7 +176,10 @@ class ParallelStep:
                     grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
                                         else (self.grad_reduce_dtype,)),
                     fuse_overlap=not self._per_microbatch_statistics(fn, state, batch),
-                    groups=self.group_plans and not self.specs and cluster.jax_device_ids is not None)
+                    # one process only: a group plan takes the global batch on every process, a single program
+                    # each process's own examples, and the search's choice must not change what the caller passes
+                    groups=(self.group_plans and not self.specs and cluster.jax_device_ids is not None
+                            and jax.process_count() == 1))
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=self.specs,
@@ -221,7 +226,8 @@ class ParallelStep:
     ``example_batch`` for a ``step(state, batch)``."""
     plan = self._resolve(state)
     if self.grouped:
-      if plan.state_shares and self.example_batch is not None and not self._grouped.traced:
+      if (plan.state_shares and self.example_batch is not None and not self._grouped.traced
+        and self.batch_argnums in (None, (1,))):
         self._trace_groups(state)
       return self._grouped.state_shardings(state)
     return plan.state_shardings(self._mesh, state)
@@ -234,6 +240,8 @@ class ParallelStep:
     f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
     try:
       self._grouped.prepare(self.traced(f), state, (batch,), ((), {}))
+    except HetSpmdError:
+      raise
     except TypeError as e:
       raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
                          "the step once first, then ask for state_shardings") from None
