@@ -157,15 +157,16 @@ def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
   assert not off.grouped and "group plan" not in off.explain()
 
 
+def _with_logits(state, batch):
+  new_state, metrics = dropout_step(state, batch)
+  return new_state, {**metrics, "logits": state.apply_fn({"params": state.params}, batch["x"], train=False)}
+
+
 def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatch):
   """Logits among the metrics (per-example outputs) do not run under group programs: the search's group plan
   gives way to its best single program, which runs exactly; ``explain`` says why."""
   require_devices(8)
-
-  def with_logits(state, batch):
-    new_state, metrics = dropout_step(state, batch)
-    return new_state, {**metrics, "logits": state.apply_fn({"params": state.params}, batch["x"], train=False)}
-
+  with_logits = _with_logits
   monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
   batches = _batches(48)
   ref = Reference(with_logits, _state()).run(batches)
@@ -181,6 +182,43 @@ def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatc
   given = hs.parallelize(with_logits, plan=group_plan(PLANS[0], 38), global_batch=38)
   with pytest.raises(hs.HetSpmdError, match="per-example outputs"):
     given(_state(), _batches(38)[0])
+
+
+@pytest.mark.parametrize("step_fn, grouped", [(dropout_step, True), (_with_logits, False)],
+                         ids=["group-plan", "gives-way"])
+def test_the_searched_plan_is_final_before_anything_is_placed(step_fn, grouped, monkeypatch):
+  """State and batch placed before the first call (``shard_state``, ``shard_batch``, from ``example_batch``)
+  land where the step then runs: the search's group plan builds its programs when it is chosen, so a step that
+  group programs do not run is on its single program before anything is placed. Exact against one device."""
+  require_devices(8)
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  batches = _batches(48)
+  ref = Reference(step_fn, _state()).run(batches)
+  step = hs.parallelize(step_fn, cluster=_emulated_pool(), plan="search", global_batch=48,
+                        example_batch=batches[0])
+  state = step.shard_state(_state())
+  assert step.grouped == grouped
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, step.shard_batch(batch))
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert step.grouped == grouped
+
+
+def test_the_search_traces_a_step_called_with_keywords(monkeypatch):
+  """``plan="search"`` on an lm1b-style step whose dropout key comes by keyword: the search and the group plan
+  it chooses see the key as an input, and the step is exact."""
+  require_devices(8)
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  batches, key = _lm1b_batches(24), jax.random.key(3)
+  ref = Reference(lm1b_style_step, _lm1b_state()).run(batches, key)
+  step = hs.parallelize(lm1b_style_step, cluster=_emulated_pool(), plan="search", global_batch=24)
+  state = _lm1b_state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch, dropout_rng=key)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert step.grouped
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.5, 1.0, GROUP_PLAN_MARGIN, 50.0])

@@ -234,27 +234,6 @@ def dtype_of(x: Any) -> Any:
   return dtype if dtype is not None else np.asarray(x).dtype
 
 
-def state_batch_function(fn, args, kwargs, *, graph_args, graphdef, batch_argnums, state_argnum):
-  """The step as ``f(state, batch)`` for the search's trace, its other arguments as given."""
-  from flax import nnx
-
-  def f(state, batch):
-    batch = (batch,) if len(batch_argnums) == 1 else batch
-    call = list(args)
-    for i, b in zip(batch_argnums, batch):
-      call[i] = b
-    if graph_args:
-      objects = nnx.merge(graphdef, state)
-      for k, i in enumerate(graph_args):
-        call[i] = objects[k]
-      out = fn(*call, **kwargs)
-      return nnx.state(objects), out
-    call[state_argnum] = state
-    return fn(*call, **kwargs)
-
-  return f
-
-
 def aval_key(x: Any) -> Any:
   dtype = getattr(x, "dtype", None)
   if dtype is None:

@@ -45,10 +45,25 @@ from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan, search
-from hetspmd.runtime.binding import (Arguments, Call, dtype_of, positional_function, state_batch_function,
-                                    unbound)
+from hetspmd.runtime.binding import Arguments, Call, dtype_of, positional_function, unbound
 from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+  """What the plan is made from: the step as ``f(state, batch, rest, kwargs)``
+  (:func:`~hetspmd.runtime.binding.positional_function`), one call's batch arguments (a tuple) and the rest
+  (``(rest, kwargs)``); ``graphdef``: the NNX objects' whose state the state is."""
+
+  f: Callable[..., Any]
+  batch: tuple
+  rest: tuple
+  graphdef: Any = None
+
+  def state_batch(self) -> Callable[[Any, Any], Any]:
+    """The step as ``f(state, batch)`` for the search's profile, ``batch`` the tuple of batch arguments."""
+    return lambda state, batch: self.f(state, batch, *self.rest)
 
 
 @dataclasses.dataclass
@@ -80,7 +95,6 @@ class ParallelStep:
   axis_name: tuple[str, ...] | None = None  # the step's collective axis names (pmap style); None: found on trace
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   _grouped: GroupedStep | None = None  # under a group plan: its runtime
-  _single: Plan | None = None  # a searched group plan's single-program alternative, for a step groups cannot run
   _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
 
   def __post_init__(self):
@@ -108,12 +122,11 @@ class ParallelStep:
     :mod:`hetspmd.runtime.grouped`)."""
     return self._grouped is not None
 
-  def _resolve(self, state: Any, search_fn: Callable[[Any, Any], Any] | None = None, batch: Any = None
-               ) -> Plan | GroupPlan:
+  def _resolve(self, state: Any, trace: "_Trace | None" = None) -> Plan | GroupPlan:
     if self._plan is None:
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
-      requested = self.requested_plan
+      requested, runtime = self.requested_plan, None
       if isinstance(requested, str) and requested not in ("auto", "search"):
         requested = GroupPlan.load(requested) if is_group_plan_file(requested) else Plan.load(requested)
       if isinstance(requested, (Plan, GroupPlan)):
@@ -123,51 +136,65 @@ class ParallelStep:
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
       elif requested == "search":
-        plan = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, search_fn, batch)
+        plan, runtime = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, trace)
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
-      self._adopt(plan)
+      self._adopt(plan, runtime)
     if state is not None and not self.grouped:
       self._plan.check_state(state)
     return self._plan
 
-  def _adopt(self, plan: Plan | GroupPlan) -> None:
-    if isinstance(plan, GroupPlan):  # each group's program runs in one process: a group spanning several is cut
-      process_of = {d.id: d.process_index for d in jax.devices()}
-      if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
-        plan = split_by_process(plan, process_of)
-      self._grouped = GroupedStep(self.fn, plan, batch_stats=self.batch_stats)
+  def _adopt(self, plan: Plan | GroupPlan, runtime: GroupedStep | None = None) -> None:
+    """Binds the step to ``plan``; ``runtime``: the group plan's programs, already built by the search's probe."""
+    if isinstance(plan, GroupPlan):
+      self._grouped = runtime or self._group_runtime(plan)
+      plan = self._grouped.plan
     else:
       self._grouped = None
       self._mesh = plan.mesh()
     self._plan = plan
+
+  def _group_runtime(self, plan: GroupPlan) -> GroupedStep:
+    """``plan``'s runtime; each group's program runs in one process, so a group spanning several is cut."""
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
+      plan = split_by_process(plan, process_of)
+    return GroupedStep(self.fn, plan, batch_stats=self.batch_stats)
 
   def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
     """The plan resolved on a call's arguments (the search traces the step on them); returns the state to run
     with: NNX objects are placed on a single program's devices in place, as ``nnx.jit`` would leave them."""
     from flax import nnx
 
-    search_fn = state_batch_function(self.traced(self.fn), args, kwargs, graph_args=parts.graph_args,
-                                     graphdef=parts.graphdef, batch_argnums=parts.batch_argnums,
-                                     state_argnum=parts.state_argnum)
-    self._resolve(parts.state, search_fn, parts.batch[0] if len(parts.batch) == 1 else parts.batch)
+    self._resolve(parts.state, _Trace(self.traced(parts.function(self.fn, len(args))), parts.batch,
+                                      (parts.rest, kwargs), parts.graphdef))
     state = parts.state
     if parts.graph_args and not self.grouped:
       state = jax.device_put(state, self._plan.state_shardings(self._mesh, state))
       nnx.update(tuple(args[i] for i in parts.graph_args), state)
     return state
 
-  def _search(self, cluster: Cluster, state: Any, search_fn: Callable[[Any, Any], Any] | None, batch: Any
-              ) -> Plan:
-    batch = self.example_batch if self.example_batch is not None else batch
-    if batch is None:
-      raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
-                         "call the step (before shard_state) so that its first batch is used")
-    fn = search_fn or self.traced(self.fn)
+  def _example_trace(self) -> "_Trace":
+    """The step traced as ``step(state, example_batch)``, before any call."""
+    f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
+    return _Trace(self.traced(f), (self.example_batch,), ((), {}))
+
+  def _search(self, cluster: Cluster, state: Any, trace: "_Trace | None") -> tuple[Plan | GroupPlan, Any]:
+    """The search's best plan, and for a group plan its runtime (its programs built: the plan is final before
+    anything is placed on its devices)."""
+    if trace is None:
+      if self.example_batch is None:
+        raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
+                           "call the step (before shard_state) so that its first batch is used")
+      trace = self._example_trace()
+    elif self.example_batch is not None:
+      trace = dataclasses.replace(trace, batch=(self.example_batch,) if len(trace.batch) == 1
+                                  else tuple(self.example_batch))
+    fn, batch = trace.state_batch(), trace.batch
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
       profile = profile_step(fn, state, batch)
     result = search(cluster, profile, self.global_batch, top=1,
@@ -192,9 +219,19 @@ class ParallelStep:
                           f"the best group plan was priced {ratio:.2f}x this plan") + (
                               f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
     if grouped is None:
-      return plan
-    self._single = plan
-    return to_group_plan(cluster, grouped, result.ideal_throughput)
+      return plan, None
+    runtime = self._group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
+    try:  # a step group programs do not run (per-example outputs, say) runs as the best single program
+      runtime.prepare(trace.f, state, self._global(trace.batch), trace.rest, graphdef=trace.graphdef)
+    except HetSpmdError as e:
+      self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
+      return plan, None
+    return runtime.plan, runtime
+
+  def _global(self, batch: Any) -> Any:
+    """``batch``'s arrays as abstract values leading with the global batch."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), dtype_of(x)),
+                        batch)
 
   def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
     """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
@@ -235,11 +272,9 @@ class ParallelStep:
   def _trace_groups(self, state: Any) -> None:
     """The group programs built from ``example_batch`` at the global batch, the step called as
     ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), dtype_of(x)),
-                         self.example_batch)
-    f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
+    trace = self._example_trace()
     try:
-      self._grouped.prepare(self.traced(f), state, (batch,), ((), {}))
+      self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest)
     except HetSpmdError:
       raise
     except TypeError as e:
@@ -267,7 +302,7 @@ class ParallelStep:
       parts = Arguments.of(self, args)
       if self._plan is None:
         self._resolve_call(parts, args, kwargs)
-      if self.grouped and self._runs_grouped(parts, args, kwargs):
+      if self.grouped:
         return self._call_grouped(parts, args, kwargs)
     call = Call.bind(self, args, kwargs)
     compiled = self._executable(call)
@@ -280,22 +315,6 @@ class ParallelStep:
     placed = len(parts.batch) == 1 and getattr(parts.batch[0], "placed_for_groups", False)
     return (self.traced(parts.function(self.fn, len(args))), parts.batch[0] if placed else parts.batch,
             (parts.rest, kwargs))
-
-  def _runs_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> bool:
-    """Whether the group plan runs this call. A group plan the search chose gives way, on the first call, to
-    the best single program where the step is one group programs do not run (per-example outputs, say)."""
-    if self._single is None:
-      return True
-    f, batch, rest = self._grouped_call(parts, args, kwargs)
-    try:
-      self._grouped.prepare(f, parts.state, batch, rest, graphdef=parts.graphdef)
-    except HetSpmdError as e:
-      self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
-      self._adopt(self._single)
-      return False
-    finally:
-      self._single = None
-    return True
 
   def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
     from flax import nnx
