@@ -18,7 +18,7 @@ from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import Group, GroupPlan, assign_owners, group_plan
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.grouping import group_counts, search_groups, to_group_plan
-from hetspmd.planner.ranking import microbatch_sizes
+from hetspmd.planner.ranking import microbatch_sizes, search
 from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
@@ -228,7 +228,7 @@ def test_the_searched_group_plan_runs_exactly():
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
   batch = 48
   profile = profile_step(dropout_step, _state(), _batches(batch)[0])
-  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch), grad_reduce_dtypes=("float32",))
+  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch))
   plan = to_group_plan(cluster, priced)
   assert len(plan.groups) == 2 and plan.global_batch == batch
   assert {g.microbatch for g in plan.groups} == set(priced.microbatches)
@@ -448,7 +448,7 @@ def test_the_search_holds_state_in_shares_where_replicated_state_does_not_fit():
   small = dataclasses.replace(device_spec("P100-16GB"), name="P100-small", memory_bytes=(without + replicated) // 2)
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-small"] * 5,
                                custom={"P100-small": small})
-  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch)[:1], grad_reduce_dtypes=("float32",))
+  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch)[:1])
   assert priced.zero_stage == 1 and all(m <= small.memory_bytes for m in priced.memory_bytes[3:])
   plan = to_group_plan(cluster, priced)
   assert plan.state_shares[3] < plan.state_shares[0] and abs(sum(plan.state_shares) - 1) < 1e-9
@@ -680,6 +680,47 @@ def test_plans_priced_alike_take_the_fewest_microbatches():
   assert best.step_seconds <= fastest * (1 + TIE)
   assert busiest(best) == min(busiest(e) for e in alike)
   assert any(busiest(e) > busiest(best) for e in alike)  # the rule decided something
+
+
+@pytest.mark.parametrize("third", [0.5, 0.05, 0.01])
+def test_the_tie_rule_spans_every_device_set(third):
+  """The rule for plans priced alike is applied once over every device set the search tries (every kind, the
+  fastest kinds), not within each: on a fast, a slow and a third CPU core at ``third`` of the fast one's speed,
+  the search's plan is the one the rule prefers among all plans within TIE of the fastest of any set."""
+  import dataclasses
+
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner.grouping import TIE, _fewest_microbatches, _near_on
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(3)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  rates = ((104.2e9, 3.6e9, 31e9), (48.4e9, 1.5e9, 10.7e9), (104.2e9 * third, 3.6e9 * third, 31e9 * third))
+  specs = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", flops, flops, 2**30, copy, measured=True, read_bandwidth=read)
+           for i, (flops, copy, read) in enumerate(rates)}
+  cluster = hs.Cluster.emulate(jax.devices()[:3], kinds=list(specs), custom=specs)
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  best = search_groups(cluster, profile, 8192, [128, 256])
+  costing = Costing(cluster, profile, 256, 1.0)
+  plans = [e for devices in ((0, 1, 2), (0, 1))
+           for e in _near_on(costing, device_groups(cluster, "g", devices, 1), 8192, [128, 256], ("none",))]
+  fastest = min(e.step_seconds for e in plans)
+  alike = [e for e in plans if e.step_seconds <= fastest * (1 + TIE)]
+  assert best.step_seconds <= fastest * (1 + TIE)
+  assert _fewest_microbatches(best) == min(_fewest_microbatches(e) for e in alike)
+
+
+def test_group_plans_are_priced_in_the_dtype_their_exchange_reduces_in():
+  """The exchange program reduces the partial sums in float32: a search allowed only bfloat16 for one program
+  still prices its group plan in float32."""
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["P100-16GB"] * 5 + ["V100-32GB"] * 3)
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  result = search(cluster, profile, 48, top=1, remat_policies=("none",), grad_reduce_dtypes=("bfloat16",),
+                  groups=True)
+  assert result.plans[0].grad_reduce_dtype == "bfloat16" and result.group_plan.grad_reduce_dtype == "float32"
+  assert result.group_plan.step_seconds == pytest.approx(search_groups(cluster, profile, 48,
+                                                                       microbatch_sizes(48)).step_seconds)
 
 
 def test_a_searched_group_plan_carries_its_predictions():

@@ -45,6 +45,9 @@ MAX_COMBINATIONS = 4096
 # steps (benchmarks/emulated_hetero.py's group plan took microbatches of 128 on its fast device, priced 0.4% ahead
 # of 256, before this rule)
 TIE = 0.005
+# the dtype the partial sums cross devices in: the exchange program (hetspmd.lowering.groups) reduces every cut's
+# rows in float32
+GROUP_REDUCE_DTYPE = "float32"
 
 
 def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[str, int],
@@ -100,8 +103,7 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
-                 global_batch: int, *, dtype: str = "float32", tail: tuple[int, int] = (0, 0), zero: int = 0
-                 ) -> Evaluated | None:
+                 global_batch: int, *, tail: tuple[int, int] = (0, 0), zero: int = 0) -> Evaluated | None:
   """The group plan with microbatch ``sizes[kind]`` and remat policy ``remat`` (one, or one per kind) per kind on
   ``layout`` (every device on data), or None if a kind's microbatch does not fit its memory or the sizes cannot
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
@@ -111,7 +113,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduces its own share's sums from every device's rows, copied to it (the runtime's path in one process; across
   hosts, processes, the exchange program reduces every sum onto every device): it holds those rows
   after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
-  to the busiest device's bytes."""
+  to the busiest device's bytes. The sums cross devices in ``GROUP_REDUCE_DTYPE``, as the exchange program
+  reduces them."""
   n, kinds = len(layout.groups), layout.kinds
   size, count = tail
   order = list(dict.fromkeys(kinds))
@@ -135,10 +138,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     return None
   per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
   busiest = max(range(n), key=lambda i: per_position[i])
-  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, GROUP_REDUCE_DTYPE)
   if owner:
     reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
-  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
+  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, GROUP_REDUCE_DTYPE)[1] if zero else 0.0
   hidden = 0.0
   if count:
     kind = kinds[busiest]
@@ -151,7 +154,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=tuple(memory[k] for k in kinds), global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
+      grad_reduce_dtype=GROUP_REDUCE_DTYPE, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
       tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else (), remats=tuple(remats[k] for k in kinds))
 
 
@@ -200,52 +203,53 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
-                  remat_policies: Sequence[str] = ("none",), grad_reduce_dtypes: Sequence[str] = ("float32",),
-                  recompute: float = 1.0) -> Evaluated | None:
+                  remat_policies: Sequence[str] = ("none",), recompute: float = 1.0) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, and each kind's microbatch in ``sizes``; None if none fits or the pool has one kind (a group
-  plan is then one program)."""
+  plan is then one program). Of the plans priced within ``TIE`` of the fastest, over every device set, the one
+  :func:`_fewest_microbatches` prefers."""
   kinds = cluster.kinds
   if len(kinds) < 2:
     return None
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   speed = {k: profile.microbatch_seconds(cluster.spec_of(k), sizes[0]) for k in kinds}
   by_speed = sorted(kinds, key=lambda k: speed[k])
-  best = None
+  near: list[Evaluated] = []
   for n in range(len(kinds), 1, -1):
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
-    e = _best_on(costing, layout, global_batch, sizes, remat_policies, grad_reduce_dtypes, one_loop=recompute <= 1.0)
-    if e is not None and (best is None or e.step_seconds < best.step_seconds):
-      best = e
-  return best
+    near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0))
+  return min(near, key=_fewest_microbatches) if near else None
 
 
-def _best_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], grad_reduce_dtypes: Sequence[str], *, one_loop: bool = True
-             ) -> Evaluated | None:
-  """The fastest group plan on ``layout``'s devices over per-kind microbatches, tails, reduce dtypes, the
-  optimizer state replicated or in shares, and remat: one policy for every group, or per kind the one that
-  recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch statistics
-  take loops of their own) neither a tail nor a policy per kind."""
+def _near(plans: list[Evaluated]) -> list[Evaluated]:
+  """The plans priced within ``TIE`` of the fastest of them."""
+  fastest = min((p.step_seconds for p in plans), default=0.0)
+  return [p for p in plans if p.step_seconds <= fastest * (1 + TIE)]
+
+
+def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
+             remat_policies: Sequence[str], *, one_loop: bool = True) -> list[Evaluated]:
+  """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
+  tails, the optimizer state replicated or in shares, and remat: one policy for every group, or per kind the one
+  that recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch
+  statistics take loops of their own) neither a tail nor a policy per kind."""
   order = list(dict.fromkeys(layout.kinds))
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if one_loop else [])
   zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   n = len(layout.groups)
-  near: list[Evaluated] = []  # the plans priced within TIE of the fastest so far
+  near: list[Evaluated] = []
   for combo in itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
       choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
-    for remats, tail, dtype, zero in itertools.product(choices, tails, grad_reduce_dtypes, zeros):
-      e = price_groups(costing, layout, chosen, remats, global_batch, dtype=dtype, tail=tail, zero=zero)
+    for remats, tail, zero in itertools.product(choices, tails, zeros):
+      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero)
       if e is not None and (not near or e.step_seconds <= near[0].step_seconds * (1 + TIE)):
-        near.append(e)
-        near.sort(key=lambda p: p.step_seconds)
-        near = [p for p in near if p.step_seconds <= near[0].step_seconds * (1 + TIE)]
-  return min(near, key=_fewest_microbatches) if near else None
+        near = sorted(_near(near + [e]), key=lambda p: p.step_seconds)
+  return near
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
