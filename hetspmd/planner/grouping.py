@@ -247,8 +247,8 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
       choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
     for remats, tail, zero in itertools.product(choices, tails, zeros):
       e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero)
-      if e is not None and (not near or e.step_seconds <= near[0].step_seconds * (1 + TIE)):
-        near = sorted(_near(near + [e]), key=lambda p: p.step_seconds)
+      if e is not None:
+        near = _near(near + [e])
   return near
 
 
