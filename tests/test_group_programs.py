@@ -746,3 +746,36 @@ def test_a_searched_group_plan_carries_its_predictions():
   assert dataclasses.replace(plan, predicted=()) == plan
   with pytest.raises(hs.HetSpmdError, match="predicted 'memory_bytes' has 2 values for the plan's 8 devices"):
     dataclasses.replace(plan, predicted_per_device=(("memory_bytes", (1.0, 2.0)),))
+
+
+@pytest.mark.parametrize("policies", [("none",), ("none", "dots", "full")])
+def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypatch):
+  """Per-kind microbatch sizes that a device of the kind cannot hold even without optimizer state or reduced
+  gradients are left out before the per-kind product (on three kinds at a large batch the product was most of a
+  search's time): the search's plan is the one it finds over the whole product, with fewer plans priced."""
+  import dataclasses
+
+  from hetspmd.planner.data_axis import memory_per_device
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner import grouping
+
+  require_devices(3)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  holds = {"small": 256, "middle": 512, "large": 2048}  # the largest microbatch each kind holds with no state
+  least = lambda m: min(memory_per_device(profile, 3, m, 0, r, optimizer_share=0.0, reduced_share=0.0)
+                        for r in policies) + 1
+  specs = {k: hs.DeviceSpec(k, 1e11 * (i + 1), 1e11 * (i + 1), least(m), 3e9 * (i + 1), measured=True)
+           for i, (k, m) in enumerate(holds.items())}
+  cluster = hs.Cluster.emulate(jax.devices()[:3], kinds=list(specs), custom=specs)
+  sizes = microbatch_sizes(4096)
+  priced = []
+  price = grouping.price_groups
+  monkeypatch.setattr(grouping, "price_groups", lambda *a, **k: priced.append(a[2]) or price(*a, **k))
+  pruned = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
+  calls = len(priced)
+  assert all(s[k] <= holds[k] for s in priced for k in s)
+  monkeypatch.setattr(grouping, "_may_fit", lambda *a: True)
+  whole = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
+  assert pruned == whole and pruned is not None
+  assert calls < len(priced) - calls

@@ -269,13 +269,12 @@ def memory_per_device(profile: StepProfile, n: int, microbatch: int, zero_stage:
   plan whose devices reduce their own shares receives every device's rows of
   them), in place of the reduced gradients.
   """
-  zs = zero_split(profile, n, tp)
-  sharded = zs.kept(n)  # what ZeRO keeps of a split state
+  zs = zero_split(profile, n, tp) if zero_stage >= 1 else None  # only ZeRO splits the state
+  sharded = zs.kept(n) if zs else 1.0  # what ZeRO keeps of a split state
   params = profile.param_bytes * tp.param_share * (sharded + zs.gathered if zero_stage >= 3 else 1)
   grads = profile.param_count * tp.param_share * GRAD_BYTES  # accumulated in full (float32) during the loop
-  optimizer = profile.opt_state_bytes * tp.param_share * (
-      optimizer_share if optimizer_share is not None else sharded if zero_stage >= 1 else 1)
-  scattered = zs.scattered(n) if zero_stage >= 1 and tp.m == 1 and n > 1 else 0.0
+  optimizer = profile.opt_state_bytes * tp.param_share * (optimizer_share if optimizer_share is not None else sharded)
+  scattered = zs.scattered(n) if zs and tp.m == 1 and n > 1 else 0.0
   after = grads * (reduced_share if reduced_share is not None else 1 - scattered)
   working = max(microbatch_bytes(profile, microbatch, remat, tp), after)  # in the loop, after it
   return int((params + grads + optimizer + working) * WORKSPACE)

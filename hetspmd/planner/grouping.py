@@ -236,11 +236,13 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   that recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch
   statistics take loops of their own) neither a tail nor a policy per kind."""
   order = list(dict.fromkeys(layout.kinds))
-  tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch] if one_loop else [])
-  zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   n = len(layout.groups)
+  fits = {k: [m for m in sizes if _may_fit(costing, k, m, n, remat_policies)] for k in order}
+  tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch
+                       and all(m in fits[k] for k in order)] if one_loop else [])
+  zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
-  for combo in itertools.islice(itertools.product(sizes, repeat=len(order)), MAX_COMBINATIONS):
+  for combo in itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
@@ -250,6 +252,13 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
       if e is not None:
         near = _near(near + [e])
   return near
+
+
+def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> bool:
+  """Whether a microbatch may fit a device of ``kind`` under one of ``policies``: with none of the optimizer state
+  and none of the reduced gradients, the least any group plan holds there (:func:`price_groups` checks the rest)."""
+  spec = costing.cluster.spec_of(kind)
+  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0) <= spec.memory_bytes for r in policies)
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
