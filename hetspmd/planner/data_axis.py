@@ -92,25 +92,30 @@ class ZeroSplit:
   grouped: tuple[int, ...]  # no dimension divides by n, one by k: split k ways, whole across the n / k groups
   whole: tuple[int, ...]    # kept whole on every position
 
+  @functools.cached_property  # the search prices thousands of plans from a few splits
+  def _sums(self) -> tuple[int, int, int]:
+    return sum(self.split), sum(self.grouped), sum(self.whole)
+
   @property
   def elements(self) -> int:
-    return sum(self.split) + sum(self.grouped) + sum(self.whole)
+    return sum(self._sums)
 
   def kept(self, n: int) -> float:
     """Share of a ZeRO-split state each position holds."""
     if not self.elements:
       return 1.0 / n
-    held = sum(self.split) / n + (sum(self.grouped) / self.shards if self.shards else 0) + sum(self.whole)
-    return held / self.elements
+    split, grouped, whole = self._sums
+    return (split / n + (grouped / self.shards if self.shards else 0) + whole) / self.elements
 
   @property
   def gathered(self) -> float:
     """Share of the parameters' elements that are split, and so gathered."""
-    return (sum(self.split) + sum(self.grouped)) / self.elements if self.elements else 1.0
+    split, grouped, _ = self._sums
+    return (split + grouped) / self.elements if self.elements else 1.0
 
   def scattered(self, n: int) -> float:
     """Share of the gradients' elements a reduce-scatter onto the n-way shards leaves off each position."""
-    return sum(self.split) * (1 - 1 / n) / self.elements if self.elements else 0.0
+    return self._sums[0] * (1 - 1 / n) / self.elements if self.elements else 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,6 +219,7 @@ def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfi
           + _reduce_seconds(cluster, hosts, sum(rest) * grad_bytes + 2 * GRAD_BYTES, 1, _bucket_count(rest + (1, 1))))
 
 
+@functools.lru_cache(maxsize=256)  # the search asks again for the same leaves, thousands of times
 def _bucket_count(sizes: tuple[int, ...]) -> int:
   """Collectives :func:`hetspmd.plan.gradient_buckets.buckets` makes of float32 leaves of ``sizes`` elements."""
   return len(buckets([(np.float32, n * GRAD_BYTES) for n in sizes]))
