@@ -33,7 +33,7 @@ from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.planner.ranking import BASELINES, GROUP_PLAN_MARGIN, chosen_group_plan
+from hetspmd.planner.ranking import BASELINES, GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan
 from hetspmd.planner.ranking import search as search_plans
 from hetspmd.planner.stages import describe, search_stages
 
@@ -218,7 +218,9 @@ def _run_search(args: argparse.Namespace) -> int:
       "heterogeneity_tax": result.heterogeneity_tax,
       "group_plan": (None if result.group_plan is None else
                      {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
-                      best.throughput, "chosen_by_parallelize": chosen_group_plan(result) is not None}),
+                      best.throughput, "parallelize": {
+                          "margin": GROUP_PLAN_MARGIN, "priced_past_margin": chosen_group_plan(result) is not None,
+                          "conditions": GROUP_PLAN_CONDITIONS}}),
       "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
       "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
   }
@@ -279,8 +281,8 @@ def _group_plan_row(g, best, ideal: float) -> str:
   if g.tail[1]:
     sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
   ratio = g.throughput / best.throughput
-  chosen = ("parallelize(plan='search') runs it" if ratio >= GROUP_PLAN_MARGIN else
-            f"parallelize(plan='search') runs group plans at {GROUP_PLAN_MARGIN:.2f}x or more")
+  chosen = (f"parallelize(plan='search') runs group plans priced {GROUP_PLAN_MARGIN:.2f}x or more "
+            f"{GROUP_PLAN_CONDITIONS}")
   return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes}; {ratio:.2f}x the best plan: "
                    f"{chosen})")
 

@@ -631,9 +631,10 @@ def test_the_cli_writes_a_group_plan_that_runs_exactly(tmp_path, capsys):
   assert main(["search", "--model", "mlp-tiny", "--cluster", "1x4xV100-32GB+1x4xP100-16GB", "--global-batch", "32",
                "--group-plan-out", str(path), "--json"]) == 0
   report = json.loads(capsys.readouterr().out)
-  from hetspmd.planner.ranking import GROUP_PLAN_MARGIN
+  from hetspmd.planner.ranking import GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN
   grouped = report["group_plan"]
-  assert grouped["chosen_by_parallelize"] == (grouped["speedup_over_best"] >= GROUP_PLAN_MARGIN)
+  assert grouped["parallelize"] == {"margin": GROUP_PLAN_MARGIN, "conditions": GROUP_PLAN_CONDITIONS,
+                                    "priced_past_margin": grouped["speedup_over_best"] >= GROUP_PLAN_MARGIN}
   plan = GroupPlan.load(path)
   assert plan.global_batch == 32 and sorted(plan.devices) == list(range(8))
   assert [g.microbatch for g in plan.groups] == sorted(set(report["group_plan"]["microbatches"]),

@@ -10,12 +10,13 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import hetspmd as hs
 import hetspmd.runtime.step as step_module
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import group_plan, split_by_process
-from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, chosen_group_plan, search
+from hetspmd.planner.ranking import GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan, search
 
 from conftest import require_devices
 from exactness import NnxReference, Reference, assert_exact
@@ -155,6 +156,12 @@ def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
   off = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48, group_plans=False)
   off(_state(), batches[0])
   assert not off.grouped and "group plan" not in off.explain()
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)  # specs keep leaves where group programs cannot
+  kept = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48,
+                        specs={"Dense_0/kernel": P()})
+  kept(_state(), batches[0])
+  assert not kept.grouped and f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}" in (
+      kept.explain())
 
 
 def _with_logits(state, batch):

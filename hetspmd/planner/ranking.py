@@ -314,6 +314,20 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
 GROUP_PLAN_MARGIN = 1.05
 
 
+# where parallelize(plan="search") prices group plans at all, beside the margin (searches_group_plans); and what
+# group programs refuse at run time (hetspmd.lowering.groups.check), where the step then runs as one program
+GROUP_PLAN_CONDITIONS = ("in one process, on the pool's own JAX devices, with no specs, for a step with no "
+                         "per-example outputs")
+
+
+def searches_group_plans(cluster: Cluster, specs: Any, processes: int) -> bool:
+  """Whether ``parallelize(plan="search")`` prices group plans for a step on ``cluster``: on JAX's devices, with
+  no ``specs`` (group programs place the state by their own shares), in one process (a group plan takes the
+  global batch on every process, a single program each process's own examples, and the search's choice must not
+  change what the caller passes)."""
+  return not specs and cluster.jax_device_ids is not None and processes == 1
+
+
 def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -> Evaluated | None:
   """The search's group plan where it is priced at least ``margin`` times the best single program's throughput
   (then worth its extra programs), else None."""

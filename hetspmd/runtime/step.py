@@ -44,7 +44,8 @@ from hetspmd.plan.groups import GroupPlan, is_group_plan_file, split_by_process
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan, search
+from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
+                                     search, searches_group_plans)
 from hetspmd.runtime.binding import Arguments, Call, dtype_of, positional_function, unbound
 from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
@@ -195,6 +196,7 @@ class ParallelStep:
       trace = dataclasses.replace(trace, batch=(self.example_batch,) if len(trace.batch) == 1
                                   else tuple(self.example_batch))
     fn, batch = trace.state_batch(), trace.batch
+    considered = searches_group_plans(cluster, self.specs, jax.process_count())
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
       profile = profile_step(fn, state, batch)
     result = search(cluster, profile, self.global_batch, top=1,
@@ -203,21 +205,14 @@ class ParallelStep:
                     grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
                                         else (self.grad_reduce_dtype,)),
                     fuse_overlap=not self._per_microbatch_statistics(fn, state, batch),
-                    # one process only: a group plan takes the global batch on every process, a single program
-                    # each process's own examples, and the search's choice must not change what the caller passes
-                    groups=(self.group_plans and not self.specs and cluster.jax_device_ids is not None
-                            and jax.process_count() == 1))
+                    groups=self.group_plans and considered)
     plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
     if self.specs:
       chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=self.specs,
                                 model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
       plan = plan.replace(state_specs=chosen)
     grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN)
-    if result.group_plan is not None:
-      ratio = result.group_plan.throughput / result.plans[0].throughput
-      self._group_note = (f"chosen by the search: priced {ratio:.2f}x the best single program" if grouped else
-                          f"the best group plan was priced {ratio:.2f}x this plan") + (
-                              f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
+    self._group_note = self._group_verdict(cluster, result, grouped is not None, considered)
     if grouped is None:
       return plan, None
     runtime = self._group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
@@ -227,6 +222,17 @@ class ParallelStep:
       self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
       return plan, None
     return runtime.plan, runtime
+
+  def _group_verdict(self, cluster: Cluster, result: Any, chosen: bool, considered: bool) -> str:
+    """Why the search's plan is, or is not, a group plan."""
+    if result.group_plan is not None:
+      ratio = result.group_plan.throughput / result.plans[0].throughput
+      return (f"chosen by the search: priced {ratio:.2f}x the best single program" if chosen else
+              f"the best group plan was priced {ratio:.2f}x this plan") + (
+                  f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
+    if self.group_plans and not considered and len(cluster.kinds) > 1:
+      return f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}"
+    return ""
 
   def _global(self, batch: Any) -> Any:
     """``batch``'s arrays as abstract values leading with the global batch."""
