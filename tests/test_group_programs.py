@@ -2,6 +2,7 @@
 one uniform program over every device; exact against one device, and bad group plans refused."""
 
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -711,17 +712,29 @@ def test_the_tie_rule_spans_every_device_set(third):
   assert _fewest_microbatches(best) == min(_fewest_microbatches(e) for e in alike)
 
 
-def test_group_plans_are_priced_in_the_dtype_their_exchange_reduces_in():
-  """The exchange program reduces the partial sums in float32: a search allowed only bfloat16 for one program
-  still prices its group plan in float32."""
+def test_group_plans_reduce_in_the_dtype_the_search_allows():
+  """A search allowed only bfloat16 prices its group plan with bfloat16 gradients, and the plan it writes reduces
+  in bfloat16 (through JSON too); by default group plans reduce in float32. The same plan priced both ways
+  spends less on its reduction in bfloat16."""
+  from hetspmd.planner.grouping import price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
   require_devices(8)
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["P100-16GB"] * 5 + ["V100-32GB"] * 3)
   profile = profile_step(dropout_step, _state(), _batches(48)[0])
-  result = search(cluster, profile, 48, top=1, remat_policies=("none",), grad_reduce_dtypes=("bfloat16",),
+  narrow = search(cluster, profile, 48, top=1, remat_policies=("none",), grad_reduce_dtypes=("bfloat16",),
                   groups=True)
-  assert result.plans[0].grad_reduce_dtype == "bfloat16" and result.group_plan.grad_reduce_dtype == "float32"
-  assert result.group_plan.step_seconds == pytest.approx(search_groups(cluster, profile, 48,
-                                                                       microbatch_sizes(48)).step_seconds)
+  assert narrow.plans[0].grad_reduce_dtype == "bfloat16" and narrow.group_plan.grad_reduce_dtype == "bfloat16"
+  plan = to_group_plan(cluster, narrow.group_plan)
+  assert plan.reduce_dtype == "bfloat16" and GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  assert "cross devices in bfloat16" in plan.summary()
+  assert to_group_plan(cluster, search_groups(cluster, profile, 48, microbatch_sizes(48))).reduce_dtype == "float32"
+  layout = device_groups(cluster, "g", tuple(range(8)), 1)
+  priced = {d: price_groups(Costing(cluster, profile, 2, 1.0), layout, {"P100-16GB": 2, "V100-32GB": 4}, "none", 48,
+                            dtype=d) for d in ("float32", "bfloat16")}
+  assert 0 < priced["bfloat16"].comm_seconds < priced["float32"].comm_seconds
+  with pytest.raises(hs.HetSpmdError, match="reduce_dtype must be one of"):
+    group_plan(PLANS[0], 38, reduce_dtype="float16")
 
 
 def test_a_searched_group_plan_carries_its_predictions():
@@ -780,3 +793,62 @@ def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypat
   whole = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
   assert pruned == whole and pruned is not None
   assert calls < len(priced) - calls
+
+
+def _mlp_train_state():
+  k = jax.random.split(jax.random.key(3), 2)
+  params = {"w1": jax.random.normal(k[0], (12, 24)) * 0.3, "b1": jnp.zeros(24),
+            "w2": jax.random.normal(k[1], (24, 4)) * 0.3}
+  return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+
+def _mlp_loss(params, x, y):
+  return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)
+
+
+def gradients_step(state, batch):
+  loss, grads = jax.value_and_grad(_mlp_loss)(state.params, batch["x"], batch["y"])
+  return state.apply_gradients(grads=grads), {"loss": loss, "grads": grads}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tail,shares", [((0, 0), ()), ((1, 1), ()), ((0, 0), SHARES_80_16)],
+                         ids=["exchange", "tail", "owners"])
+def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail, shares):
+  """With ``reduce_dtype="bfloat16"`` each device's partial gradient leaves its group program in bfloat16 (half
+  the bytes the exchange reduces, or that are copied to the devices owning state shares) and is summed over the
+  8 devices in bfloat16, the loss's sum in float32: every gradient element is within the bound of that
+  rounding, gamma(n + 1) of the sum of the examples' gradients' magnitudes (no smaller than the devices'
+  partials'), of the float32 gradient; the bound is not vacuous, and the loss is float32's."""
+  require_devices(8)
+  groups = PLANS[0]
+  size = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
+  plan = group_plan(groups, size, tail=tail, state_shares=shares, reduce_dtype="bfloat16")
+  rs = np.random.RandomState(0)
+  batch = {"x": rs.randn(size, 12).astype(np.float32), "y": rs.randn(size, 4).astype(np.float32)}
+  params = _mlp_train_state().params
+  exact_loss, exact = jax.value_and_grad(_mlp_loss)(params, batch["x"], batch["y"])
+  # each example's share of the mean's gradient
+  per_example = jax.vmap(lambda x, y: jax.grad(_mlp_loss)(params, x[None], y[None]))(batch["x"], batch["y"])
+  step = run_groups(gradients_step, plan)
+  _, metrics = step(step.shard_state(_mlp_train_state()), batch)
+  u = 2.0 ** -8  # bfloat16's unit roundoff
+  bound = 9 * u / (1 - 9 * u)
+  moved = 0.0
+  for name in exact:
+    magnitude = np.sum(np.abs(np.asarray(per_example[name])), axis=0) / size
+    err = np.abs(np.asarray(metrics["grads"][name]) - np.asarray(exact[name]))
+    slack = 1e-6 * float(np.max(np.abs(exact[name])))  # float32 accumulation order
+    assert np.all(err <= bound * magnitude + slack), name
+    moved = max(moved, float(np.max(err)))
+  assert moved > 1e-4 * max(float(np.max(np.abs(g))) for g in jax.tree.leaves(exact))  # float32 moves ~1e-7
+  np.testing.assert_allclose(float(metrics["loss"]), float(exact_loss), rtol=1e-5)
+  grouped = [name for name in step._last if name.startswith("group")]
+  rows = {str(x.dtype) for name in grouped for x in jax.tree.leaves(step._last[name][0].lower(
+      *step._last[name][1]).out_info)}
+  assert ("bfloat16" in rows) == (not tail[1])  # with a tail, the tail's reduction narrows them
+  exchange = step._last["exchange"][0].lower(*step._last["exchange"][1]).as_text()
+  narrowed = re.findall(r'"stablehlo\.all_reduce".*?\}\) : \(([^)]*)\)', exchange, re.DOTALL) if tail[1] else (
+      re.findall(r"stablehlo\.reduce\(.*?: \(([^)]*)\)", exchange))
+  # the three gradients: reduced one by one over the rows, or in one bucket by the tail's all-reduce
+  assert sum("bf16" in operands for operands in narrowed) == (1 if tail[1] else 3), narrowed

@@ -7,7 +7,8 @@ kinds of programs built from the same microbatch analysis:
   the example-free work before the loop, then, inside a ``shard_map`` over
   the group, each device's loop over its own microbatches (the group's
   microbatch size, the device's count) giving that device's partial value of
-  every cut, in float32, with a leading axis of one per device. Nothing
+  every cut, in float32 (the gradients in the plan's ``reduce_dtype``:
+  :func:`narrowed`), with a leading axis of one per device. Nothing
   crosses devices, so groups with different shapes run side by side.
 * :func:`exchange_program`, over every device: each cut's partials
   (a global array with one row per device, assembled from the groups' rows
@@ -35,15 +36,26 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.lowering.loop import LoopContext, between_loops, feed_back, one_loop
-from hetspmd.lowering.program import Layout, Program, sum_outputs
+from hetspmd.lowering.program import Layout, Program, is_backward, sum_outputs
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
 
-_COMBINE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+def _sum(x, axis: int):
+  """``x`` summed over ``axis`` in its own dtype (``jnp.sum`` adds bfloat16 in float32, so a sum over devices would
+  cross them in float32)."""
+  if x.dtype not in (jnp.bfloat16, jnp.float16):
+    return jnp.sum(x, axis=axis)
+  return jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.add, (axis,))
+
+
+_COMBINE = {"sum": _sum, "max": jnp.max, "min": jnp.min}
 
 
 def check(prog: Program, tail: bool = False) -> None:
@@ -150,6 +162,28 @@ def sums_order(base: Program, other: Program) -> tuple[tuple[int, ...], tuple[in
                        "the ones the exchange program reduces: give every group the same remat policy")
   where = {sig: i for i, sig in enumerate(theirs)}
   return tuple(where[sig] for sig in mine), tuple(len(part) for part in _partials(base))
+
+
+def narrowed(prog: Program, dtype: str) -> tuple[tuple[bool, ...], ...]:
+  """Per partial sum the last loop returns (as :func:`_partials` orders them), which of its values cross devices
+  in ``dtype``: the gradients (sums made by the backward pass that feed no later loop nor a per-microbatch
+  region), floating and not scalars, as the single program narrows them
+  (:func:`hetspmd.lowering.program.low_precision`); the loss's sum, token counts and metrics stay float32."""
+  def floating(v) -> bool:
+    return dtype != "float32" and jnp.issubdtype(jx.aval_dtype(v), jnp.floating) and math.prod(jx.aval_shape(v)) > 1
+
+  cut_outs, out = prog.cut_outs, []
+  for k, part in zip(loop_cuts(cut_outs, prog.analysis.loops - 1), _partials(prog)):
+    cut = cut_outs[k]
+    gradient = cut.reduce == "sum" and not cut.feedback and not cut.local and is_backward(prog, cut.index)
+    out.append(tuple(gradient and floating(v) for _, v in part))
+  return tuple(out) + tuple((not prog.region and is_backward(prog, prog.producer.get(v)) and floating(v),)
+                            for v in prog.accumulated)
+
+
+def narrow(partials: Sequence[Sequence[Any]], mask: Sequence[Sequence[bool]], dtype: str) -> list[list[Any]]:
+  """``partials`` with the values ``mask`` (:func:`narrowed`) names cast to ``dtype``."""
+  return [[x.astype(dtype) if m else x for x, m in zip(part, flags)] for part, flags in zip(partials, mask)]
 
 
 def _partials(prog: Program) -> list[list[tuple[str, Any]]]:
@@ -341,7 +375,7 @@ def _reduced(prog: Program, cut_outs: Sequence[Any], partials: Sequence[Sequence
   last = loop_cuts(cut_outs, prog.analysis.loops - 1)
   final = {k: _combined(prog, cut_outs[k], part) for k, part in zip(last, partials)}
   totals = [final[k] if k in final else earlier[k] for k in range(len(cut_outs))]
-  return totals, [jnp.sum(x, axis=0) for (x,) in partials[len(last):]]
+  return totals, [_sum(x, 0) for (x,) in partials[len(last):]]
 
 
 def _with_tail(prog: Program, tail: Layout, ops):

@@ -7,7 +7,8 @@ module searches group plans with every device on data (no model axis), one
 group per device kind, one remat policy for all or per kind the one that
 recomputes least of those that fit, and the optimizer state replicated or
 held in shares by free memory (each device updating its share, then sending
-the parameters it made to every device). For each kind a microbatch size that fits its memory, for
+the parameters it made to every device), and the gradients crossing devices in
+each dtype the search allows (float32, bfloat16). For each kind a microbatch size that fits its memory, for
 the global batch each device's count: the smallest makespan whose capacity
 covers the batch, found by bisection, then trimmed to the batch exactly
 (the largest microbatches first). Optionally a uniform tail: one microbatch
@@ -45,9 +46,6 @@ MAX_COMBINATIONS = 4096
 # steps (benchmarks/emulated_hetero.py's group plan took microbatches of 128 on its fast device, priced 0.4% ahead
 # of 256, before this rule)
 TIE = 0.005
-# the dtype the partial sums cross devices in: the exchange program (hetspmd.lowering.groups) reduces every cut's
-# rows in float32
-GROUP_REDUCE_DTYPE = "float32"
 
 
 def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[str, int],
@@ -103,7 +101,8 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
-                 global_batch: int, *, tail: tuple[int, int] = (0, 0), zero: int = 0) -> Evaluated | None:
+                 global_batch: int, *, tail: tuple[int, int] = (0, 0), zero: int = 0,
+                 dtype: str = "float32") -> Evaluated | None:
   """The group plan with microbatch ``sizes[kind]`` and remat policy ``remat`` (one, or one per kind) per kind on
   ``layout`` (every device on data), or None if a kind's microbatch does not fit its memory or the sizes cannot
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
@@ -113,8 +112,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduces its own share's sums from every device's rows, copied to it (the runtime's path in one process; across
   hosts, processes, the exchange program reduces every sum onto every device): it holds those rows
   after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
-  to the busiest device's bytes. The sums cross devices in ``GROUP_REDUCE_DTYPE``, as the exchange program
-  reduces them."""
+  to the busiest device's bytes. The gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``)."""
   n, kinds = len(layout.groups), layout.kinds
   size, count = tail
   order = list(dict.fromkeys(kinds))
@@ -138,10 +136,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     return None
   per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
   busiest = max(range(n), key=lambda i: per_position[i])
-  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, GROUP_REDUCE_DTYPE)
+  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
-  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, GROUP_REDUCE_DTYPE)[1] if zero else 0.0
+  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
   hidden = 0.0
   if count:
     kind = kinds[busiest]
@@ -149,12 +147,13 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
   name = layout.name + (", optimizer state in memory shares" if zero else "") + (
-      ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "")
+      ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
+      f", {dtype} gradients" if dtype != "float32" else "")
   return Evaluated(
       name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=tuple(memory[k] for k in kinds), global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=GROUP_REDUCE_DTYPE, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
       tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else (), remats=tuple(remats[k] for k in kinds))
 
 
@@ -203,11 +202,13 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
-                  remat_policies: Sequence[str] = ("none",), recompute: float = 1.0) -> Evaluated | None:
+                  remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
+                  grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
-  or more kinds, and each kind's microbatch in ``sizes``; None if none fits or the pool has one kind (a group
-  plan is then one program). Of the plans priced within ``TIE`` of the fastest, over every device set, the one
-  :func:`_fewest_microbatches` prefers."""
+  or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
+  ``grad_reduce_dtypes``; None if none fits or the pool has one kind (a group plan is then one program). Of the
+  plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
+  prefers."""
   kinds = cluster.kinds
   if len(kinds) < 2:
     return None
@@ -219,7 +220,8 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
-    near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0))
+    near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
+                                 dtypes=tuple(grad_reduce_dtypes)))
   return min(near, key=_fewest_microbatches) if near else None
 
 
@@ -230,10 +232,11 @@ def _near(plans: list[Evaluated]) -> list[Evaluated]:
 
 
 def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], *, one_loop: bool = True) -> list[Evaluated]:
+             remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",)
+             ) -> list[Evaluated]:
   """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
-  tails, the optimizer state replicated or in shares, and remat: one policy for every group, or per kind the one
-  that recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch
+  tails, the optimizer state replicated or in shares, the gradients' reduce dtypes, and remat: one policy for
+  every group, or per kind the one that recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch
   statistics take loops of their own) neither a tail nor a policy per kind."""
   order = list(dict.fromkeys(layout.kinds))
   n = len(layout.groups)
@@ -247,8 +250,8 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
       choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
-    for remats, tail, zero in itertools.product(choices, tails, zeros):
-      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero)
+    for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
+      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype)
       if e is not None:
         near = _near(near + [e])
   return near
@@ -263,12 +266,12 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
   """Of plans priced alike: the fewest microbatches on the busiest device, then on all devices together, then
-  the fewest programs (no state shares), then the price. A linear cost model prices a microbatch of 2m as two of
-  m; on a device the larger one runs larger kernels and fewer loop steps, and each extra program adds a round of
-  transfers."""
+  the fewest programs (no state shares), then float32 gradients (exact), then the price. A linear cost model
+  prices a microbatch of 2m as two of m; on a device the larger one runs larger kernels and fewer loop steps,
+  and each extra program adds a round of transfers."""
   tail = e.tail[1] if e.tail else 0
   counts = [c + tail for c in e.counts]
-  return (max(counts), sum(counts), bool(e.zero_stage), e.step_seconds)
+  return (max(counts), sum(counts), bool(e.zero_stage), e.grad_reduce_dtype != "float32", e.step_seconds)
 
 
 def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> str:
@@ -302,6 +305,7 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   if e.position_seconds:
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
   plan = group_plan(groups, e.global_batch, tail=e.tail,
-                    state_shares=tuple(s / sum(shares) for s in shares) if shares else ())
+                    state_shares=tuple(s / sum(shares) for s in shares) if shares else (),
+                    reduce_dtype=e.grad_reduce_dtype)
   return dataclasses.replace(plan, predicted=tuple(predicted.items()),
                              predicted_per_device=tuple((k, tuple(v)) for k, v in per_device.items()))

@@ -301,7 +301,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   grouped = None
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
-                            recompute=recompute)
+                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes)
   return SearchResult(ranked, tally.best, ideal_throughput(cluster, profile, global_batch),
                       time.perf_counter() - start, tally.candidates, equivalent, grouped)
 

@@ -409,20 +409,22 @@ class GroupedStep:
     units, owner, params = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {}, {})
     held = tuple(sorted(owner))
     loops = prog.analysis.loops
+    # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
+    mask = None if self.plan.tail_count else group_lowering.narrowed(prog, self.plan.reduce_dtype)
     programs = []
     for group, mesh in zip(self.plan.groups, self.group_meshes):
       layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
       own = progs[group.remat]
       order = None if own is prog else group_lowering.sums_order(prog, own)
-      programs.append([jax.jit(_reordered(order, _missing(own, held, group_lowering.group_program(own, layout, s))))
-                       for s in range(loops)])
+      programs.append([jax.jit(_narrowed(mask if s == loops - 1 else None, self.plan.reduce_dtype, _reordered(
+          order, _missing(own, held, group_lowering.group_program(own, layout, s))))) for s in range(loops)])
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
     tail = None
     if self.plan.tail_count:
       count = self.plan.tail_count
       tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
-                             overlap=True)
+                             reduce_dtype=self.plan.reduce_dtype, overlap=True)
     # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
     # it needs are copied to it): no device holds a reduced gradient it does not update
     to_owner = units is not None and not self.plan.tail_count and jax.process_count() == 1
@@ -584,6 +586,14 @@ def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., An
     return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
 
   return reordered
+
+
+def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` with the partial sums ``mask`` names (:func:`hetspmd.lowering.groups.narrowed`) cast to ``dtype``,
+  the dtype they cross devices in."""
+  if mask is None or not any(flag for part in mask for flag in part):
+    return run
+  return lambda *args: group_lowering.narrow(run(*args), mask, dtype)
 
 
 def _shard_on(x: Any, device: Any) -> Any:
