@@ -54,3 +54,26 @@ def run_processes(body: str, num_processes: int = 2, devices_per_process: int = 
         proc.kill()
         proc.wait()
   return results
+
+
+def group_child(module: str = "test_group_programs") -> str:
+  """The start of a child script (for :func:`run_processes`) that runs a step under groups: the tests' folder
+  on the path, the backend started with this process's devices (before conftest asks for 8), ``module``
+  imported as ``t``; ``ids``: each process's device ids; ``local(x)``: this process's first shard of ``x`` as
+  NumPy (None where it holds none); ``reference(step, state, batches)``: the one-device reference, run on this
+  process's first device."""
+  return textwrap.dedent(f"""
+      import json, sys
+      import numpy as np, jax
+      sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+      jax.devices()
+      import {module} as t
+      from exactness import Reference
+
+      ids = [[d.id for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+      local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
+
+      def reference(step, state, batches):
+        return Reference(step, state, jit=jax.jit(step, device=jax.local_devices()[0])).run(batches)
+  """)
+

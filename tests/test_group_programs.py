@@ -3,6 +3,7 @@ one uniform program over every device; exact against one device, and bad group p
 
 import json
 import re
+import textwrap
 
 import flax.linen as nn
 import jax
@@ -273,6 +274,25 @@ def test_a_checkpoint_saved_under_group_programs_restores_under_other_plans(tmp_
     ref.check(resumed.opt_state, lambda s: s.opt_state)
 
 
+def nnx_objects():
+  """An NNX model and its optimizer, as Flax's NNX examples make them."""
+  from flax import nnx
+
+  model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+  return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+
+
+def nnx_train_step(model, optimizer, batch):
+  """An NNX step in place: the model and optimizer updated, the loss returned."""
+  from flax import nnx
+
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return {"loss": loss}
+
+
 @pytest.mark.parametrize("shares,zero", [((), 0), (SHARES_80_16, 1), (SHARES_80_16, 3)],
                          ids=["replicated", "memory-shares", "memory-shares-zero3"])
 def test_an_nnx_step_in_place_under_group_programs(shares, zero):
@@ -281,23 +301,11 @@ def test_an_nnx_step_in_place_under_group_programs(shares, zero):
   from exactness import NnxReference
 
   require_devices(8)
-
-  def objects():
-    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
-    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
-
-  def train_step(model, optimizer, batch):
-    def loss_fn(model):
-      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss}
-
   plan = group_plan(PLANS[1], 36, tail=(0, 0), state_shares=shares, zero_stage=zero)
   batches = _batches(plan.global_batch)
-  ref = NnxReference(train_step, objects()).run(batches)
-  model, optimizer = objects()
-  step = run_groups(train_step, plan)
+  ref = NnxReference(nnx_train_step, nnx_objects()).run(batches)
+  model, optimizer = nnx_objects()
+  step = run_groups(nnx_train_step, plan)
   for batch in batches:
     step(model, optimizer, batch)
   single = nnx.state(ref.single[0], nnx.Param)
@@ -466,25 +474,14 @@ def test_two_processes_each_run_their_own_group():
   parameters too (ZeRO-3, each sent to every device by one uniform program at the start of the next step): each
   process dispatches only its group's program (and its devices' updates); the parameters and moments each
   process holds and the metrics equal one device's."""
-  import os
+  from multiprocess import group_child, run_processes
 
-  from multiprocess import run_processes
-
-  results = run_processes(f"""
-      import json, sys
-      import numpy as np, jax
-      sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-      jax.devices()  # the backend starts with this process's 4 devices, before conftest asks for 8
-      import test_group_programs as t
-      from exactness import Reference
+  results = run_processes(group_child() + textwrap.dedent(f"""
       from hetspmd.plan.groups import group_plan
       from hetspmd.runtime.grouped import run_groups
 
-      ids = [[d.id for d in jax.devices() if d.process_index == p] for p in (0, 1)]
       batches = t._batches(42)
-      ref = Reference(t.dropout_step, t._state(), jit=jax.jit(t.dropout_step, device=jax.local_devices()[0]))
-      ref.run(batches)
-      local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
+      ref = reference(t.dropout_step, t._state(), batches)
       report = {{}}
       for name, shares, zero in (("replicated", (), 0), ("shares", {SHARES_80_16!r}, 1),
                                  ("zero3", {SHARES_80_16!r}, 3)):
@@ -494,7 +491,7 @@ def test_two_processes_each_run_their_own_group():
         state = step.shard_state(t._state())
         for i, batch in enumerate(batches):
           state, metrics = step(state, step.shard_batch(batch) if shares else batch)
-          ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
+          ref.check_metrics(jax.tree.map(local, metrics), i)
         mine = jax.tree.map(local, (state.params, state.opt_state))
         held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]
         ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, (ref.single.params, ref.single.opt_state),
@@ -502,7 +499,7 @@ def test_two_processes_each_run_their_own_group():
         report[name] = {{"held": held,
                          "groups": sum(1 for n in step.memory_analysis() if n.startswith("group"))}}
       print(json.dumps(report))
-  """, num_processes=2, devices_per_process=4, timeout=240)
+  """), num_processes=2, devices_per_process=4, timeout=240)
   params = 6  # leaves of (params, opt_state): the model's 6 parameters, then the step count and the moments
   for name in ("replicated", "shares", "zero3"):
     assert [r[name]["groups"] for r in results] == [1, 1]

@@ -4,6 +4,8 @@ keywords, NNX objects bound by ``nnx.cached_partial``, ``pmap``-style collective
 search's group plan runs where it is priced ahead, and gives way to the single program for a step group programs
 do not run. Each step is checked against one device."""
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from conftest import require_devices
 from exactness import NnxReference, Reference, assert_exact
 from test_pmap_steps import one_replica
 from test_group_programs import (PLANS, SHARES_80_16, STEPS, TinyLM, _batches, _held_on_one_device, _state,
-                                 dropout_step, lm1b_style_step)
+                                 dropout_step, lm1b_style_step, nnx_objects, nnx_train_step)
 
 
 def _lm1b_batches(size, seed=5):
@@ -77,23 +79,11 @@ def test_an_nnx_step_bound_by_cached_partial_under_a_group_plan():
   from flax import nnx
 
   require_devices(8)
-
-  def objects():
-    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
-    return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
-
-  def train_step(model, optimizer, batch):
-    def loss_fn(model):
-      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss}
-
   plan = group_plan(PLANS[1], 36, state_shares=SHARES_80_16, zero_stage=3)
   batches = _batches(36)
-  ref = NnxReference(train_step, objects()).run(batches)
-  model, optimizer = objects()
-  step = hs.parallelize(nnx.cached_partial(train_step, model, optimizer), plan=plan, global_batch=36)
+  ref = NnxReference(nnx_train_step, nnx_objects()).run(batches)
+  model, optimizer = nnx_objects()
+  step = hs.parallelize(nnx.cached_partial(nnx_train_step, model, optimizer), plan=plan, global_batch=36)
   for batch in batches:
     step(step.shard_batch(batch))
   assert_exact(nnx.state(model, nnx.Param), nnx.state(ref.single[0], nnx.Param),
@@ -264,35 +254,25 @@ def test_two_processes_run_a_group_plan_whose_groups_span_them():
   """2 processes x 4 CPU devices (gloo): each group of the plan given to ``parallelize`` holds devices of both
   processes, so each is cut into one group per process; the optimizer state in shares; the metrics and the
   parameters every process holds equal one device's."""
-  import os
+  from multiprocess import group_child, run_processes
 
-  from multiprocess import run_processes
-
-  results = run_processes(f"""
-      import json, sys
-      import numpy as np, jax
-      sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-      jax.devices()  # the backend starts with this process's 4 devices, before conftest asks for 8
+  results = run_processes(group_child() + textwrap.dedent("""
       import hetspmd as hs
-      import test_group_programs as t
-      from exactness import Reference
       from hetspmd.plan.groups import group_plan
 
-      ids = [[d.id for d in jax.devices() if d.process_index == p] for p in (0, 1)]
       batches = t._batches(30)
-      ref = Reference(t.dropout_step, t._state(), jit=jax.jit(t.dropout_step, device=jax.local_devices()[0]))
-      ref.run(batches)
+      ref = reference(t.dropout_step, t._state(), batches)
       plan = group_plan([(ids[0][:2] + ids[1][:2], 4, (1, 2, 1, 1)), (ids[0][2:] + ids[1][2:], 1, (3, 2, 2, 3))],
                         30, state_shares=(1 / 8,) * 8)
       step = hs.parallelize(t.dropout_step, plan=plan, global_batch=30)
       state = t._state()
       for i, batch in enumerate(batches):
         state, metrics = step(state, batch)
-        ref.check_metrics(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), metrics), i)
-      ref.check(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.params), lambda s: s.params)
-      print(json.dumps({{"groups": len(step.plan.groups),
-                         "mine": sum(1 for n in step._grouped.memory_analysis() if n.startswith("group"))}}))
-  """, num_processes=2, devices_per_process=4, timeout=240)
+        ref.check_metrics(jax.tree.map(local, metrics), i)
+      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+      print(json.dumps({"groups": len(step.plan.groups),
+                        "mine": sum(1 for n in step._grouped.memory_analysis() if n.startswith("group"))}))
+  """), num_processes=2, devices_per_process=4, timeout=240)
   assert [r["groups"] for r in results] == [4, 4] and [r["mine"] for r in results] == [2, 2]
 
 
