@@ -4,6 +4,8 @@ keywords, NNX objects bound by ``nnx.cached_partial``, ``pmap``-style collective
 search's group plan runs where it is priced ahead, and gives way to the single program for a step group programs
 do not run. Each step is checked against one device."""
 
+import dataclasses
+import functools
 import textwrap
 
 import jax
@@ -152,6 +154,52 @@ def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
   kept(_state(), batches[0])
   assert not kept.grouped and f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}" in (
       kept.explain())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """A config as lm1b passes one to its step: settings, not arrays."""
+  label_smoothing: float
+  mode: str = "train"
+
+
+def lm1b_signature_step(state, batch, config, learning_rate_fn, dropout_rng):
+  """lm1b's train_step signature: a config and a learning-rate schedule beside the batch (neither an array),
+  then the dropout key; the config's smoothing shapes the loss, the schedule's rate is a metric."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  weights = jnp.where(targets > 0, 1.0, 0.0)
+  rng = jax.random.fold_in(dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, rngs={"dropout": rng}, train=config.mode == "train")
+    soft = optax.smooth_labels(jax.nn.one_hot(targets, 32), config.label_smoothing)
+    return (optax.softmax_cross_entropy(logits, soft) * weights).sum() / weights.sum()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss, "learning_rate": learning_rate_fn(state.step)}
+
+
+@pytest.mark.parametrize("given", ["plan", "search"])
+def test_a_group_plan_takes_settings_beside_the_batch_as_the_single_program_does(given, monkeypatch):
+  """Arguments that are not arrays (a config, a schedule function) are bound into the group programs as the
+  single program binds them, not traced, under a given group plan and a searched one: exact against one
+  device, and another config builds programs of its own."""
+  require_devices(8)
+  plan = group_plan([((0, 1, 2, 3), 4, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 0))], 22)
+  schedule, key = optax.linear_schedule(1e-3, 1e-4, 10), jax.random.key(3)
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  step = (hs.parallelize(lm1b_signature_step, plan=plan, global_batch=22) if given == "plan" else
+          hs.parallelize(lm1b_signature_step, cluster=_emulated_pool(), plan="search", global_batch=22))
+  batches = _lm1b_batches(22)
+  for config in (_Config(0.1), _Config(0.0, mode="eval")):
+    ref = Reference(functools.partial(lm1b_signature_step, config=config, learning_rate_fn=schedule),
+                    _lm1b_state()).run(batches, dropout_rng=key)
+    state = _lm1b_state()  # the search traces the first call's arguments
+    for i, batch in enumerate(batches):
+      state, metrics = step(state, batch, config, schedule, key)
+      ref.check_metrics(metrics, i)
+    ref.check(state.params, lambda s: s.params)
+  assert step.grouped and len(step._grouped._built) == 2
 
 
 def _with_logits(state, batch):

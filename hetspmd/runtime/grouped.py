@@ -59,7 +59,7 @@ from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners
 from hetspmd.plan.state_layout import role_of
-from hetspmd.runtime.binding import is_graph_node
+from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
 
 DATA = "data"
 
@@ -239,23 +239,33 @@ class GroupedStep:
         raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
                                 f"{self.plan.global_batch}, got shape {np.shape(x)}")
 
-  def prepare(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None
-              ) -> "_Built":
+  def prepare(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
+              static: Any = ()) -> "_Built":
     """Traces ``fn(state, batch, *rest)`` and builds its programs (compiled on first run); raises
-    :class:`HetSpmdError` for a step group programs do not run."""
+    :class:`HetSpmdError` for a step group programs do not run. ``static``: a key for values already bound into
+    ``fn`` (:func:`static_bound`)."""
+    fn, rest, found = static_bound(fn, rest)
+    return self._prepared(fn, state, batch, rest, (graphdef, static, found))
+
+  def _prepared(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, key: Any) -> "_Built":
+    """:meth:`prepare` of a step whose ``rest`` holds arrays only; ``key``: what else tells its programs apart
+    (the NNX graph, the values bound into ``fn``)."""
     batch = batch.abstract if isinstance(batch, GroupedBatch) else batch
     leaves, tree = jax.tree.flatten((state, batch, rest))
     self._check_batch(batch)
-    return self._built_for(fn, graphdef, state, leaves, tree, len(jax.tree.leaves(batch)))
+    return self._built_for(fn, key, state, leaves, tree, len(jax.tree.leaves(batch)))
 
-  def run(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None) -> Any:
+  def run(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
+          static: Any = ()) -> Any:
     """One step of ``fn(state, batch, *rest)`` (``batch``: the global batch, or placed by :meth:`shard_batch`);
-    ``graphdef``: the NNX objects' whose state ``state`` is (part of the programs' cache key)."""
+    ``graphdef``: the NNX objects' whose state ``state`` is, ``static``: a key for the values bound into ``fn``
+    (both part of the programs' cache key). Leaves of ``rest`` that are not arrays are bound as constants."""
     placed = batch if isinstance(batch, GroupedBatch) else None
     batch = placed.abstract if placed is not None else batch
+    fn, rest, found = static_bound(fn, rest)
     leaves, tree = jax.tree.flatten((state, batch, rest))
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
-    built = self.prepare(fn, state, batch, rest, graphdef=graphdef)
+    built = self._prepared(fn, state, batch, rest, (graphdef, static, found))
     batch_leaves = leaves[n_state:n_state + n_batch]
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
     if built.params:
@@ -394,8 +404,8 @@ class GroupedStep:
       return _elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device)
     return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
 
-  def _built_for(self, fn, graphdef, state, leaves, tree, n_batch) -> "_Built":
-    key = (tree, graphdef, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
+  def _built_for(self, fn, extra_key, state, leaves, tree, n_batch) -> "_Built":
+    key = (tree, extra_key, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
     if key not in self._built:
       self._built[key] = self._build(fn, state, tree, leaves, n_batch)
       self._owners = self._built[key].owner_paths
@@ -586,6 +596,23 @@ def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., An
     return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
 
   return reordered
+
+
+def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any], tuple, Any]:
+  """``fn(state, batch, *rest)`` with the leaves of ``rest`` that are not arrays or numbers (a string, a config,
+  a function) bound as constants, as the single program takes them: ``(fn(state, batch, arrays), (arrays,),
+  a key for the bound values)``; ``fn`` and ``rest`` as they are when there are none."""
+  leaves, tree = jax.tree.flatten(rest)
+  fixed = {i: x for i, x in enumerate(leaves) if not is_dynamic(x)}
+  if not fixed:
+    return fn, rest, ()
+
+  def bound(state, batch, arrays):
+    given = iter(arrays)
+    return fn(state, batch, *jax.tree.unflatten(tree, [fixed[i] if i in fixed else next(given)
+                                                       for i in range(len(leaves))]))
+
+  return bound, ([x for x in leaves if is_dynamic(x)],), hashable(tuple(fixed.items()))
 
 
 def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:

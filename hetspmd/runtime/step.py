@@ -47,7 +47,7 @@ from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
 from hetspmd.runtime.binding import Arguments, Call, dtype_of, positional_function, unbound
-from hetspmd.runtime.grouped import GroupedStep
+from hetspmd.runtime.grouped import GroupedStep, static_bound
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
 
 
@@ -61,6 +61,15 @@ class _Trace:
   batch: tuple
   rest: tuple
   graphdef: Any = None
+  static: Any = ()  # a key for the values bound into f
+
+  @classmethod
+  def of(cls, step: "ParallelStep", f: Callable[..., Any], batch: tuple, rest: tuple, graphdef: Any = None
+         ) -> "_Trace":
+    """``f`` as ``step`` traces it, the leaves of ``rest`` that are not arrays (a config, a schedule) bound into
+    it first (:func:`~hetspmd.runtime.grouped.static_bound`), as the single program binds them."""
+    f, rest, static = static_bound(f, rest)
+    return cls(step.traced(f), batch, rest, graphdef, static)
 
   def state_batch(self) -> Callable[[Any, Any], Any]:
     """The step as ``f(state, batch)`` for the search's profile, ``batch`` the tuple of batch arguments."""
@@ -171,8 +180,8 @@ class ParallelStep:
     with: NNX objects are placed on a single program's devices in place, as ``nnx.jit`` would leave them."""
     from flax import nnx
 
-    self._resolve(parts.state, _Trace(self.traced(parts.function(self.fn, len(args))), parts.batch,
-                                      (parts.rest, kwargs), parts.graphdef))
+    self._resolve(parts.state, _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs),
+                                         parts.graphdef))
     state = parts.state
     if parts.graph_args and not self.grouped:
       state = jax.device_put(state, self._plan.state_shardings(self._mesh, state))
@@ -217,7 +226,8 @@ class ParallelStep:
       return plan, None
     runtime = self._group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
     try:  # a step group programs do not run (per-example outputs, say) runs as the best single program
-      runtime.prepare(trace.f, state, self._global(trace.batch), trace.rest, graphdef=trace.graphdef)
+      runtime.prepare(trace.f, state, self._global(trace.batch), trace.rest, graphdef=trace.graphdef,
+                      static=trace.static)
     except HetSpmdError as e:
       self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
       return plan, None
@@ -280,7 +290,7 @@ class ParallelStep:
     ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
     trace = self._example_trace()
     try:
-      self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest)
+      self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest, static=trace.static)
     except HetSpmdError:
       raise
     except TypeError as e:
@@ -315,18 +325,15 @@ class ParallelStep:
     outputs = compiled(*call.dynamic, call.batch.counts, self._starts())
     return call.finish(outputs)
 
-  def _grouped_call(self, parts: Arguments, args: tuple, kwargs: dict) -> tuple:
-    """``(f, batch, rest)`` for :meth:`GroupedStep.run`: the step as ``f(state, batch, rest, kwargs)``, the batch
-    arguments (or the one placed by :meth:`shard_batch`), the other arguments and keywords."""
-    placed = len(parts.batch) == 1 and getattr(parts.batch[0], "placed_for_groups", False)
-    return (self.traced(parts.function(self.fn, len(args))), parts.batch[0] if placed else parts.batch,
-            (parts.rest, kwargs))
-
   def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
+    """One step under the group plan: the step as ``f(state, batch, rest, kwargs)``, with the batch arguments (or
+    the one placed by :meth:`shard_batch`)."""
     from flax import nnx
 
-    f, batch, rest = self._grouped_call(parts, args, kwargs)
-    out = self._grouped.run(f, parts.state, batch, rest, graphdef=parts.graphdef)
+    placed = len(parts.batch) == 1 and getattr(parts.batch[0], "placed_for_groups", False)
+    trace = _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
+    out = self._grouped.run(trace.f, parts.state, parts.batch[0] if placed else parts.batch, trace.rest,
+                            graphdef=parts.graphdef, static=trace.static)
     if parts.graph_args:
       new_state, out = out
       nnx.update(tuple(args[i] for i in parts.graph_args), new_state)
