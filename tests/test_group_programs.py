@@ -829,11 +829,9 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
   per_example = jax.vmap(lambda x, y: jax.grad(_mlp_loss)(params, x[None], y[None]))(batch["x"], batch["y"])
   step = run_groups(gradients_step, plan)
   new, metrics = step(step.shard_state(_mlp_train_state()), batch)
-  # Adam's first update is lr * g / (|g| + eps) per element, whichever device updates it: reduced gradients move
-  # it by at most 2 lr
-  one, _ = jax.jit(gradients_step)(_mlp_train_state(), batch)
-  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(one.params)):
-    assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= 2 * 1e-2 * 1.0001
+  # Adam's first moment is 0.1 g, made by the devices that own it (under shares, from their own reduction of
+  # the rows copied to them): within the same bound, scaled
+  mu = new.opt_state[0].mu
   u = 2.0 ** -8  # bfloat16's unit roundoff
   bound = 9 * u / (1 - 9 * u)
   moved = 0.0
@@ -842,6 +840,8 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
     err = np.abs(np.asarray(metrics["grads"][name]) - np.asarray(exact[name]))
     slack = 1e-6 * float(np.max(np.abs(exact[name])))  # float32 accumulation order
     assert np.all(err <= bound * magnitude + slack), name
+    held = np.abs(np.asarray(mu[name]) - 0.1 * np.asarray(exact[name]))
+    assert np.all(held <= 0.1 * (bound * magnitude + slack) * (1 + 1e-6) + 1e-9), name
     moved = max(moved, float(np.max(err)))
   assert moved > 1e-4 * max(float(np.max(np.abs(g))) for g in jax.tree.leaves(exact))  # float32 moves ~1e-7
   np.testing.assert_allclose(float(metrics["loss"]), float(exact_loss), rtol=1e-5)

@@ -344,3 +344,26 @@ def test_state_shardings_before_the_first_call_from_example_batch():
                         global_batch=22, example_batch=_lm1b_batches(22)[0])
   with pytest.raises(hs.HetSpmdError, match=r"step\(state, batch\), which this step is not"):
     lm1b.state_shardings(_lm1b_state())
+
+
+def _shifted_step(state, batch, shift=None, scale=None, mode="train"):
+  """A step whose array may come by either of two parameters, beside a setting."""
+  x = batch["x"] * (scale if scale is not None else 1.0) + (shift if shift is not None else 0.0)
+  return dropout_step(state, {**batch, "x": x})
+
+
+def test_programs_are_told_apart_by_where_each_argument_was():
+  """The same array passed as another parameter (the same leaves and the same setting) builds programs of its
+  own, each exact against one device; an unhashable setting keys the programs by itself, held."""
+  require_devices(8)
+  plan = group_plan(PLANS[0], 38)
+  step = hs.parallelize(_shifted_step, plan=plan, global_batch=38)
+  batch, three = _batches(38)[0], jnp.float32(3.0)
+  for args, kwargs in (((None, three), {"mode": "x"}), ((), {"shift": three, "mode": "x"})):
+    ref = Reference(lambda s, b: _shifted_step(s, b, *args, **kwargs), _state()).run([batch])
+    _, metrics = step(_state(), batch, *args, **kwargs)
+    ref.check_metrics(metrics, 0)
+  assert len(step._grouped._built) == 2
+  from hetspmd.runtime.binding import hashable
+  setting = {"mode": "x"}
+  assert hashable(((0, setting),)) == hashable(((0, setting),)) != hashable(((0, {"mode": "x"}),))

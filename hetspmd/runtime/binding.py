@@ -241,12 +241,35 @@ def aval_key(x: Any) -> Any:
   return (tuple(np.shape(x)), str(dtype), getattr(x, "weak_type", False))
 
 
+class _Same:
+  """An unhashable value as part of a cache key: equal only to itself, and held, so that its id cannot pass to
+  another value while the key lives."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Same) and other.value is self.value
+
+  def __hash__(self) -> int:
+    return id(self.value)
+
+
 def hashable(static: tuple) -> Any:
+  """``static`` (``(position, value)`` pairs) as a cache key; an unhashable value counts as itself."""
   try:
     hash(static)
     return static
   except TypeError:
-    return tuple((i, id(x)) for i, x in static)
+    return tuple((i, x if _is_hashable(x) else _Same(x)) for i, x in static)
+
+
+def _is_hashable(x: Any) -> bool:
+  try:
+    hash(x)
+    return True
+  except TypeError:
+    return False
 
 
 def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int, ...]:

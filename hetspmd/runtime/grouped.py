@@ -601,7 +601,7 @@ def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., An
 def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any], tuple, Any]:
   """``fn(state, batch, *rest)`` with the leaves of ``rest`` that are not arrays or numbers (a string, a config,
   a function) bound as constants, as the single program takes them: ``(fn(state, batch, arrays), (arrays,),
-  a key for the bound values)``; ``fn`` and ``rest`` as they are when there are none."""
+  a key for the bound values and where they were)``; ``fn`` and ``rest`` as they are when there are none."""
   leaves, tree = jax.tree.flatten(rest)
   fixed = {i: x for i, x in enumerate(leaves) if not is_dynamic(x)}
   if not fixed:
@@ -612,7 +612,7 @@ def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any
     return fn(state, batch, *jax.tree.unflatten(tree, [fixed[i] if i in fixed else next(given)
                                                        for i in range(len(leaves))]))
 
-  return bound, ([x for x in leaves if is_dynamic(x)],), hashable(tuple(fixed.items()))
+  return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))
 
 
 def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:
