@@ -1,0 +1,159 @@
+"""Searching group plans: the tie rule for plans priced alike, the reduce dtypes they are priced in, the
+predictions they carry, and the microbatch sizes the search leaves out."""
+
+import json
+
+import jax
+import pytest
+
+import hetspmd as hs
+from hetspmd import models
+from hetspmd.passes.profile import profile_step
+from hetspmd.plan.groups import GroupPlan, group_plan
+from hetspmd.planner.grouping import search_groups, to_group_plan
+from hetspmd.planner.ranking import microbatch_sizes, search
+
+from conftest import require_devices
+from test_group_programs import PLANS, _batches, _state, dropout_step
+
+
+def test_plans_priced_alike_take_the_fewest_microbatches():
+  """Of the group plans priced within TIE of the fastest, the search takes the one whose busiest device runs the
+  fewest microbatches: on a fast and a slow device, microbatches of 256 where 128 prices the same."""
+  import dataclasses
+  import itertools
+
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner.grouping import TIE, price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(2)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  # two CPU cores as benchmarks/emulated_hetero.py measured them, one slowed by a busy loop
+  specs = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", flops, flops, 2**30, copy, measured=True, read_bandwidth=read)
+           for i, (flops, copy, read) in enumerate(((104.2e9, 3.6e9, 31e9), (48.4e9, 1.5e9, 10.7e9)))}
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=list(specs), custom=specs)
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  best = search_groups(cluster, profile, 8192, [128, 256])
+  costing, layout = Costing(cluster, profile, 256, 1.0), device_groups(cluster, "g", (0, 1), 1)
+  priced = [price_groups(costing, layout, dict(zip(specs, sizes)), "none", 8192, tail=tail, zero=zero)
+            for sizes in itertools.product([128, 256], repeat=2) for tail in [(0, 0), (128, 1), (256, 1)]
+            for zero in (0, 1)]
+  priced = [e for e in priced if e is not None]
+  fastest = min(e.step_seconds for e in priced)
+  alike = [e for e in priced if e.step_seconds <= fastest * (1 + TIE)]
+  busiest = lambda e: max(c + e.tail[1] for c in e.counts)
+  assert best.step_seconds <= fastest * (1 + TIE)
+  assert busiest(best) == min(busiest(e) for e in alike)
+  assert any(busiest(e) > busiest(best) for e in alike)  # the rule decided something
+
+
+@pytest.mark.parametrize("third", [0.5, 0.05, 0.01])
+def test_the_tie_rule_spans_every_device_set(third):
+  """The rule for plans priced alike is applied once over every device set the search tries (every kind, the
+  fastest kinds), not within each: on a fast, a slow and a third CPU core at ``third`` of the fast one's speed,
+  the search's plan is the one the rule prefers among all plans within TIE of the fastest of any set."""
+  import dataclasses
+
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner.grouping import TIE, _fewest_microbatches, _near_on
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(3)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  rates = ((104.2e9, 3.6e9, 31e9), (48.4e9, 1.5e9, 10.7e9), (104.2e9 * third, 3.6e9 * third, 31e9 * third))
+  specs = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", flops, flops, 2**30, copy, measured=True, read_bandwidth=read)
+           for i, (flops, copy, read) in enumerate(rates)}
+  cluster = hs.Cluster.emulate(jax.devices()[:3], kinds=list(specs), custom=specs)
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  best = search_groups(cluster, profile, 8192, [128, 256])
+  costing = Costing(cluster, profile, 256, 1.0)
+  plans = [e for devices in ((0, 1, 2), (0, 1))
+           for e in _near_on(costing, device_groups(cluster, "g", devices, 1), 8192, [128, 256], ("none",))]
+  fastest = min(e.step_seconds for e in plans)
+  alike = [e for e in plans if e.step_seconds <= fastest * (1 + TIE)]
+  assert best.step_seconds <= fastest * (1 + TIE)
+  assert _fewest_microbatches(best) == min(_fewest_microbatches(e) for e in alike)
+
+
+def test_group_plans_reduce_in_the_dtype_the_search_allows():
+  """A search allowed only bfloat16 prices its group plan with bfloat16 gradients, and the plan it writes reduces
+  in bfloat16 (through JSON too); by default group plans reduce in float32. The same plan priced both ways
+  spends less on its reduction in bfloat16."""
+  from hetspmd.planner.grouping import price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["P100-16GB"] * 5 + ["V100-32GB"] * 3)
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  narrow = search(cluster, profile, 48, top=1, remat_policies=("none",), grad_reduce_dtypes=("bfloat16",),
+                  groups=True)
+  assert narrow.plans[0].grad_reduce_dtype == "bfloat16" and narrow.group_plan.grad_reduce_dtype == "bfloat16"
+  plan = to_group_plan(cluster, narrow.group_plan)
+  assert plan.reduce_dtype == "bfloat16" and GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  assert "cross devices in bfloat16" in plan.summary()
+  assert to_group_plan(cluster, search_groups(cluster, profile, 48, microbatch_sizes(48))).reduce_dtype == "float32"
+  layout = device_groups(cluster, "g", tuple(range(8)), 1)
+  priced = {d: price_groups(Costing(cluster, profile, 2, 1.0), layout, {"P100-16GB": 2, "V100-32GB": 4}, "none", 48,
+                            dtype=d) for d in ("float32", "bfloat16")}
+  assert 0 < priced["bfloat16"].comm_seconds < priced["float32"].comm_seconds
+  with pytest.raises(hs.HetSpmdError, match="reduce_dtype must be one of"):
+    group_plan(PLANS[0], 38, reduce_dtype="float16")
+
+
+def test_a_searched_group_plan_carries_its_predictions():
+  """The plan the search writes says what it predicted: the step, and per device (in the plan's device order)
+  its peak bytes beside its memory and its compute seconds; they survive JSON, show in the summary, and do not
+  take part in equality; a per-device list of the wrong length is refused."""
+  import dataclasses
+
+  require_devices(8)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["P100-16GB"] * 5 + ["V100-32GB"] * 3)
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  priced = search_groups(cluster, profile, 48, microbatch_sizes(48))
+  plan = to_group_plan(cluster, priced, ideal=2 * priced.throughput)
+  predicted, per_device = dict(plan.predicted), dict(plan.predicted_per_device)
+  assert predicted["step_seconds"] == pytest.approx(priced.step_seconds) and predicted["efficiency"] == 0.5
+  kind_of = {d.id: k for d, k in zip(jax.devices()[:8], ["P100-16GB"] * 5 + ["V100-32GB"] * 3)}
+  assert [cluster.spec_of(kind_of[d]).memory_bytes for d in plan.devices] == list(per_device["memory_capacity_bytes"])
+  assert all(0 < m <= c for m, c in zip(per_device["memory_bytes"], per_device["memory_capacity_bytes"]))
+  assert len(per_device["compute_seconds"]) == 8
+  again = GroupPlan.from_json(json.loads(plan.dumps()))
+  assert again == plan and again.predicted == plan.predicted and again.predicted_per_device == plan.predicted_per_device
+  assert "predicted memory_bytes by device" in plan.summary()
+  assert dataclasses.replace(plan, predicted=()) == plan
+  with pytest.raises(hs.HetSpmdError, match="predicted 'memory_bytes' has 2 values for the plan's 8 devices"):
+    dataclasses.replace(plan, predicted_per_device=(("memory_bytes", (1.0, 2.0)),))
+
+
+@pytest.mark.parametrize("policies", [("none",), ("none", "dots", "full")])
+def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypatch):
+  """Per-kind microbatch sizes that a device of the kind cannot hold even without optimizer state or reduced
+  gradients are left out before the per-kind product (on three kinds at a large batch the product was most of a
+  search's time): the search's plan is the one it finds over the whole product, with fewer plans priced."""
+  import dataclasses
+
+  from hetspmd.planner.data_axis import memory_per_device
+  from hetspmd.models.mlp import MLPConfig
+  from hetspmd.planner import grouping
+
+  require_devices(3)
+  w = dataclasses.replace(models.get("mlp"), name="mlp-wide", config=MLPConfig((512, 1024, 1024, 10)))
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  holds = {"small": 256, "middle": 512, "large": 2048}  # the largest microbatch each kind holds with no state
+  least = lambda m: min(memory_per_device(profile, 3, m, 0, r, optimizer_share=0.0, reduced_share=0.0)
+                        for r in policies) + 1
+  specs = {k: hs.DeviceSpec(k, 1e11 * (i + 1), 1e11 * (i + 1), least(m), 3e9 * (i + 1), measured=True)
+           for i, (k, m) in enumerate(holds.items())}
+  cluster = hs.Cluster.emulate(jax.devices()[:3], kinds=list(specs), custom=specs)
+  sizes = microbatch_sizes(4096)
+  priced = []
+  price = grouping.price_groups
+  monkeypatch.setattr(grouping, "price_groups", lambda *a, **k: priced.append(a[2]) or price(*a, **k))
+  pruned = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
+  calls = len(priced)
+  assert all(s[k] <= holds[k] for s in priced for k in s)
+  monkeypatch.setattr(grouping, "_may_fit", lambda *a: True)
+  whole = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
+  assert pruned == whole and pruned is not None
+  assert calls < len(priced) - calls
