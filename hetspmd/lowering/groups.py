@@ -199,6 +199,16 @@ def _partials(prog: Program) -> list[list[tuple[str, Any]]]:
   return out + [[("sum", v)] for v in prog.accumulated]
 
 
+def partial_reductions(prog: Program, s: int) -> list[list[str]]:
+  """Per partial sum :func:`group_program` returns for loop ``s`` (its cuts, then, for the last loop, the
+  accumulated values), how each of its values combines over devices: ``sum``, ``max`` or ``min``."""
+  if s == prog.analysis.loops - 1:
+    return [[reduce for reduce, _ in part] for part in _partials(prog)]
+  cut_outs = prog.cut_outs
+  return [[cut_outs[k].reduce] * len(sum_outputs(prog.analysis.decisions[cut_outs[k].index]))
+          for k in loop_cuts(cut_outs, s)]
+
+
 def _signatures(prog: Program) -> list[tuple]:
   """Per value of :func:`_partials` (flattened): its reduction, shape, and the step outputs (by position) it reaches through the
   example-free rest of the step, by equations that neither reduce it (a gradient norm) nor broadcast it (a

@@ -31,10 +31,10 @@ from typing import Any, Mapping, Sequence
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES
 
-GROUP_PLAN_VERSION = 4
+GROUP_PLAN_VERSION = 5
 # the JSON versions from_json reads (version 1: no state shares; version 2: no zero_stage, ZeRO-1 under shares;
-# version 3: no reduce_dtype, float32)
-_READS = (1, 2, 3, 4)
+# version 3: no reduce_dtype, float32; version 4: no model axis)
+_READS = (1, 2, 3, 4, 5)
 # the ZeRO stages a group plan runs: 0 replicated, 1 optimizer state in shares, 3 parameters in shares too
 ZERO_STAGES = (0, 1, 3)
 # relative slack on state shares that must add up to 1
@@ -45,12 +45,20 @@ _SHARE_SLACK = 1e-6
 class Group:
   """Devices (JAX device ids, in position order) that run one program: microbatches of ``microbatch``
   examples, ``counts[i]`` of them on device ``i``, each microbatch's forward pass saved or recomputed as
-  ``remat`` says (:data:`hetspmd.plan.options.REMAT_POLICIES`; applied by ``hetspmd.value_and_grad``)."""
+  ``remat`` says (:data:`hetspmd.plan.options.REMAT_POLICIES`; applied by ``hetspmd.value_and_grad``).
+
+  ``model`` > 1 gives the group a model axis: its devices, taken ``model`` at a time, are data positions whose
+  devices split each microbatch's work, each parameter of ``model_dims`` (``(path, dimension)`` pairs, paths as
+  the state's leaves are named: ``params/h/0/mlp/c_fc/kernel``) split along that dimension over them, so each
+  holds that part of the parameter's gradient and activations. A position's devices share one count (each
+  device has its entry in ``counts``, equal within a position) and hold the whole parameters between steps."""
 
   devices: tuple[int, ...]
   microbatch: int
   counts: tuple[int, ...]
   remat: str = "none"
+  model: int = 1
+  model_dims: tuple[tuple[str, int], ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -66,10 +74,34 @@ class Group:
     if len(self.counts) != len(self.devices) or any(c < 0 for c in self.counts):
       raise InvalidValueError(f"a group needs one count of at least 0 per device: {len(self.devices)} devices "
                               f"{self.devices}, counts {self.counts}")
+    object.__setattr__(self, "model_dims", tuple(sorted((str(p), int(d)) for p, d in dict(self.model_dims).items())))
+    self._check_model()
+
+  def _check_model(self) -> None:
+    m = self.model
+    if not isinstance(m, int) or m < 1 or len(self.devices) % m:
+      raise InvalidValueError(f"a group's model axis must be a positive integer dividing its {len(self.devices)} "
+                              f"devices, got model={m!r}")
+    if m == 1 and self.model_dims:
+      raise InvalidValueError("a group's model_dims need a model axis: give the group model > 1, or no model_dims")
+    if m > 1 and not self.model_dims:
+      raise InvalidValueError(f"a group with a model axis of {m} needs model_dims: which dimension of which "
+                              "parameters splits over it, as (path, dimension) pairs")
+    if any(d < 0 for _, d in self.model_dims):
+      raise InvalidValueError(f"model_dims dimensions must be at least 0, got {dict(self.model_dims)}")
+    uneven = [p for p in range(len(self.positions)) if len(set(self.counts[p * m:(p + 1) * m])) > 1]
+    if uneven:
+      raise InvalidValueError(f"the devices of a data position share its count (model axis of {m}): counts "
+                              f"{list(self.counts)} differ within position(s) {uneven}")
+
+  @property
+  def positions(self) -> tuple[int, ...]:
+    """Each data position's count (its devices', ``model`` of them in a row)."""
+    return self.counts[::self.model]
 
   @property
   def examples(self) -> int:
-    return sum(self.counts) * self.microbatch
+    return sum(self.positions) * self.microbatch
 
   @property
   def max_count(self) -> int:
@@ -137,7 +169,7 @@ class GroupPlan:
         owner[d] = g
     covered = sum(group.examples for group in self.groups) + self.tail_examples
     if covered != self.global_batch:
-      detail = " + ".join([f"{sum(g.counts)} x {g.microbatch}" for g in self.groups] + (
+      detail = " + ".join([f"{sum(g.positions)} x {g.microbatch}" for g in self.groups] + (
           [f"{len(self.devices) * self.tail_count} x {self.tail_microbatch} in the tail"] if self.tail_count else []))
       raise InvalidValueError(f"the groups cover {covered} examples ({detail}), not the global batch of "
                               f"{self.global_batch}: change the counts or the microbatch sizes")
@@ -176,11 +208,12 @@ class GroupPlan:
     return tuple(first + i * self.tail_count * self.tail_microbatch for i in range(len(self.devices)))
 
   def starts(self) -> tuple[tuple[int, ...], ...]:
-    """Per group, each device's first example of the global batch."""
+    """Per group, each data position's first example of the global batch (one per device where the group has
+    no model axis)."""
     out, at = [], 0
     for group in self.groups:
       firsts = []
-      for c in group.counts:
+      for c in group.positions:
         firsts.append(at)
         at += c * group.microbatch
       out.append(tuple(firsts))
@@ -190,7 +223,9 @@ class GroupPlan:
     lines = [f"{len(self.groups)} group program(s), global batch {self.global_batch}"]
     for g, group in enumerate(self.groups):
       lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
-                   f"{list(group.counts)} ({group.examples} examples), remat {group.remat}")
+                   f"{list(group.counts)} ({group.examples} examples), remat {group.remat}" + (
+                       f", model axis {group.model} ({len(group.model_dims)} parameters split over it)"
+                       if group.model > 1 else ""))
     if self.state_shares:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
       what = "optimizer state" if self.zero_stage == 1 else "parameters and optimizer state"
@@ -211,7 +246,7 @@ class GroupPlan:
             "state_shares": list(self.state_shares), "zero_stage": self.zero_stage,
             "reduce_dtype": self.reduce_dtype,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
-                        "remat": g.remat} for g in self.groups],
+                        "remat": g.remat, "model": g.model, "model_dims": dict(g.model_dims)} for g in self.groups],
             "predicted": dict(self.predicted),
             "predicted_per_device": {k: list(v) for k, v in self.predicted_per_device}}
 
@@ -219,7 +254,8 @@ class GroupPlan:
   def from_json(cls, data: dict[str, Any]) -> "GroupPlan":
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
-    return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"))
+    return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"),
+                           int(g.get("model", 1)), tuple(g.get("model_dims", {}).items()))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())), data.get("zero_stage"), data.get("reduce_dtype", "float32"),
@@ -249,7 +285,8 @@ class GroupPlan:
 def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
                state_shares: Sequence[float] = (), zero_stage: int | None = None,
                reduce_dtype: str = "float32") -> GroupPlan:
-  """``GroupPlan`` from ``(devices, microbatch, counts)`` or ``(devices, microbatch, counts, remat)`` tuples;
+  """``GroupPlan`` from ``(devices, microbatch, counts)``, ``(devices, microbatch, counts, remat)`` or ``(devices,
+  microbatch, counts, remat, model, model_dims)`` tuples (:class:`Group`);
   ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the state it holds
   (devices in group order), or none to replicate it; ``zero_stage``: 1 (the default with shares) holds the
   optimizer state in the shares, 3 the parameters too; ``reduce_dtype``: the dtype the gradients' partial sums
@@ -292,6 +329,9 @@ def split_by_process(plan: GroupPlan, process_of: Mapping[int, int]) -> GroupPla
     start = 0
     for i in range(1, len(g.devices) + 1):
       if i == len(g.devices) or process_of[g.devices[i]] != process_of[g.devices[start]]:
+        if i % g.model:
+          raise InvalidValueError(f"a data position of group devices {list(g.devices)} (model axis {g.model}) spans "
+                                  "processes: a position's devices must be one process's")
         groups.append(dataclasses.replace(g, devices=g.devices[start:i], counts=g.counts[start:i]))
         start = i
   return dataclasses.replace(plan, groups=tuple(groups))

@@ -62,6 +62,7 @@ from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
 
 DATA = "data"
+MODEL = "model"
 
 
 @dataclasses.dataclass
@@ -87,7 +88,7 @@ class GroupedStep:
                               f"{sorted(by_id)})")
     self.devices = [by_id[d] for d in self.plan.devices]
     self.mesh = Mesh(np.array(self.devices), (DATA,))
-    self.group_meshes = [Mesh(np.array([by_id[d] for d in g.devices]), (DATA,)) for g in self.plan.groups]
+    self.group_meshes = [_group_mesh([by_id[d] for d in g.devices], g.model) for g in self.plan.groups]
     here = jax.process_index()
     for g, mesh in enumerate(self.group_meshes):
       processes = sorted({d.process_index for d in mesh.devices.flat})
@@ -100,7 +101,7 @@ class GroupedStep:
                               "group")
     # each loop's counts and first examples, placed once: (this process's group meshes'..., the tail's)
     on = lambda mesh, values: jax.device_put(np.asarray(values, np.int32), NamedSharding(mesh, P(DATA)))
-    self._loops = [(on(mesh, g.counts), on(mesh, starts)) if local else None
+    self._loops = [(on(mesh, g.positions), on(mesh, starts)) if local else None
                    for g, mesh, starts, local in zip(self.plan.groups, self.group_meshes, self.plan.starts(),
                                                      self.local)]
     self._tail = (on(self.mesh, [self.plan.tail_count] * len(self.devices)), on(self.mesh, self.plan.tail_starts()))
@@ -423,11 +424,14 @@ class GroupedStep:
     mask = None if self.plan.tail_count else group_lowering.narrowed(prog, self.plan.reduce_dtype)
     programs = []
     for group, mesh in zip(self.plan.groups, self.group_meshes):
-      layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.counts)
+      layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
       own = progs[group.remat]
       order = None if own is prog else group_lowering.sums_order(prog, own)
-      programs.append([jax.jit(_narrowed(mask if s == loops - 1 else None, self.plan.reduce_dtype, _reordered(
-          order, _missing(own, held, group_lowering.group_program(own, layout, s))))) for s in range(loops)])
+      split = _model_split(state, group, mesh)
+      programs.append([jax.jit(_spread(prog, s, group.model, _narrowed(
+          mask if s == loops - 1 else None, self.plan.reduce_dtype, _reordered(order, _missing(own, held, _split(
+              split, group_lowering.group_program(own, layout, s)))))),
+          out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))) for s in range(loops)])
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
     tail = None
@@ -505,14 +509,14 @@ class GroupedStep:
             {i: (owners[u], o) for u, params in enumerate(made) for i, o in params.items()})
 
   def _buffers(self, g: int, batch_leaves):
-    """Group ``g``'s padded microbatch buffers ``[devices * max_count, microbatch, ...]`` of each batch array."""
+    """Group ``g``'s padded microbatch buffers ``[positions * max_count, microbatch, ...]`` of each batch array."""
     group, mesh = self.plan.groups[g], self.group_meshes[g]
     starts = self.plan.starts()[g]
     out = []
     for x in batch_leaves:
       x = np.asarray(x)
-      buf = np.zeros((len(group.devices) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
-      for i, (c, s) in enumerate(zip(group.counts, starts)):
+      buf = np.zeros((len(group.positions) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
+      for i, (c, s) in enumerate(zip(group.positions, starts)):
         rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
         buf[i * group.max_count:i * group.max_count + c] = rows
       out.append(jax.device_put(buf, NamedSharding(mesh, P(DATA))))
@@ -613,6 +617,62 @@ def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any
                                                        for i in range(len(leaves))]))
 
   return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))
+
+
+def _group_mesh(devices: list, model: int) -> Mesh:
+  """A group's mesh: its devices on ``data``, or ``model`` at a time (a data position each) on ``data`` x
+  ``model``."""
+  if model == 1:
+    return Mesh(np.array(devices), (DATA,))
+  return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
+
+
+def _model_split(state: Any, group: Any, mesh: Mesh) -> dict[int, NamedSharding]:
+  """``{flat state index: sharding}`` of the parameters ``group.model_dims`` splits over its model axis (a path
+  names a leaf whose path ends with it); none without a model axis."""
+  if group.model == 1:
+    return {}
+  dims, out, found = dict(group.model_dims), {}, set()
+  for i, (path, leaf) in enumerate(leaves_with_paths(state)):
+    key = next((k for k in sorted(dims, key=len, reverse=True) if path == k or path.endswith("/" + k)), None)
+    if key is None:
+      continue
+    dim, shape = dims[key], np.shape(leaf)
+    if dim >= len(shape) or shape[dim] % group.model:
+      raise InvalidValueError(f"model_dims splits {path} (shape {shape}) along dimension {dim} over a model axis of "
+                              f"{group.model}: that dimension must exist and divide by {group.model}")
+    found.add(key)
+    out[i] = NamedSharding(mesh, P(*(None,) * dim, MODEL))
+  unknown = sorted(set(dims) - found)
+  if unknown:
+    raise InvalidValueError(f"model_dims names {unknown}, which no state leaf's path ends with (the state's "
+                            f"parameters are named like {leaves_with_paths(state)[0][0]!r})")
+  return out
+
+
+def _split(split: dict[int, NamedSharding], run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` with the parameters ``split`` names constrained to their model-axis shardings: XLA then splits the
+  work that reads them, and their gradients, over the model axis."""
+  if not split:
+    return run
+  return lambda inputs, *rest: run([jax.lax.with_sharding_constraint(x, split[i]) if i in split else x
+                                    for i, x in enumerate(inputs)], *rest)
+
+
+def _spread(prog: Program, s: int, model: int, run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` with its rows (one per data position) made one per device, as the uniform programs take them: a
+  sum's row on the position's first device and zeros on the others, a maximum's or minimum's on each of them."""
+  if model == 1:
+    return run
+  kinds = group_lowering.partial_reductions(prog, s)
+
+  def spread(x, kind):
+    rows = x[:, None]
+    rest = (jnp.zeros((x.shape[0], model - 1) + x.shape[1:], x.dtype) if kind == "sum" else
+            jnp.broadcast_to(rows, (x.shape[0], model - 1) + x.shape[1:]))
+    return jnp.concatenate([rows, rest], axis=1).reshape((x.shape[0] * model,) + x.shape[1:])
+
+  return lambda *args: [[spread(x, k) for x, k in zip(part, ks)] for part, ks in zip(run(*args), kinds)]
 
 
 def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:
