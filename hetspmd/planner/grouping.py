@@ -33,7 +33,8 @@ from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import GroupPlan, group_plan
 from hetspmd.plan.options import REMAT_POLICIES
-from hetspmd.planner.data_axis import WORKSPACE, NO_TENSOR_PARALLEL, gradient_reductions, memory_per_device
+from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
+                                       gradient_reductions, memory_per_device, microbatch_bytes)
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
@@ -102,7 +103,7 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
                  global_batch: int, *, tail: tuple[int, int] = (0, 0), zero: int = 0,
-                 dtype: str = "float32") -> Evaluated | None:
+                 dtype: str = "float32", models: dict[str, TensorParallel] | None = None) -> Evaluated | None:
   """The group plan with microbatch ``sizes[kind]`` and remat policy ``remat`` (one, or one per kind) per kind on
   ``layout`` (every device on data), or None if a kind's microbatch does not fit its memory or the sizes cannot
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
@@ -112,49 +113,78 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduces its own share's sums from every device's rows, copied to it (the runtime's path in one process; across
   hosts, processes, the exchange program reduces every sum onto every device): it holds those rows
   after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
-  to the busiest device's bytes. The gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``)."""
+  to the busiest device's bytes. The gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
+  ``models``: a kind's tensor-parallel choice, its devices that many at a time in one host running each
+  microbatch together (its group's model axis; see :func:`_peak` for what they hold)."""
   n, kinds = len(layout.groups), layout.kinds
+  tps = {k: (models or {}).get(k, NO_TENSOR_PARALLEL) for k in dict.fromkeys(kinds)}
+  blocked = _blocked(costing.cluster, layout, {k: tp.m for k, tp in tps.items()})
+  if blocked is None:
+    return None
   size, count = tail
   order = list(dict.fromkeys(kinds))
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   owner = bool(zero) and not count and len(layout.hosts) == 1  # each device reduces its own share (one process)
-  shares = _state_shares(costing, kinds, sizes, tail, remats, owner) if zero else {}
+  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps) if zero else {}
   if zero and not shares:
     return None
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     n * shares[k] if owner else None) for k in order}
+                     n * shares[k] if owner else None, tps[k]) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)) for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tps[k]) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k)) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
                                                                         if count else 0.0)) for k in order}
-  counts = group_counts(kinds, with_tail, sizes, global_batch - n * size * count)
+  counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
-  per_position = position_seconds(costing, layout, with_tail, counts, False)  # loop, then tail, on every device
-  busiest = max(range(n), key=lambda i: per_position[i])
+  per_position = position_seconds(costing, blocked, with_tail, counts, False)  # loop, then tail, on every device
+  busiest = max(range(len(counts)), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
   gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
   hidden = 0.0
   if count:
-    kind = kinds[busiest]
+    kind = blocked.kinds[busiest]
     window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
   name = layout.name + (", optimizer state in memory shares" if zero else "") + (
       ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
-      f", {dtype} gradients" if dtype != "float32" else "")
+      f", {dtype} gradients" if dtype != "float32" else "") + "".join(
+      f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1)
+  on = blocked.kinds  # per position
   return Evaluated(
-      name=name, device_positions=layout.devices, kinds=kinds, microbatch=max(sizes.values()), counts=counts,
+      name=name, device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
-      memory_bytes=tuple(memory[k] for k in kinds), global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in kinds),
-      tail=tail, state_shares=tuple(shares[k] for k in kinds) if zero else (), remats=tuple(remats[k] for k in kinds))
+      memory_bytes=tuple(memory[k] for k in on), global_batch=global_batch, position_seconds=per_position,
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in on),
+      tail=tail, state_shares=tuple(shares[k] for k in on) if zero else (), remats=tuple(remats[k] for k in on),
+      group_models=tuple(tps[k] for k in on) if blocked is not layout else ())
+
+
+def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
+  """``layout`` (every device a position) with each kind's devices ``models[kind]`` at a time as one position, the
+  devices of a position in one host; None when a host's devices of a kind do not make whole positions."""
+  if all(m == 1 for m in models.values()):
+    return layout
+  devices, pending, blocks = cluster.devices, {}, []
+  for i in layout.devices:
+    key = (devices[i].spec.name, devices[i].host)
+    pending.setdefault(key, []).append(i)
+    if len(pending[key]) == models[key[0]]:
+      blocks.append(tuple(pending.pop(key)))
+  if pending:
+    return None
+  hosts: dict[int, int] = {}
+  for b in blocks:
+    hosts[devices[b[0]].host] = hosts.get(devices[b[0]].host, 0) + 1
+  return DeviceGroups(layout.name, tuple(blocks), tuple(devices[b[0]].spec.name for b in blocks), hosts,
+                      layout.memory, tuple(i for b in blocks for i in b))
 
 
 def _owner_factor(shares: Sequence[float]) -> float:
@@ -166,7 +196,8 @@ def _owner_factor(shares: Sequence[float]) -> float:
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
-                  remats: dict[str, str], owner: bool = False) -> dict[str, float]:
+                  remats: dict[str, str], owner: bool = False, tps: dict[str, TensorParallel] | None = None
+                  ) -> dict[str, float]:
   """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
   on it (``owner``: no reduced gradient after the loop); empty when the free memory of every device together
   cannot hold the state."""
@@ -174,7 +205,8 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
   last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
   for k in dict.fromkeys(kinds):
-    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None)
+    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
+                 (tps or {}).get(k, NO_TENSOR_PARALLEL))
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] for k in kinds)
   if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
@@ -183,22 +215,42 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
 
 
 def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
-          rows: float | None = None) -> int:
+          rows: float | None = None, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
   is 0), with ``share`` of the optimizer state (all of it when None) and, after the loop, ``rows`` (a fraction of
-  the gradients: the rows of its share it reduces) or the reduced gradients (None)."""
-  return max(memory_per_device(costing.profile, n, m, 0, remat, NO_TENSOR_PARALLEL, optimizer_share=share,
-                               reduced_share=rows) for m, remat in (loop, tail) if m)
+  the gradients: the rows of its share it reduces) or the reduced gradients (None).
+
+  On a model axis (``tp``) the loop holds ``tp``'s share of the gradient accumulator and of a microbatch's
+  activations beside whole parameters (the uniform programs read them whole: they are replicated between
+  steps); after the loop its row is made whole, beside the reduced gradients or the rows it reduces."""
+  tail_peak = memory_per_device(costing.profile, n, tail[0], 0, tail[1], optimizer_share=share,
+                                reduced_share=rows) if tail[0] else 0
+  if tp.m == 1:
+    return max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
+                                            reduced_share=rows))
+  p = costing.profile
+  grads = p.param_count * GRAD_BYTES
+  optimizer = p.opt_state_bytes * (1.0 if share is None else share)
+  working = max(microbatch_bytes(p, loop[0], loop[1], tp) + grads * tp.param_share,
+                grads * (2.0 if rows is None else 1.0 + rows))
+  return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
-def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None) -> KindCost:
-  """A device's microbatch costs; with a state ``share`` its update covers that share of the optimizer state
-  and it writes the parameters the others send it."""
-  cost = costing.kind_cost(kind, NO_TENSOR_PARALLEL, microbatch, remat, 0, n)
+def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None,
+               tp: TensorParallel = NO_TENSOR_PARALLEL) -> KindCost:
+  """A device's microbatch costs (on a model axis: ``tp``'s, its update whole, and its row made whole over the
+  axis after the loop); with a state ``share`` its update covers that share of the optimizer state and it writes
+  the parameters the others send it."""
+  cost = costing.kind_cost(kind, tp, microbatch, remat, 0, n)
+  whole = 0.0
+  if tp.m > 1:
+    whole = costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
+    cost = dataclasses.replace(cost, fixed=costing.fixed[kind] + whole)
   if share is None:
     return cost
   spec = costing.cluster.spec_of(kind)
-  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + costing.profile.param_bytes / spec.write_rate)
+  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + costing.profile.param_bytes / spec.write_rate
+                             + whole)
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
@@ -236,32 +288,70 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
              ) -> list[Evaluated]:
   """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
   tails, the optimizer state replicated or in shares, the gradients' reduce dtypes, and remat: one policy for
-  every group, or per kind the one that recomputes least of those that fit its microbatch. Without ``one_loop`` (a step whose exact batch
-  statistics take loops of their own) neither a tail nor a policy per kind."""
+  every group, or per kind the one that recomputes least of those that fit its microbatch. A kind none of whose
+  microbatches fits data-only gets a model axis (:func:`_model_axis`). Without ``one_loop`` (a step whose exact
+  batch statistics take loops of their own) neither a tail, a policy per kind nor a model axis."""
   order = list(dict.fromkeys(layout.kinds))
   n = len(layout.groups)
   fits = {k: [m for m in sizes if _may_fit(costing, k, m, n, remat_policies)] for k in order}
+  models = {}
+  for k in order:
+    if not fits[k] and one_loop:
+      found = _model_axis(costing, layout, k, sizes, remat_policies)
+      if found is not None:
+        models[k], fits[k] = found
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch
-                       and all(m in fits[k] for k in order)] if one_loop else [])
+                       and all(m in fits[k] and k not in models for k in order)] if one_loop else [])
   zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
   for combo in itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
-      choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies) for k in order})
+      choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies,
+                                             models.get(k, NO_TENSOR_PARALLEL)) for k in order})
     for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
-      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype)
+      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
+                       models=models)
       if e is not None:
         near = _near(near + [e])
   return near
 
 
-def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> bool:
+# model axes a kind's group may take (devices of a kind in one host, a power of two as the single program's)
+GROUP_MODEL_SIZES = (2, 4, 8)
+
+
+def _model_axis(costing: Costing, layout: DeviceGroups, kind: str, sizes: Sequence[int],
+                policies: Sequence[str]) -> tuple[TensorParallel, list[int]] | None:
+  """For a kind none of whose microbatches fits its devices data-only: the smallest model axis (its devices in
+  each host making whole positions), and on it the split whose microbatch runs fastest, under which some of
+  ``sizes`` may fit; with those sizes. None when none does (or the step's profile has no graph to split)."""
+  profile, cluster = costing.profile, costing.cluster
+  if not (profile.traces or profile.strategy_spaces):
+    return None
+  n = len(layout.groups)
+  per_host = {}
+  for i in layout.devices:
+    if cluster.devices[i].spec.name == kind:
+      per_host[cluster.devices[i].host] = per_host.get(cluster.devices[i].host, 0) + 1
+  for m in GROUP_MODEL_SIZES:
+    if any(count % m for count in per_host.values()):
+      continue
+    ranked = sorted(costing.choices(m), key=lambda tp: costing.kind_cost(kind, tp, sizes[0], "none", 0, n).micro)
+    for tp in ranked:
+      fitting = [s for s in sizes if _may_fit(costing, kind, s, n, policies, tp)]
+      if fitting:
+        return tp, fitting
+  return None
+
+
+def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str],
+             tp: TensorParallel = NO_TENSOR_PARALLEL) -> bool:
   """Whether a microbatch may fit a device of ``kind`` under one of ``policies``: with none of the optimizer state
   and none of the reduced gradients, the least any group plan holds there (:func:`price_groups` checks the rest)."""
   spec = costing.cluster.spec_of(kind)
-  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0) <= spec.memory_bytes for r in policies)
+  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0, tp) <= spec.memory_bytes for r in policies)
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
@@ -274,13 +364,14 @@ def _fewest_microbatches(e: Evaluated) -> tuple:
   return (max(counts), sum(counts), bool(e.zero_stage), e.grad_reduce_dtype != "float32", e.step_seconds)
 
 
-def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str]) -> str:
+def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str],
+                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> str:
   """Of ``policies``, the one recomputing least whose microbatch fits a device of ``kind`` with the optimizer
   state held elsewhere (the most recomputing one when none fits)."""
   spec = costing.cluster.spec_of(kind)
   ranked = sorted(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   for r in ranked:
-    if _peak(costing, n, (microbatch, r), (0, r), 0.0) <= spec.memory_bytes:
+    if _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp) <= spec.memory_bytes:
       return r
   return max(policies, key=REMAT_POLICIES.index)
 
@@ -290,18 +381,24 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   bound to JAX devices (else by cluster position), with the search's predictions (``ideal``: the pool's ideal
   throughput, for the efficiency): the step, and per device its peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
+  tps = e.group_models or (NO_TENSOR_PARALLEL,) * len(e.kinds)
+  firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
+  on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
   groups, shares, order = [], [], []
   for kind in dict.fromkeys(e.kinds):
     mine = [i for i, k in enumerate(e.kinds) if k == kind]
-    groups.append(([ids[e.device_positions[i]] for i in mine], e.microbatches[mine[0]], [e.counts[i] for i in mine],
-                   e.remats[mine[0]] if e.remats else e.remat))
-    shares += [e.state_shares[i] for i in mine] if e.state_shares else []
-    order += mine
+    tp = tps[mine[0]]
+    groups.append(([ids[d] for i in mine for d in on(i)], e.microbatches[mine[0]],
+                   [e.counts[i] for i in mine for _ in range(tp.m)], e.remats[mine[0]] if e.remats else e.remat,
+                   tp.m, tp.model_dims))
+    shares += [e.state_shares[i] for i in mine for _ in range(tp.m)] if e.state_shares else []
+    order += [i for i in mine for _ in range(tp.m)]
   predicted = {"step_seconds": e.step_seconds, "throughput": e.throughput, "compute_seconds": e.compute_seconds,
                "communication_seconds": e.comm_seconds, "hidden_communication_seconds": e.hidden_seconds,
                **({"efficiency": e.throughput / ideal} if ideal else {})}
+  devices = [d for kind in dict.fromkeys(e.kinds) for i, k in enumerate(e.kinds) if k == kind for d in on(i)]
   per_device = {"memory_bytes": [e.memory_bytes[i] for i in order],
-                "memory_capacity_bytes": [cluster.devices[e.device_positions[i]].spec.memory_bytes for i in order]}
+                "memory_capacity_bytes": [cluster.devices[d].spec.memory_bytes for d in devices]}
   if e.position_seconds:
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
   plan = group_plan(groups, e.global_batch, tail=e.tail,

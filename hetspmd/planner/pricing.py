@@ -56,6 +56,7 @@ class Evaluated:
   tail: tuple[int, int] = (0, 0)      # a group plan: (microbatch, count) every position runs in the uniform program
   state_shares: tuple[float, ...] = ()  # a group plan: each position's share of the optimizer state (ZeRO-1)
   remats: tuple[str, ...] = ()        # a group plan: each position's remat policy (``remat``: the tail's)
+  group_models: tuple[TensorParallel, ...] = ()  # a group plan: each position's model axis (none: one device each)
 
   @property
   def examples(self) -> tuple[int, ...]:
@@ -99,6 +100,7 @@ class Evaluated:
         "memory_bytes": list(self.memory_bytes),
         **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
             "state_shares": list(self.state_shares), "remats": list(self.remats)} if self.microbatches else {}),
+        **({"group_models": [tp.m for tp in self.group_models]} if self.group_models else {}),
     }
 
 
