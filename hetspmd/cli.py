@@ -274,10 +274,14 @@ def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal:
 
 
 def _group_plan_row(g, best, ideal: float) -> str:
-  """The best group plan's row: each kind's microbatch, remat and state share, the tail, against the best plan."""
-  sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", {share:.1%} of the optimizer state per device" if share else "")
-                    for k, m, r, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * len(
-                        g.kinds), g.state_shares or (None,) * len(g.kinds))))
+  """The best group plan's row: each kind's microbatch, remat, model axis and state share, the tail, against the
+  best plan."""
+  n = len(g.kinds)
+  models = [tp.m for tp in g.group_models] or [1] * n
+  sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", model axis {axis}" if axis > 1 else "") + (
+      f", {share:.1%} of the optimizer state per device" if share else "")
+                    for k, m, r, axis, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * n,
+                                                                  models, g.state_shares or (None,) * n)))
   if g.tail[1]:
     sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
   ratio = g.throughput / best.throughput

@@ -119,3 +119,58 @@ def test_a_model_axis_round_trips_through_json_and_stays_whole_across_processes(
   assert [g.devices for g in cut.groups] == [(0, 1), (2, 3), (4, 5, 6, 7)]
   with pytest.raises(hs.HetSpmdError, match="spans processes"):
     split_by_process(plan, {d: int(d >= 3) for d in range(8)})
+
+
+@pytest.mark.timeout(300)
+def test_the_search_gives_a_model_axis_to_the_kind_that_cannot_hold_a_microbatch_alone():
+  """Four devices too small to run gpt2-tiny's microbatch data-only (whole parameters, a whole accumulator and a
+  whole microbatch's activations) beside four large ones: the group search gives the small kind a model axis,
+  prices its devices within their memory, and the plan it writes runs exactly."""
+  import dataclasses
+
+  from hetspmd.hardware.profiler import device_spec
+  from hetspmd.planner import grouping
+  from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL
+  from hetspmd.planner.grouping import search_groups, to_group_plan
+  from hetspmd.planner.pricing import device_groups
+  from hetspmd.planner.ranking import microbatch_sizes
+
+  require_devices(8)
+  w, batch = models.get("gpt2-tiny"), 16
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  base = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 8)
+  costing = Costing(base, profile, 1)
+  alone = grouping._peak(costing, 8, (1, "none"), (0, "none"), 0.0, 0.0, tp=NO_TENSOR_PARALLEL)
+  split = min(grouping._peak(costing, 8, (1, "none"), (0, "none"), 0.0, 0.0, tp=tp) for tp in costing.choices(2))
+  assert split < alone
+  small = dataclasses.replace(device_spec("P100-16GB"), name="P100-small", memory_bytes=(split + alone) // 2)
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-small"] * 4,
+                               custom={"P100-small": small})
+  priced = search_groups(cluster, profile, batch, microbatch_sizes(batch), remat_policies=("none",))
+  assert priced is not None and [tp.m for tp in priced.group_models] == [1] * 4 + [2] * 2
+  assert "model axis 2 on P100-small" in priced.name
+  plan = to_group_plan(cluster, priced)
+  assert [g.model for g in plan.groups] == [1, 2] and plan.groups[1].model_dims
+  memory = dict(plan.predicted_per_device)["memory_bytes"]
+  assert all(m <= small.memory_bytes for m in memory[4:]) and len(memory) == 8
+  assert device_groups(cluster, "", tuple(range(8)), 1).memory == small.memory_bytes
+  rs = np.random.RandomState(2)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(batch))
+             for _ in range(2)]
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
+  ref.check(state)
+
+
+@pytest.mark.parametrize("models,blocks", [
+    ({"A100-80GB": 1, "V100-16GB": 2}, [(0,), (1,), (2,), (3,), (4, 5), (6, 7)]),
+    ({"A100-80GB": 4, "V100-16GB": 2}, [(0, 1, 2, 3), (4, 5), (6, 7)]),
+    ({"A100-80GB": 1, "V100-16GB": 4}, None),  # two V100s to a host: no position of four
+])
+def test_model_axis_positions_take_one_kinds_devices_of_one_host(models, blocks):
+  from hetspmd.planner.grouping import _blocked
+  from hetspmd.planner.pricing import device_groups
+
+  cluster = hs.Cluster.parse("4xA100-80GB+2x2xV100-16GB")
+  layout = device_groups(cluster, "", tuple(range(8)), 1)
+  got = _blocked(cluster, layout, models)
+  assert (got.groups if got is not None else None) == (tuple(blocks) if blocks else None)

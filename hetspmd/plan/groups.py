@@ -10,7 +10,9 @@ adds those sums and runs the rest of the step once.
 
 The examples are laid out group by group, device by device: device ``i`` of
 group ``g`` takes ``counts[i] * microbatch`` consecutive examples of the
-global batch, after those of the groups and devices before it.
+global batch, after those of the groups and devices before it. A group with
+a model axis (``Group.model``) lays them out by data position instead, its
+devices ``model`` at a time running each position's microbatches together.
 
 With ``state_shares`` (ZeRO-1 by memory), the optimizer state is not
 replicated: each device holds whole, unpadded optimizer-state leaves adding

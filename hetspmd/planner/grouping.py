@@ -3,7 +3,9 @@
 A group plan (:class:`hetspmd.plan.groups.GroupPlan`, run by
 :mod:`hetspmd.runtime.grouped`) lets each device kind run the microbatch that
 suits it, where one SPMD program makes every device run the same one. This
-module searches group plans with every device on data (no model axis), one
+module searches group plans with every device on data, except a kind none
+of whose microbatches fits its devices data-only, which gets a model axis
+(:func:`_model_axis`: its devices a few at a time in one host), one
 group per device kind, one remat policy for all or per kind the one that
 recomputes least of those that fit, and the optimizer state replicated or
 held in shares by free memory (each device updating its share, then sending
@@ -126,14 +128,14 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   owner = bool(zero) and not count and len(layout.hosts) == 1  # each device reduces its own share (one process)
-  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps) if zero else {}
+  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps) if zero else {}
   if zero and not shares:
     return None
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     n * shares[k] if owner else None, tps[k]) for k in order}
+                     n * shares[k] if owner else None, tp=tps[k]) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tps[k]) for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k]) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k)) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
@@ -196,7 +198,7 @@ def _owner_factor(shares: Sequence[float]) -> float:
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
-                  remats: dict[str, str], owner: bool = False, tps: dict[str, TensorParallel] | None = None
+                  remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None
                   ) -> dict[str, float]:
   """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
   on it (``owner``: no reduced gradient after the loop); empty when the free memory of every device together
@@ -206,7 +208,7 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
   free = {}
   for k in dict.fromkeys(kinds):
     used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
-                 (tps or {}).get(k, NO_TENSOR_PARALLEL))
+                 tp=(tps or {}).get(k, NO_TENSOR_PARALLEL))
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] for k in kinds)
   if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
@@ -215,7 +217,7 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
 
 
 def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
-          rows: float | None = None, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+          rows: float | None = None, *, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
   """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
   is 0), with ``share`` of the optimizer state (all of it when None) and, after the loop, ``rows`` (a fraction of
   the gradients: the rows of its share it reduces) or the reduced gradients (None).
@@ -236,7 +238,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
-def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None,
+def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None, *,
                tp: TensorParallel = NO_TENSOR_PARALLEL) -> KindCost:
   """A device's microbatch costs (on a model axis: ``tp``'s, its update whole, and its row made whole over the
   axis after the loop); with a state ``share`` its update covers that share of the optimizer state and it writes
@@ -351,7 +353,7 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
   """Whether a microbatch may fit a device of ``kind`` under one of ``policies``: with none of the optimizer state
   and none of the reduced gradients, the least any group plan holds there (:func:`price_groups` checks the rest)."""
   spec = costing.cluster.spec_of(kind)
-  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0, tp) <= spec.memory_bytes for r in policies)
+  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0, tp=tp) <= spec.memory_bytes for r in policies)
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
@@ -371,7 +373,7 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
   spec = costing.cluster.spec_of(kind)
   ranked = sorted(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   for r in ranked:
-    if _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp) <= spec.memory_bytes:
+    if _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp=tp) <= spec.memory_bytes:
       return r
   return max(policies, key=REMAT_POLICIES.index)
 

@@ -25,6 +25,12 @@ program reduces every sum onto every device
 (:func:`hetspmd.lowering.groups.update_program`). Under ZeRO-3 the device
 keeps the parameters it made, and sends them at the start of the next step.
 
+A group with a model axis runs its program over a ``data`` x ``model`` mesh of
+its devices, the parameters its ``model_dims`` name split over ``model``, and
+makes its rows (one per data position) one per device for the uniform
+programs: the row on the position's first device, zeros (a maximum's or
+minimum's copies) on the others.
+
 Across processes (``jax.distributed``), every group's devices are one
 process's, and each process dispatches only its own groups' programs and its
 own devices' updates; the exchange program spans them all, and the
