@@ -3,6 +3,7 @@ work (its parameters' chosen dimensions, their gradients and activations) while 
 exact against one device, and bad model axes refused."""
 
 import re
+import textwrap
 
 import jax
 import numpy as np
@@ -174,3 +175,35 @@ def test_model_axis_positions_take_one_kinds_devices_of_one_host(models, blocks)
   layout = device_groups(cluster, "", tuple(range(8)), 1)
   got = _blocked(cluster, layout, models)
   assert (got.groups if got is not None else None) == (tuple(blocks) if blocks else None)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_one_with_a_model_axis_group():
+  """2 processes x 4 CPU devices over jax.distributed (gloo): one process's group runs data-only, the other's as
+  two positions of a model axis of 2; the state replicated, then the optimizer state in memory shares (across
+  processes the uniform program reduces every sum onto every device, and the parameters return through it): the
+  metrics, and the parameters and moments each process holds, equal one device's."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent(f"""
+      from hetspmd.plan.groups import group_plan
+      from hetspmd.runtime.grouped import run_groups
+
+      batches = t._batches(24)
+      ref = reference(t.dropout_step, t._state(), batches)
+      report = {{}}
+      for name, shares in (("replicated", ()), ("shares", {SHARES_80_16!r})):
+        plan = group_plan([(ids[0], 4, (1, 1, 1, 1)), (ids[1], 2, (2, 2, 2, 2), "none", 2, {NET_DIMS!r})], 24,
+                          state_shares=shares)
+        step = run_groups(t.dropout_step, plan)
+        state = step.shard_state(t._state())
+        for i, batch in enumerate(batches):
+          state, metrics = step(state, batch)
+          ref.check_metrics(jax.tree.map(local, metrics), i)
+        mine = jax.tree.map(local, (state.params, state.opt_state))
+        ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, (ref.single.params, ref.single.opt_state),
+                               is_leaf=lambda x: x is None), lambda s: (s.params, s.opt_state))
+        report[name] = sum(1 for n in step.memory_analysis() if n.startswith("group"))
+      print(json.dumps(report))
+  """), num_processes=2, devices_per_process=4, timeout=240)
+  assert [r["replicated"] for r in results] == [1, 1] and [r["shares"] for r in results] == [1, 1]
