@@ -7,7 +7,9 @@ Trains a deep Linen MLP (``--layers`` Dense + LayerNorm blocks of ``--width``, A
 group plan (:mod:`hetspmd.runtime.grouped`): the large devices one group with microbatches of 4, the small
 ones another with microbatches of 1, and the state in shares in proportion to memory (``state_shares``):
 under ZeRO-1 each Adam moment lives whole and unpadded on one device, under ZeRO-3 each parameter too (both
-stages are measured in one run).
+stages are measured in one run). Then ZeRO-1 again with the small devices as two positions of a model axis
+of 2 (each block's Dense split by its output columns), to measure what the axis takes off the small group's
+program: its accumulator and activations, split.
 
 Prints per stage and device: its share, the bytes of the sharded state it should hold (share x total), the bytes it does hold
 (the state's arrays' shards on it), their ratio, and the bytes of every live array on it between steps
@@ -64,16 +66,23 @@ def main() -> None:
   shares = shares_for(memory)
   rs = np.random.RandomState(0)
   batch = {"x": rs.randn(40, args.width).astype(np.float32), "y": rs.randint(0, 10, 40).astype(np.int32)}
-  for zero in (1, 3):
-    fresh = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)), ((4, 5, 6, 7), 1, (2, 2, 2, 2))], 40, state_shares=shares,
-                      zero_stage=zero)
-    _report(run_groups(step, plan), fresh, batch, memory)
+  fresh = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+  small = {}
+  for zero, axis in ((1, 1), (3, 1), (1, 2)):
+    dims = {f"params/Dense_{i}/{leaf}": dim for i in range(args.layers) for leaf, dim in (("kernel", 1), ("bias", 0))}
+    plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)),
+                       ((4, 5, 6, 7), 1, (2, 2, 2, 2) if axis == 1 else (4, 4, 4, 4), "none", axis,
+                        dims if axis > 1 else ())], 40, state_shares=shares, zero_stage=zero)
+    small[(zero, axis)] = _report(run_groups(step, plan), fresh, batch, memory)["group 1"]
+  one, two = small[(1, 1)], small[(1, 2)]
+  print(f"\nthe small group's program, ZeRO-1, data-only vs a model axis of 2 (bytes per device): arguments "
+        f"{one.argument_size_in_bytes} vs {two.argument_size_in_bytes}, temporary {one.temp_size_in_bytes} vs "
+        f"{two.temp_size_in_bytes} ({two.temp_size_in_bytes / one.temp_size_in_bytes:.2f}x)")
 
 
-def _report(runner, fresh, batch, memory) -> None:
+def _report(runner, fresh, batch, memory) -> dict:
   """Two steps of ``runner`` from ``fresh()`` (the state; nothing else keeps it), then what each device holds
-  against its share."""
+  against its share; each program's ``memory_analysis()``."""
   import jax
   import numpy as np
 
@@ -106,7 +115,8 @@ def _report(runner, fresh, batch, memory) -> None:
           f"{held[d] / target:>6.3f} {live[d] / 1e6:>8.3f}")
   print("\nper-program memory_analysis (bytes per device):")
   print(f"{'program':>22} {'arguments':>10} {'outputs':>10} {'temporary':>10}")
-  for name, stats in runner.memory_analysis().items():
+  analysis = runner.memory_analysis()
+  for name, stats in analysis.items():
     print(f"{name:>22} {stats.argument_size_in_bytes:>10} {stats.output_size_in_bytes:>10} "
           f"{stats.temp_size_in_bytes:>10}")
   small = [d for d, mem in zip(plan.devices, memory) if mem == min(memory)]
@@ -116,6 +126,7 @@ def _report(runner, fresh, batch, memory) -> None:
         f"{max(held[d] for d in small) / padded:.3f}x the padded shard one SPMD program would give them; "
         f"live bytes on a small device {live[small[0]] / 1e6:.3f} MB, on a large one "
         f"{live[plan.devices[0]] / 1e6:.3f} MB")
+  return analysis
 
 if __name__ == "__main__":
   main()

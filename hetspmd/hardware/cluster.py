@@ -104,13 +104,16 @@ class Cluster:
   """Hosts of devices and the network between them.
 
   ``jax_device_ids`` maps cluster positions to real JAX device ids when the
-  cluster describes (or emulates) devices this process can see.
+  cluster describes (or emulates) devices this process can see; ``processes``
+  how many JAX processes drive them, where known (else each host is taken to
+  be one).
   """
 
   hosts: tuple[Host, ...]
   inter: Link = Link(DEFAULT_INTER, 25e9 / 8, DEFAULT_INTER_LATENCY)
   name: str = ""
   jax_device_ids: tuple[int, ...] | None = None
+  processes: int | None = None
 
   def __post_init__(self):
     if not self.hosts:
@@ -300,7 +303,7 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
       hosts.append(Host(spec, 1, intra or _default_intra(spec.name)))
     previous = key
     ids.append(int(devices[i].id))
-  return Cluster(tuple(hosts), inter, name, tuple(ids))
+  return Cluster(tuple(hosts), inter, name, tuple(ids), len({getattr(d, "process_index", 0) for d in devices}))
 
 
 def _allocator_limit(device: Any) -> int | None:

@@ -127,7 +127,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   order = list(dict.fromkeys(kinds))
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
-  owner = bool(zero) and not count and len(layout.hosts) == 1  # each device reduces its own share (one process)
+  owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps) if zero else {}
   if zero and not shares:
     return None
@@ -189,6 +189,13 @@ def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> 
                       layout.memory, tuple(i for b in blocks for i in b))
 
 
+def _one_process(costing: Costing, layout: DeviceGroups) -> bool:
+  """Whether one process drives ``layout``'s devices (the cluster says, where it is bound to JAX's devices;
+  else each host is taken to be a process of its own)."""
+  processes = costing.cluster.processes
+  return processes == 1 if processes is not None else len(layout.hosts) == 1
+
+
 def _owner_factor(shares: Sequence[float]) -> float:
   """Devices reducing their own shares of the sums from copies of every device's rows, against a ring
   reduce-scatter: the busiest device receives ``(n - 1) * share`` of the gradients or sends ``1 - share``,
@@ -224,7 +231,8 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
 
   On a model axis (``tp``) the loop holds ``tp``'s share of the gradient accumulator and of a microbatch's
   activations beside whole parameters (the uniform programs read them whole: they are replicated between
-  steps); after the loop its row is made whole, beside the reduced gradients or the rows it reduces."""
+  steps); after the loop its row is made whole (from a whole gathered copy), beside the reduced gradients or
+  the rows it reduces."""
   tail_peak = memory_per_device(costing.profile, n, tail[0], 0, tail[1], optimizer_share=share,
                                 reduced_share=rows) if tail[0] else 0
   if tp.m == 1:
@@ -233,8 +241,10 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   p = costing.profile
   grads = p.param_count * GRAD_BYTES
   optimizer = p.opt_state_bytes * (1.0 if share is None else share)
+  # after the loop: its row made whole, the whole row XLA gathers to make it (measured: 0.85 of the gradients'
+  # bytes in temporaries, benchmarks/group_memory.py), beside the reduced gradients or the rows it reduces
   working = max(microbatch_bytes(p, loop[0], loop[1], tp) + grads * tp.param_share,
-                grads * (2.0 if rows is None else 1.0 + rows))
+                grads * (3.0 if rows is None else 2.0 + rows))
   return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
@@ -333,6 +343,8 @@ def _model_axis(costing: Costing, layout: DeviceGroups, kind: str, sizes: Sequen
   if not (profile.traces or profile.strategy_spaces):
     return None
   n = len(layout.groups)
+  rows = 0.0 if _one_process(costing, layout) else None  # the least it holds after the loop (no tail)
+  spec = cluster.spec_of(kind)
   per_host = {}
   for i in layout.devices:
     if cluster.devices[i].spec.name == kind:
@@ -342,7 +354,8 @@ def _model_axis(costing: Costing, layout: DeviceGroups, kind: str, sizes: Sequen
       continue
     ranked = sorted(costing.choices(m), key=lambda tp: costing.kind_cost(kind, tp, sizes[0], "none", 0, n).micro)
     for tp in ranked:
-      fitting = [s for s in sizes if _may_fit(costing, kind, s, n, policies, tp)]
+      fitting = [s for s in sizes if any(_peak(costing, n, (s, r), (0, r), 0.0, rows, tp=tp) <= spec.memory_bytes
+                                         for r in policies)]
       if fitting:
         return tp, fitting
   return None
