@@ -93,6 +93,8 @@ def test_a_zoo_language_model_with_the_searchs_model_dims_in_one_group():
     (((0, 1), 2, (1, 1), "none", 1, NET_DIMS), "need a model axis"),
     (((0, 1, 2, 3), 2, (2, 1, 1, 1), "none", 2, NET_DIMS), r"share its count .* differ within position\(s\) \[0\]"),
     (((0, 1), 2, (1, 1), "none", 2, {"params/Dense_0/kernel": -1}), "at least 0"),
+    (((0, 1), 2, (1, 1), "none", 2, (("params/a", 0), ("params/a", 1))), r"names \['params/a'\] more than once"),
+    (((0, 1), 2, (1, 1), "none", 2, ("params/a",)), "must map parameter paths to dimensions"),
 ])
 def test_bad_model_axes_say_what_is_wrong(group, message):
   with pytest.raises(hs.HetSpmdError, match=message):
@@ -116,6 +118,9 @@ def test_a_model_axis_round_trips_through_json_and_stays_whole_across_processes(
   again = GroupPlan.from_json(plan.to_json())
   assert again == plan and again.groups[1].model == 2 and dict(again.groups[1].model_dims) == NET_DIMS
   assert plan.to_json()["version"] == 5
+  as_pairs = plan.to_json()
+  as_pairs["groups"][1]["model_dims"] = [list(pair) for pair in NET_DIMS.items()]  # pairs read as a mapping does
+  assert GroupPlan.from_json(as_pairs) == plan
   cut = split_by_process(plan, {d: d // 4 for d in range(8)})  # positions (2, 3) | (4, 5), (6, 7)
   assert [g.devices for g in cut.groups] == [(0, 1), (2, 3), (4, 5, 6, 7)]
   with pytest.raises(hs.HetSpmdError, match="spans processes"):
@@ -149,6 +154,7 @@ def test_the_search_gives_a_model_axis_to_the_kind_that_cannot_hold_a_microbatch
                                custom={"P100-small": small})
   priced = search_groups(cluster, profile, batch, microbatch_sizes(batch), remat_policies=("none",))
   assert priced is not None and [tp.m for tp in priced.group_models] == [1] * 4 + [2] * 2
+  assert len(priced.memory_bytes) == len(priced.device_positions) == 8  # per device, as a single program's
   assert "model axis 2 on P100-small" in priced.name
   plan = to_group_plan(cluster, priced)
   assert [g.model for g in plan.groups] == [1, 2] and plan.groups[1].model_dims

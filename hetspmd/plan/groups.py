@@ -76,7 +76,14 @@ class Group:
     if len(self.counts) != len(self.devices) or any(c < 0 for c in self.counts):
       raise InvalidValueError(f"a group needs one count of at least 0 per device: {len(self.devices)} devices "
                               f"{self.devices}, counts {self.counts}")
-    object.__setattr__(self, "model_dims", tuple(sorted((str(p), int(d)) for p, d in dict(self.model_dims).items())))
+    pairs = list(self.model_dims.items() if isinstance(self.model_dims, Mapping) else self.model_dims)
+    if any(not isinstance(pair, (tuple, list)) or len(pair) != 2 for pair in pairs):
+      raise InvalidValueError(f"model_dims must map parameter paths to dimensions (a dict, or (path, dimension) "
+                              f"pairs), got {self.model_dims!r}")
+    twice = sorted({str(p) for p, _ in pairs if sum(str(q) == str(p) for q, _ in pairs) > 1})
+    if twice:
+      raise InvalidValueError(f"model_dims names {twice} more than once: give each parameter one dimension")
+    object.__setattr__(self, "model_dims", tuple(sorted((str(p), int(d)) for p, d in pairs)))
     self._check_model()
 
   def _check_model(self) -> None:
@@ -257,7 +264,7 @@ class GroupPlan:
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"),
-                           int(g.get("model", 1)), tuple(g.get("model_dims", {}).items()))
+                           int(g.get("model", 1)), g.get("model_dims", ()))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())), data.get("zero_stage"), data.get("reduce_dtype", "float32"),

@@ -163,7 +163,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   return Evaluated(
       name=name, device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
-      memory_bytes=tuple(memory[k] for k in on), global_batch=global_batch, position_seconds=per_position,
+      memory_bytes=tuple(memory[k] for k in on for _ in range(tps[k].m)), global_batch=global_batch, position_seconds=per_position,
       grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in on),
       tail=tail, state_shares=tuple(shares[k] for k in on) if zero else (), remats=tuple(remats[k] for k in on),
       group_models=tuple(tps[k] for k in on) if blocked is not layout else ())
@@ -241,10 +241,11 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   p = costing.profile
   grads = p.param_count * GRAD_BYTES
   optimizer = p.opt_state_bytes * (1.0 if share is None else share)
-  # after the loop: its row made whole, the whole row XLA gathers to make it (measured: 0.85 of the gradients'
-  # bytes in temporaries, benchmarks/group_memory.py), beside the reduced gradients or the rows it reduces
+  # after the loop its row made whole beside the whole copy XLA gathers to make it (measured: 0.85-1.0 of the
+  # gradients' bytes in temporaries, benchmarks/group_memory.py); then, in the next program, the row beside the
+  # reduced gradients or the rows it reduces
   working = max(microbatch_bytes(p, loop[0], loop[1], tp) + grads * tp.param_share,
-                grads * (3.0 if rows is None else 2.0 + rows))
+                grads * max(2.0, 1.0 + (1.0 if rows is None else rows)))
   return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
@@ -412,7 +413,8 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
                "communication_seconds": e.comm_seconds, "hidden_communication_seconds": e.hidden_seconds,
                **({"efficiency": e.throughput / ideal} if ideal else {})}
   devices = [d for kind in dict.fromkeys(e.kinds) for i, k in enumerate(e.kinds) if k == kind for d in on(i)]
-  per_device = {"memory_bytes": [e.memory_bytes[i] for i in order],
+  at = {d: j for j, d in enumerate(e.device_positions)}
+  per_device = {"memory_bytes": [e.memory_bytes[at[d]] for d in devices],
                 "memory_capacity_bytes": [cluster.devices[d].spec.memory_bytes for d in devices]}
   if e.position_seconds:
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]

@@ -43,7 +43,7 @@ class Evaluated:
   remat: str                          # a plan remat policy: one of hetspmd.plan.options.REMAT_POLICIES
   compute_seconds: float              # slowest position, tensor-parallel collectives included
   comm_seconds: float                 # gradient reduction over data
-  memory_bytes: tuple[int, ...]       # per device
+  memory_bytes: tuple[int, ...]       # per device (of device_positions)
   global_batch: int
   tensor_parallel: TensorParallel = NO_TENSOR_PARALLEL
   model_comm_seconds: float = 0.0     # the slowest position's tensor-parallel collectives
@@ -407,7 +407,8 @@ def _shared_seconds(costing: Costing, layout: DeviceGroups, costs: dict, work: l
     host = cluster.hosts[h]
     if host.alone_speedup > 1.0:
       mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
-      finish = shared_finish_times([work[i] for i in mine], layout.m, host.count, host.alone_speedup)
+      finish = shared_finish_times([work[i] for i in mine], len(layout.groups[mine[0]]), host.count,
+                                   host.alone_speedup)  # a host's positions are one kind's: one size
       for i, f in zip(mine, finish):
         work[i] = f
   return tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
