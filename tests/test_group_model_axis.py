@@ -6,7 +6,6 @@ import re
 import textwrap
 
 import jax
-import numpy as np
 import pytest
 
 import hetspmd as hs
@@ -17,7 +16,7 @@ from hetspmd.planner.pricing import Costing
 from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
-from test_group_programs import SHARES_80_16, _batches, _state, _trained, dropout_step
+from test_group_programs import SHARES_80_16, _batches, _state, _trained, dropout_step, token_batches
 
 # the test network's first layer split by its output columns, its second by its input rows (Megatron's pairing)
 NET_DIMS = {"params/Dense_0/kernel": 1, "params/Dense_0/bias": 0, "params/Dense_1/kernel": 0}
@@ -80,10 +79,7 @@ def test_a_zoo_language_model_with_the_searchs_model_dims_in_one_group():
   assert len(choice.model_dims) >= 8
   plan = group_plan([((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1), "none", 2,
                                                         choice.model_dims)], 17)
-  rs = np.random.RandomState(1)
-  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
-             for _ in range(2)]
-  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, token_batches(w, plan.global_batch))
   ref.check(state)
 
 
@@ -161,10 +157,7 @@ def test_the_search_gives_a_model_axis_to_the_kind_that_cannot_hold_a_microbatch
   memory = dict(plan.predicted_per_device)["memory_bytes"]
   assert all(m <= small.memory_bytes for m in memory[4:]) and len(memory) == 8
   assert device_groups(cluster, "", tuple(range(8)), 1).memory == small.memory_bytes
-  rs = np.random.RandomState(2)
-  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(batch))
-             for _ in range(2)]
-  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, token_batches(w, batch, seed=2))
   ref.check(state)
 
 

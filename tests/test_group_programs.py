@@ -98,11 +98,15 @@ def test_a_zoo_language_model_under_group_programs():
   require_devices(8)
   w = models.get("gpt2-tiny")
   plan = group_plan([((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (2, 1, 1, 1))], 19)
-  rs = np.random.RandomState(1)
-  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
-             for _ in range(2)]
-  state, ref = _trained(w.make_train_step(), plan, w.init_state, batches)
+  state, ref = _trained(w.make_train_step(), plan, w.init_state, token_batches(w, plan.global_batch))
   ref.check(state)
+
+
+def token_batches(w, size: int, seed: int = 1, steps: int = 2):
+  """``steps`` batches of ``size`` random tokens below 50 for the zoo language model ``w``."""
+  rs = np.random.RandomState(seed)
+  return [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(size))
+          for _ in range(steps)]
 
 
 @pytest.mark.parametrize("groups,batch,message", [

@@ -400,19 +400,20 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   tps = e.group_models or (NO_TENSOR_PARALLEL,) * len(e.kinds)
   firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
   on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
-  groups, shares, order = [], [], []
+  groups, shares, order, devices = [], [], [], []
   for kind in dict.fromkeys(e.kinds):
     mine = [i for i, k in enumerate(e.kinds) if k == kind]
     tp = tps[mine[0]]
-    groups.append(([ids[d] for i in mine for d in on(i)], e.microbatches[mine[0]],
-                   [e.counts[i] for i in mine for _ in range(tp.m)], e.remats[mine[0]] if e.remats else e.remat,
-                   tp.m, tp.model_dims))
-    shares += [e.state_shares[i] for i in mine for _ in range(tp.m)] if e.state_shares else []
-    order += [i for i in mine for _ in range(tp.m)]
+    each = [i for i in mine for _ in range(tp.m)]  # each of the group's devices' position
+    ours = [d for i in mine for d in on(i)]
+    groups.append(([ids[d] for d in ours], e.microbatches[mine[0]], [e.counts[i] for i in each],
+                   e.remats[mine[0]] if e.remats else e.remat, tp.m, tp.model_dims))
+    shares += [e.state_shares[i] for i in each] if e.state_shares else []
+    order += each
+    devices += ours
   predicted = {"step_seconds": e.step_seconds, "throughput": e.throughput, "compute_seconds": e.compute_seconds,
                "communication_seconds": e.comm_seconds, "hidden_communication_seconds": e.hidden_seconds,
                **({"efficiency": e.throughput / ideal} if ideal else {})}
-  devices = [d for kind in dict.fromkeys(e.kinds) for i, k in enumerate(e.kinds) if k == kind for d in on(i)]
   at = {d: j for j, d in enumerate(e.device_positions)}
   per_device = {"memory_bytes": [e.memory_bytes[at[d]] for d in devices],
                 "memory_capacity_bytes": [cluster.devices[d].spec.memory_bytes for d in devices]}
