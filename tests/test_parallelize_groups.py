@@ -1,8 +1,8 @@
 """Group plans through the front door: ``parallelize(plan=GroupPlan | its JSON | "search")`` runs the step as
 one program per device group, with every way of calling a step that ``parallelize`` accepts (extra arguments,
 keywords, NNX objects bound by ``nnx.cached_partial``, ``pmap``-style collectives, a batch placed ahead); the
-search's group plan runs where it is priced ahead, and gives way to the single program for a step group programs
-do not run. Each step is checked against one device."""
+search's group plan runs where it is priced ahead (per-example outputs too), and gives way to the single program
+for a step group programs do not run. Each step is checked against one device."""
 
 import dataclasses
 import functools
@@ -20,13 +20,15 @@ import hetspmd as hs
 import hetspmd.runtime.step as step_module
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import group_plan, split_by_process
+from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan, search
 
 from conftest import require_devices
 from exactness import NnxReference, Reference, assert_exact
 from test_pmap_steps import one_replica
 from test_group_programs import (PLANS, SHARES_80_16, STEPS, TinyLM, _batches, _held_on_one_device, _state,
-                                 dropout_step, lm1b_style_step, nnx_objects, nnx_train_step)
+                                 dropout_step, lm1b_style_step, nnx_objects, nnx_train_step, reads_moments_step)
+from test_group_per_example import with_logits
 
 
 def _lm1b_batches(size, seed=5):
@@ -202,16 +204,41 @@ def test_a_group_plan_takes_settings_beside_the_batch_as_the_single_program_does
   assert step.grouped and len(step._grouped._built) == 2
 
 
-def _with_logits(state, batch):
-  new_state, metrics = dropout_step(state, batch)
-  return new_state, {**metrics, "logits": state.apply_fn({"params": state.params}, batch["x"], train=False)}
+def _with_shares(monkeypatch):
+  """The search's group plans given the optimizer state in equal shares (ZeRO-1)."""
+  def shared(*args, **kwargs):
+    plan = to_group_plan(*args, **kwargs)
+    return dataclasses.replace(plan, state_shares=(1 / len(plan.devices),) * len(plan.devices), zero_stage=1)
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  monkeypatch.setattr(step_module, "to_group_plan", shared)
 
 
 def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatch):
-  """Logits among the metrics (per-example outputs) do not run under group programs: the search's group plan
-  gives way to its best single program, which runs exactly; ``explain`` says why."""
+  """A loop that reads the optimizer state does not run under group programs that hold it in shares: the
+  search's group plan gives way to its best single program, which runs exactly; ``explain`` says why."""
   require_devices(8)
-  with_logits = _with_logits
+  _with_shares(monkeypatch)
+  batches = _batches(48)
+  ref = Reference(reads_moments_step, _state()).run(batches)
+  step = hs.parallelize(reads_moments_step, cluster=_emulated_pool(), plan="search", global_batch=48)
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert not step.grouped and isinstance(step.plan, hs.Plan)
+  assert "does not run this step" in step.explain() and "optimizer-state leaves" in step.explain()
+  # a group plan the user gave is not replaced: the same step says what is wrong
+  given = hs.parallelize(reads_moments_step, plan=group_plan(PLANS[0], 38, state_shares=SHARES_80_16),
+                         global_batch=38)
+  with pytest.raises(hs.HetSpmdError, match="optimizer-state leaves"):
+    given(_state(), _batches(38)[0])
+
+
+def test_the_search_runs_a_step_with_per_example_outputs_as_group_programs(monkeypatch):
+  """Logits among the metrics: the search's group plan runs them (each group's examples put into the global
+  order), exactly."""
+  require_devices(8)
   monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
   batches = _batches(48)
   ref = Reference(with_logits, _state()).run(batches)
@@ -221,22 +248,17 @@ def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatc
     state, metrics = step(state, batch)
     ref.check_metrics(metrics, i)
   ref.check(state.params, lambda s: s.params)
-  assert not step.grouped and isinstance(step.plan, hs.Plan)
-  assert "does not run this step" in step.explain() and "per-example outputs" in step.explain()
-  # a group plan the user gave is not replaced: the same step says what is wrong
-  given = hs.parallelize(with_logits, plan=group_plan(PLANS[0], 38), global_batch=38)
-  with pytest.raises(hs.HetSpmdError, match="per-example outputs"):
-    given(_state(), _batches(38)[0])
+  assert step.grouped and metrics["logits"].shape == (48, 4)
 
 
-@pytest.mark.parametrize("step_fn, grouped", [(dropout_step, True), (_with_logits, False)],
+@pytest.mark.parametrize("step_fn, grouped", [(dropout_step, True), (reads_moments_step, False)],
                          ids=["group-plan", "gives-way"])
 def test_the_searched_plan_is_final_before_anything_is_placed(step_fn, grouped, monkeypatch):
   """State and batch placed before the first call (``shard_state``, ``shard_batch``, from ``example_batch``)
   land where the step then runs: the search's group plan builds its programs when it is chosen, so a step that
   group programs do not run is on its single program before anything is placed. Exact against one device."""
   require_devices(8)
-  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  _with_shares(monkeypatch)
   batches = _batches(48)
   ref = Reference(step_fn, _state()).run(batches)
   step = hs.parallelize(step_fn, cluster=_emulated_pool(), plan="search", global_batch=48,

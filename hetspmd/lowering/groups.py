@@ -14,7 +14,10 @@ kinds of programs built from the same microbatch analysis:
 * :func:`exchange_program`, over every device: each cut's partials
   (a global array with one row per device, assembled from the groups' rows
   without a copy) combined over the devices, then the rest of the step
-  (the optimizer update, metrics) once, as the single program runs it.
+  (the optimizer update, metrics) once, as the single program runs it. A
+  step's per-example outputs (logits among the metrics) come from the group
+  programs as each device's examples, padded to one width, and the exchange
+  program puts them, with the tail's, into the global batch's order.
 
 The partials are the same shape on every device (a gradient is parameter
 shaped whatever the microbatch), so the exchange program is uniform.
@@ -66,10 +69,6 @@ def check(prog: Program, tail: bool = False) -> None:
                        "later per-example work: exact batch statistics, a token count that scales the loss), and "
                        "a tail's examples would have to join every loop's reduction: use a group plan without a "
                        "tail")
-  outvars = [v for v in prog.outvars if v in prog.analysis.axes]
-  if outvars:
-    raise HetSpmdError(f"group programs do not yet return per-example outputs ({len(outvars)} of the step's "
-                       "outputs keep the batch axis, such as logits in the metrics): run it as one program")
 
 
 def loop_cuts(cut_outs: Sequence[Any], s: int) -> list[int]:
@@ -268,16 +267,20 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
   return out
 
 
-def group_program(prog: Program, layout: Layout, s: int | None = None):
-  """``program(inputs, counts, starts, earlier) -> partials``: the group's loop ``s`` (default: the last).
+def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0):
+  """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
+  last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
   ``[devices * max_count, microbatch, ...]`` sharded over ``layout.data_axis``; ``counts`` and ``starts``: each
   device's count and first global example; ``earlier``: ``{cut position: reduced values}`` of the earlier loops'
   cuts (:func:`combine_program`). ``partials``: per cut of loop ``s``, then (for the last loop) per value the loop
   adds into (``Program.accumulated``: a gradient's transpose or a sum of two gradients, fused into the loop), its
-  values with a leading axis of one row per device, sharded over the group."""
+  values with a leading axis of one row per device, sharded over the group. ``examples``: for the last loop, per
+  per-example output of the step (:func:`per_example_outputs`), each device's examples of it in its own order,
+  padded to ``width`` (:func:`example_rows`), with a leading axis of one row per device."""
   axis = layout.data_axis
   s = prog.analysis.loops - 1 if s is None else s
+  pe_outs = per_example_outputs(prog) if s == prog.analysis.loops - 1 else ()
 
   def run(inputs, counts, starts, earlier=None):
     _, ops = before_loops(prog, inputs, counts, starts)
@@ -287,8 +290,9 @@ def group_program(prog: Program, layout: Layout, s: int | None = None):
       outer = dict(zip(ops.inputs, values))
       _after_earlier(prog, ops.cut_outs, earlier, s, outer)
       ctx = LoopContext(prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0])
-      partials, _ = one_loop(ctx, s, outer, mine)
-      return [[x[None] for x in part] for part in partials]  # the cuts', then the sums the loop adds into
+      partials, outs = one_loop(ctx, s, outer, mine, pe_outs)
+      outs = [example_rows(x, prog.analysis.axes[v].dim, width)[None] for v, x in zip(pe_outs, outs)]
+      return [[x[None] for x in part] for part in partials], outs  # the cuts', then the sums the loop adds into
 
     return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis), P()),
                          out_specs=P(axis), axis_names={axis}, check_vma=False)(
@@ -315,7 +319,7 @@ def _combined(prog: Program, cut: Any, part: Sequence[Any]) -> list[Any]:
 
 
 def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None, *,
-                     sums: bool = True):
+                     sums: bool = True, order: np.ndarray | None = None):
   """``program(inputs, partials, counts, starts) -> outputs``: every cut's partials combined over the devices
   (their leading axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs.
 
@@ -326,17 +330,24 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
 
   With ``outputs`` (flat output indices: the ones no state unit holds), the program returns ``(those outputs,
   sums)``, ``sums`` being ``(cut totals, accumulated values)`` for :func:`update_program`; with ``sums=False``
-  only those outputs (each device's :func:`owner_update_program` reduces the sums its units read)."""
+  only those outputs (each device's :func:`owner_update_program` reduces the sums its units read).
 
-  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None, earlier=None):
+  With ``order`` (for a step with per-example outputs: :meth:`hetspmd.plan.groups.GroupPlan.example_slots`),
+  ``examples`` are the group programs' rows of them, joined over the devices: they and the tail's (each device's
+  examples in its own order) are put into the global batch's order."""
+
+  def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None, earlier=None,
+          examples: Sequence[Any] = ()):
     env, ops = before_loops(prog, inputs, counts, starts)
     if tail is not None:
-      totals, accumulated = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
+      totals, accumulated, tail_examples = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
     else:
-      totals, accumulated = _reduced(prog, ops.cut_outs, partials, earlier)
+      (totals, accumulated), tail_examples = _reduced(prog, ops.cut_outs, partials, earlier), ()
     accumulated = [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]
     env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
+    if order is not None:
+      env.update(zip(per_example_outputs(prog), global_order(prog, examples, tail_examples, order)))
     if outputs is None:
       return [jx.read(env, v) for v in prog.outvars]
     mine = [jx.read(env, prog.outvars[o]) for o in outputs]
@@ -391,6 +402,39 @@ def _reduced(prog: Program, cut_outs: Sequence[Any], partials: Sequence[Sequence
 
 def _with_tail(prog: Program, tail: Layout, ops):
   """The tail's loop on every device, the groups' partials added into its sums before they are reduced: the
-  cuts' totals and the accumulated values."""
+  cuts' totals, the accumulated values and the per-example outputs' buffers (``[devices * count, value of one
+  microbatch]``)."""
   totals, rest = loop_part(prog, tail, ops)
-  return totals, (rest[1] if prog.accumulated else [])
+  return (totals, *rest[::-1]) if prog.accumulated else (totals, [], rest)
+
+
+def per_example_outputs(prog: Program) -> tuple[Any, ...]:
+  """The step's outputs that keep the batch axis (logits among the metrics), in output order, as the loops fill
+  them (:func:`hetspmd.lowering.weighted.before_loops`)."""
+  return tuple(v for v in prog.outvars if not jx.is_literal(v) and v in prog.analysis.axes)
+
+
+def example_rows(buf, dim: int, width: int | None = None):
+  """One device's slots of a per-example output, ``[slots, value of one microbatch]`` (its examples along
+  ``dim``), as its examples in order along a leading axis, ``[slots * microbatch, rest]``; zero-padded to
+  ``width`` rows when given."""
+  moved = jnp.moveaxis(buf, dim + 1, 1)
+  flat = moved.reshape((moved.shape[0] * moved.shape[1],) + moved.shape[2:])
+  if width is None or width == flat.shape[0]:
+    return flat
+  return jnp.concatenate([flat, jnp.zeros((width - flat.shape[0],) + flat.shape[1:], flat.dtype)])
+
+
+def global_order(prog: Program, examples: Sequence[Any], tail_examples: Sequence[Any], order: np.ndarray) -> list:
+  """Each per-example output of the step in the global batch's order: ``examples``, the groups' rows of it
+  (``[devices, width, rest]``), then the tail's buffers, are taken at ``order`` (an example's slot among them
+  all) and the batch axis put back where the step has it."""
+  tails = iter(tail_examples)
+  out = []
+  for v, rows in zip(per_example_outputs(prog), examples):
+    dim = prog.analysis.axes[v].dim
+    flat = rows.reshape((rows.shape[0] * rows.shape[1],) + rows.shape[2:])
+    if tail_examples:
+      flat = jnp.concatenate([flat, example_rows(next(tails), dim).astype(flat.dtype)])
+    out.append(jnp.moveaxis(jnp.take(flat, order, axis=0), 0, dim).astype(jx.aval_dtype(v)))
+  return out

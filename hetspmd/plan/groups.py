@@ -228,6 +228,26 @@ class GroupPlan:
       out.append(tuple(firsts))
     return tuple(out)
 
+  @property
+  def example_width(self) -> int:
+    """The most examples one device runs in its group's loop: each device's rows of a per-example output are
+    padded to it, so that they have one shape across groups."""
+    return max(1, max(g.max_count * g.microbatch for g in self.groups))
+
+  def example_slots(self) -> tuple[int, ...]:
+    """For each example of the global batch, its slot among the rows of a per-example output: each device's
+    :attr:`example_width` loop rows (a data position's on its first device), then each device's tail examples."""
+    width, n = self.example_width, len(self.devices)
+    slots, at = [], 0
+    for group in self.groups:  # the groups' examples come in order, each position's a run of them
+      for i, c in enumerate(group.positions):
+        first = at + i * group.model  # the position's first device, by index in the plan
+        slots.extend(range(first * width, first * width + c * group.microbatch))
+      at += len(group.devices)
+    tail = self.tail_count * self.tail_microbatch
+    slots.extend(range(n * width, n * width + n * tail))
+    return tuple(slots)
+
   def summary(self) -> str:
     lines = [f"{len(self.groups)} group program(s), global batch {self.global_batch}"]
     for g, group in enumerate(self.groups):

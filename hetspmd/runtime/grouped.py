@@ -9,7 +9,10 @@ global arrays over every device without a copy
 same shape), and one uniform program over every device
 (:func:`hetspmd.lowering.groups.exchange_program`) combines them and runs the
 rest of the step: the optimizer update on the state, replicated on every
-device, and the metrics.
+device, and the metrics. Per-example outputs (logits among the metrics) come
+out of the group programs as each device's examples, padded to the plan's
+``example_width``, and the exchange program puts them in the global batch's
+order (``GroupPlan.example_slots``), replicated on every device.
 
 Under a plan with ``state_shares`` (ZeRO-1 by memory) each large
 optimizer-state leaf lives whole and unpadded on one device
@@ -280,13 +283,12 @@ class GroupedStep:
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), batch_leaves))
-    joined, earlier = self._loops_of(built, [state_leaves[i] for i in free], placed.groups, others)
+    joined, earlier, examples = self._loops_of(built, [state_leaves[i] for i in free], placed.groups, others)
     tail = placed.tail
     common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
+    results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier, examples)
     if built.units is None:
-      return jax.tree.unflatten(built.out_tree, self._call("exchange", built.exchange, common, joined, *self._tail,
-                                                           earlier))
-    results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier)
+      return jax.tree.unflatten(built.out_tree, results)
     results, sums = (results, (joined, earlier)) if built.needs is not None else results
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
@@ -296,23 +298,25 @@ class GroupedStep:
 
   def _loops_of(self, built: "_Built", state: list, buffers: dict, others: list):
     """Each loop's group programs (this process's groups, ``buffers``: each one's microbatch buffers), every loop
-    but the last reduced by its uniform combine program for the next: the last loop's partials as global
-    arrays, and the earlier loops' reduced cuts."""
+    but the last reduced by its uniform combine program for the next: the last loop's partials and the rows of
+    the step's per-example outputs as global arrays, and the earlier loops' reduced cuts."""
     earlier: dict = {}
     loops = len(built.combines) + 1
     for s in range(loops):
-      partials = []
+      partials, examples = [], []
       for g, (mesh, programs, loop) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
         if loop is not None:  # this process's groups only
           inputs = [_on(mesh, x) for x in state] + buffers[g] + [_on(mesh, x) for x in others]
           name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
-          partials.append(self._call(name, programs[s], inputs, *loop, jax.tree.map(functools.partial(_on, mesh),
-                                                                                     earlier)))
+          mine, rows = self._call(name, programs[s], inputs, *loop, jax.tree.map(functools.partial(_on, mesh),
+                                                                                  earlier))
+          partials.append(mine)
+          examples.append(rows)
       joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
                 for k in range(len(partials[0]))]
       if s < loops - 1:
         earlier.update(self._call(f"combine loop {s}", built.combines[s], joined))
-    return joined, earlier
+    return joined, earlier, [self._rows([e[k] for e in examples]) for k in range(len(examples[0]))]
 
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
@@ -436,7 +440,7 @@ class GroupedStep:
       split = _model_split(state, group, mesh)
       programs.append([jax.jit(_spread(prog, s, group.model, _narrowed(
           mask if s == loops - 1 else None, self.plan.reduce_dtype, _reordered(order, _missing(own, held, _split(
-              split, group_lowering.group_program(own, layout, s)))))),
+              split, group_lowering.group_program(own, layout, s, self.plan.example_width)))))),
           out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))) for s in range(loops)])
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
@@ -448,7 +452,9 @@ class GroupedStep:
     # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
     # it needs are copied to it): no device holds a reduced gradient it does not update
     to_owner = units is not None and not self.plan.tail_count and jax.process_count() == 1
-    run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner)
+    order = np.asarray(self.plan.example_slots(), np.int32) if group_lowering.per_example_outputs(prog) else None
+    run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner,
+                                          order=order)
     # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
     exchange = jax.jit(_missing(prog, held, run), out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
@@ -601,9 +607,10 @@ def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., An
   positions, sizes = order
 
   def reordered(*args):
-    values = [x for part in run(*args) for x in part]
+    partials, examples = run(*args)
+    values = [x for part in partials for x in part]
     flat = [values[i] for i in positions]
-    return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+    return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))], examples
 
   return reordered
 
@@ -667,7 +674,8 @@ def _split(split: dict[int, NamedSharding], run: Callable[..., Any]) -> Callable
 
 def _spread(prog: Program, s: int, model: int, run: Callable[..., Any]) -> Callable[..., Any]:
   """``run`` with its rows (one per data position) made one per device, as the uniform programs take them: a
-  sum's row on the position's first device and zeros on the others, a maximum's or minimum's on each of them."""
+  sum's row (and a per-example output's) on the position's first device and zeros on the others, a maximum's or
+  minimum's on each of them."""
   if model == 1:
     return run
   kinds = group_lowering.partial_reductions(prog, s)
@@ -678,7 +686,12 @@ def _spread(prog: Program, s: int, model: int, run: Callable[..., Any]) -> Calla
             jnp.broadcast_to(rows, (x.shape[0], model - 1) + x.shape[1:]))
     return jnp.concatenate([rows, rest], axis=1).reshape((x.shape[0] * model,) + x.shape[1:])
 
-  return lambda *args: [[spread(x, k) for x, k in zip(part, ks)] for part, ks in zip(run(*args), kinds)]
+  def spread_all(*args):
+    partials, examples = run(*args)
+    return ([[spread(x, k) for x, k in zip(part, ks)] for part, ks in zip(partials, kinds)],
+            [spread(x, "sum") for x in examples])
+
+  return spread_all
 
 
 def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:
@@ -686,7 +699,11 @@ def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callab
   the dtype they cross devices in."""
   if mask is None or not any(flag for part in mask for flag in part):
     return run
-  return lambda *args: group_lowering.narrow(run(*args), mask, dtype)
+  def narrowed(*args):
+    partials, examples = run(*args)
+    return group_lowering.narrow(partials, mask, dtype), examples
+
+  return narrowed
 
 
 def _shard_on(x: Any, device: Any) -> Any:

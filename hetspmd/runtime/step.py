@@ -225,7 +225,7 @@ class ParallelStep:
     if grouped is None:
       return plan, None
     runtime = self._group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
-    try:  # a step group programs do not run (per-example outputs, say) runs as the best single program
+    try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
       runtime.prepare(trace.f, state, self._global(trace.batch), trace.rest, graphdef=trace.graphdef,
                       static=trace.static)
     except HetSpmdError as e:
