@@ -389,3 +389,31 @@ def test_programs_are_told_apart_by_where_each_argument_was():
   from hetspmd.runtime.binding import hashable
   setting = {"mode": "x"}
   assert hashable(((0, setting),)) == hashable(((0, setting),)) != hashable(((0, {"mode": "x"}),))
+
+
+@pytest.mark.parametrize("shares,zero", [((), 0), (SHARES_80_16, 1), (SHARES_80_16, 3)],
+                         ids=["replicated", "zero1", "zero3"])
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_group_plan_donates_the_state_it_replaces(shares, zero, donate):
+  """``donate_state`` (parallelize's default) under a group plan: the uniform program writes a replicated new
+  state into the old one's buffers; under state shares each device's update program writes its optimizer-state
+  leaves into their old buffers. The state passed in is then deleted (kept alive without donation); exact
+  either way."""
+  require_devices(8)
+  plan = group_plan(PLANS[0], 38, tail=(0, 0), state_shares=shares, zero_stage=zero or None)
+  batches = _batches(38)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = hs.parallelize(dropout_step, plan=plan, global_batch=38, donate_state=donate)
+  state = step.shard_state(_state())
+  for i, batch in enumerate(batches):
+    given, (state, metrics) = state, step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  moments = [x for x in jax.tree.leaves(given.opt_state) if np.size(x) > 1]
+  params = jax.tree.leaves(given.params)
+  assert all(x.is_deleted() == donate for x in moments)
+  assert all(x.is_deleted() == (donate and not shares) for x in params)  # shares: each device's update makes them
+  programs = step._grouped.memory_analysis()
+  written = programs["update on device 0" if shares else "exchange"].alias_size_in_bytes
+  assert (written > 0) == donate

@@ -69,9 +69,9 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
+from hetspmd.runtime.group_wrappers import (DATA, constrained, donating, group_mesh, less_held, model_split,
+                                            narrowed, new_values, reordered, returns_state, spread)
 
-DATA = "data"
-MODEL = "model"
 
 
 @dataclasses.dataclass
@@ -83,6 +83,7 @@ class GroupedStep:
   plan: GroupPlan
   example_batch: Any = None
   batch_stats: str = "exact"
+  donate_state: bool = False
   _built: dict = dataclasses.field(default_factory=dict)
   _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
   _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
@@ -97,7 +98,7 @@ class GroupedStep:
                               f"{sorted(by_id)})")
     self.devices = [by_id[d] for d in self.plan.devices]
     self.mesh = Mesh(np.array(self.devices), (DATA,))
-    self.group_meshes = [_group_mesh([by_id[d] for d in g.devices], g.model) for g in self.plan.groups]
+    self.group_meshes = [group_mesh([by_id[d] for d in g.devices], g.model) for g in self.plan.groups]
     here = jax.process_index()
     for g, mesh in enumerate(self.group_meshes):
       processes = sorted({d.process_index for d in mesh.devices.flat})
@@ -427,21 +428,13 @@ class GroupedStep:
     progs, shapes = self._traced(fn, tree, leaves, n_state, n_batch)
     prog = progs[self.plan.tail_remat]  # the exchange program's trace
     out_tree = jax.tree.structure(shapes)
-    units, owner, params = self._units(prog, state, out_tree) if self.plan.state_shares else (None, {}, {})
+    new_value_of = new_values(prog, state, out_tree)
+    units, owner, params = self._units(prog, state, new_value_of) if self.plan.state_shares else (None, {}, {})
+    donated = frozenset(new_value_of.values()) if self.donate_state and returns_state(prog, new_value_of) else ()
     held = tuple(sorted(owner))
     loops = prog.analysis.loops
-    # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
-    mask = None if self.plan.tail_count else group_lowering.narrowed(prog, self.plan.reduce_dtype)
-    programs = []
-    for group, mesh in zip(self.plan.groups, self.group_meshes):
-      layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
-      own = progs[group.remat]
-      order = None if own is prog else group_lowering.sums_order(prog, own)
-      split = _model_split(state, group, mesh)
-      programs.append([jax.jit(_spread(prog, s, group.model, _narrowed(
-          mask if s == loops - 1 else None, self.plan.reduce_dtype, _reordered(order, _missing(own, held, _split(
-              split, group_lowering.group_program(own, layout, s, self.plan.example_width)))))),
-          out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))) for s in range(loops)])
+    programs = [self._group_programs(progs, group, mesh, state, held)
+                for group, mesh in zip(self.plan.groups, self.group_meshes)]
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
     tail = None
@@ -456,7 +449,10 @@ class GroupedStep:
     run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner,
                                           order=order)
     # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
-    exchange = jax.jit(_missing(prog, held, run), out_shardings=NamedSharding(self.mesh, P()))
+    entries = leaves_with_paths(state)
+    free = [i for i in range(len(entries)) if i not in owner]
+    exchange = donating(less_held(prog, held, run), [k for k, i in enumerate(free) if i in donated and not units],
+                        out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
     for device in self.devices:
       outs = tuple(sorted(o for ins, unit_outs in (units.units if units else ()) if owner[ins[0]] == device
@@ -465,15 +461,36 @@ class GroupedStep:
         mine = {i for i in held if owner[i] == device}
         update = (group_lowering.owner_update_program(prog, outs, len(self.devices)) if to_owner else
                   group_lowering.update_program(prog, outs))
-        updates[device] = (outs, jax.jit(_missing(prog, tuple(i for i in held if i not in mine), update)))
+        reads = [i for i in range(len(entries)) if owner.get(i, device) == device]  # its inputs' state leaves
+        updates[device] = (outs, donating(less_held(prog, tuple(i for i in held if i not in mine), update),
+                                          [k for k, i in enumerate(reads) if i in mine and i in donated]))
     readers = group_lowering.partial_readers(prog) if to_owner else ()
     needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
-    entries = leaves_with_paths(state)
     holder = {**owner, **{i: device for i, (device, _) in params.items()}}
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
                        for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
                   tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None)
+
+  def _group_programs(self, progs: dict[str, Program], group: Any, mesh: Mesh, state: Any,
+                      held: tuple[int, ...]) -> list:
+    """``group``'s program of each loop, ``jax.jit`` over its ``mesh``: its own trace's loop (its remat policy's,
+    from ``progs``), its partial sums laid out and narrowed as the exchange program takes them, one row per
+    device."""
+    prog, own = progs[self.plan.tail_remat], progs[group.remat]
+    loops = prog.analysis.loops
+    layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
+    order = None if own is prog else group_lowering.sums_order(prog, own)
+    split = model_split(state, group, mesh)
+    # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
+    mask = None if self.plan.tail_count else group_lowering.narrowed(prog, self.plan.reduce_dtype)
+    out = []
+    for s in range(loops):
+      loop = group_lowering.group_program(own, layout, s, self.plan.example_width)
+      run = reordered(order, less_held(own, held, constrained(split, loop)))
+      run = spread(prog, s, group.model, narrowed(mask if s == loops - 1 else None, self.plan.reduce_dtype, run))
+      out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
+    return out
 
   def _traced(self, fn, tree, leaves, n_state: int, n_batch: int) -> tuple[dict[str, Program], Any]:
     """The step's analysed program under each remat policy the plan uses (its groups' and the tail's), and its
@@ -501,17 +518,13 @@ class GroupedStep:
                          f"{', '.join(progs)})")
     return progs, shapes
 
-  def _units(self, prog: Program, state: Any, out_tree: Any):
+  def _units(self, prog: Program, state: Any, new_value_of: dict[int, int]):
     """The update's state units, the device holding each held optimizer-state leaf (by flat state index) and,
-    under ZeRO-3, each parameter a unit makes (``{state index: (device, output)}``)."""
+    under ZeRO-3, each parameter a unit makes (``{state index: (device, output)}``); ``new_value_of``:
+    :func:`hetspmd.runtime.group_wrappers.new_values`."""
     entries = leaves_with_paths(state)
     held = [i for i, (path, leaf) in enumerate(entries)
             if np.ndim(leaf) >= 1 and np.size(leaf) > 1 and role_of(path, _traced_dtype(leaf)) == "opt_state"]
-    outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
-    structure = jax.tree.structure(state)
-    new_state = (outputs if jax.tree.structure(outputs) == structure else outputs[0]
-                 if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == structure else None)
-    new_value_of = dict(zip(jax.tree.leaves(new_state), range(len(entries)))) if new_state is not None else {}
     units = group_lowering.state_units(prog, held, new_value_of)
     made = [{new_value_of[o]: o for o in outs if o in new_value_of and new_value_of[o] not in held}
             if self.plan.zero_stage == 3 else {} for _, outs in units.units]  # the parameters each unit makes
@@ -592,29 +605,6 @@ class _Built:
     return self.units.kept_outputs | {o for _, o in self.params.values()}
 
 
-def _missing(prog: Program, held: tuple[int, ...], run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` taking the step's flat inputs less ``held`` (leaves on other devices that it does not read)."""
-  if not held:
-    return run
-  return lambda inputs, *rest: run(group_lowering.with_placeholders(prog, inputs, held), *rest)
-
-
-def _reordered(order: tuple | None, run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` with its partial sums laid out as the exchange program's trace lays them out (``order``: from
-  :func:`hetspmd.lowering.groups.sums_order`; another remat policy's trace cuts the backward pass otherwise)."""
-  if order is None:
-    return run
-  positions, sizes = order
-
-  def reordered(*args):
-    partials, examples = run(*args)
-    values = [x for part in partials for x in part]
-    flat = [values[i] for i in positions]
-    return [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))], examples
-
-  return reordered
-
-
 def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any], tuple, Any]:
   """``fn(state, batch, *rest)`` with the leaves of ``rest`` that are not arrays or numbers (a string, a config,
   a function) bound as constants, as the single program takes them: ``(fn(state, batch, arrays), (arrays,),
@@ -630,80 +620,6 @@ def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any
                                                        for i in range(len(leaves))]))
 
   return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))
-
-
-def _group_mesh(devices: list, model: int) -> Mesh:
-  """A group's mesh: its devices on ``data``, or ``model`` at a time (a data position each) on ``data`` x
-  ``model``."""
-  if model == 1:
-    return Mesh(np.array(devices), (DATA,))
-  return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
-
-
-def _model_split(state: Any, group: Any, mesh: Mesh) -> dict[int, NamedSharding]:
-  """``{flat state index: sharding}`` of the parameters ``group.model_dims`` splits over its model axis (a path
-  names a leaf whose path ends with it); none without a model axis."""
-  if group.model == 1:
-    return {}
-  dims, out, found = dict(group.model_dims), {}, set()
-  for i, (path, leaf) in enumerate(leaves_with_paths(state)):
-    key = next((k for k in sorted(dims, key=len, reverse=True) if path == k or path.endswith("/" + k)), None)
-    if key is None:
-      continue
-    dim, shape = dims[key], np.shape(leaf)
-    if dim >= len(shape) or shape[dim] % group.model:
-      raise InvalidValueError(f"model_dims splits {path} (shape {shape}) along dimension {dim} over a model axis of "
-                              f"{group.model}: that dimension must exist and divide by {group.model}")
-    found.add(key)
-    out[i] = NamedSharding(mesh, P(*(None,) * dim, MODEL))
-  unknown = sorted(set(dims) - found)
-  if unknown:
-    raise InvalidValueError(f"model_dims names {unknown}, which no state leaf's path ends with (the state's "
-                            f"parameters are named like {leaves_with_paths(state)[0][0]!r})")
-  return out
-
-
-def _split(split: dict[int, NamedSharding], run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` with the parameters ``split`` names constrained to their model-axis shardings: XLA then splits the
-  work that reads them, and their gradients, over the model axis."""
-  if not split:
-    return run
-  return lambda inputs, *rest: run([jax.lax.with_sharding_constraint(x, split[i]) if i in split else x
-                                    for i, x in enumerate(inputs)], *rest)
-
-
-def _spread(prog: Program, s: int, model: int, run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` with its rows (one per data position) made one per device, as the uniform programs take them: a
-  sum's row (and a per-example output's) on the position's first device and zeros on the others, a maximum's or
-  minimum's on each of them."""
-  if model == 1:
-    return run
-  kinds = group_lowering.partial_reductions(prog, s)
-
-  def spread(x, kind):
-    rows = x[:, None]
-    rest = (jnp.zeros((x.shape[0], model - 1) + x.shape[1:], x.dtype) if kind == "sum" else
-            jnp.broadcast_to(rows, (x.shape[0], model - 1) + x.shape[1:]))
-    return jnp.concatenate([rows, rest], axis=1).reshape((x.shape[0] * model,) + x.shape[1:])
-
-  def spread_all(*args):
-    partials, examples = run(*args)
-    return ([[spread(x, k) for x, k in zip(part, ks)] for part, ks in zip(partials, kinds)],
-            [spread(x, "sum") for x in examples])
-
-  return spread_all
-
-
-def _narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` with the partial sums ``mask`` names (:func:`hetspmd.lowering.groups.narrowed`) cast to ``dtype``,
-  the dtype they cross devices in."""
-  if mask is None or not any(flag for part in mask for flag in part):
-    return run
-  def narrowed(*args):
-    partials, examples = run(*args)
-    return group_lowering.narrow(partials, mask, dtype), examples
-
-  return narrowed
 
 
 def _shard_on(x: Any, device: Any) -> Any:
@@ -749,13 +665,16 @@ def _on(mesh: Mesh, x: Any) -> Any:
 
 
 def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None,
-               batch_stats: str = "exact") -> GroupedStep:
+               batch_stats: str = "exact", donate_state: bool = False) -> GroupedStep:
   """``fn`` (a functional step, or NNX in place) run under ``plan``'s group programs. ``example_batch``: a global
   batch to trace the step on before its first call, so that :meth:`GroupedStep.state_shardings` can say where a
   plan with state shares keeps each optimizer-state leaf (to restore a checkpoint into). ``batch_stats``:
   ``"exact"`` (BatchNorm statistics over the global batch, in a loop of their own before the loop that uses
   them, as ``parallelize`` does) or ``"local"`` (each microbatch normalised with its own statistics: over the
-  group's microbatch size, each microbatch's results counting by its examples)."""
+  group's microbatch size, each microbatch's results counting by its examples). ``donate_state``: let the
+  programs that make the new state reuse the given state's buffers (the state passed in is then deleted): the
+  uniform program under a replicated state, each device's update program for the optimizer-state leaves it
+  holds under state shares."""
   if not isinstance(plan, GroupPlan):
     raise HetSpmdError(f"run_groups needs a GroupPlan, got {type(plan).__name__}")
-  return GroupedStep(fn, plan, example_batch, batch_stats)
+  return GroupedStep(fn, plan, example_batch, batch_stats, donate_state)

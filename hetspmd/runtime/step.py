@@ -173,7 +173,7 @@ class ParallelStep:
     process_of = {d.id: d.process_index for d in jax.devices()}
     if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
       plan = split_by_process(plan, process_of)
-    return GroupedStep(self.fn, plan, batch_stats=self.batch_stats)
+    return GroupedStep(self.fn, plan, batch_stats=self.batch_stats, donate_state=self.donate_state)
 
   def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
     """The plan resolved on a call's arguments (the search traces the step on them); returns the state to run
@@ -508,7 +508,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the new state
-      the step returns (a step that returns no new state donates nothing).
+      the step returns (none if it returns none; under group state shares,
+      only the optimizer state's).
     specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match
       (``"auto"`` and ``"search"`` plans), e.g. ``hetspmd.annotated_specs(params,
       rules)`` to respect a model's own sharding annotations.
@@ -545,15 +546,20 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     if not callable(f):
       raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
     f, bound = unbound(f)
-    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else (
-        None if batch_argnums is None else tuple(batch_argnums))
-    if argnums is not None:  # counted among the call's own arguments
-      argnums = tuple(i + len(bound) for i in argnums)
+    argnums = _batch_argnums(batch_argnums, len(bound))
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
                         batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
                         bound=bound, axis_name=names, group_plans=group_plans)
 
   return wrap if fn is None else wrap(fn)
+
+
+def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
+  """``batch_argnums`` (an int, a sequence, or None) as a tuple counted among all the step's arguments, after
+  the ``bound`` ones ``nnx.cached_partial`` binds."""
+  if batch_argnums is None:
+    return None
+  return tuple(i + bound for i in ((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums))
 
 
 def _check_options(plan: Any, global_batch: int, microbatch: int | None, batch_stats: str,
