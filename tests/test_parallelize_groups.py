@@ -417,3 +417,39 @@ def test_a_group_plan_donates_the_state_it_replaces(shares, zero, donate):
   programs = step._grouped.memory_analysis()
   written = programs["update on device 0" if shares else "exchange"].alias_size_in_bytes
   assert (written > 0) == donate
+
+
+def test_an_update_that_fails_to_compile_leaves_the_donated_state_whole(monkeypatch):
+  """Under state shares every device's update program is compiled before any runs and donates its leaves: one
+  that fails (here the second device's, failing as it is traced) leaves the state it was given whole, and the
+  same state then trains exactly."""
+  require_devices(8)
+  from hetspmd.lowering import groups as group_lowering
+
+  def failing_second(make):
+    made = []
+
+    def build(prog, outs, *rest):
+      run = make(prog, outs, *rest)
+      made.append(outs)
+
+      def broken(*args):
+        raise hs.HetSpmdError("a program that does not compile")
+      return broken if len(made) == 2 else run
+    return build
+
+  for name in ("update_program", "owner_update_program"):
+    monkeypatch.setattr(group_lowering, name, failing_second(getattr(group_lowering, name)))
+  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  state = hs.parallelize(dropout_step, plan=plan, global_batch=38).shard_state(_state())
+  with pytest.raises(hs.HetSpmdError, match="does not compile"):
+    hs.parallelize(dropout_step, plan=plan, global_batch=38)(state, _batches(38)[0])
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  monkeypatch.undo()
+  batches = _batches(38)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = hs.parallelize(dropout_step, plan=plan, global_batch=38)
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.opt_state, lambda s: s.opt_state)

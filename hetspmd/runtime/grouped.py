@@ -69,8 +69,8 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
-from hetspmd.runtime.group_wrappers import (DATA, constrained, donating, group_mesh, less_held, model_split,
-                                            narrowed, new_values, reordered, returns_state, spread)
+from hetspmd.runtime.group_wrappers import (DATA, Donating, constrained, donating, group_mesh, less_held,
+                                            model_split, narrowed, new_values, reordered, returns_state, spread)
 
 
 
@@ -87,6 +87,7 @@ class GroupedStep:
   _built: dict = dataclasses.field(default_factory=dict)
   _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
   _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
+  _compiled: set = dataclasses.field(default_factory=set)  # ids of the _Built whose update programs are compiled
 
   def __post_init__(self):
     if self.batch_stats not in ("exact", "local"):
@@ -324,6 +325,7 @@ class GroupedStep:
     own copies); a held leaf's new value stays on the device, every other output is sent to every device."""
     kept = built.kept
     made: dict[int, Any] = {}
+    calls = []
     for device, (outs, program) in built.updates.items():
       if device.process_index != jax.process_index():
         for o in outs:  # made in another process: this process's handle on it has no shard here
@@ -337,7 +339,14 @@ class GroupedStep:
         given = (jax.tree.map(mine, sums),)
       else:  # every device's rows of the sums its units read, and the earlier loops' totals
         given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1]))
-      for o, x in zip(outs, self._call(f"update on device {device.id}", program, inputs, *given)):
+      calls.append((f"update on device {device.id}", outs, program, inputs, given))
+    if id(built) not in self._compiled:  # all compiled before any donates: one that fails leaves the state whole
+      for _, _, program, inputs, given in calls:
+        if isinstance(program, Donating):
+          program.lower(inputs, *given).compile()  # into jax.jit's cache, which the call then takes
+      self._compiled.add(id(built))
+    for name, outs, program, inputs, given in calls:
+      for o, x in zip(outs, self._call(name, program, inputs, *given)):
         if o in kept:
           outputs[o] = x
         else:
