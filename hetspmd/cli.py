@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _GRAMMAR = ("SPEC := GROUP('+'GROUP)*(';'OPTION)*, GROUP := [HOSTSx][DEVICESx]KIND[@LINK], "
-            "OPTION := inter=LINK | intra=LINK | inter_latency=TIME | intra_latency=TIME; "
+            "OPTION := inter=LINK | intra=LINK | inter_latency=TIME | intra_latency=TIME | processes=N; "
             "e.g. '2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps'. LINK is a preset (pcie, pcie4, nvlink, "
             "nvlink3, nvlink4, xgmi, ici, host) or a bandwidth such as 25Gbps.")
 

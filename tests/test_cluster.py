@@ -115,6 +115,9 @@ BAD_SPECS = [
     ("4xT4;inter=0Gbps", "bandwidth must be positive"),
     ("4xT4;speed=3", "malformed cluster spec at 'speed=3'"),
     ("4xT4@warp", "unknown link 'warp'"),
+    ("4xT4;processes=0", "processes must be a whole number from 1 to the cluster's 4 devices, got 0"),
+    ("4xT4;processes=5", "processes must be a whole number from 1 to the cluster's 4 devices, got 5"),
+    ("4xT4;processes=two", "expected a whole number of processes, got 'two'"),
     ("", "non-empty string"),
 ]
 
@@ -164,6 +167,23 @@ def test_required_cluster_presets():
 def test_unknown_preset_lists_presets():
   with pytest.raises(hetspmd.UnknownNameError, match="unknown cluster preset 'hap'; presets: hap-v100-p100"):
     Cluster.preset("hap")
+
+
+def test_one_process_driving_a_machine_that_mixes_kinds(tmp_path):
+  """A host is one device kind, so Cephalo's workstation is one host per kind; ``processes=1`` says that one
+  process drives them all (the group search then prices the path the runtime takes in one process), in the
+  spec, in ``describe()`` and in TOML."""
+  mixed = Cluster.parse("2xL4+RTX-A6000+P40;inter=pcie3;processes=1")
+  assert [h.device.name for h in mixed.hosts] == ["L4", "RTX-A6000", "P40"] and mixed.processes == 1
+  assert Cluster.parse(mixed.describe()) == mixed
+  mixed.save(tmp_path / "workstation.toml")
+  assert Cluster.load(tmp_path / "workstation.toml") == mixed
+  assert Cluster.parse("2xL4+RTX-A6000+P40;inter=pcie3").processes is None  # each host taken to be a process
+  assert Cluster.preset("cephalo-workstation") == mixed.replace(name="cephalo-workstation")
+  (tmp_path / "bad.toml").write_text((tmp_path / "workstation.toml").read_text().replace(
+      "processes = 1", "processes = 9"))
+  with pytest.raises(hetspmd.HetSpmdError, match="bad.toml: processes must be a whole number from 1"):
+    Cluster.load(tmp_path / "bad.toml")
 
 
 @pytest.mark.parametrize("name", list(CLUSTER_PRESETS))

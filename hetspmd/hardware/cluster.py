@@ -8,7 +8,7 @@ Cluster spec grammar (``Cluster.parse``)::
 
     spec   := group ("+" group)* (";" option)*
     group  := [HOSTS "x"] [DEVICES "x"] KIND ["@" LINK]
-    option := "inter=" LINK | "intra=" LINK | "inter_latency=" TIME | "intra_latency=" TIME
+    option := "inter=" LINK | "intra=" LINK | "inter_latency=" TIME | "intra_latency=" TIME | "processes=" N
 
 ``2x8xV100-32GB`` is 2 hosts of 8 V100s; ``4xT4`` one host of 4 T4s; ``L4``
 one host of one L4. ``LINK`` is a preset (``pcie``, ``pcie4``, ``nvlink``,
@@ -16,7 +16,9 @@ one host of one L4. ``LINK`` is a preset (``pcie``, ``pcie4``, ``nvlink``,
 (``10.4Gbps``, ``12GB/s``). ``intra=`` sets every group's link unless the
 group names its own with ``@``; without either, each kind gets its usual
 link (NVLink for SXM parts, PCIe otherwise). The default network between
-hosts is 25 Gbps with 20 µs latency.
+hosts is 25 Gbps with 20 µs latency. A host is one device kind: a machine
+that mixes kinds is one host per kind, and ``processes=1`` says that one
+process drives them all (otherwise each host is taken to be a process).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ CLUSTER_PRESETS: dict[str, str] = {
     "h100-a100-l4-mix": "1x8xH100-80GB+1x8xA100-80GB+2x8xL4;inter=200Gbps",
     # Cephalo (Guo et al., 2024): one workstation of 2 L4, an RTX A6000 and a P40. One device kind per host in
     # this model, so the kinds are hosts joined by the workstation's PCIe 3 (the P40's link bounds it)
-    "cephalo-workstation": "2xL4+RTX-A6000+P40;inter=pcie3",
+    "cephalo-workstation": "2xL4+RTX-A6000+P40;inter=pcie3;processes=1",
     # homogeneous references
     "v100x16": "2x8xV100-32GB;inter=10.4Gbps",
     "p100x48": "6x8xP100-16GB;inter=10.4Gbps",
@@ -125,6 +127,10 @@ class Cluster:
             f"cluster has {self.num_devices} devices but {len(ids)} jax_device_ids were given")
       if len(set(ids)) != len(ids):
         raise InvalidValueError(f"jax_device_ids repeat a device: {ids}")
+    if self.processes is not None and (not isinstance(self.processes, int) or isinstance(self.processes, bool)
+                                       or not 1 <= self.processes <= self.num_devices):
+      raise InvalidValueError(f"processes must be a whole number from 1 to the cluster's {self.num_devices} "
+                              f"devices, got {self.processes!r}")
 
   def replace(self, **changes: Any) -> "Cluster":
     return dataclasses.replace(self, **changes)
@@ -175,7 +181,8 @@ class Cluster:
       else:
         groups.append([1, host])
     parts = [f"{n}x{h.count}x{h.device.name}@{h.intra.name}" for n, h in groups]
-    return "+".join(parts) + f";inter={self.inter.name}"
+    return "+".join(parts) + f";inter={self.inter.name}" + (
+        f";processes={self.processes}" if self.processes is not None else "")
 
   def __str__(self) -> str:
     return self.name or self.describe()
@@ -339,9 +346,9 @@ def _parse(spec: str, custom: dict[str, DeviceSpec], name: str) -> Cluster:
   for option in options:
     key, sep, value = option.partition("=")
     key = key.strip()
-    if not sep or key not in ("inter", "intra", "inter_latency", "intra_latency") or not value.strip():
-      raise _spec_error(spec, option, option_pos,
-                        "expected inter=LINK, intra=LINK, inter_latency=TIME or intra_latency=TIME")
+    if not sep or key not in ("inter", "intra", "inter_latency", "intra_latency", "processes") or not value.strip():
+      raise _spec_error(spec, option, option_pos, "expected inter=LINK, intra=LINK, inter_latency=TIME, "
+                        "intra_latency=TIME or processes=N")
     settings[key] = (value.strip(), option_pos)
     option_pos += len(option) + 1
 
@@ -363,7 +370,17 @@ def _parse(spec: str, custom: dict[str, DeviceSpec], name: str) -> Cluster:
   for token in head.split("+"):
     hosts += _parse_group(spec, token, position, custom, intra_all, intra_latency)
     position += len(token) + 1
-  return Cluster(tuple(hosts), inter, name)
+  processes = option_value("processes", _whole) if "processes" in settings else None
+  try:
+    return Cluster(tuple(hosts), inter, name, processes=processes)
+  except InvalidValueError as e:
+    raise _spec_error(spec, settings["processes"][0], settings["processes"][1] + len("processes="), str(e)) from None
+
+
+def _whole(text: str) -> int:
+  if not text.strip().isdigit():
+    raise InvalidValueError(f"expected a whole number of processes, got {text!r}")
+  return int(text)
 
 
 def _parse_group(spec, token, position, custom, intra_all, intra_latency) -> list[Host]:
@@ -413,6 +430,8 @@ def to_toml(cluster: Cluster) -> str:
   top = {"name": cluster.name}
   if cluster.jax_device_ids is not None:
     top["jax_device_ids"] = list(cluster.jax_device_ids)
+  if cluster.processes is not None:
+    top["processes"] = cluster.processes
   lines += _table(top)
   lines += ["", "[inter]"] + _table(dataclasses.asdict(cluster.inter))
   for host in cluster.hosts:
@@ -465,4 +484,8 @@ def from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
                       float(table.get("alone_speedup", 1.0))))
   inter = _link_from(data["inter"], f"{where} [inter]") if "inter" in data else link(DEFAULT_INTER)
   ids = data.get("jax_device_ids")
-  return Cluster(tuple(hosts), inter, str(data.get("name", "")), tuple(ids) if ids is not None else None)
+  try:
+    return Cluster(tuple(hosts), inter, str(data.get("name", "")), tuple(ids) if ids is not None else None,
+                   data.get("processes"))
+  except InvalidValueError as e:
+    raise InvalidValueError(f"{where}: {e}") from None
