@@ -11,7 +11,8 @@ stages are measured in one run). Then ZeRO-1 again with the small devices as two
 of 2 (each block's Dense split by its output columns), to measure what the axis takes off the small group's
 program: its accumulator and activations, split.
 
-Prints per stage and device: its share, the bytes of the sharded state it should hold (share x total), the bytes it does hold
+The steps donate the state (``donate_state=True``): each device's update program writes its optimizer-state
+leaves into their old buffers (``aliased`` below). Prints per stage and device: its share, the bytes of the sharded state it should hold (share x total), the bytes it does hold
 (the state's arrays' shards on it), their ratio, and the bytes of every live array on it between steps
 (``jax.live_arrays()``); then each program's ``Compiled.memory_analysis()`` (argument, output and temporary
 bytes per device), and the ratio of what a small device holds to what one SPMD program would give it:
@@ -73,7 +74,7 @@ def main() -> None:
     plan = group_plan([((0, 1, 2, 3), 4, (2, 2, 2, 2)),
                        ((4, 5, 6, 7), 1, (2, 2, 2, 2) if axis == 1 else (4, 4, 4, 4), "none", axis,
                         dims if axis > 1 else ())], 40, state_shares=shares, zero_stage=zero)
-    small[(zero, axis)] = _report(run_groups(step, plan), fresh, batch, memory)["group 1"]
+    small[(zero, axis)] = _report(run_groups(step, plan, donate_state=True), fresh, batch, memory)["group 1"]
   one, two = small[(1, 1)], small[(1, 2)]
   print(f"\nthe small group's program, ZeRO-1, data-only vs a model axis of 2 (bytes per device): arguments "
         f"{one.argument_size_in_bytes} vs {two.argument_size_in_bytes}, temporary {one.temp_size_in_bytes} vs "
@@ -114,11 +115,11 @@ def _report(runner, fresh, batch, memory) -> dict:
     print(f"{d:>6} {mem:>6.0f}G {share:>7.2%} {target / 1e6:>10.3f} {held[d] / 1e6:>9.3f} "
           f"{held[d] / target:>6.3f} {live[d] / 1e6:>8.3f}")
   print("\nper-program memory_analysis (bytes per device):")
-  print(f"{'program':>22} {'arguments':>10} {'outputs':>10} {'temporary':>10}")
+  print(f"{'program':>22} {'arguments':>10} {'outputs':>10} {'aliased':>10} {'temporary':>10}")
   analysis = runner.memory_analysis()
   for name, stats in analysis.items():
     print(f"{name:>22} {stats.argument_size_in_bytes:>10} {stats.output_size_in_bytes:>10} "
-          f"{stats.temp_size_in_bytes:>10}")
+          f"{stats.alias_size_in_bytes:>10} {stats.temp_size_in_bytes:>10}")
   small = [d for d, mem in zip(plan.devices, memory) if mem == min(memory)]
   padded = max(shares) * total  # one SPMD program: every device's shard padded to the largest share
   worst = max(held[d] / (shares[plan.devices.index(d)] * total) for d in small)
