@@ -147,6 +147,45 @@ def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]
   return StateUnits(tuple(held), units, kept, tuple(o for o, mine in reads.items() if not mine))
 
 
+def narrow_reads(prog: Program, made_by: dict[int, frozenset]) -> dict[int, Any]:
+  """``{flat input: dtype}`` of the parameters the step reads, outside the update that makes them, only through
+  casts to one narrower floating dtype before the loops (a model computing in bfloat16 from float32 parameters):
+  their programs can be given those casts instead (half the bytes to send and to hold), and the update keeps the
+  parameter itself. ``made_by``: for each candidate input, the flat outputs of the update that makes its new
+  value; a parameter whose other readers (a metric, a penalty outside the loss, a loop) would see the cast's
+  rounding is left out."""
+  readers: dict[Any, list[int]] = {}
+  for k, eqn in enumerate(prog.eqns):
+    for v in eqn.invars:
+      if not jx.is_literal(v):
+        readers.setdefault(v, []).append(k)
+  pre, post = set(prog.pre) - set(prog.hoisted), set(prog.post)
+  outputs = {v for v in prog.outvars if not jx.is_literal(v)}
+  out = {}
+  for i, unit_outputs in made_by.items():
+    var = prog.invars[i]
+    wide = jnp.dtype(jx.aval_dtype(var))
+    casts = [k for k in readers.get(var, ()) if k in pre and jx.primitive_name(prog.eqns[k]) == "convert_element_type"]
+    narrow = {jnp.dtype(jx.aval_dtype(prog.eqns[k].outvars[0])) for k in casts}
+    if (var in outputs or len(narrow) != 1 or not jnp.issubdtype(wide, jnp.floating)
+        or any(k not in post for k in readers[var] if k not in casts)):
+      continue
+    (dtype,) = narrow
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < wide.itemsize and _reached(prog, var) <= unit_outputs:
+      out[i] = dtype
+  return out
+
+
+def _reached(prog: Program, var: Any) -> frozenset:
+  """The flat outputs ``var`` reaches through the example-free work after the loops."""
+  seen = {var}
+  for k in prog.post:
+    eqn = prog.eqns[k]
+    if any(v in seen for v in eqn.invars if not jx.is_literal(v)):
+      seen.update(eqn.outvars)
+  return frozenset(o for o, v in enumerate(prog.outvars) if not jx.is_literal(v) and v in seen)
+
+
 def sums_order(base: Program, other: Program) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """How the partial sums of ``other`` (the same step traced under another remat policy) line up with those of
   ``base`` (the exchange program's trace): for each value ``base``'s last loop returns (its cuts' values, then its

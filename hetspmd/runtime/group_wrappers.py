@@ -175,3 +175,13 @@ def narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callabl
     return group_lowering.narrow(partials, mask, dtype), examples
 
   return narrowed
+
+
+def widened(wide: dict[int, Any], run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run`` taking the parameters ``wide`` names (``{flat input: the dtype the step reads it as}``) as their
+  narrow casts: each is cast back up before ``run`` reads it, and the step's own cast takes it back down
+  unchanged (XLA folds the pair away)."""
+  if not wide:
+    return run
+  return lambda inputs, *rest: run([x.astype(wide[i]) if i in wide and x is not None else x
+                                    for i, x in enumerate(inputs)], *rest)

@@ -70,7 +70,8 @@ from hetspmd.plan.groups import GroupPlan, assign_owners
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, constrained, donating, group_mesh, less_held,
-                                            model_split, narrowed, new_values, reordered, returns_state, spread)
+                                            model_split, narrowed, new_values, reordered, returns_state, spread,
+                                            widened)
 
 
 
@@ -280,6 +281,7 @@ class GroupedStep:
     built = self._prepared(fn, state, batch, rest, (graphdef, static, found))
     batch_leaves = leaves[n_state:n_state + n_batch]
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
+    wide = {i: state_leaves[i] for i in built.casts}  # the parameters whose casts the programs take
     if built.params:
       state_leaves = self._gathered(built, state_leaves)
     others = leaves[n_state + n_batch:]
@@ -295,7 +297,7 @@ class GroupedStep:
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
-    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums)
+    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums, wide=wide)
     return jax.tree.unflatten(built.out_tree, outputs)
 
   def _loops_of(self, built: "_Built", state: list, buffers: dict, others: list):
@@ -320,9 +322,11 @@ class GroupedStep:
         earlier.update(self._call(f"combine loop {s}", built.combines[s], joined))
     return joined, earlier, [self._rows([e[k] for e in examples]) for k in range(len(examples[0]))]
 
-  def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums) -> None:
+  def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums, *,
+              wide: dict) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
-    own copies); a held leaf's new value stays on the device, every other output is sent to every device."""
+    own copies; ``wide``: the parameters sent as casts, each as it is held, which its maker's update reads); a
+    held leaf's new value stays on the device, every other output is sent to every device."""
     kept = built.kept
     made: dict[int, Any] = {}
     calls = []
@@ -333,8 +337,10 @@ class GroupedStep:
             outputs[o] = _elsewhere(built.out_avals[o], device)
         continue
       mine = functools.partial(_shard_on, device=device)
-      inputs = [state_leaves[i] if i in built.owner else mine(state_leaves[i]) for i in range(len(state_leaves))
-                if built.owner.get(i, device) == device] + [None] * n_batch + [mine(x) for x in others]
+      made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in wide}
+      inputs = [state_leaves[i] if i in built.owner else mine(wide[i] if i in made_here else state_leaves[i])
+                for i in range(len(state_leaves)) if built.owner.get(i, device) == device]
+      inputs += [None] * n_batch + [mine(x) for x in others]
       if built.needs is None:  # the reduced sums: this device's copies
         given = (jax.tree.map(mine, sums),)
       else:  # every device's rows of the sums its units read, and the earlier loops' totals
@@ -371,12 +377,22 @@ class GroupedStep:
 
   def _gathered(self, built: "_Built", state_leaves: list) -> list:
     """``state_leaves`` with each parameter ZeRO-3 holds on one device (between steps) on every device, for the
-    step's programs; a parameter already replicated (a first call) stays as it is."""
+    step's programs: cast first, on its device, where the programs take its cast (``built.casts``); a parameter
+    already replicated (a first call) stays where it is, cast there."""
+    casts = built.casts
     held = {i: device for i, (device, _) in built.params.items()
             if isinstance(state_leaves[i], jax.Array) and state_leaves[i].sharding.device_set == {device}}
     local = {i: state_leaves[i] for i, device in held.items() if device.process_index == jax.process_index()}
-    sent = self._broadcast("gather", held, local, {i: state_leaves[i] for i in held})
-    return [sent[i] if i in sent else x for i, x in enumerate(state_leaves)]
+    by_device: dict[Any, list[int]] = {}
+    for i in local:
+      if i in casts:
+        by_device.setdefault(held[i], []).append(i)
+    for mine in by_device.values():  # one program per device casts its parameters
+      local.update(zip(mine, _cast([local[i] for i in mine], tuple(casts[i].name for i in mine))))
+    sent = self._broadcast("gather", held, local, {
+        i: jax.ShapeDtypeStruct(np.shape(state_leaves[i]), casts.get(i, _traced_dtype(state_leaves[i])))
+        for i in held})
+    return [sent[i] if i in sent else _narrowed(x, casts[i]) if i in casts else x for i, x in enumerate(state_leaves)]
 
   def _broadcast(self, name: str, owner: dict, local: dict, avals: dict) -> dict:
     """``{key: value}`` on every device, for each ``key`` of ``owner`` whose value lives on ``owner[key]``
@@ -442,7 +458,9 @@ class GroupedStep:
     donated = frozenset(new_value_of.values()) if self.donate_state and returns_state(prog, new_value_of) else ()
     held = tuple(sorted(owner))
     loops = prog.analysis.loops
-    programs = [self._group_programs(progs, group, mesh, state, held)
+    casts = _narrow_reads(progs, units, params)
+    wide = {i: jx.aval_dtype(prog.invars[i]) for i in casts}  # what the step reads them as
+    programs = [self._group_programs(progs, group, mesh, state, held, wide)
                 for group, mesh in zip(self.plan.groups, self.group_meshes)]
     combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
                 for s in range(loops - 1)]
@@ -460,7 +478,8 @@ class GroupedStep:
     # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
     entries = leaves_with_paths(state)
     free = [i for i in range(len(entries)) if i not in owner]
-    exchange = donating(less_held(prog, held, run), [k for k, i in enumerate(free) if i in donated and not units],
+    exchange = donating(less_held(prog, held, widened(wide, run)),
+                        [k for k, i in enumerate(free) if i in donated and not units],
                         out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
     for device in self.devices:
@@ -471,7 +490,8 @@ class GroupedStep:
         update = (group_lowering.owner_update_program(prog, outs, len(self.devices)) if to_owner else
                   group_lowering.update_program(prog, outs))
         reads = [i for i in range(len(entries)) if owner.get(i, device) == device]  # its inputs' state leaves
-        updates[device] = (outs, donating(less_held(prog, tuple(i for i in held if i not in mine), update),
+        others = tuple(i for i in held if i not in mine)
+        updates[device] = (outs, donating(less_held(prog, others, widened(wide, update)),
                                           [k for k, i in enumerate(reads) if i in mine and i in donated]))
     readers = group_lowering.partial_readers(prog) if to_owner else ()
     needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
@@ -479,13 +499,13 @@ class GroupedStep:
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
                        for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
-                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None)
+                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None, casts)
 
   def _group_programs(self, progs: dict[str, Program], group: Any, mesh: Mesh, state: Any,
-                      held: tuple[int, ...]) -> list:
+                      held: tuple[int, ...], wide: dict) -> list:
     """``group``'s program of each loop, ``jax.jit`` over its ``mesh``: its own trace's loop (its remat policy's,
-    from ``progs``), its partial sums laid out and narrowed as the exchange program takes them, one row per
-    device."""
+    from ``progs``; the parameters ``wide`` names taken as their casts), its partial sums laid out and narrowed as
+    the exchange program takes them, one row per device."""
     prog, own = progs[self.plan.tail_remat], progs[group.remat]
     loops = prog.analysis.loops
     layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
@@ -496,7 +516,7 @@ class GroupedStep:
     out = []
     for s in range(loops):
       loop = group_lowering.group_program(own, layout, s, self.plan.example_width)
-      run = reordered(order, less_held(own, held, constrained(split, loop)))
+      run = reordered(order, less_held(own, held, widened(wide, constrained(split, loop))))
       run = spread(prog, s, group.model, narrowed(mask if s == loops - 1 else None, self.plan.reduce_dtype, run))
       out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
     return out
@@ -606,6 +626,7 @@ class _Built:
   combines: list = dataclasses.field(default_factory=list)  # per loop but the last: its uniform combine program
   params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
   needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
+  casts: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: dtype} of parameters sent as casts
 
   @property
   def kept(self) -> frozenset:
@@ -629,6 +650,28 @@ def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any
                                                        for i in range(len(leaves))]))
 
   return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))
+
+
+def _narrow_reads(progs: dict[str, Program], units: Any, params: dict) -> dict[int, Any]:
+  """ZeRO-3: ``{state index: dtype}`` of the parameters every trace in ``progs`` reads, outside the update that
+  makes them, only through casts to ``dtype`` before its loops (:func:`hetspmd.lowering.groups.narrow_reads`)."""
+  if not params:
+    return {}
+  unit_of = {o: frozenset(outs) for _, outs in units.units for o in outs}
+  made_by = {i: unit_of[o] for i, (_, o) in params.items()}
+  found = [group_lowering.narrow_reads(p, made_by) for p in progs.values()]
+  return {i: d for i, d in found[0].items() if all(f.get(i) == d for f in found[1:])}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(xs: list, dtypes: tuple[str, ...]) -> list:
+  """``xs`` cast to ``dtypes``, in one program (on the device that holds them)."""
+  return [x.astype(d) for x, d in zip(xs, dtypes)]
+
+
+def _narrowed(x: Any, dtype: Any) -> Any:
+  """``x`` (a device array, or a host value) cast to ``dtype`` where it lives."""
+  return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x).astype(dtype)
 
 
 def _shard_on(x: Any, device: Any) -> Any:
