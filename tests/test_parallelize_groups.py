@@ -453,3 +453,28 @@ def test_an_update_that_fails_to_compile_leaves_the_donated_state_whole(monkeypa
     state, metrics = step(state, batch)
     ref.check_metrics(metrics, i)
   ref.check(state.opt_state, lambda s: s.opt_state)
+
+
+def _ema_step(state, batch):
+  """A moving average of the weights beside them; a state that starts with both the same array."""
+  def loss_fn(w):
+    return jnp.mean((batch["x"] @ w - jax.nn.one_hot(batch["y"], 4)) ** 2)
+  loss, grad = jax.value_and_grad(loss_fn)(state["w"])
+  w = state["w"] - 0.1 * grad
+  return {"w": w, "ema": 0.9 * state["ema"] + 0.1 * w}, {"loss": loss}
+
+
+@pytest.mark.parametrize("plan", ["auto", "groups"])
+def test_a_state_holding_one_array_twice_is_donated_once(plan):
+  """``{"w": w, "ema": w}``: the same buffers twice, which XLA cannot take donated twice; the step copies the
+  second and stays exact, under a single program and a group plan."""
+  require_devices(8)
+  w = jnp.asarray(np.random.RandomState(0).randn(6, 4).astype(np.float32))
+  batches = _batches(38)
+  ref = Reference(_ema_step, {"w": w, "ema": w}).run(batches)
+  step = hs.parallelize(_ema_step, plan=group_plan(PLANS[0], 38) if plan == "groups" else "auto", global_batch=38)
+  state = {"w": w, "ema": w}
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)

@@ -359,8 +359,9 @@ def _combined(prog: Program, cut: Any, part: Sequence[Any]) -> list[Any]:
 
 def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None, *,
                      sums: bool = True, order: np.ndarray | None = None):
-  """``program(inputs, partials, counts, starts) -> outputs``: every cut's partials combined over the devices
-  (their leading axis), then the example-free rest of the step. ``inputs``: the step's flat jaxpr inputs.
+  """``program(inputs, partials, counts, starts, earlier, examples) -> outputs``: every cut's partials combined
+  over the devices (their leading axis; ``earlier``: the earlier loops' totals), then the example-free rest of
+  the step. ``inputs``: the step's flat jaxpr inputs.
 
   Without ``tail`` the batch inputs are unread (``counts``, ``starts`` too). With ``tail`` (a layout over every
   device, each running the same count of the same microbatch, its last one peeled so the reduction overlaps
@@ -381,7 +382,8 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
     if tail is not None:
       totals, accumulated, tail_examples = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
     else:
-      (totals, accumulated), tail_examples = _reduced(prog, ops.cut_outs, partials, earlier), ()
+      totals, accumulated = _reduced(prog, ops.cut_outs, partials, earlier)
+      tail_examples = ()
     accumulated = [x.astype(v.aval.dtype) for v, x in zip(prog.accumulated, accumulated)]
     env.update(zip(prog.accumulated, accumulated))
     after_loops(prog, env, ops.cut_outs, totals)
@@ -443,8 +445,9 @@ def _with_tail(prog: Program, tail: Layout, ops):
   """The tail's loop on every device, the groups' partials added into its sums before they are reduced: the
   cuts' totals, the accumulated values and the per-example outputs' buffers (``[devices * count, value of one
   microbatch]``)."""
-  totals, rest = loop_part(prog, tail, ops)
-  return (totals, *rest[::-1]) if prog.accumulated else (totals, [], rest)
+  totals, rest = loop_part(prog, tail, ops)  # rest: the per-example buffers, with the accumulated values if any
+  examples, accumulated = rest if prog.accumulated else (rest, [])
+  return totals, accumulated, examples
 
 
 def per_example_outputs(prog: Program) -> tuple[Any, ...]:

@@ -229,6 +229,20 @@ class Call:
     return outputs
 
 
+def distinct_leaves(tree: Any) -> Any:
+  """``tree`` with each leaf that is the same array as an earlier leaf copied: a buffer can be donated once (a
+  state whose moving average starts as the parameters themselves holds them twice)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  seen: set[int] = set()
+  out = []
+  for x in leaves:
+    if isinstance(x, jax.Array) and id(x) in seen:
+      x = jnp.copy(x)
+    seen.add(id(x))
+    out.append(x)
+  return jax.tree.unflatten(treedef, out)
+
+
 def dtype_of(x: Any) -> Any:
   dtype = getattr(x, "dtype", None)
   return dtype if dtype is not None else np.asarray(x).dtype

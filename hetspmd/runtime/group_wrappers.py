@@ -29,7 +29,7 @@ DATA = "data"
 MODEL = "model"
 
 
-def new_values(prog: Program, state: Any, out_tree: Any) -> dict[int, int]:
+def new_values(state: Any, out_tree: Any) -> dict[int, int]:
   """``{flat output: flat state input}`` of the outputs that are a state leaf's new value: the step's outputs
   (or its first output) shaped like the state."""
   outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
@@ -170,6 +170,7 @@ def narrowed(mask: tuple | None, dtype: str, run: Callable[..., Any]) -> Callabl
   the dtype they cross devices in."""
   if mask is None or not any(flag for part in mask for flag in part):
     return run
+
   def narrowed(*args):
     partials, examples = run(*args)
     return group_lowering.narrow(partials, mask, dtype), examples

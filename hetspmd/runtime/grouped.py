@@ -68,7 +68,7 @@ from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners
 from hetspmd.plan.state_layout import role_of
-from hetspmd.runtime.binding import hashable, is_dynamic, is_graph_node
+from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, constrained, donating, group_mesh, less_held,
                                             model_split, narrowed, new_values, reordered, returns_state, spread,
                                             widened)
@@ -195,6 +195,10 @@ class GroupedStep:
         lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner_paths)} held leaves; leaves "
                      f"held per device: {by_device}")
         total = sum(built.held_bytes) or 1
+        if built.casts:
+          names = sorted({str(d) for d in built.casts.values()})
+          lines.append(f"  {len(built.casts)} of {len(built.params)} parameters sent as their {', '.join(names)} "
+                       "casts (the step reads them only so); each device updates the ones it holds as they are")
         lines.append(("  parameter and optimizer-state" if three else "  optimizer-state") +
                      " bytes held per device (of its share): " + ", ".join(
             f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
@@ -280,7 +284,8 @@ class GroupedStep:
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
     built = self._prepared(fn, state, batch, rest, (graphdef, static, found))
     batch_leaves = leaves[n_state:n_state + n_batch]
-    state_leaves = [self._placed(built, i, x) for i, x in enumerate(leaves[:n_state])]
+    given = distinct_leaves(leaves[:n_state]) if self.donate_state else leaves[:n_state]  # each buffer donated once
+    state_leaves = [self._placed(built, i, x) for i, x in enumerate(given)]
     wide = {i: state_leaves[i] for i in built.casts}  # the parameters whose casts the programs take
     if built.params:
       state_leaves = self._gathered(built, state_leaves)
@@ -349,7 +354,7 @@ class GroupedStep:
     if id(built) not in self._compiled:  # all compiled before any donates: one that fails leaves the state whole
       for _, _, program, inputs, given in calls:
         if isinstance(program, Donating):
-          program.lower(inputs, *given).compile()  # into jax.jit's cache, which the call then takes
+          program.lower(inputs, *given).compile()  # into jax.jit's cache: the call below compiles nothing new
       self._compiled.add(id(built))
     for name, outs, program, inputs, given in calls:
       for o, x in zip(outs, self._call(name, program, inputs, *given)):
@@ -453,7 +458,7 @@ class GroupedStep:
     progs, shapes = self._traced(fn, tree, leaves, n_state, n_batch)
     prog = progs[self.plan.tail_remat]  # the exchange program's trace
     out_tree = jax.tree.structure(shapes)
-    new_value_of = new_values(prog, state, out_tree)
+    new_value_of = new_values(state, out_tree)
     units, owner, params = self._units(prog, state, new_value_of) if self.plan.state_shares else (None, {}, {})
     donated = frozenset(new_value_of.values()) if self.donate_state and returns_state(prog, new_value_of) else ()
     held = tuple(sorted(owner))
@@ -479,7 +484,7 @@ class GroupedStep:
     entries = leaves_with_paths(state)
     free = [i for i in range(len(entries)) if i not in owner]
     exchange = donating(less_held(prog, held, widened(wide, run)),
-                        [k for k, i in enumerate(free) if i in donated and not units],
+                        [k for k, i in enumerate(free) if i in donated and units is None],
                         out_shardings=NamedSharding(self.mesh, P()))
     updates = {}
     for device in self.devices:

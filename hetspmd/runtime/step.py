@@ -46,7 +46,7 @@ from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
-from hetspmd.runtime.binding import Arguments, Call, dtype_of, positional_function, unbound
+from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, dtype_of, positional_function, unbound
 from hetspmd.runtime.grouped import GroupedStep, static_bound
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
 
@@ -322,7 +322,9 @@ class ParallelStep:
         return self._call_grouped(parts, args, kwargs)
     call = Call.bind(self, args, kwargs)
     compiled = self._executable(call)
-    outputs = compiled(*call.dynamic, call.batch.counts, self._starts())
+    state, others = call.dynamic
+    outputs = compiled(distinct_leaves(state) if self.donate_state else state, others, call.batch.counts,
+                       self._starts())
     return call.finish(outputs)
 
   def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
