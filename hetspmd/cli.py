@@ -33,7 +33,9 @@ from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.planner.ranking import BASELINES, GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan
+from hetspmd.errors import PlanDoesNotFitError
+from hetspmd.planner.ranking import (BASELINES, GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan,
+                                     group_plan_alone, ideal_throughput)
 from hetspmd.planner.ranking import search as search_plans
 from hetspmd.planner.stages import describe, search_stages
 
@@ -198,8 +200,11 @@ def _run_search(args: argparse.Namespace) -> int:
   dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
   progress("tracing the step at two batch sizes")
   profile = profile_step(workload.make_train_step(), state, batch)
-  result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
-                  overlap=not args.no_overlap, homogeneous=True, groups=True)
+  try:
+    result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
+                          overlap=not args.no_overlap, homogeneous=True, groups=True)
+  except PlanDoesNotFitError as e:
+    return _group_plan_only(args, cluster, workload, profile, e, dtypes)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
   ideal = result.ideal_throughput
   best = result.plans[0]
@@ -207,23 +212,7 @@ def _run_search(args: argparse.Namespace) -> int:
     plan_from(best, cluster, state, ideal).save(args.out)
   if args.group_plan_out:
     _write_group_plan(args, cluster, result.group_plan, result.ideal_throughput)
-  report = {
-      "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
-      "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
-      "plans": [p.to_json(ideal) for p in result.plans],
-      "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
-                           result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
-      "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
-                                 result.homogeneous_equivalent.to_json(ideal)),
-      "heterogeneity_tax": result.heterogeneity_tax,
-      "group_plan": (None if result.group_plan is None else
-                     {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
-                      best.throughput, "parallelize": {
-                          "margin": GROUP_PLAN_MARGIN, "priced_past_margin": chosen_group_plan(result) is not None,
-                          "conditions": GROUP_PLAN_CONDITIONS}}),
-      "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
-      "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
-  }
+  report = _search_report(args, cluster, workload, batch, result, stage_plans)
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -265,6 +254,53 @@ def _run_search(args: argparse.Namespace) -> int:
   return 0
 
 
+def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, result, stage_plans) -> dict:
+  """The search's ``--json`` report: plans, baselines, the homogeneous equivalent, the group plan, stage plans."""
+  ideal, best = result.ideal_throughput, result.plans[0]
+  return {
+      "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
+      "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
+      "plans": [p.to_json(ideal) for p in result.plans],
+      "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
+                           result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
+      "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
+                                 result.homogeneous_equivalent.to_json(ideal)),
+      "heterogeneity_tax": result.heterogeneity_tax,
+      "group_plan": (None if result.group_plan is None else
+                     {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
+                      best.throughput, "parallelize": {
+                          "margin": GROUP_PLAN_MARGIN, "priced_past_margin": chosen_group_plan(result) is not None,
+                          "conditions": GROUP_PLAN_CONDITIONS}}),
+      "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
+      "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
+  }
+
+
+def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profile, error: Exception,
+                     dtypes: tuple[str, ...]) -> int:
+  """Where no single program fits: the best group plan, which holds each device's own microbatch and share of the
+  state, or the error when none fits either."""
+  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes)
+  if grouped is None:
+    raise error
+  ideal = ideal_throughput(cluster, profile, args.global_batch)
+  if args.group_plan_out:
+    _write_group_plan(args, cluster, grouped, ideal)
+  if args.json:
+    print(json.dumps({"model": workload.name, "cluster": str(cluster), "global_batch": args.global_batch,
+                      "dtype": args.dtype, "plans": [], "no_single_program": str(error),
+                      "group_plan": grouped.to_json(ideal), "ideal_throughput": ideal}, indent=2))
+    return 0
+  print(f"{workload.name} on {cluster}, global batch {args.global_batch}"
+        + (f", {args.dtype} compute" if args.dtype != "float32" else "") + f"; ideal throughput {ideal:.1f} samples/s")
+  print(f"\nno single program fits ({error})\n")
+  print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
+  print(_group_plan_row(grouped, None, ideal))
+  if args.group_plan_out:
+    print(f"wrote the best group plan to {args.group_plan_out}")
+  return 0
+
+
 def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal: float) -> None:
   if priced is None:
     raise HetSpmdError(f"no group plan fits {args.model} on {cluster} at global batch {args.global_batch} (one "
@@ -279,11 +315,14 @@ def _group_plan_row(g, best, ideal: float) -> str:
   n = len(g.kinds)
   models = [tp.m for tp in g.group_models] or [1] * n
   sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", model axis {axis}" if axis > 1 else "") + (
-      f", {share:.1%} of the optimizer state per device" if share else "")
+      f", {share:.1%} of the {'parameters and ' if g.zero_stage == 3 else ''}optimizer state per device"
+      if share else "")
                     for k, m, r, axis, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * n,
                                                                   models, g.state_shares or (None,) * n)))
   if g.tail[1]:
     sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
+  if best is None:  # no single program fits
+    return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes})")
   ratio = g.throughput / best.throughput
   chosen = (f"parallelize(plan='search') runs group plans priced {GROUP_PLAN_MARGIN:.2f}x or more "
             f"{GROUP_PLAN_CONDITIONS}")

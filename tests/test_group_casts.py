@@ -127,3 +127,50 @@ def test_two_processes_send_casts():
       print(json.dumps({{"casts": len(built.casts)}}))
   """), num_processes=2, devices_per_process=4, timeout=240)
   assert [r["casts"] for r in results] == [3, 3]
+
+
+def test_the_search_fits_a_bfloat16_model_no_single_program_fits():
+  """GPT-3 2.7B computing in bfloat16 on Cephalo's workstation (2 L4, an RTX A6000, a P40; one process): no
+  single program fits (every device holds whole float32 parameters), but a group plan holding the parameters
+  and optimizer state in shares (ZeRO-3), its programs taking the parameters' bfloat16 casts and handing over
+  bfloat16 rows, does; priced within each device's memory."""
+  import hetspmd as hs
+  from hetspmd.errors import PlanDoesNotFitError
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.ranking import group_plan_alone, search
+
+  w = models.get("gpt3-2.7b").with_dtype("bfloat16")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 512))
+  assert profile.cast_param_bytes == profile.castable_param_bytes // 2 > 0
+  cluster = hs.Cluster.preset("cephalo-workstation")
+  with pytest.raises(PlanDoesNotFitError):
+    search(cluster, profile, 64, grad_reduce_dtypes=("float32", "bfloat16"))
+  found = group_plan_alone(cluster, profile, 64, grad_reduce_dtypes=("float32", "bfloat16"))
+  assert found is not None and found.zero_stage == 3 and found.grad_reduce_dtype == "bfloat16"
+  assert all(m <= cluster.devices[d].spec.memory_bytes for d, m in zip(found.device_positions, found.memory_bytes))
+  assert group_plan_alone(cluster, profile, 64) is None  # float32 rows beside the accumulator do not fit an L4
+
+
+def test_a_priced_zero3_plan_runs_exactly():
+  """The pricing's ZeRO-3 group plan of the zoo's bfloat16 GPT-2 on an emulated pool, written by
+  ``to_group_plan`` (ZeRO-3, bfloat16 rows) and run: exact against one device."""
+  import hetspmd as hs
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.grouping import price_groups, to_group_plan
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  require_devices(8)
+  w = models.get("gpt2-tiny").with_dtype("bfloat16")
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  layout = device_groups(cluster, "every kind", tuple(range(8)), 1)
+  priced = price_groups(Costing(cluster, profile, 2, 1.0), layout, {"V100-32GB": 2, "P100-16GB": 1}, "none", 24,
+                        zero=3, dtype="bfloat16")
+  plan = to_group_plan(cluster, priced)
+  assert plan.zero_stage == 3 and plan.reduce_dtype == "bfloat16" and "parameters and optimizer state" in priced.name
+  rs = np.random.RandomState(4)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(24))
+             for _ in range(3)]
+  runner, _ = _run(w.make_train_step(), w.init_state, batches, plan)
+  (built,) = runner._built.values()
+  assert len(built.casts) == len(built.params)

@@ -128,15 +128,18 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
-  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps) if zero else {}
+  if zero == 3 and any(tp.m > 1 for tp in tps.values()):
+    return None
+  narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
+  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
   if zero and not shares:
     return None
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     n * shares[k] if owner else None, tp=tps[k]) for k in order}
+                     n * shares[k] if owner else None, tp=tps[k], zero=zero, narrow=narrow) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k]) for k in order}
-  tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k)) if count else None for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
+  tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
                                                                         if count else 0.0)) for k in order}
@@ -149,13 +152,16 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if owner:
     reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
   gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
+  if zero == 3:  # the parameters sent as the programs take them (casts), in place of whole
+    gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   hidden = 0.0
   if count:
     kind = blocked.kinds[busiest]
     window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
-  name = layout.name + (", optimizer state in memory shares" if zero else "") + (
+  name = layout.name + ("", ", optimizer state in memory shares", "", ", parameters and optimizer state in memory "
+                        "shares")[zero] + (
       ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
       f", {dtype} gradients" if dtype != "float32" else "") + "".join(
       f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1)
@@ -205,26 +211,28 @@ def _owner_factor(shares: Sequence[float]) -> float:
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
-                  remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None
-                  ) -> dict[str, float]:
-  """Each kind's per-device share of the optimizer state, in proportion to what the rest of the step leaves free
-  on it (``owner``: no reduced gradient after the loop); empty when the free memory of every device together
-  cannot hold the state."""
+                  remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None,
+                  zero: int = 1, narrow: bool = False) -> dict[str, float]:
+  """Each kind's per-device share of the optimizer state (``zero=3``: and of the parameters), in proportion to
+  what the rest of the step leaves free on it (``owner``: no reduced gradient after the loop); empty when the
+  free memory of every device together cannot hold the state."""
   n, profile = len(kinds), costing.profile
   last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
   for k in dict.fromkeys(kinds):
     used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
-                 tp=(tps or {}).get(k, NO_TENSOR_PARALLEL))
+                 tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] for k in kinds)
-  if total <= 0 or total < profile.opt_state_bytes * WORKSPACE:
+  shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
+  if total <= 0 or total < shared * WORKSPACE:
     return {}
   return {k: free[k] / total for k in free}
 
 
 def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
-          rows: float | None = None, *, tp: TensorParallel = NO_TENSOR_PARALLEL) -> int:
+          rows: float | None = None, *, tp: TensorParallel = NO_TENSOR_PARALLEL, zero: int = 0,
+          narrow: bool = False) -> int:
   """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
   is 0), with ``share`` of the optimizer state (all of it when None) and, after the loop, ``rows`` (a fraction of
   the gradients: the rows of its share it reduces) or the reduced gradients (None).
@@ -232,12 +240,29 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   On a model axis (``tp``) the loop holds ``tp``'s share of the gradient accumulator and of a microbatch's
   activations beside whole parameters (the uniform programs read them whole: they are replicated between
   steps); after the loop its row is made whole (from a whole gathered copy), beside the reduced gradients or
-  the rows it reduces."""
+  the rows it reduces.
+
+  Under ZeRO-3 (``zero=3``, data-only) ``share`` is of the parameters and the optimizer state together, and the
+  programs hold the parameters as they receive them: the casts of those the step reads only through casts
+  (:func:`_loop_param_bytes`), the others whole. ``narrow``: the group program casts its float32 accumulator to
+  bfloat16 rows as it ends (a plan without a tail that reduces in bfloat16), so after the loop a device holds
+  those rows and the reduced gradients (or the rows it reduces) at half the bytes, and no accumulator."""
   tail_peak = memory_per_device(costing.profile, n, tail[0], 0, tail[1], optimizer_share=share,
                                 reduced_share=rows) if tail[0] else 0
+  if tp.m == 1 and narrow:
+    p = costing.profile
+    params = _loop_param_bytes(p) + (share or 0.0) * p.param_bytes if zero == 3 else p.param_bytes
+    optimizer = p.opt_state_bytes * (1.0 if share is None else share)
+    after = p.param_count * 2 * (1.0 + (1.0 if rows is None else rows))  # its rows, and the reduced or received
+    working = max(microbatch_bytes(p, loop[0], loop[1]) + p.param_count * GRAD_BYTES, after)
+    return max(tail_peak, int((params + optimizer + working) * WORKSPACE))
   if tp.m == 1:
-    return max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
+    peak = max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
                                             reduced_share=rows))
+    if zero == 3:  # the parameters as received, and the share of them held, in place of whole float32 ones
+      p = costing.profile
+      peak += int((_loop_param_bytes(p) + (share or 0.0) * p.param_bytes - p.param_bytes) * WORKSPACE)
+    return peak
   p = costing.profile
   grads = p.param_count * GRAD_BYTES
   optimizer = p.opt_state_bytes * (1.0 if share is None else share)
@@ -249,11 +274,17 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
+def _loop_param_bytes(profile: StepProfile) -> int:
+  """The parameters' bytes as ZeRO-3 group programs receive them: the casts of those the step reads only
+  through casts to a narrower dtype, the others whole."""
+  return profile.param_bytes - profile.castable_param_bytes + profile.cast_param_bytes
+
+
 def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None, *,
-               tp: TensorParallel = NO_TENSOR_PARALLEL) -> KindCost:
+               tp: TensorParallel = NO_TENSOR_PARALLEL, zero: int = 1) -> KindCost:
   """A device's microbatch costs (on a model axis: ``tp``'s, its update whole, and its row made whole over the
   axis after the loop); with a state ``share`` its update covers that share of the optimizer state and it writes
-  the parameters the others send it."""
+  the parameters the others send it (under ZeRO-3, as the programs receive them)."""
   cost = costing.kind_cost(kind, tp, microbatch, remat, 0, n)
   whole = 0.0
   if tp.m > 1:
@@ -262,8 +293,8 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   if share is None:
     return cost
   spec = costing.cluster.spec_of(kind)
-  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + costing.profile.param_bytes / spec.write_rate
-                             + whole)
+  received = _loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
+  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + received / spec.write_rate + whole)
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
@@ -315,7 +346,8 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
         models[k], fits[k] = found
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch
                        and all(m in fits[k] and k not in models for k in order)] if one_loop else [])
-  zeros = (0, 1) if costing.profile.opt_state_bytes > 0 else (0,)
+  # ZeRO-3 lowers a step's peak only where the programs take parameters as narrower casts
+  zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
   for combo in itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS):
     chosen = dict(zip(order, combo))
@@ -367,7 +399,9 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
   """Whether a microbatch may fit a device of ``kind`` under one of ``policies``: with none of the optimizer state
   and none of the reduced gradients, the least any group plan holds there (:func:`price_groups` checks the rest)."""
   spec = costing.cluster.spec_of(kind)
-  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0, tp=tp) <= spec.memory_bytes for r in policies)
+  zero = 3 if costing.profile.cast_param_bytes and tp.m == 1 else 0  # ZeRO-3 holds the least where it applies
+  return any(_peak(costing, n, (microbatch, r), (0, r), 0.0, 0.0, tp=tp, zero=zero) <= spec.memory_bytes
+             for r in policies)
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
@@ -421,6 +455,6 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
   plan = group_plan(groups, e.global_batch, tail=e.tail,
                     state_shares=tuple(s / sum(shares) for s in shares) if shares else (),
-                    reduce_dtype=e.grad_reduce_dtype)
+                    zero_stage=e.zero_stage if shares else None, reduce_dtype=e.grad_reduce_dtype)
   return dataclasses.replace(plan, predicted=tuple(predicted.items()),
                              predicted_per_device=tuple((k, tuple(v)) for k, v in per_device.items()))

@@ -306,6 +306,18 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                       time.perf_counter() - start, tally.candidates, equivalent, grouped)
 
 
+def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, *,
+                     remat_policies: Sequence[str] = SEARCHED_REMAT,
+                     grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+  """The best group plan over the microbatch sizes :func:`search` tries, for a pool where no single program fits
+  (:func:`search` then raises :class:`PlanDoesNotFitError`): a group plan holds what each device needs of its own
+  microbatch and its share of the state, which one program cannot give devices of different memory."""
+  space = SearchSpace(cluster, profile, global_batch, (1,), tuple(remat_policies), tuple(grad_reduce_dtypes),
+                      True, True)
+  return search_groups(cluster, profile, global_batch, space.microbatches, remat_policies=space.remat_policies,
+                       grad_reduce_dtypes=space.grad_reduce_dtypes)
+
+
 # how much faster than the best single program a group plan must be priced for the search to run it: a group
 # plan runs more programs (each dispatched, the partial sums written out between them) than the cost model's
 # dispatch term sees, and on two CPU processes (benchmarks/emulated_hetero.py) it measured from 2.6 points of the

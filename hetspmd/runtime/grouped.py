@@ -496,8 +496,9 @@ class GroupedStep:
                   group_lowering.update_program(prog, outs))
         reads = [i for i in range(len(entries)) if owner.get(i, device) == device]  # its inputs' state leaves
         others = tuple(i for i in held if i not in mine)
+        made = {i for i in casts if params[i][0] == device}  # read as held (not as cast): its new value's buffer
         updates[device] = (outs, donating(less_held(prog, others, widened(wide, update)),
-                                          [k for k, i in enumerate(reads) if i in mine and i in donated]))
+                                          [k for k, i in enumerate(reads) if i in mine | made and i in donated]))
     readers = group_lowering.partial_readers(prog) if to_owner else ()
     needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
     holder = {**owner, **{i: device for i, (device, _) in params.items()}}

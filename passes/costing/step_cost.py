@@ -199,6 +199,10 @@ class StepProfile:
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
+  # the parameters the step reads only through casts to a narrower dtype, besides its update (a model computing
+  # in bfloat16): their bytes, and the bytes of those casts (what ZeRO-3 group plans send and hold in the loop)
+  castable_param_bytes: int = 0
+  cast_param_bytes: int = 0
   write_sizes_fit: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2)))  # largest value written
   traces: tuple[Graph, ...] = dataclasses.field(default=(), compare=False, repr=False)  # small, large
   trace_batches: tuple[int, ...] = ()
@@ -305,6 +309,29 @@ class StepProfile:
 _PRECISION_CODE = {None: 0, "reduced": 1, "full": 2}
 
 
+def _cast_params(graph: Graph) -> tuple[int, int]:
+  """The bytes of the parameters the differentiated function in ``graph`` reads only through casts to one
+  narrower floating dtype (the update and other work outside it aside), and the bytes of those casts. (The
+  runtime decides per parameter on the analysed program, :func:`hetspmd.lowering.groups.narrow_reads`; a metric
+  reading a parameter outside the differentiated function is not seen here.)"""
+  readers: dict[int, list[int]] = {}
+  for k, node in enumerate(graph.nodes):
+    for ref in node.operands:
+      if ref.source is Source.INPUT:
+        readers.setdefault(ref.index, []).append(k)
+  castable = casts = 0
+  for item in graph.inputs_with_role(Role.PARAM):
+    found = [graph.nodes[k] for k in readers.get(item.index, ()) if graph.nodes[k].phase]
+    narrow = {n.outputs[0].itemsize for n in found if n.primitive == "convert_element_type"
+              and n.outputs[0].dtype in _LOW_PRECISION}
+    if found and len(narrow) == 1 and all(n.primitive == "convert_element_type" for n in found):
+      (size,) = narrow
+      if size < item.type.itemsize:
+        castable += item.type.nbytes
+        casts += item.type.size * size
+  return castable, casts
+
+
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
   """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
   if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
@@ -328,6 +355,8 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
   (reads_small, writes_small), (reads_large, writes_large) = fused_traffic(small), fused_traffic(large)
   reads_fit, writes_fit = fit(reads_small, reads_large), fit(writes_small, writes_large)
   write_sizes_fit = fit(largest_written(small), largest_written(large))
+  per_step = (np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12)
+  castable, casts = _cast_params(small)
   return StepProfile(
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
@@ -338,7 +367,9 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       write_sizes_fit=write_sizes_fit,
       activation=fit_linear(microbatch_peak_bytes(small), microbatch_peak_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
-      per_step=(np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12),
+      per_step=per_step,
+      castable_param_bytes=castable,
+      cast_param_bytes=casts,
       flops_fit=flops_fit,
       reads_fit=reads_fit,
       writes_fit=writes_fit,
