@@ -29,6 +29,11 @@ and BERT-MoE on 16 V100 + 48 P100 at HAP's batch of 2048, AMP's GPT-2
 medium on T4 + V100 at AMP's batch of 32 and at 128, GPT-2 XL and GPT 1.3B
 on mixed A100/V100 and H100/A100/L4 pools; float16 rows compute in float16
 with float32 master weights.
+
+Last, the cases no single program fits (``GROUP_ONLY_CASES``: GPT-3 2.7B on
+Cephalo's workstation, in float32 and in bfloat16): the best group plan
+alone, its efficiency, compute and exposed communication, and each kind's
+microbatch, count, remat and share of the state.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ CASES = [
     ("v100x16", "gpt2-medium", 128, 1024, "float32"),       # homogeneous: must equal the best uniform plan
     ("a100-v100-mix", "gpt2-xl", 16, 1024, "float32"),      # small batches: the model axis puts every device to work
     ("v100x16", "gpt2-xl", 8, 1024, "float32"),
+]
+
+# cases no single program fits (every device holds whole float32 parameters): the best group plan alone
+# (Cephalo's workstation and model; in bfloat16, a ZeRO-3 group plan sends the parameters' casts)
+GROUP_ONLY_CASES = [
+    ("cephalo-workstation", "gpt3-2.7b", 64, 512, "float32"),
+    ("cephalo-workstation", "gpt3-2.7b", 64, 512, "bfloat16"),
 ]
 
 # What the search may use: before = no overlap, float32 reduction (the search before either existed);
@@ -180,6 +192,38 @@ def main() -> None:
           "is priced ahead")
   print(f"lowest speedup over the search before overlap and reduced precision: {min(r[3] for r in rows):.2f} "
         f"(goal >= 1.00: {'met' if min(r[3] for r in rows) >= 1 - 1e-9 else 'NOT met'})")
+  group_only()
+
+
+def group_only() -> None:
+  """The cases no single program fits: the best group plan, its efficiency, and each kind's part."""
+  from hetspmd import Cluster, models
+  from hetspmd.errors import PlanDoesNotFitError
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.ranking import group_plan_alone, ideal_throughput, search
+
+  print("cases no single program fits (the best group plan alone):")
+  for preset, name, batch, seq, dtype in GROUP_ONLY_CASES:
+    cluster = Cluster.preset(preset)
+    w = models.get(name).with_dtype(dtype)
+    profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, seq))
+    try:
+      search(cluster, profile, batch, grad_reduce_dtypes=SETTINGS["all"]["grad_reduce_dtypes"])
+      print(f"  {preset} {name} {batch} {dtype}: a single program fits")
+      continue
+    except PlanDoesNotFitError:
+      pass
+    g = group_plan_alone(cluster, profile, batch, grad_reduce_dtypes=SETTINGS["all"]["grad_reduce_dtypes"])
+    if g is None:
+      print(f"  {preset} {name} {batch} {dtype}: no group plan fits either")
+      continue
+    ideal = ideal_throughput(cluster, profile, batch)
+    parts = ", ".join(dict.fromkeys(f"{k}: mb {m} x {c}, remat {r}, {s:.1%} of the state"
+                                    for k, m, c, r, s in zip(g.kinds, g.microbatches, g.counts, g.remats,
+                                                             g.state_shares or (0.0,) * len(g.kinds))))
+    print(f"  {preset} {name} {batch} {dtype}: {g.throughput:.1f} samples/s, {g.throughput / ideal:.1%} of ideal, "
+          f"ZeRO-{g.zero_stage}, compute {g.compute_seconds:.2f} s, exposed communication "
+          f"{g.comm_seconds - g.hidden_seconds:.2f} s; {g.name}; {parts}", flush=True)
 
 
 if __name__ == "__main__":
