@@ -141,3 +141,21 @@ def test_search_plan_explains_time_and_memory_per_position(tmp_path, capsys):
   for key in ("compute_seconds", "communication_seconds", "memory_bytes", "memory_capacity_bytes"):
     assert all(row[key] > 0 for row in rows), key
   assert max(r["compute_seconds"] for r in rows) <= json.load(open(plan_path))["predicted"]["compute_seconds"] + 1e-12
+
+
+def test_search_shows_the_group_plan_where_no_single_program_fits(tmp_path, capsys):
+  """GPT-3 2.7B in bfloat16 on Cephalo's workstation: no single program fits, so the search says so and shows
+  (and writes) the best group plan, in the table and under --json."""
+  argv = ["search", "--model", "gpt3-2.7b", "--cluster", "cephalo-workstation", "--global-batch", "64", "--seq",
+          "512", "--dtype", "bfloat16", "--grad-reduce-dtype", "search"]
+  out = tmp_path / "groups.json"
+  assert main(argv + ["--group-plan-out", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "no single program fits (no plan fits" in text and "best group plan" in text
+  assert "of the parameters and optimizer state per device" in text
+  from hetspmd.plan.groups import GroupPlan
+  assert GroupPlan.load(out).zero_stage == 3
+  assert main(argv + ["--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["plans"] == [] and "no plan fits" in report["no_single_program"]
+  assert report["group_plan"]["zero_stage"] == 3
