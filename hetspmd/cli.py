@@ -286,11 +286,15 @@ def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profi
   ideal = ideal_throughput(cluster, profile, args.global_batch)
   if args.group_plan_out:
     _write_group_plan(args, cluster, grouped, ideal)
+  written = 0 if not args.out else 1  # the single program asked for: none fits
   if args.json:
-    print(json.dumps({"model": workload.name, "cluster": str(cluster), "global_batch": args.global_batch,
-                      "dtype": args.dtype, "plans": [], "no_single_program": str(error),
-                      "group_plan": grouped.to_json(ideal), "ideal_throughput": ideal}, indent=2))
-    return 0
+    print(json.dumps({"model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
+                      "global_batch": args.global_batch, "dtype": args.dtype, "seq": args.seq, "plans": [],
+                      "baselines": {}, "homogeneous_equivalent": None, "heterogeneity_tax": None,
+                      "no_single_program": str(error), "group_plan": grouped.to_json(ideal),
+                      "ideal_throughput": ideal, "search_seconds": None, "candidates": 0, "stage_plans": []},
+                     indent=2))
+    return written
   print(f"{workload.name} on {cluster}, global batch {args.global_batch}"
         + (f", {args.dtype} compute" if args.dtype != "float32" else "") + f"; ideal throughput {ideal:.1f} samples/s")
   print(f"\nno single program fits ({error})\n")
@@ -298,7 +302,10 @@ def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profi
   print(_group_plan_row(grouped, None, ideal))
   if args.group_plan_out:
     print(f"wrote the best group plan to {args.group_plan_out}")
-  return 0
+  if args.out:
+    print(f"nothing written to {args.out}: no single program fits (--group-plan-out FILE writes the group plan)",
+          file=sys.stderr)
+  return written
 
 
 def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal: float) -> None:

@@ -158,4 +158,6 @@ def test_search_shows_the_group_plan_where_no_single_program_fits(tmp_path, caps
   assert main(argv + ["--json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["plans"] == [] and "no plan fits" in report["no_single_program"]
-  assert report["group_plan"]["zero_stage"] == 3
+  assert report["group_plan"]["zero_stage"] == 3 and report["devices"] == 4 and report["stage_plans"] == []
+  assert main(argv + ["--out", str(tmp_path / "plan.json")]) == 1  # the single program asked for: none fits
+  assert "nothing written to" in capsys.readouterr().err and not (tmp_path / "plan.json").exists()

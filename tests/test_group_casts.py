@@ -37,10 +37,10 @@ class HalfNet(nn.Module):
     return logits * self.param("temperature", nn.initializers.ones, (4,))
 
 
-def _half_state():
+def _half_state(tx=None):
   model = HalfNet()
   params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx or optax.adam(1e-2, eps=1e-4))
 
 
 def half_step(state, batch):
@@ -64,19 +64,25 @@ def _run(step_fn, make, batches, plan, half=True):
   return runner, state
 
 
-@pytest.mark.parametrize("tail", [(0, 0), (1, 1)], ids=["no-tail", "tail-1x1"])
-def test_a_bfloat16_gpt_sends_its_parameters_as_casts(tail):
-  """The zoo's GPT-2 in bfloat16: every parameter is read through a cast, so every one is sent as its cast;
-  the group programs take half the parameter bytes of the float32 model's."""
+@pytest.mark.parametrize("tail,remat", [((0, 0), "none"), ((1, 1), "none"), ((0, 0), "dots")],
+                         ids=["no-tail", "tail-1x1", "remat-dots"])
+def test_a_bfloat16_gpt_sends_its_parameters_as_casts(tail, remat):
+  """The zoo's GPT-2 in bfloat16: every parameter is read through a cast (under a remat policy, inside the
+  checkpoint that ``hetspmd.value_and_grad`` makes), so every one is sent as its cast; the group programs take
+  half the parameter bytes of the float32 model's."""
+  import hetspmd as hs
+
   require_devices(8)
-  plan = group_plan(GROUPS, 17 + 8 * tail[0] * tail[1], state_shares=SHARES_80_16, zero_stage=3, tail=tail)
+  groups = [g + (remat,) for g in GROUPS]
+  plan = group_plan(groups, 17 + 8 * tail[0] * tail[1], state_shares=SHARES_80_16, zero_stage=3, tail=tail)
   rs = np.random.RandomState(2)
   arguments = {}
   for dtype in ("float32", "bfloat16"):
     w = models.get("gpt2-tiny").with_dtype(dtype)
     batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
                for _ in range(3)]
-    runner, _ = _run(w.make_train_step(), w.init_state, batches, plan, half=dtype != "float32")
+    step_fn = w.make_train_step(hs.value_and_grad if remat != "none" else jax.value_and_grad)
+    runner, _ = _run(step_fn, w.init_state, batches, plan, half=dtype != "float32")
     (built,) = runner._built.values()
     assert len(built.casts) == (len(built.params) if dtype == "bfloat16" else 0)
     arguments[dtype] = runner.memory_analysis()["group 1"].argument_size_in_bytes
@@ -84,12 +90,15 @@ def test_a_bfloat16_gpt_sends_its_parameters_as_casts(tail):
   assert arguments["float32"] - arguments["bfloat16"] == 2 * params  # the parameters, at 4 then 2 bytes
 
 
-def test_a_parameter_read_in_float32_is_sent_whole():
+@pytest.mark.parametrize("tx", ["adam", "adamw"])
+def test_a_parameter_read_in_float32_is_sent_whole(tx):
   """The temperature and the LayerNorm the loop reads in float32, and the kernel a metric reads in float32, are
-  sent as they are; the bfloat16 Dense layers' other parameters as their casts. Exact."""
+  sent as they are; the bfloat16 Dense layers' other parameters as their casts, AdamW's decay term (which reads
+  them whole, for their update only) too. Exact."""
   require_devices(8)
   plan = group_plan(GROUPS, 17, state_shares=SHARES_80_16, zero_stage=3)
-  runner, state = _run(half_step, _half_state, _batches(17), plan)
+  make = lambda: _half_state(optax.adamw(1e-2, eps=1e-4, weight_decay=0.1) if tx == "adamw" else None)
+  runner, state = _run(half_step, make, _batches(17), plan)
   (built,) = runner._built.values()
   paths = [path for path, _ in leaves_with_paths(state)]
   cast = {paths[i] for i in built.casts}

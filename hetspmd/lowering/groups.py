@@ -149,11 +149,12 @@ def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]
 
 def narrow_reads(prog: Program, made_by: dict[int, frozenset]) -> dict[int, Any]:
   """``{flat input: dtype}`` of the parameters the step reads, outside the update that makes them, only through
-  casts to one narrower floating dtype before the loops (a model computing in bfloat16 from float32 parameters):
-  their programs can be given those casts instead (half the bytes to send and to hold), and the update keeps the
-  parameter itself. ``made_by``: for each candidate input, the flat outputs of the update that makes its new
-  value; a parameter whose other readers (a metric, a penalty outside the loss, a loop) would see the cast's
-  rounding is left out."""
+  casts to one narrower floating dtype (a model computing in bfloat16 from float32 parameters; the cast before
+  the loops, or inside a remat's checkpoint or a jit that reads the parameter only so): their programs can be
+  given those casts instead (half the bytes to send and to hold), and the update keeps the parameter itself.
+  ``made_by``: for each candidate input, the flat outputs of the update that makes its new value (work that
+  feeds only those, such as AdamW's decay term, may read it whole); a parameter whose other readers (a metric, a
+  penalty in the loss, a loop) would see the cast's rounding is left out."""
   readers: dict[Any, list[int]] = {}
   for k, eqn in enumerate(prog.eqns):
     for v in eqn.invars:
@@ -165,24 +166,55 @@ def narrow_reads(prog: Program, made_by: dict[int, frozenset]) -> dict[int, Any]
   for i, unit_outputs in made_by.items():
     var = prog.invars[i]
     wide = jnp.dtype(jx.aval_dtype(var))
-    casts = [k for k in readers.get(var, ()) if k in pre and jx.primitive_name(prog.eqns[k]) == "convert_element_type"]
-    narrow = {jnp.dtype(jx.aval_dtype(prog.eqns[k].outvars[0])) for k in casts}
-    if (var in outputs or len(narrow) != 1 or not jnp.issubdtype(wide, jnp.floating)
-        or any(k not in post for k in readers[var] if k not in casts)):
+    narrow, casts = set(), set()
+    for k in readers.get(var, ()):
+      inside = _cast_only(prog.eqns[k], var) if k not in post else None
+      if inside:
+        narrow |= inside
+        casts.add(k)
+    if var in outputs or len(narrow) != 1 or not jnp.issubdtype(wide, jnp.floating):
       continue
     (dtype,) = narrow
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < wide.itemsize and _reached(prog, var) <= unit_outputs:
+    reached = _reached(prog, var, casts, pre | post)
+    if (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < wide.itemsize and reached is not None
+        and reached <= unit_outputs):
       out[i] = dtype
   return out
 
 
-def _reached(prog: Program, var: Any) -> frozenset:
-  """The flat outputs ``var`` reaches through the example-free work after the loops."""
+def _cast_only(eqn: Any, var: Any) -> set | None:
+  """The dtypes ``eqn`` reads ``var`` as, where it reads it only through casts: a cast itself, or a call (a
+  remat's checkpoint, a jit) whose body reads it only so; None otherwise."""
+  if jx.primitive_name(eqn) == "convert_element_type":
+    return {jnp.dtype(jx.aval_dtype(eqn.outvars[0]))}
+  body = jx.call_body(eqn)
+  if body is None:
+    return None
+  found: set = set()
+  for j, v in enumerate(eqn.invars):
+    if v is not var:
+      continue
+    inner = jx.invars(body)[j]
+    for e in jx.equations(body):
+      if any(u is inner for u in e.invars):
+        dtypes = _cast_only(e, inner)
+        if not dtypes:
+          return None
+        found |= dtypes
+  return found or None
+
+
+def _reached(prog: Program, var: Any, casts: set, free: set) -> frozenset | None:
+  """The flat outputs ``var`` reaches other than through the equations ``casts`` (a decay term of AdamW before
+  the loops, the update after them), or None where it reaches an equation outside ``free`` (the example-free
+  work before and after the loops): the loops would read it."""
   seen = {var}
-  for k in prog.post:
-    eqn = prog.eqns[k]
-    if any(v in seen for v in eqn.invars if not jx.is_literal(v)):
-      seen.update(eqn.outvars)
+  for k, eqn in enumerate(prog.eqns):
+    if k in casts or not any(v in seen for v in eqn.invars if not jx.is_literal(v)):
+      continue
+    if k not in free:
+      return None
+    seen.update(eqn.outvars)
   return frozenset(o for o, v in enumerate(prog.outvars) if not jx.is_literal(v) and v in seen)
 
 

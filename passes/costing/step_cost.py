@@ -322,10 +322,10 @@ def _cast_params(graph: Graph) -> tuple[int, int]:
   castable = casts = 0
   for item in graph.inputs_with_role(Role.PARAM):
     found = [graph.nodes[k] for k in readers.get(item.index, ()) if graph.nodes[k].phase]
-    narrow = {n.outputs[0].itemsize for n in found if n.primitive == "convert_element_type"
+    narrow = {(n.outputs[0].dtype, n.outputs[0].itemsize) for n in found if n.primitive == "convert_element_type"
               and n.outputs[0].dtype in _LOW_PRECISION}
     if found and len(narrow) == 1 and all(n.primitive == "convert_element_type" for n in found):
-      (size,) = narrow
+      ((_, size),) = narrow
       if size < item.type.itemsize:
         castable += item.type.nbytes
         casts += item.type.size * size
