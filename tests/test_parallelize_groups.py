@@ -128,20 +128,27 @@ def _emulated_pool():
   return hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
 
 
+def _searched(step_fn, batches):
+  """``plan="search"`` on the emulated pool, three steps of ``step_fn`` checked against one device: the step and
+  its last metrics."""
+  ref = Reference(step_fn, _state()).run(batches)
+  step = hs.parallelize(step_fn, cluster=_emulated_pool(), plan="search", global_batch=len(batches[0]["y"]))
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  return step, metrics
+
+
 def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
   """With the margin lowered so that the search's group plan is taken, ``plan="search"`` runs it, exactly; at
   the default margin the same tiny step (its dispatch dwarfs its compute) runs as one program, and ``explain``
   says how the group plan was priced."""
   require_devices(8)
   batches = _batches(48)
-  ref = Reference(dropout_step, _state()).run(batches)
   monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
-  step = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48)
-  state = _state()
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(state.params, lambda s: s.params)
+  step, _ = _searched(dropout_step, batches)
   assert step.grouped and "chosen by the search" in step.explain()
   monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", GROUP_PLAN_MARGIN)
   step = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48)
@@ -218,14 +225,7 @@ def test_a_searched_group_plan_gives_way_for_a_step_groups_do_not_run(monkeypatc
   search's group plan gives way to its best single program, which runs exactly; ``explain`` says why."""
   require_devices(8)
   _with_shares(monkeypatch)
-  batches = _batches(48)
-  ref = Reference(reads_moments_step, _state()).run(batches)
-  step = hs.parallelize(reads_moments_step, cluster=_emulated_pool(), plan="search", global_batch=48)
-  state = _state()
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(state.params, lambda s: s.params)
+  step, _ = _searched(reads_moments_step, _batches(48))
   assert not step.grouped and isinstance(step.plan, hs.Plan)
   assert "does not run this step" in step.explain() and "optimizer-state leaves" in step.explain()
   # a group plan the user gave is not replaced: the same step says what is wrong
@@ -240,14 +240,7 @@ def test_the_search_runs_a_step_with_per_example_outputs_as_group_programs(monke
   order), exactly."""
   require_devices(8)
   monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
-  batches = _batches(48)
-  ref = Reference(with_logits, _state()).run(batches)
-  step = hs.parallelize(with_logits, cluster=_emulated_pool(), plan="search", global_batch=48)
-  state = _state()
-  for i, batch in enumerate(batches):
-    state, metrics = step(state, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(state.params, lambda s: s.params)
+  step, metrics = _searched(with_logits, _batches(48))
   assert step.grouped and metrics["logits"].shape == (48, 4)
 
 

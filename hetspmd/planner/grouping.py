@@ -251,7 +251,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
                                 reduced_share=rows) if tail[0] else 0
   if tp.m == 1 and narrow:
     p = costing.profile
-    params = _loop_param_bytes(p) + (share or 0.0) * p.param_bytes if zero == 3 else p.param_bytes
+    params = _params_held(p, zero, share)
     optimizer = p.opt_state_bytes * (1.0 if share is None else share)
     after = p.param_count * 2 * (1.0 + (1.0 if rows is None else rows))  # its rows, and the reduced or received
     working = max(microbatch_bytes(p, loop[0], loop[1]) + p.param_count * GRAD_BYTES, after)
@@ -259,10 +259,8 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   if tp.m == 1:
     peak = max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
                                             reduced_share=rows))
-    if zero == 3:  # the parameters as received, and the share of them held, in place of whole float32 ones
-      p = costing.profile
-      peak += int((_loop_param_bytes(p) + (share or 0.0) * p.param_bytes - p.param_bytes) * WORKSPACE)
-    return peak
+    # under ZeRO-3 the parameters as received and the share of them held, in place of whole float32 ones
+    return peak + int((_params_held(costing.profile, zero, share) - costing.profile.param_bytes) * WORKSPACE)
   p = costing.profile
   grads = p.param_count * GRAD_BYTES
   optimizer = p.opt_state_bytes * (1.0 if share is None else share)
@@ -278,6 +276,14 @@ def _loop_param_bytes(profile: StepProfile) -> int:
   """The parameters' bytes as ZeRO-3 group programs receive them: the casts of those the step reads only
   through casts to a narrower dtype, the others whole."""
   return profile.param_bytes - profile.castable_param_bytes + profile.cast_param_bytes
+
+
+def _params_held(profile: StepProfile, zero: int, share: float | None) -> float:
+  """A device's parameter bytes through a step: whole float32, or under ZeRO-3 as the programs receive them
+  (:func:`_loop_param_bytes`) beside its ``share`` of the float32 ones."""
+  if zero != 3:
+    return profile.param_bytes
+  return _loop_param_bytes(profile) + (share or 0.0) * profile.param_bytes
 
 
 def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None, *,

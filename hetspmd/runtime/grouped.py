@@ -88,7 +88,6 @@ class GroupedStep:
   _built: dict = dataclasses.field(default_factory=dict)
   _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
   _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
-  _compiled: set = dataclasses.field(default_factory=set)  # ids of the _Built whose update programs are compiled
 
   def __post_init__(self):
     if self.batch_stats not in ("exact", "local"):
@@ -286,7 +285,7 @@ class GroupedStep:
     batch_leaves = leaves[n_state:n_state + n_batch]
     given = distinct_leaves(leaves[:n_state]) if self.donate_state else leaves[:n_state]  # each buffer donated once
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(given)]
-    wide = {i: state_leaves[i] for i in built.casts}  # the parameters whose casts the programs take
+    masters = {i: state_leaves[i] for i in built.casts}  # the parameters the programs take as casts, as held
     if built.params:
       state_leaves = self._gathered(built, state_leaves)
     others = leaves[n_state + n_batch:]
@@ -302,7 +301,7 @@ class GroupedStep:
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
-    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums, wide=wide)
+    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums, masters=masters)
     return jax.tree.unflatten(built.out_tree, outputs)
 
   def _loops_of(self, built: "_Built", state: list, buffers: dict, others: list):
@@ -328,9 +327,9 @@ class GroupedStep:
     return joined, earlier, [self._rows([e[k] for e in examples]) for k in range(len(examples[0]))]
 
   def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums, *,
-              wide: dict) -> None:
+              masters: dict) -> None:
     """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
-    own copies; ``wide``: the parameters sent as casts, each as it is held, which its maker's update reads); a
+    own copies; ``masters``: the parameters sent as casts, each as it is held, which its maker's update reads); a
     held leaf's new value stays on the device, every other output is sent to every device."""
     kept = built.kept
     made: dict[int, Any] = {}
@@ -342,8 +341,8 @@ class GroupedStep:
             outputs[o] = _elsewhere(built.out_avals[o], device)
         continue
       mine = functools.partial(_shard_on, device=device)
-      made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in wide}
-      inputs = [state_leaves[i] if i in built.owner else mine(wide[i] if i in made_here else state_leaves[i])
+      made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in masters}
+      inputs = [state_leaves[i] if i in built.owner else mine(masters[i] if i in made_here else state_leaves[i])
                 for i in range(len(state_leaves)) if built.owner.get(i, device) == device]
       inputs += [None] * n_batch + [mine(x) for x in others]
       if built.needs is None:  # the reduced sums: this device's copies
@@ -351,11 +350,10 @@ class GroupedStep:
       else:  # every device's rows of the sums its units read, and the earlier loops' totals
         given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1]))
       calls.append((f"update on device {device.id}", outs, program, inputs, given))
-    if id(built) not in self._compiled:  # all compiled before any donates: one that fails leaves the state whole
-      for _, _, program, inputs, given in calls:
-        if isinstance(program, Donating):
-          program.lower(inputs, *given).compile()  # into jax.jit's cache: the call below compiles nothing new
-      self._compiled.add(id(built))
+    # every donating update compiled before any runs (one not yet called): one that fails leaves the state whole
+    for name, _, program, inputs, given in calls:
+      if isinstance(program, Donating) and self._last.get(name, (None,))[0] is not program:
+        program.lower(inputs, *given).compile()  # into jax.jit's cache: the call below compiles nothing new
     for name, outs, program, inputs, given in calls:
       for o, x in zip(outs, self._call(name, program, inputs, *given)):
         if o in kept:
@@ -660,7 +658,7 @@ def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any
 
 def _narrow_reads(progs: dict[str, Program], units: Any, params: dict) -> dict[int, Any]:
   """ZeRO-3: ``{state index: dtype}`` of the parameters every trace in ``progs`` reads, outside the update that
-  makes them, only through casts to ``dtype`` before its loops (:func:`hetspmd.lowering.groups.narrow_reads`)."""
+  makes them, only through casts to ``dtype`` (:func:`hetspmd.lowering.groups.narrow_reads`)."""
   if not params:
     return {}
   unit_of = {o: frozenset(outs) for _, outs in units.units for o in outs}
