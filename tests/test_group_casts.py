@@ -54,7 +54,7 @@ def half_step(state, batch):
 
 
 def _run(step_fn, make, batches, plan, half=True):
-  ref = Reference(step_fn, make(), half=half).run(batches)
+  ref = Reference(step_fn, make(), half=half, orders=3 if half else 0).run(batches)
   runner = run_groups(step_fn, plan, donate_state=True)
   state = runner.shard_state(make())
   for i, batch in enumerate(batches):
