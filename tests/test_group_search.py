@@ -157,3 +157,25 @@ def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypat
   whole = search_groups(cluster, profile, 4096, sizes, remat_policies=policies)
   assert pruned == whole and pruned is not None
   assert calls < len(priced) - calls
+
+
+@pytest.mark.parametrize("processes,shares,factor", [
+    (1, [1 / 8] * 8, 1.0),                       # even shares: each device sends 7/8, as a ring all-gather does
+    (1, [0.65] + [0.05] * 7, 7 * 0.65 / (7 / 8)),  # the device holding 65% sends it to 7 others
+    (2, [1 / 8] * 8, 2.0),                       # across processes: one uniform program adds every device's row
+])
+def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, shares, factor):
+  """ZeRO-1 group plans send each parameter an update program made from its device: in one process as copies
+  from that device (the busiest device's bytes, against a ring all-gather's), across processes as an all-reduce
+  of rows that are zeros but on the owner."""
+  from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL
+  from hetspmd.planner.grouping import _gather_seconds
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  cluster = hs.Cluster.parse(f"2x4xV100-32GB;inter=100Gbps;processes={processes}")
+  profile = profile_step(dropout_step, _state(), _batches(48)[0])
+  costing = Costing(cluster, profile, 2, 1.0)
+  layout = device_groups(cluster, "g", tuple(range(8)), 1)
+  ring = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, "float32")[1]
+  assert ring > 0
+  assert _gather_seconds(costing, layout, shares, 1, "float32") == pytest.approx(factor * ring)

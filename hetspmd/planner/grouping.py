@@ -151,9 +151,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
-  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1] if zero else 0.0
-  if zero == 3:  # the parameters sent as the programs take them (casts), in place of whole
-    gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
+  gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero, dtype) if zero else 0.0
   hidden = 0.0
   if count:
     kind = blocked.kinds[busiest]
@@ -200,6 +198,19 @@ def _one_process(costing: Costing, layout: DeviceGroups) -> bool:
   else each host is taken to be a process of its own)."""
   processes = costing.cluster.processes
   return processes == 1 if processes is not None else len(layout.hosts) == 1
+
+
+def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int, dtype: str
+                    ) -> float:
+  """Sending the parameters the update programs made to every device (under ZeRO-3 their casts, as the programs
+  take them, in place of whole ones): in one process each is copied from its device, so the busiest device
+  sends ``(n - 1) * share`` (:func:`_owner_factor`, against a ring all-gather); across processes one uniform
+  program adds every device's row (the value on its owner, zeros elsewhere), an all-reduce: twice an
+  all-gather's bytes."""
+  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1]
+  if zero == 3:
+    gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
+  return gather * (_owner_factor(shares) if _one_process(costing, layout) else 2.0)
 
 
 def _owner_factor(shares: Sequence[float]) -> float:
