@@ -351,6 +351,24 @@ def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail, zero)
       assert abs(held[d] - share * total) <= 3 * largest, (d, held[d], share * total)
 
 
+@pytest.mark.parametrize("shares,relay", [(SHARES_80_16, True), ((1 / 8,) * 8, False)], ids=["80:16", "even"])
+def test_parameters_reach_every_device_in_two_hops_where_one_device_holds_most(shares, relay, monkeypatch):
+  """ZeRO-3 in one process: where some devices hold much more of the state than the rest
+  (:func:`hetspmd.plan.groups.relays`), the parameters each holds are split evenly over the devices, then made
+  whole on every device by one program; with even shares each is copied whole from its device. Exact either
+  way."""
+  import hetspmd.runtime.grouped as grouped
+
+  require_devices(8)
+  calls, real = [], grouped.relayed
+  monkeypatch.setattr(grouped, "relayed", lambda values, mesh: calls.append(len(values)) or real(values, mesh))
+  plan = group_plan(PLANS[0], 38, state_shares=shares, zero_stage=3)
+  state, ref = _trained(dropout_step, plan, _state, _batches(38), placed=True)
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)
+  assert (sum(calls) > 0) == relay, calls  # values relayed per call (the first step's gather has none)
+
+
 def test_each_device_reduces_only_the_sums_of_its_share():
   """In shares without a tail (one process), the uniform program reduces only what the metrics read; each device's
   update program reduces its own units' sums from every device's rows, copied to it: no device holds a reduced

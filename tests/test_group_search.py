@@ -160,14 +160,20 @@ def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypat
 
 
 @pytest.mark.parametrize("processes,shares,factor", [
-    (1, [1 / 8] * 8, 1.0),                       # even shares: each device sends 7/8, as a ring all-gather does
-    (1, [0.65] + [0.05] * 7, 7 * 0.65 / (7 / 8)),  # the device holding 65% sends it to 7 others
-    (2, [1 / 8] * 8, 2.0),                       # across processes: one uniform program adds every device's row
+    (1, [1 / 8] * 8, 1.0),              # even shares, copies: each device sends 7/8, as a ring all-gather does
+    (1, [0.65] + [0.05] * 7, 1.65),     # one device holds 65%: it splits its share over 8 (7/8 of it leave), then
+                                        # an all-gather, where copies would send 7 x 65% from it (5.2 rings)
+    (2, [1 / 8] * 8, 2.0),              # across processes: one uniform program adds every device's row
 ])
 def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, shares, factor):
   """ZeRO-1 group plans send each parameter an update program made from its device: in one process as copies
-  from that device (the busiest device's bytes, against a ring all-gather's), across processes as an all-reduce
-  of rows that are zeros but on the owner."""
+  from that device (the busiest device's bytes, against a ring all-gather's) or, where one device holds much more
+  than the rest, split over the devices then gathered; across processes as an all-reduce of rows that are zeros
+  but on the owner."""
+  from hetspmd.plan.groups import copy_factor, relay_factor, relays
+
+  assert relays(shares) == (factor == 1.65)
+  assert copy_factor([0.65] + [0.05] * 7) == pytest.approx(5.2) and relay_factor([0.65] + [0.05] * 7) == 1.65
   from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL
   from hetspmd.planner.grouping import _gather_seconds
   from hetspmd.planner.pricing import Costing, device_groups

@@ -332,6 +332,27 @@ def shares_for(free_bytes: Sequence[float]) -> tuple[float, ...]:
   return tuple(f / sum(free) for f in free)
 
 
+def copy_factor(shares: Sequence[float]) -> float:
+  """Devices sending values they hold (``shares`` of the bytes) to every other device as copies, or receiving
+  every device's rows of theirs, against a ring all-gather (or reduce-scatter): the busiest device sends
+  ``(n - 1) * share`` or receives ``1 - share``, where a ring moves ``(n - 1) / n`` through each."""
+  n = len(shares)
+  return max((n - 1) * max(shares), 1 - min(shares)) / ((n - 1) / n) if n > 1 else 0.0
+
+
+def relay_factor(shares: Sequence[float]) -> float:
+  """The same values sent in two hops (:func:`relays`), against a ring all-gather: each device's holder splits
+  it evenly over the devices (the busiest sends ``(n - 1) / n`` of its ``share``), then an all-gather."""
+  return 1.0 + max(shares) if len(shares) > 1 else 0.0
+
+
+def relays(shares: Sequence[float]) -> bool:
+  """Whether the values each device holds (the parameters its updates made, under ZeRO-3 their casts) reach
+  every device faster in two hops than as copies: where one device holds much more than the rest (in one
+  process; across processes one uniform program sends them)."""
+  return len(shares) > 1 and relay_factor(shares) < copy_factor(shares)
+
+
 def assign_owners(sizes: Sequence[int], shares: Sequence[float]) -> tuple[int, ...]:
   """The device (index into ``shares``) holding each unit of ``sizes`` bytes, whole: the largest units first,
   each to the device furthest below its share of the total. Devices with no share hold nothing."""

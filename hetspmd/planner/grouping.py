@@ -33,7 +33,7 @@ from typing import Sequence
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
-from hetspmd.plan.groups import GroupPlan, group_plan
+from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_factor, relays
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, memory_per_device, microbatch_bytes)
@@ -150,7 +150,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   busiest = max(range(len(counts)), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
-    reduce = reduce / 2 * _owner_factor([shares[k] for k in kinds])
+    reduce = reduce / 2 * copy_factor([shares[k] for k in kinds])
   gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero, dtype) if zero else 0.0
   hidden = 0.0
   if count:
@@ -203,22 +203,16 @@ def _one_process(costing: Costing, layout: DeviceGroups) -> bool:
 def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int, dtype: str
                     ) -> float:
   """Sending the parameters the update programs made to every device (under ZeRO-3 their casts, as the programs
-  take them, in place of whole ones): in one process each is copied from its device, so the busiest device
-  sends ``(n - 1) * share`` (:func:`_owner_factor`, against a ring all-gather); across processes one uniform
-  program adds every device's row (the value on its owner, zeros elsewhere), an all-reduce: twice an
-  all-gather's bytes."""
+  take them, in place of whole ones), as the runtime does: in one process as copies from each one's device
+  (:func:`hetspmd.plan.groups.copy_factor` of a ring all-gather) or, where one device holds much more than the
+  rest, in two hops (:func:`hetspmd.plan.groups.relay_factor`); across processes one uniform program adds every
+  device's row (the value on its owner, zeros elsewhere), an all-reduce: twice an all-gather's bytes."""
   gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1]
   if zero == 3:
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
-  return gather * (_owner_factor(shares) if _one_process(costing, layout) else 2.0)
-
-
-def _owner_factor(shares: Sequence[float]) -> float:
-  """Devices reducing their own shares of the sums from copies of every device's rows, against a ring
-  reduce-scatter: the busiest device receives ``(n - 1) * share`` of the gradients or sends ``1 - share``,
-  where a ring moves ``(n - 1) / n`` through each."""
-  n = len(shares)
-  return max((n - 1) * max(shares), 1 - min(shares)) / ((n - 1) / n) if n > 1 else 0.0
+  if not _one_process(costing, layout):
+    return 2.0 * gather
+  return gather * (relay_factor(shares) if relays(shares) else copy_factor(shares))
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],

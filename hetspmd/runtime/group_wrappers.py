@@ -11,6 +11,7 @@ take (:func:`donating`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -186,3 +187,28 @@ def widened(wide: dict[int, Any], run: Callable[..., Any]) -> Callable[..., Any]
     return run
   return lambda inputs, *rest: run([x.astype(wide[i]) if i in wide and x is not None else x
                                     for i, x in enumerate(inputs)], *rest)
+
+
+def relayed(values: dict, mesh: Mesh) -> dict:
+  """``{key: value on one device}`` on every device of ``mesh`` (one axis), in two hops: each value split evenly
+  over the devices along its first axis the device count divides (copies from its device of all but one part),
+  then every part sent to every device by one program (an all-gather, each device sending only its parts). A
+  value with no such axis is copied whole from its device. What reaches each device is the value, bit for bit."""
+  n = mesh.size
+  replicated = NamedSharding(mesh, P())
+  split, whole = {}, {}
+  for key, x in values.items():
+    axis = next((a for a, size in enumerate(np.shape(x)) if size % n == 0), None)
+    if axis is None:
+      whole[key] = jax.device_put(x, replicated)
+    else:
+      split[key] = jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])))
+  if split:
+    whole.update(zip(split, _gathered_on(replicated)(list(split.values()))))
+  return whole
+
+
+@functools.lru_cache(maxsize=None)
+def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
+  """One program per mesh that makes its (split) arguments whole on every device."""
+  return jax.jit(lambda xs: xs, out_shardings=replicated)

@@ -66,12 +66,12 @@ from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.plan.groups import GroupPlan, assign_owners
+from hetspmd.plan.groups import GroupPlan, assign_owners, relays
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, constrained, donating, group_mesh, less_held,
-                                            model_split, narrowed, new_values, reordered, returns_state, spread,
-                                            widened)
+                                            model_split, narrowed, new_values, relayed, reordered, returns_state,
+                                            spread, widened)
 
 
 
@@ -400,10 +400,13 @@ class GroupedStep:
   def _broadcast(self, name: str, owner: dict, local: dict, avals: dict) -> dict:
     """``{key: value}`` on every device, for each ``key`` of ``owner`` whose value lives on ``owner[key]``
     (``local``: this process's values; ``avals``: every value's shape and dtype). In one process each is copied
-    from its device; across processes, one uniform program adds rows that are the value on its device and zeros
-    on every other."""
+    from its device, or where one device holds much more than the rest (:func:`hetspmd.plan.groups.relays`)
+    sent in two hops (:func:`relayed`); across processes, one uniform program adds rows that are the value on
+    its device and zeros on every other."""
     replicated = NamedSharding(self.mesh, P())
     if jax.process_count() == 1:
+      if relays(self.plan.state_shares):
+        return relayed(local, self.mesh)
       return {k: jax.device_put(x, replicated) for k, x in local.items()}
     order = sorted(owner)
     rows = []
