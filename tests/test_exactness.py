@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from exactness import K, Reference, assert_exact, excess, permuted
+from exactness import K, Reference, assert_exact, excess
 
 TX = optax.adam(1e-3, eps=1e-4)
 STEPS = 3
@@ -81,41 +81,48 @@ def test_a_dropped_example_fails(runs):
   assert all(over[f"['params']['{name}']"][0] > 0 for name in dropped["params"]), over
 
 
-# --- half precision: one draw of a bfloat16 step's roundings does not bound another's (tests/exactness.py) ------
+# --- half precision: Adam with an eps above the gradients' rounding noise (tests/exactness.py) -------------------
 
 HALF_BATCH = 25
+
+
+def smooth(workload):
+  """``workload`` training with Adam at an ``eps`` (1e-3) above its bfloat16 gradients' rounding noise, so that its
+  update moves smoothly with them (see tests/exactness.py)."""
+  import dataclasses
+
+  return dataclasses.replace(workload, make_optimizer=lambda: optax.adam(1e-3, eps=1e-3))
 
 
 def _half_case(seed: int):
   from hetspmd import models
 
-  w = models.get("gpt2-tiny").with_dtype("bfloat16")  # the zoo's Adam: eps=1e-8
+  w = smooth(models.get("gpt2-tiny").with_dtype("bfloat16"))
   rs = np.random.RandomState(seed)
   batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(HALF_BATCH))
              for _ in range(STEPS)]
   step = w.make_train_step(jax.value_and_grad)
-  ref = Reference(step, w.init_state(), half=True, orders=3).run(batches)
+  ref = Reference(step, w.init_state(), half=True).run(batches)
   return w, jax.jit(step), batches, ref
 
 
-def _trained(w, step, batches):
+def _trained(w, step, batches, keep=slice(None)):
   state = w.init_state()
   for batch in batches:
-    state, _ = step(state, batch)
+    state, _ = step(state, jax.tree.map(lambda x: np.asarray(x)[keep], batch))
   return state
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_bfloat16_step_in_another_order_passes(seed):
-  """The single-device bfloat16 step on a batch permuted in an order none of the reference's draws used: within
-  the bound taken over the reference's orders."""
+  """The single-device bfloat16 step on its batches' examples in two other orders (the same math: no example's
+  work depends on its position): within the bound."""
   w, step, batches, ref = _half_case(seed)
-  ref.check(_trained(w, step, [permuted(b, 100) for b in batches]))
+  for order in (100, 101):
+    ref.check(_trained(w, step, batches, np.random.RandomState(order).permutation(HALF_BATCH)))
 
 
 def test_a_bfloat16_step_with_a_dropped_example_fails():
   w, step, batches, ref = _half_case(0)
-  dropped = _trained(w, step, [jax.tree.map(lambda x: np.asarray(x)[:-1], b) for b in batches])
-  over = excess(dropped, ref.single, ref.ref64, others=ref.reordered)
-  failed = [name for name, v in over.items() if name.startswith("['params']") and v[0] > 0]
-  assert len(failed) >= 3, over
+  over = excess(_trained(w, step, batches, slice(0, HALF_BATCH - 1)), ref.single, ref.ref64)
+  assert [name for name, v in over.items() if name.startswith("['params']") and v[0] > 0], over

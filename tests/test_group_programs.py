@@ -369,13 +369,15 @@ def test_parameters_reach_every_device_in_two_hops_where_one_device_holds_most(s
   assert (sum(calls) > 0) == relay, calls  # values relayed per call (the first step's gather has none)
 
 
-def test_each_device_reduces_only_the_sums_of_its_share():
+@pytest.mark.parametrize("shares", [SHARES_80_16, (1 / 8,) * 8], ids=["80:16", "even"])
+def test_each_device_reduces_only_the_sums_of_its_share(shares):
   """In shares without a tail (one process), the uniform program reduces only what the metrics read; each device's
-  update program reduces its own units' sums from every device's rows, copied to it: no device holds a reduced
-  gradient it does not update, and the device holding the fewest bytes takes fewer into its update than the one
-  holding the most."""
+  update program takes only its own units' sums: with even shares every device's rows of them, copied to it; where
+  some devices hold much more than the rest, the sums reduce-scattered evenly over the devices by one program, then
+  made whole on their owner. No device keeps a reduced gradient it does not update, and the device holding the
+  fewest bytes takes fewer into its update than the one holding the most."""
   require_devices(8)
-  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16)
+  plan = group_plan(PLANS[0], 38, state_shares=shares)
   step = run_groups(dropout_step, plan)
   state, metrics = step(step.shard_state(_state()), _batches(38)[0])
   Reference(dropout_step, _state()).run(_batches(38)[:1]).check_metrics(metrics, 0)
@@ -383,6 +385,7 @@ def test_each_device_reduces_only_the_sums_of_its_share():
   grads = sum(_nbytes_of(x) for x in jax.tree.leaves(state.params))
   assert analysis["exchange"].output_size_in_bytes < grads / 10, analysis["exchange"]
   built = next(iter(step._built.values()))
+  assert bool(built.relay) == ("reduce-scatter" in analysis) == (shares == SHARES_80_16), (built.relay, list(analysis))
   held = {d.id: b for d, b in zip(step.devices, built.held_bytes) if f"update on device {d.id}" in analysis}
   fewest, most = min(held, key=held.get), max(held, key=held.get)
   assert held[fewest] < held[most]

@@ -279,6 +279,12 @@ def partial_reductions(prog: Program, s: int) -> list[list[str]]:
           for k in loop_cuts(cut_outs, s)]
 
 
+def partial_values(prog: Program) -> list[tuple[str, tuple[int, ...]]]:
+  """Per value of the last loop's partial sums (flattened as :func:`partial_readers` lists them): how it combines
+  over devices and its shape."""
+  return [(reduce, jx.aval_shape(var)) for part in _partials(prog) for reduce, var in part]
+
+
 def _signatures(prog: Program) -> list[tuple]:
   """Per value of :func:`_partials` (flattened): its reduction, shape, and the step outputs (by position) it reaches through the
   example-free rest of the step, by equations that neither reduce it (a gradient norm) nor broadcast it (a

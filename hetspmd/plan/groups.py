@@ -342,14 +342,15 @@ def copy_factor(shares: Sequence[float]) -> float:
 
 def relay_factor(shares: Sequence[float]) -> float:
   """The same values sent in two hops (:func:`relays`), against a ring all-gather: each device's holder splits
-  it evenly over the devices (the busiest sends ``(n - 1) / n`` of its ``share``), then an all-gather."""
+  it evenly over the devices (the busiest sends ``(n - 1) / n`` of its ``share``), then an all-gather; or, the
+  other way, every device's rows reduce-scattered evenly, then each part sent to the value's holder."""
   return 1.0 + max(shares) if len(shares) > 1 else 0.0
 
 
 def relays(shares: Sequence[float]) -> bool:
   """Whether the values each device holds (the parameters its updates made, under ZeRO-3 their casts) reach
-  every device faster in two hops than as copies: where one device holds much more than the rest (in one
-  process; across processes one uniform program sends them)."""
+  every device, and the sums its updates read reach it, faster in two hops than as copies: where some devices
+  hold much more than the rest (in one process; across processes uniform programs move them)."""
   return len(shares) > 1 and relay_factor(shares) < copy_factor(shares)
 
 

@@ -193,6 +193,13 @@ def gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile
   return seconds
 
 
+def whole_gather_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile) -> float:
+  """Every parameter leaf sent whole to every position (as a group plan sends the parameters its update
+  programs make), priced as ring all-gathers of all of them: half an all-reduce's bytes and latency, one per
+  leaf."""
+  return _reduce_seconds(cluster, hosts, profile.param_bytes, 1, max(1, len(profile.param_leaf_sizes))) / 2
+
+
 def gradient_seconds(cluster: Cluster, hosts: dict[int, int], profile: StepProfile, tp: TensorParallel,
                      zero: int, grad_bytes: int = GRAD_BYTES) -> float:
   """Reducing the gradients over ``data`` once per step, as the runtime does.

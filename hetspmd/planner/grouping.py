@@ -36,7 +36,8 @@ from hetspmd.plan.counts import KindCost
 from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_factor, relays
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
-                                       gradient_reductions, memory_per_device, microbatch_bytes)
+                                       gradient_reductions, memory_per_device, microbatch_bytes,
+                                       whole_gather_seconds)
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
@@ -111,11 +112,13 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
   loop, under the policy that recomputes most, the reduction overlapping the last one's backward pass.
   ``zero=1``: the optimizer state in shares by free memory (each device updates its share, then sends the
-  parameters it made to every device), else replicated. In shares without a tail on one host, each device
-  reduces its own share's sums from every device's rows, copied to it (the runtime's path in one process; across
-  hosts, processes, the exchange program reduces every sum onto every device): it holds those rows
-  after the loop instead of the whole reduced gradient, and the copies cost the reduce-scatter's time scaled
-  to the busiest device's bytes. The gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
+  parameters it made to every device), else replicated. In shares without a tail in one process, each device's
+  update takes only its own share's sums (across processes, the exchange program reduces every sum onto every
+  device): every device's rows of them, copied to it (the reduce-scatter's time scaled to the busiest device's
+  bytes: :func:`hetspmd.plan.groups.copy_factor`), or, where some devices hold much more than the rest, the
+  sums reduce-scattered evenly, then made whole on their owner (:func:`hetspmd.plan.groups.relay_factor`); it
+  holds those rows or its part and its sums after the loop instead of the whole reduced gradient. The
+  gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
   ``models``: a kind's tensor-parallel choice, its devices that many at a time in one host running each
   microbatch together (its group's model axis; see :func:`_peak` for what they hold)."""
   n, kinds = len(layout.groups), layout.kinds
@@ -134,8 +137,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
   if zero and not shares:
     return None
+  relay = owner and relays([shares[k] for k in kinds])  # the sums reduce-scattered, then made whole on owners
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     n * shares[k] if owner else None, tp=tps[k], zero=zero, narrow=narrow) for k in order}
+                     (1 / n + 2 * shares[k] if relay else n * shares[k]) if owner else None, tp=tps[k], zero=zero,
+                     narrow=narrow) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
@@ -150,8 +155,9 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   busiest = max(range(len(counts)), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
-    reduce = reduce / 2 * copy_factor([shares[k] for k in kinds])
-  gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero, dtype) if zero else 0.0
+    spread = [shares[k] for k in kinds]
+    reduce = reduce / 2 * (relay_factor(spread) if relay else copy_factor(spread))
+  gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero) if zero else 0.0
   hidden = 0.0
   if count:
     kind = blocked.kinds[busiest]
@@ -200,14 +206,14 @@ def _one_process(costing: Costing, layout: DeviceGroups) -> bool:
   return processes == 1 if processes is not None else len(layout.hosts) == 1
 
 
-def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int, dtype: str
-                    ) -> float:
+def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int) -> float:
   """Sending the parameters the update programs made to every device (under ZeRO-3 their casts, as the programs
-  take them, in place of whole ones), as the runtime does: in one process as copies from each one's device
+  take them, in place of whole ones), every leaf whole whether or not the devices divide it, as the runtime
+  does: in one process as copies from each one's device
   (:func:`hetspmd.plan.groups.copy_factor` of a ring all-gather) or, where one device holds much more than the
   rest, in two hops (:func:`hetspmd.plan.groups.relay_factor`); across processes one uniform program adds every
   device's row (the value on its owner, zeros elsewhere), an all-reduce: twice an all-gather's bytes."""
-  gather = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, dtype)[1]
+  gather = whole_gather_seconds(costing.cluster, layout.hosts, costing.profile)
   if zero == 3:
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   if not _one_process(costing, layout):

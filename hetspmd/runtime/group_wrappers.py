@@ -212,3 +212,35 @@ def relayed(values: dict, mesh: Mesh) -> dict:
 def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
   """One program per mesh that makes its (split) arguments whole on every device."""
   return jax.jit(lambda xs: xs, out_shardings=replicated)
+
+
+def split_axis(shape: tuple[int, ...], n: int) -> int | None:
+  """The first axis of ``shape`` that ``n`` devices split evenly, if any."""
+  return next((a for a, size in enumerate(shape) if size % n == 0), None)
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:
+  """``program(rows) -> parts``: per value, every device's row of it (a global array ``[devices, *shape]`` over
+  ``mesh``'s one axis) summed over the devices in the rows' dtype and left split evenly along its axis ``axes[j]``
+  (a reduce-scatter: each device sends and receives ``(n - 1) / n`` of the values)."""
+  name = mesh.axis_names[0]
+
+  def per_device(rows):
+    return [jax.lax.psum_scatter(r[0], name, scatter_dimension=a, tiled=True) for r, a in zip(rows, axes)]
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=([P(name)] * len(axes),),
+                               out_specs=[P(*([None] * a), name) for a in axes], check_vma=False))
+
+
+def assembled(parts: list, axes: list[int], device: Any) -> list:
+  """Values split evenly over devices (:func:`scatter_program`'s), each whole on ``device`` as one row (a leading
+  axis of one): their parts copied there and joined."""
+  pieces = [[s.data for s in sorted(p.addressable_shards, key=lambda s, a=a: s.index[a].start or 0)]
+            for p, a in zip(parts, axes)]
+  return _joined(tuple(axes))(jax.device_put(pieces, device))
+
+
+@functools.lru_cache(maxsize=None)
+def _joined(axes: tuple[int, ...]) -> Callable[[list], list]:
+  return jax.jit(lambda pieces: [jnp.concatenate(p, axis=a)[None] for p, a in zip(pieces, axes)])

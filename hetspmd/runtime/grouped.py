@@ -20,13 +20,17 @@ optimizer-state leaf lives whole and unpadded on one device
 :func:`hetspmd.lowering.groups.state_units`). The exchange program then
 computes only what reads no held leaf (metrics, a step count); each device's
 own program (``jax.jit`` on that device) updates its leaves and makes their
-parameters, which are sent to every device (``jax.device_put``). Without a
-tail, in one process, each device's update program
+parameters, which are sent to every device (``jax.device_put``; where some
+devices hold much more than the rest, :func:`hetspmd.plan.groups.relays`,
+in two hops: split evenly over the devices, then gathered by one program).
+Without a tail, in one process, each device's update program
 (:func:`hetspmd.lowering.groups.owner_update_program`) reduces the sums its
-units read from every device's rows, copied to it; otherwise the exchange
-program reduces every sum onto every device
-(:func:`hetspmd.lowering.groups.update_program`). Under ZeRO-3 the device
-keeps the parameters it made, and sends them at the start of the next step.
+units read from every device's rows, copied to it, or, where some devices
+hold much more than the rest, takes them whole from one reduce-scatter
+program's even parts; otherwise the exchange program reduces every sum onto
+every device (:func:`hetspmd.lowering.groups.update_program`). Under ZeRO-3
+the device keeps the parameters it made, and sends them at the start of the
+next step.
 
 A group with a model axis runs its program over a ``data`` x ``model`` mesh of
 its devices, the parameters its ``model_dims`` name split over ``model``, and
@@ -69,9 +73,9 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners, relays
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
-from hetspmd.runtime.group_wrappers import (DATA, Donating, constrained, donating, group_mesh, less_held,
-                                            model_split, narrowed, new_values, relayed, reordered, returns_state,
-                                            spread, widened)
+from hetspmd.runtime.group_wrappers import (DATA, Donating, assembled, constrained, donating, group_mesh,
+                                            less_held, model_split, narrowed, new_values, relayed, reordered,
+                                            returns_state, scatter_program, split_axis, spread, widened)
 
 
 
@@ -334,6 +338,7 @@ class GroupedStep:
     kept = built.kept
     made: dict[int, Any] = {}
     calls = []
+    reduced = self._scattered(built, sums[0]) if built.relay else {}
     for device, (outs, program) in built.updates.items():
       if device.process_index != jax.process_index():
         for o in outs:  # made in another process: this process's handle on it has no shard here
@@ -348,7 +353,7 @@ class GroupedStep:
       if built.needs is None:  # the reduced sums: this device's copies
         given = (jax.tree.map(mine, sums),)
       else:  # every device's rows of the sums its units read, and the earlier loops' totals
-        given = (self._rows_on(device, built.needs[device], sums[0]), jax.tree.map(mine, sums[1]))
+        given = (self._rows_on(device, built.needs[device], sums[0], reduced, built.relay), jax.tree.map(mine, sums[1]))
       calls.append((f"update on device {device.id}", outs, program, inputs, given))
     # every donating update compiled before any runs (one not yet called): one that fails leaves the state whole
     for name, _, program, inputs, given in calls:
@@ -364,14 +369,26 @@ class GroupedStep:
     for o in sent:
       outputs[o] = sent[o]
 
-  def _rows_on(self, device: Any, needed: tuple[int, ...], partials: list) -> list:
-    """Per partial value (the last loop's, flattened), every device's row of it copied to ``device`` where its
-    update reads it (``needed``), else None."""
+  def _rows_on(self, device: Any, needed: tuple[int, ...], partials: list, reduced: dict, axes: dict) -> list:
+    """Per partial value (the last loop's, flattened) that the update on ``device`` reads (``needed``), else None:
+    every device's row of it copied there, or, for a value ``reduced`` holds (split along ``axes[j]``), its sum
+    over the devices made whole there, one row."""
     flat = [x for part in partials for x in part]
     rows = {j: [s.data for s in sorted(flat[j].addressable_shards, key=lambda s: s.index[0].start or 0)]
-            for j in needed}
+            for j in needed if j not in reduced}
     moved = jax.device_put(rows, device)
+    summed = [j for j in needed if j in reduced]
+    moved.update(zip(summed, ([x] for x in assembled([reduced[j] for j in summed], [axes[j] for j in summed],
+                                                    device))))
     return [moved.get(j) for j in range(len(flat))]
+
+  def _scattered(self, built: "_Built", partials: list) -> dict:
+    """``{partial value: its sum over the devices, split evenly over them}`` for the values ``built.relay`` names,
+    by one reduce-scatter program."""
+    flat = [x for part in partials for x in part]
+    order = sorted(built.relay)
+    program = scatter_program(self.mesh, tuple(built.relay[j] for j in order))
+    return dict(zip(order, self._call("reduce-scatter", program, [flat[j] for j in order])))
 
   def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
     """The outputs of the update programs that every device needs, on every device."""
@@ -476,7 +493,7 @@ class GroupedStep:
       tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
                              reduce_dtype=self.plan.reduce_dtype, overlap=True)
     # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
-    # it needs are copied to it): no device holds a reduced gradient it does not update
+    # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
     to_owner = units is not None and not self.plan.tail_count and jax.process_count() == 1
     order = np.asarray(self.plan.example_slots(), np.int32) if group_lowering.per_example_outputs(prog) else None
     run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner,
@@ -502,11 +519,13 @@ class GroupedStep:
                                           [k for k, i in enumerate(reads) if i in mine | made and i in donated]))
     readers = group_lowering.partial_readers(prog) if to_owner else ()
     needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
+    relay = _relayed_sums(prog, needs, len(self.devices)) if to_owner and relays(self.plan.state_shares) else {}
     holder = {**owner, **{i: device for i, (device, _) in params.items()}}
     held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
                        for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
-                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None, casts)
+                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None, casts,
+                  relay)
 
   def _group_programs(self, progs: dict[str, Program], group: Any, mesh: Mesh, state: Any,
                       held: tuple[int, ...], wide: dict) -> list:
@@ -615,6 +634,19 @@ class GroupedBatch:
   placed_for_groups = True  # (a class attribute) a step's batch argument placed ahead, as a ShardedBatch is
 
 
+def _relayed_sums(prog: Program, needs: dict, n: int) -> dict[int, int]:
+  """``{partial value: axis}`` of the values the updates read that reach their owners in two hops, reduce-scattered
+  over the ``n`` devices along the first axis ``n`` divides, then made whole on the owner: the sums that one
+  holds. (A ``max`` or ``min``, or a value no axis of which ``n`` divides, is copied to its owner row by row.)"""
+  wanted = set().union(*needs.values()) if needs else set()
+  out = {}
+  for j, (reduce, shape) in enumerate(group_lowering.partial_values(prog)):
+    axis = split_axis(shape, n)
+    if j in wanted and reduce == "sum" and axis is not None:
+      out[j] = axis
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Built:
   """The programs of one argument structure: each group's loop, the exchange, each device's update (under
@@ -634,6 +666,7 @@ class _Built:
   params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
   needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
   casts: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: dtype} of parameters sent as casts
+  relay: dict = dataclasses.field(default_factory=dict)  # {partial value: axis} reduce-scattered, then sent to owners
 
   @property
   def kept(self) -> frozenset:
