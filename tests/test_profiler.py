@@ -43,7 +43,7 @@ def test_collective_tables_are_monotone_and_fitted(profile):
 
 def test_profile_becomes_a_measured_cluster(profile, tmp_path):
   cluster = Cluster.from_profile(profile)
-  assert cluster.num_devices == 8 and cluster.kinds == ("cpu",)
+  assert cluster.num_devices == 8 and cluster.kinds == ("cpu",) and cluster.processes == 1
   spec = cluster.hosts[0].device
   assert spec.measured and spec.fp32_flops == min(d.peak("float32") for d in profile.devices)
   cluster.save(tmp_path / "cpu.toml")
@@ -84,11 +84,12 @@ def test_profile_across_two_processes():
       p = hetspmd.profile(message_bytes=(4096, 65536), progress=False)
       c = hetspmd.Cluster.from_profile(p)
       print(json.dumps({"ids": [d.id for d in p.devices], "processes": [d.process for d in p.devices],
-                        "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives]}))
+                        "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives],
+                        "cluster_processes": c.processes}))
   """)
   assert results[0] == results[1]
   assert results[0]["processes"] == [0, 0, 1, 1]
-  assert results[0]["hosts"] == [2, 2] and results[0]["groups"] == [4, 4, 4]
+  assert results[0]["hosts"] == [2, 2] and results[0]["groups"] == [4, 4, 4] and results[0]["cluster_processes"] == 2
 
 
 def _measured(kind, float32, reduced=None):

@@ -256,7 +256,8 @@ class Cluster:
 
   @classmethod
   def from_profile(cls, profile: Profile) -> "Cluster":
-    """The measured cluster of :func:`hetspmd.profile`'s result: hosts by process, then kind.
+    """The measured cluster of :func:`hetspmd.profile`'s result: hosts by process, then kind, and the number of
+    processes that measured it (so that group plans are priced on the path one process runs).
 
     Each kind's spec is the profile's (``measured=True``); each host records
     how much faster one device runs alone (:func:`~hetspmd.hardware.profiler.alone_speedup`);
@@ -271,8 +272,8 @@ class Cluster:
       hosts.append(Host(specs[kind], len(members), measured or _default_intra(kind), alone_speedup(members)))
     ids = tuple(d.id for d in ordered)
     if profile.process_count > 1 and measured is not None:
-      return cls(tuple(hosts), measured, "profiled", ids)
-    return cls(tuple(hosts), name="profiled", jax_device_ids=ids)
+      return cls(tuple(hosts), measured, "profiled", ids, profile.process_count)
+    return cls(tuple(hosts), name="profiled", jax_device_ids=ids, processes=profile.process_count)
 
   @classmethod
   def emulate(cls, devices: Sequence[Any], kinds: Sequence[str],
