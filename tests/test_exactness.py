@@ -125,4 +125,5 @@ def test_a_bfloat16_step_in_another_order_passes(seed):
 def test_a_bfloat16_step_with_a_dropped_example_fails():
   w, step, batches, ref = _half_case(0)
   over = excess(_trained(w, step, batches, slice(0, HALF_BATCH - 1)), ref.single, ref.ref64)
-  assert [name for name, v in over.items() if name.startswith("['params']") and v[0] > 0], over
+  failed = [name for name, v in over.items() if name.startswith("['params']") and v[0] > 0]
+  assert len(failed) >= 2, over  # 2 to 7 of the 28 over eight seeds (3 at this one)

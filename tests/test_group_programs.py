@@ -351,6 +351,13 @@ def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail, zero)
       assert abs(held[d] - share * total) <= 3 * largest, (d, held[d], share * total)
 
 
+def test_two_hops_split_only_axes_with_parts():
+  from hetspmd.plan.groups import split_axis
+
+  assert [split_axis(shape, 8) for shape in [(6, 16), (16,), (4,), (), (0,), (0, 8), (8, 0), (3, 5)]] == [
+      1, 0, None, None, None, 1, 0, None]
+
+
 @pytest.mark.parametrize("shares,relay", [(SHARES_80_16, True), ((1 / 8,) * 8, False)], ids=["80:16", "even"])
 def test_parameters_reach_every_device_in_two_hops_where_one_device_holds_most(shares, relay, monkeypatch):
   """ZeRO-3 in one process: where some devices hold much more of the state than the rest

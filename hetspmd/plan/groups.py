@@ -347,10 +347,16 @@ def relay_factor(shares: Sequence[float]) -> float:
   return 1.0 + max(shares) if len(shares) > 1 else 0.0
 
 
+def split_axis(shape: Sequence[int], n: int) -> int | None:
+  """The first axis of ``shape`` that ``n`` devices split evenly into parts that are not empty, if any."""
+  return next((a for a, size in enumerate(shape) if size > 0 and size % n == 0), None)
+
+
 def relays(shares: Sequence[float]) -> bool:
   """Whether the values each device holds (the parameters its updates made, under ZeRO-3 their casts) reach
   every device, and the sums its updates read reach it, faster in two hops than as copies: where some devices
-  hold much more than the rest (in one process; across processes uniform programs move them)."""
+  hold much more than the rest (in one process; across processes uniform programs move them). Only values with
+  an axis the devices split (:func:`split_axis`) take two hops; the rest are copied."""
   return len(shares) > 1 and relay_factor(shares) < copy_factor(shares)
 
 

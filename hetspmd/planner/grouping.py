@@ -27,13 +27,14 @@ device is taken, then on all devices, then one without state shares
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Sequence
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
-from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_factor, relays
+from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_factor, relays, split_axis
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, memory_per_device, microbatch_bytes,
@@ -137,10 +138,11 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
   if zero and not shares:
     return None
-  relay = owner and relays([shares[k] for k in kinds])  # the sums reduce-scattered, then made whole on owners
+  spread = [shares[k] for k in kinds] if zero else []
+  split = _split_fraction(costing.profile, n) if zero and relays(spread) else 0.0  # of the sums: two hops
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     (1 / n + 2 * shares[k] if relay else n * shares[k]) if owner else None, tp=tps[k], zero=zero,
-                     narrow=narrow) for k in order}
+                     split * (1 / n + 2 * shares[k]) + (1 - split) * n * shares[k] if owner else None, tp=tps[k],
+                     zero=zero, narrow=narrow) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
@@ -155,8 +157,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   busiest = max(range(len(counts)), key=lambda i: per_position[i])
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
-    spread = [shares[k] for k in kinds]
-    reduce = reduce / 2 * (relay_factor(spread) if relay else copy_factor(spread))
+    reduce = reduce / 2 * _factor(spread, split)
   gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero) if zero else 0.0
   hidden = 0.0
   if count:
@@ -218,7 +219,28 @@ def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[flo
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   if not _one_process(costing, layout):
     return 2.0 * gather
-  return gather * (relay_factor(shares) if relays(shares) else copy_factor(shares))
+  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else 0.0)
+
+
+def _factor(shares: Sequence[float], split: float) -> float:
+  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: the fraction
+  ``split`` of them in two hops (:func:`hetspmd.plan.groups.relay_factor`), the rest as copies."""
+  return split * relay_factor(shares) + (1 - split) * copy_factor(shares)
+
+
+def _split_fraction(profile: StepProfile, n: int) -> float:
+  """The fraction of the parameters' elements in leaves ``n`` devices split evenly
+  (:func:`hetspmd.plan.groups.split_axis`): the values that can take two hops (all, where the profile has no
+  leaf shapes)."""
+  return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_of(shapes: tuple, sizes: tuple, n: int) -> float:
+  total = sum(sizes)
+  if not shapes or not total:
+    return 1.0
+  return sum(size for shape, size in zip(shapes, sizes) if split_axis(shape, n) is not None) / total
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from hetspmd.errors import InvalidValueError
 from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.program import Program, is_backward
+from hetspmd.plan.groups import split_axis
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd._pytree import leaves_with_paths
 
@@ -198,7 +199,7 @@ def relayed(values: dict, mesh: Mesh) -> dict:
   replicated = NamedSharding(mesh, P())
   split, whole = {}, {}
   for key, x in values.items():
-    axis = next((a for a, size in enumerate(np.shape(x)) if size % n == 0), None)
+    axis = split_axis(np.shape(x), n)
     if axis is None:
       whole[key] = jax.device_put(x, replicated)
     else:
@@ -214,12 +215,6 @@ def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
   return jax.jit(lambda xs: xs, out_shardings=replicated)
 
 
-def split_axis(shape: tuple[int, ...], n: int) -> int | None:
-  """The first axis of ``shape`` that ``n`` devices split evenly, if any."""
-  return next((a for a, size in enumerate(shape) if size % n == 0), None)
-
-
-@functools.lru_cache(maxsize=None)
 def scatter_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:
   """``program(rows) -> parts``: per value, every device's row of it (a global array ``[devices, *shape]`` over
   ``mesh``'s one axis) summed over the devices in the rows' dtype and left split evenly along its axis ``axes[j]``

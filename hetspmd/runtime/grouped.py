@@ -70,12 +70,12 @@ from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.plan.groups import GroupPlan, assign_owners, relays
+from hetspmd.plan.groups import GroupPlan, assign_owners, relays, split_axis
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, assembled, constrained, donating, group_mesh,
                                             less_held, model_split, narrowed, new_values, relayed, reordered,
-                                            returns_state, scatter_program, split_axis, spread, widened)
+                                            returns_state, scatter_program, spread, widened)
 
 
 
@@ -387,8 +387,7 @@ class GroupedStep:
     by one reduce-scatter program."""
     flat = [x for part in partials for x in part]
     order = sorted(built.relay)
-    program = scatter_program(self.mesh, tuple(built.relay[j] for j in order))
-    return dict(zip(order, self._call("reduce-scatter", program, [flat[j] for j in order])))
+    return dict(zip(order, self._call("reduce-scatter", built.scatter, [flat[j] for j in order])))
 
   def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
     """The outputs of the update programs that every device needs, on every device."""
@@ -525,7 +524,7 @@ class GroupedStep:
                        for device in self.devices)
     return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
                   tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None, casts,
-                  relay)
+                  relay, scatter_program(self.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
   def _group_programs(self, progs: dict[str, Program], group: Any, mesh: Mesh, state: Any,
                       held: tuple[int, ...], wide: dict) -> list:
@@ -667,6 +666,7 @@ class _Built:
   needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
   casts: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: dtype} of parameters sent as casts
   relay: dict = dataclasses.field(default_factory=dict)  # {partial value: axis} reduce-scattered, then sent to owners
+  scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
 
   @property
   def kept(self) -> frozenset:
