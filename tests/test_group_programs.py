@@ -351,11 +351,14 @@ def test_optimizer_state_in_memory_shares_matches_one_device(groups, tail, zero)
       assert abs(held[d] - share * total) <= 3 * largest, (d, held[d], share * total)
 
 
-def test_two_hops_split_only_axes_with_parts():
-  from hetspmd.plan.groups import split_axis
+def test_two_hops_split_an_axis_with_parts():
+  """Along the first axis the devices split evenly, else the first (zero-padded); never a scalar or an empty
+  value."""
+  from hetspmd.plan.groups import relay_axis, split_axis
 
-  assert [split_axis(shape, 8) for shape in [(6, 16), (16,), (4,), (), (0,), (0, 8), (8, 0), (3, 5)]] == [
-      1, 0, None, None, None, 1, 0, None]
+  shapes = [(6, 16), (16,), (4,), (), (0,), (0, 8), (8, 0), (3, 5)]
+  assert [split_axis(shape, 8) for shape in shapes] == [1, 0, None, None, None, 1, 0, None]
+  assert [relay_axis(shape, 8) for shape in shapes] == [1, 0, 0, None, None, None, None, 0]
 
 
 @pytest.mark.parametrize("shares,relay", [(SHARES_80_16, True), ((1 / 8,) * 8, False)], ids=["80:16", "even"])

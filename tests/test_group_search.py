@@ -159,14 +159,11 @@ def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypat
   assert calls < len(priced) - calls
 
 
-SPLIT_BY_8 = 208 / 212  # of the 212 parameters, all but the (4,) bias's 4 are in leaves 8 devices split evenly
-
-
 @pytest.mark.parametrize("processes,shares,factor", [
     (1, [1 / 8] * 8, 1.0),              # even shares, copies: each device sends 7/8, as a ring all-gather does
-    # one device holds 65%: it splits its share over 8 (7/8 of it leave), then an all-gather (1.65 rings), where
-    # copies would send 7 x 65% from it (5.2 rings); the (4,) bias, which 8 devices do not split, is copied
-    (1, [0.65] + [0.05] * 7, SPLIT_BY_8 * 1.65 + (1 - SPLIT_BY_8) * 5.2),
+    # one device holds 65%: it splits its share over 8 (7/8 of it leave; the (4,) bias zero-padded to 8), then an
+    # all-gather (1.65 rings), where copies would send 7 x 65% from it (5.2 rings)
+    (1, [0.65] + [0.05] * 7, 1.65),
     (2, [1 / 8] * 8, 2.0),              # across processes: one uniform program adds every device's row
 ])
 def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, shares, factor):

@@ -352,11 +352,26 @@ def split_axis(shape: Sequence[int], n: int) -> int | None:
   return next((a for a, size in enumerate(shape) if size > 0 and size % n == 0), None)
 
 
+def relay_axis(shape: Sequence[int], n: int) -> int | None:
+  """The axis a value of ``shape`` is split along over ``n`` devices for two hops (:func:`relays`): the first
+  that ``n`` splits evenly (:func:`split_axis`), else the first, zero-padded to a multiple of ``n`` (transient);
+  none for a scalar or an empty value."""
+  if not shape or 0 in shape:
+    return None
+  axis = split_axis(shape, n)
+  return 0 if axis is None else axis
+
+
+def padded_length(size: int, n: int) -> int:
+  """``size`` rounded up to a multiple of ``n``."""
+  return -(-size // n) * n
+
+
 def relays(shares: Sequence[float]) -> bool:
   """Whether the values each device holds (the parameters its updates made, under ZeRO-3 their casts) reach
   every device, and the sums its updates read reach it, faster in two hops than as copies: where some devices
-  hold much more than the rest (in one process; across processes uniform programs move them). Only values with
-  an axis the devices split (:func:`split_axis`) take two hops; the rest are copied."""
+  hold much more than the rest (in one process; across processes uniform programs move them). Scalars and empty
+  values are copied (:func:`relay_axis`)."""
   return len(shares) > 1 and relay_factor(shares) < copy_factor(shares)
 
 

@@ -34,7 +34,7 @@ from typing import Sequence
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
-from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_factor, relays, split_axis
+from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_axis, relay_factor, relays
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, memory_per_device, microbatch_bytes,
@@ -229,9 +229,9 @@ def _factor(shares: Sequence[float], split: float) -> float:
 
 
 def _split_fraction(profile: StepProfile, n: int) -> float:
-  """The fraction of the parameters' elements in leaves ``n`` devices split evenly
-  (:func:`hetspmd.plan.groups.split_axis`): the values that can take two hops (all, where the profile has no
-  leaf shapes)."""
+  """The fraction of the parameters' elements in leaves that take two hops over ``n`` devices
+  (:func:`hetspmd.plan.groups.relay_axis`: all but scalars and empty ones; all, where the profile has no leaf
+  shapes)."""
   return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, n)
 
 
@@ -240,7 +240,7 @@ def _split_of(shapes: tuple, sizes: tuple, n: int) -> float:
   total = sum(sizes)
   if not shapes or not total:
     return 1.0
-  return sum(size for shape, size in zip(shapes, sizes) if split_axis(shape, n) is not None) / total
+  return sum(size for shape, size in zip(shapes, sizes) if relay_axis(shape, n) is not None) / total
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from hetspmd.errors import InvalidValueError
 from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.program import Program, is_backward
-from hetspmd.plan.groups import split_axis
+from hetspmd.plan.groups import padded_length, relay_axis
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd._pytree import leaves_with_paths
 
@@ -192,50 +192,75 @@ def widened(wide: dict[int, Any], run: Callable[..., Any]) -> Callable[..., Any]
 
 def relayed(values: dict, mesh: Mesh) -> dict:
   """``{key: value on one device}`` on every device of ``mesh`` (one axis), in two hops: each value split evenly
-  over the devices along its first axis the device count divides (copies from its device of all but one part),
-  then every part sent to every device by one program (an all-gather, each device sending only its parts). A
-  value with no such axis is copied whole from its device. What reaches each device is the value, bit for bit."""
+  over the devices along its :func:`hetspmd.plan.groups.relay_axis` (zero-padded there first where the device
+  count does not divide it: the padding is transient), its device keeping one part and copying the others, then
+  every part sent to every device by one program (an all-gather, each device sending only its parts; the
+  padding cut off). A scalar or an empty value is copied whole from its device. What reaches each device is the
+  value, bit for bit."""
   n = mesh.size
   replicated = NamedSharding(mesh, P())
-  split, whole = {}, {}
+  split, whole, trims = {}, {}, []
   for key, x in values.items():
-    axis = split_axis(np.shape(x), n)
+    axis = relay_axis(np.shape(x), n)
     if axis is None:
       whole[key] = jax.device_put(x, replicated)
-    else:
-      split[key] = jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])))
+      continue
+    size = np.shape(x)[axis]
+    if size % n:
+      x = _padded(axis, padded_length(size, n))(x)
+    split[key] = jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])))
+    trims.append((axis, size))
   if split:
-    whole.update(zip(split, _gathered_on(replicated)(list(split.values()))))
+    whole.update(zip(split, _gathered_on(replicated, tuple(trims))(list(split.values()))))
   return whole
 
 
 @functools.lru_cache(maxsize=None)
-def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
-  """One program per mesh that makes its (split) arguments whole on every device."""
-  return jax.jit(lambda xs: xs, out_shardings=replicated)
+def _padded(axis: int, length: int) -> Callable[[Any], Any]:
+  """A program that zero-pads its argument along ``axis`` to ``length``, where the argument is."""
+  return jax.jit(lambda x: _pad_to(x, axis, length))
 
 
-def scatter_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:
+def _pad_to(x, axis: int, length: int):
+  if x.shape[axis] == length:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@functools.lru_cache(maxsize=None)
+def _gathered_on(replicated: NamedSharding, trims: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
+  """One program per mesh and trims that makes its (split) arguments whole on every device, each cut to its
+  ``(axis, size)``."""
+  return jax.jit(lambda xs: [jax.lax.slice_in_dim(x, 0, size, axis=axis) for x, (axis, size) in zip(xs, trims)],
+                 out_shardings=replicated)
+
+
+def scatter_program(mesh: Mesh, axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
   """``program(rows) -> parts``: per value, every device's row of it (a global array ``[devices, *shape]`` over
-  ``mesh``'s one axis) summed over the devices in the rows' dtype and left split evenly along its axis ``axes[j]``
-  (a reduce-scatter: each device sends and receives ``(n - 1) / n`` of the values)."""
-  name = mesh.axis_names[0]
+  ``mesh``'s one axis) summed over the devices in the rows' dtype and left split evenly along its axis (``axes``:
+  ``(axis, size)`` per value, zero-padded along it first where the device count does not divide ``size``): a
+  reduce-scatter, each device sending and receiving ``(n - 1) / n`` of the values."""
+  name, n = mesh.axis_names[0], mesh.size
 
   def per_device(rows):
-    return [jax.lax.psum_scatter(r[0], name, scatter_dimension=a, tiled=True) for r, a in zip(rows, axes)]
+    return [jax.lax.psum_scatter(_pad_to(r[0], a, padded_length(size, n)), name, scatter_dimension=a, tiled=True)
+            for r, (a, size) in zip(rows, axes)]
 
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=([P(name)] * len(axes),),
-                               out_specs=[P(*([None] * a), name) for a in axes], check_vma=False))
+                               out_specs=[P(*([None] * a), name) for a, _ in axes], check_vma=False))
 
 
-def assembled(parts: list, axes: list[int], device: Any) -> list:
-  """Values split evenly over devices (:func:`scatter_program`'s), each whole on ``device`` as one row (a leading
-  axis of one): their parts copied there and joined."""
+def assembled(parts: list, axes: list[tuple[int, int]], device: Any) -> list:
+  """Values split evenly over devices (:func:`scatter_program`'s; ``axes``: ``(axis, size)`` of each), each whole
+  on ``device`` as one row (a leading axis of one): their parts copied there, joined and cut to ``size``."""
   pieces = [[s.data for s in sorted(p.addressable_shards, key=lambda s, a=a: s.index[a].start or 0)]
-            for p, a in zip(parts, axes)]
+            for p, (a, _) in zip(parts, axes)]
   return _joined(tuple(axes))(jax.device_put(pieces, device))
 
 
 @functools.lru_cache(maxsize=None)
-def _joined(axes: tuple[int, ...]) -> Callable[[list], list]:
-  return jax.jit(lambda pieces: [jnp.concatenate(p, axis=a)[None] for p, a in zip(pieces, axes)])
+def _joined(axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
+  return jax.jit(lambda pieces: [jax.lax.slice_in_dim(jnp.concatenate(p, axis=a), 0, size, axis=a)[None]
+                                 for p, (a, size) in zip(pieces, axes)])

@@ -70,7 +70,7 @@ from hetspmd.lowering.program import Program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.plan.groups import GroupPlan, assign_owners, relays, split_axis
+from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, assembled, constrained, donating, group_mesh,
@@ -633,16 +633,16 @@ class GroupedBatch:
   placed_for_groups = True  # (a class attribute) a step's batch argument placed ahead, as a ShardedBatch is
 
 
-def _relayed_sums(prog: Program, needs: dict, n: int) -> dict[int, int]:
-  """``{partial value: axis}`` of the values the updates read that reach their owners in two hops, reduce-scattered
-  over the ``n`` devices along the first axis ``n`` divides, then made whole on the owner: the sums that one
-  holds. (A ``max`` or ``min``, or a value no axis of which ``n`` divides, is copied to its owner row by row.)"""
+def _relayed_sums(prog: Program, needs: dict, n: int) -> dict[int, tuple[int, int]]:
+  """``{partial value: (axis, size)}`` of the values the updates read that reach their owners in two hops,
+  reduce-scattered over the ``n`` devices along :func:`hetspmd.plan.groups.relay_axis`, then made whole on the
+  owner: the sums. (A ``max`` or ``min``, a scalar or an empty value is copied to its owner row by row.)"""
   wanted = set().union(*needs.values()) if needs else set()
   out = {}
   for j, (reduce, shape) in enumerate(group_lowering.partial_values(prog)):
-    axis = split_axis(shape, n)
+    axis = relay_axis(shape, n)
     if j in wanted and reduce == "sum" and axis is not None:
-      out[j] = axis
+      out[j] = (axis, shape[axis])
   return out
 
 
@@ -665,7 +665,7 @@ class _Built:
   params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
   needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
   casts: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: dtype} of parameters sent as casts
-  relay: dict = dataclasses.field(default_factory=dict)  # {partial value: axis} reduce-scattered, then sent to owners
+  relay: dict = dataclasses.field(default_factory=dict)  # {partial value: (axis, size)} reduce-scattered, then sent
   scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
 
   @property
