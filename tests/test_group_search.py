@@ -161,9 +161,9 @@ def test_the_group_search_leaves_out_only_sizes_no_plan_fits(policies, monkeypat
 
 @pytest.mark.parametrize("processes,shares,factor", [
     (1, [1 / 8] * 8, 1.0),              # even shares, copies: each device sends 7/8, as a ring all-gather does
-    # one device holds 65%: it splits its share over 8 (7/8 of it leave; the (4,) bias zero-padded to 8), then an
-    # all-gather (1.65 rings), where copies would send 7 x 65% from it (5.2 rings)
-    (1, [0.65] + [0.05] * 7, 1.65),
+    # one device holds 65%: it splits its share over 8 (7/8 of it leave), then an all-gather (1.65 rings), where
+    # copies would send 7 x 65% from it (5.2 rings); the (4,) bias, which zero-padding to 8 would double, is copied
+    (1, [0.65] + [0.05] * 7, 208 / 212 * 1.65 + 4 / 212 * 5.2),
     (2, [1 / 8] * 8, 2.0),              # across processes: one uniform program adds every device's row
 ])
 def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, shares, factor):

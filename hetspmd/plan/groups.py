@@ -354,12 +354,19 @@ def split_axis(shape: Sequence[int], n: int) -> int | None:
 
 def relay_axis(shape: Sequence[int], n: int) -> int | None:
   """The axis a value of ``shape`` is split along over ``n`` devices for two hops (:func:`relays`): the first
-  that ``n`` splits evenly (:func:`split_axis`), else the first, zero-padded to a multiple of ``n`` (transient);
-  none for a scalar or an empty value."""
+  that ``n`` splits evenly (:func:`split_axis`), else the one that zero-padding to a multiple of ``n`` grows
+  least, if by at most :data:`MAX_PADDING` (the padding is transient); none for a scalar, an empty value or one
+  that padding would grow more (it is copied whole)."""
   if not shape or 0 in shape:
     return None
   axis = split_axis(shape, n)
-  return 0 if axis is None else axis
+  if axis is not None:
+    return axis
+  axis = min(range(len(shape)), key=lambda a: padded_length(shape[a], n) / shape[a])
+  return axis if padded_length(shape[axis], n) <= (1 + MAX_PADDING) * shape[axis] else None
+
+
+MAX_PADDING = 1 / 8  # the most a value may grow by zero-padding to take two hops
 
 
 def padded_length(size: int, n: int) -> int:

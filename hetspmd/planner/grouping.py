@@ -34,7 +34,8 @@ from typing import Sequence
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost
-from hetspmd.plan.groups import GroupPlan, copy_factor, group_plan, relay_axis, relay_factor, relays
+from hetspmd.plan.groups import (GroupPlan, copy_factor, group_plan, padded_length, relay_axis, relay_factor,
+                                 relays)
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, memory_per_device, microbatch_bytes,
@@ -139,9 +140,9 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if zero and not shares:
     return None
   spread = [shares[k] for k in kinds] if zero else []
-  split = _split_fraction(costing.profile, n) if zero and relays(spread) else 0.0  # of the sums: two hops
+  split = _split_fraction(costing.profile, n) if zero and relays(spread) else (0.0, 1.0)  # two hops, copies
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     split * (1 / n + 2 * shares[k]) + (1 - split) * n * shares[k] if owner else None, tp=tps[k],
+                     split[0] * (1 / n + 2 * shares[k]) + split[1] * n * shares[k] if owner else None, tp=tps[k],
                      zero=zero, narrow=narrow) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
@@ -219,28 +220,36 @@ def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[flo
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   if not _one_process(costing, layout):
     return 2.0 * gather
-  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else 0.0)
+  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else (0.0, 1.0))
 
 
-def _factor(shares: Sequence[float], split: float) -> float:
-  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: the fraction
-  ``split`` of them in two hops (:func:`hetspmd.plan.groups.relay_factor`), the rest as copies."""
-  return split * relay_factor(shares) + (1 - split) * copy_factor(shares)
+def _factor(shares: Sequence[float], split: tuple[float, float]) -> float:
+  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: ``split`` is
+  the fraction of their bytes in two hops (padding included: :func:`hetspmd.plan.groups.relay_factor`) and the
+  fraction copied."""
+  return split[0] * relay_factor(shares) + split[1] * copy_factor(shares)
 
 
-def _split_fraction(profile: StepProfile, n: int) -> float:
-  """The fraction of the parameters' elements in leaves that take two hops over ``n`` devices
-  (:func:`hetspmd.plan.groups.relay_axis`: all but scalars and empty ones; all, where the profile has no leaf
-  shapes)."""
+def _split_fraction(profile: StepProfile, n: int) -> tuple[float, float]:
+  """The parameters' elements that take two hops over ``n`` devices (:func:`hetspmd.plan.groups.relay_axis`:
+  all but scalars, empty leaves and those padding would grow too much), padding included, and those copied, as
+  fractions of all of them (all in two hops, where the profile has no leaf shapes)."""
   return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, n)
 
 
 @functools.lru_cache(maxsize=None)
-def _split_of(shapes: tuple, sizes: tuple, n: int) -> float:
+def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float]:
   total = sum(sizes)
   if not shapes or not total:
-    return 1.0
-  return sum(size for shape, size in zip(shapes, sizes) if relay_axis(shape, n) is not None) / total
+    return 1.0, 0.0
+  moved = copied = 0
+  for shape, size in zip(shapes, sizes):
+    axis = relay_axis(shape, n)
+    if axis is None:
+      copied += size
+    else:
+      moved += size // shape[axis] * padded_length(shape[axis], n)
+  return moved / total, copied / total
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],

@@ -199,19 +199,22 @@ def relayed(values: dict, mesh: Mesh) -> dict:
   value, bit for bit."""
   n = mesh.size
   replicated = NamedSharding(mesh, P())
-  split, whole, trims = {}, {}, []
+  split, whole, trims = {}, {}, {}
   for key, x in values.items():
-    axis = relay_axis(np.shape(x), n)
-    if axis is None:
+    axis = None if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else relay_axis(np.shape(x), n)
+    if axis is None:  # a PRNG key, a scalar, an empty value, or one padding would grow too much
       whole[key] = jax.device_put(x, replicated)
       continue
     size = np.shape(x)[axis]
     if size % n:
       x = _padded(axis, padded_length(size, n))(x)
+      trims[key] = (axis, size)
     split[key] = jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])))
-    trims.append((axis, size))
-  if split:
-    whole.update(zip(split, _gathered_on(replicated, tuple(trims))(list(split.values()))))
+  if split:  # an all-gather; the padding cut off by a program of its own (inside it, XLA may add the parts instead)
+    gathered = dict(zip(split, _gathered_on(replicated)(list(split.values()))))
+    if trims:
+      gathered.update(zip(trims, _trimmed(tuple(trims.values()))([gathered[k] for k in trims])))
+    whole.update(gathered)
   return whole
 
 
@@ -230,11 +233,15 @@ def _pad_to(x, axis: int, length: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _gathered_on(replicated: NamedSharding, trims: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
-  """One program per mesh and trims that makes its (split) arguments whole on every device, each cut to its
-  ``(axis, size)``."""
-  return jax.jit(lambda xs: [jax.lax.slice_in_dim(x, 0, size, axis=axis) for x, (axis, size) in zip(xs, trims)],
-                 out_shardings=replicated)
+def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
+  """One program per mesh that makes its (split) arguments whole on every device: an all-gather."""
+  return jax.jit(lambda xs: xs, out_shardings=replicated)
+
+
+@functools.lru_cache(maxsize=None)
+def _trimmed(trims: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
+  """A program that cuts each (replicated) argument to its ``(axis, size)``, on every device."""
+  return jax.jit(lambda xs: [jax.lax.slice_in_dim(x, 0, size, axis=axis) for x, (axis, size) in zip(xs, trims)])
 
 
 def scatter_program(mesh: Mesh, axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
