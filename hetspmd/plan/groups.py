@@ -355,8 +355,8 @@ def split_axis(shape: Sequence[int], n: int) -> int | None:
 def relay_axis(shape: Sequence[int], n: int) -> int | None:
   """The axis a value of ``shape`` is split along over ``n`` devices for two hops (:func:`relays`): the first
   that ``n`` splits evenly (:func:`split_axis`), else the one that zero-padding to a multiple of ``n`` grows
-  least, if by at most :data:`MAX_PADDING` (the padding is transient); none for a scalar, an empty value or one
-  that padding would grow more (it is copied whole)."""
+  least, if by at most :data:`MAX_PADDING` (the padded copy is transient); none for a scalar, an empty value or
+  one that padding would grow more (it is copied whole)."""
   if not shape or 0 in shape:
     return None
   axis = split_axis(shape, n)
@@ -377,8 +377,9 @@ def padded_length(size: int, n: int) -> int:
 def relays(shares: Sequence[float]) -> bool:
   """Whether the values each device holds (the parameters its updates made, under ZeRO-3 their casts) reach
   every device, and the sums its updates read reach it, faster in two hops than as copies: where some devices
-  hold much more than the rest (in one process; across processes uniform programs move them). Scalars and empty
-  values are copied (:func:`relay_axis`)."""
+  hold much more than the rest (in one process; across processes uniform programs move them). Scalars, empty
+  values, PRNG keys and values padding would grow by more than :data:`MAX_PADDING` are copied
+  (:func:`relay_axis`)."""
   return len(shares) > 1 and relay_factor(shares) < copy_factor(shares)
 
 

@@ -140,9 +140,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if zero and not shares:
     return None
   spread = [shares[k] for k in kinds] if zero else []
-  split = _split_fraction(costing.profile, n) if zero and relays(spread) else (0.0, 1.0)  # two hops, copies
+  split = _split_fraction(costing.profile, n) if zero and relays(spread) else (0.0, 1.0, 0.0)  # two hops, copies
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     split[0] * (1 / n + 2 * shares[k]) + split[1] * n * shares[k] if owner else None, tp=tps[k],
+                     split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner else None,
+                     tp=tps[k],
                      zero=zero, narrow=narrow) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
@@ -220,36 +221,38 @@ def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[flo
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   if not _one_process(costing, layout):
     return 2.0 * gather
-  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else (0.0, 1.0))
+  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else (0.0, 1.0, 0.0))
 
 
-def _factor(shares: Sequence[float], split: tuple[float, float]) -> float:
-  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: ``split`` is
-  the fraction of their bytes in two hops (padding included: :func:`hetspmd.plan.groups.relay_factor`) and the
-  fraction copied."""
+def _factor(shares: Sequence[float], split: tuple[float, float, float]) -> float:
+  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: ``split``
+  (:func:`_split_fraction`) gives the fraction of their bytes in two hops (padding included:
+  :func:`hetspmd.plan.groups.relay_factor`) and the fraction copied."""
   return split[0] * relay_factor(shares) + split[1] * copy_factor(shares)
 
 
-def _split_fraction(profile: StepProfile, n: int) -> tuple[float, float]:
+def _split_fraction(profile: StepProfile, n: int) -> tuple[float, float, float]:
   """The parameters' elements that take two hops over ``n`` devices (:func:`hetspmd.plan.groups.relay_axis`:
-  all but scalars, empty leaves and those padding would grow too much), padding included, and those copied, as
-  fractions of all of them (all in two hops, where the profile has no leaf shapes)."""
+  all but scalars, empty leaves and those padding would grow too much), padding included; those copied; and
+  those of the leaves that are padded, padding included (each device holds a padded copy of them while it
+  sends them): fractions of all of them (all in two hops, none padded, where the profile has no leaf shapes)."""
   return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, n)
 
 
 @functools.lru_cache(maxsize=None)
-def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float]:
+def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float, float]:
   total = sum(sizes)
   if not shapes or not total:
-    return 1.0, 0.0
-  moved = copied = 0
+    return 1.0, 0.0, 0.0
+  moved = copied = padded = 0
   for shape, size in zip(shapes, sizes):
     axis = relay_axis(shape, n)
     if axis is None:
       copied += size
     else:
       moved += size // shape[axis] * padded_length(shape[axis], n)
-  return moved / total, copied / total
+      padded += size // shape[axis] * padded_length(shape[axis], n) if shape[axis] % n else 0
+  return moved / total, copied / total, padded / total
 
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
@@ -277,7 +280,8 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
           narrow: bool = False) -> int:
   """A device's bytes: the larger of its loop's ``(microbatch, remat)`` and the tail's (none when its microbatch
   is 0), with ``share`` of the optimizer state (all of it when None) and, after the loop, ``rows`` (a fraction of
-  the gradients: the rows of its share it reduces) or the reduced gradients (None).
+  the gradients beside its own rows: every device's rows of its share, or under two hops its even part of every
+  sum, its share joined and the padded copies it sends) or the reduced gradients (None).
 
   On a model axis (``tp``) the loop holds ``tp``'s share of the gradient accumulator and of a microbatch's
   activations beside whole parameters (the uniform programs read them whole: they are replicated between

@@ -193,9 +193,10 @@ def widened(wide: dict[int, Any], run: Callable[..., Any]) -> Callable[..., Any]
 def relayed(values: dict, mesh: Mesh) -> dict:
   """``{key: value on one device}`` on every device of ``mesh`` (one axis), in two hops: each value split evenly
   over the devices along its :func:`hetspmd.plan.groups.relay_axis` (zero-padded there first where the device
-  count does not divide it: the padding is transient), its device keeping one part and copying the others, then
-  every part sent to every device by one program (an all-gather, each device sending only its parts; the
-  padding cut off). A scalar or an empty value is copied whole from its device. What reaches each device is the
+  count does not divide it: the padded copy is transient), its device keeping one part and copying the others,
+  then every part sent to every device by one program (an all-gather, each device sending only its parts; the
+  padding cut off by another). A PRNG key, a scalar, an empty value or one that padding would grow by more than
+  :data:`hetspmd.plan.groups.MAX_PADDING` is copied whole from its device. What reaches each device is the
   value, bit for bit."""
   n = mesh.size
   replicated = NamedSharding(mesh, P())
