@@ -140,7 +140,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if zero and not shares:
     return None
   spread = [shares[k] for k in kinds] if zero else []
-  split = _split_fraction(costing.profile, n) if zero and relays(spread) else (0.0, 1.0, 0.0)  # two hops, copies
+  split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
                      split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner else None,
                      tp=tps[k],
@@ -160,7 +160,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _factor(spread, split)
-  gather = _gather_seconds(costing, layout, [shares[k] for k in kinds], zero) if zero else 0.0
+  gather = _gather_seconds(costing, layout, spread, zero) if zero else 0.0
   hidden = 0.0
   if count:
     kind = blocked.kinds[busiest]
@@ -221,7 +221,7 @@ def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[flo
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
   if not _one_process(costing, layout):
     return 2.0 * gather
-  return gather * _factor(shares, _split_fraction(costing.profile, len(shares)) if relays(shares) else (0.0, 1.0, 0.0))
+  return gather * _factor(shares, _split_fraction(costing.profile, shares))
 
 
 def _factor(shares: Sequence[float], split: tuple[float, float, float]) -> float:
@@ -231,12 +231,19 @@ def _factor(shares: Sequence[float], split: tuple[float, float, float]) -> float
   return split[0] * relay_factor(shares) + split[1] * copy_factor(shares)
 
 
-def _split_fraction(profile: StepProfile, n: int) -> tuple[float, float, float]:
-  """The parameters' elements that take two hops over ``n`` devices (:func:`hetspmd.plan.groups.relay_axis`:
-  all but scalars, empty leaves and those padding would grow too much), padding included; those copied; and
-  those of the leaves that are padded, padding included (each device holds a padded copy of them while it
-  sends them): fractions of all of them (all in two hops, none padded, where the profile has no leaf shapes)."""
-  return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, n)
+COPIED = (0.0, 1.0, 0.0)  # every value copied: none in two hops, none padded
+
+
+def _split_fraction(profile: StepProfile, shares: Sequence[float]) -> tuple[float, float, float]:
+  """How the values held in ``shares`` travel (one per device): where they take two hops
+  (:func:`hetspmd.plan.groups.relays`), the parameters' elements that do over that many devices
+  (:func:`hetspmd.plan.groups.relay_axis`: all but scalars, empty leaves and those padding would grow too much),
+  padding included; those copied; and those of the leaves that are padded, padding included (each device holds a
+  padded copy of them while it sends them): fractions of all of them (all in two hops, none padded, where the
+  profile has no leaf shapes). :data:`COPIED` otherwise."""
+  if not relays(shares):
+    return COPIED
+  return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, len(shares))
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,8 +257,9 @@ def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float, float]
     if axis is None:
       copied += size
     else:
-      moved += size // shape[axis] * padded_length(shape[axis], n)
-      padded += size // shape[axis] * padded_length(shape[axis], n) if shape[axis] % n else 0
+      sent = size // shape[axis] * padded_length(shape[axis], n)
+      moved += sent
+      padded += sent if shape[axis] % n else 0
   return moved / total, copied / total, padded / total
 
 
