@@ -1,9 +1,11 @@
 """hetspmd: automatic, device-weighted SPMD sharding for JAX.
 
 The public surface, by pipeline stage: the hardware (``Cluster``), the
-front end (``trace``), the plan (``Plan``, ``plan_for``), the search
-(``search``), the runtime (``parallelize``), and what a step may use
-(``value_and_grad``, ``weighted``).
+front end (``trace``), the plan in its two forms (a single program:
+``Plan``, ``plan_for``; group programs: ``GroupPlan``, ``group_plan``,
+``shares_for``), the search (``search``), the runtime (``parallelize``,
+which runs either form; ``run_groups`` for a group plan made by hand), and
+what a step may use (``value_and_grad``, ``weighted``).
 """
 
 from hetspmd._version import __version__ as __version__
@@ -29,18 +31,22 @@ from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.plan.annotations import annotated_specs as annotated_specs
 from hetspmd.plan.groups import GroupPlan as GroupPlan
+from hetspmd.plan.groups import group_plan as group_plan
+from hetspmd.plan.groups import shares_for as shares_for
 from hetspmd.plan.value import Plan as Plan
 from hetspmd.planner.building import plan_for as plan_for
 from hetspmd.planner.building import stage_layers as stage_layers
 from hetspmd.planner.ranking import search_step as search
 from hetspmd.runtime.placement import ShardedBatch as ShardedBatch
+from hetspmd.runtime.grouped import GroupedStep as GroupedStep
+from hetspmd.runtime.grouped import run_groups as run_groups
 from hetspmd.runtime.step import ParallelStep as ParallelStep
 from hetspmd.runtime.step import parallelize as parallelize
 
 __all__ = [
     "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
-    "GroupPlan", "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
-    "value_and_grad",
+    "GroupPlan", "GroupedStep", "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
+    "value_and_grad", "group_plan", "run_groups", "shares_for",
     "search", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "PlanDoesNotFitError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",

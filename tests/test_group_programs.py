@@ -369,11 +369,11 @@ def test_parameters_reach_every_device_in_two_hops_where_one_device_holds_most(s
   (:func:`hetspmd.plan.groups.relays`), the parameters each holds are split evenly over the devices, then made
   whole on every device by one program; with even shares each is copied whole from its device. Exact either
   way."""
-  import hetspmd.runtime.grouped as grouped
+  import hetspmd.lowering.transfers as transfers
 
   require_devices(8)
-  calls, real = [], grouped.relayed
-  monkeypatch.setattr(grouped, "relayed", lambda values, mesh: calls.append(len(values)) or real(values, mesh))
+  calls, real = [], transfers.relayed
+  monkeypatch.setattr(transfers, "relayed", lambda values, mesh: calls.append(len(values)) or real(values, mesh))
   plan = group_plan(PLANS[0], 38, state_shares=shares, zero_stage=3)
   state, ref = _trained(dropout_step, plan, _state, _batches(38), placed=True)
   ref.check(state.params, lambda s: s.params)
@@ -398,7 +398,7 @@ def test_each_device_reduces_only_the_sums_of_its_share(shares):
   assert analysis["exchange"].output_size_in_bytes < grads / 10, analysis["exchange"]
   built = next(iter(step._built.values()))
   assert bool(built.relay) == ("reduce-scatter" in analysis) == (shares == SHARES_80_16), (built.relay, list(analysis))
-  held = {d.id: b for d, b in zip(step.devices, built.held_bytes) if f"update on device {d.id}" in analysis}
+  held = {d.id: b for d, b in zip(step.devices, built.held_bytes(step.devices)) if f"update on device {d.id}" in analysis}
   fewest, most = min(held, key=held.get), max(held, key=held.get)
   assert held[fewest] < held[most]
   taken = {d: analysis[f"update on device {d}"].argument_size_in_bytes for d in (fewest, most)}

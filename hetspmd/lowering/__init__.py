@@ -1,4 +1,9 @@
-"""Lowering: a Plan's layout and a step's microbatch analysis → one SPMD program under ``jax.jit``.
+"""Lowering: a plan and a step's microbatch analysis → the programs that run it under ``jax.jit``.
+
+A single program (``Plan``) lowers to one SPMD program over every device; a
+group plan (``GroupPlan``) to one program per group, joined by uniform
+exchange programs. Both build their loops from the same pieces (``loop``,
+``program``, ``weighted``'s ``before_loops``/``after_loops``).
 
 ``program`` holds what the lowering reads of the analysis (:class:`Layout`,
 ``Program``); ``loop`` the microbatch loop's shared pieces; ``weighted`` the
@@ -6,7 +11,12 @@ device-weighted data-parallel program (per-device trip counts, one reduction
 over ``data`` after the loop); ``staged`` with ``ticks`` and ``exchange`` the
 lockstep pipeline stages over a layer scan; ``collectives`` the reductions;
 ``operands`` the example-free operands rebuilt at a microbatch's size;
-``pipeline`` the tick schedule and its estimate.
+``pipeline`` the tick schedule and its estimate. For group plans:
+``groups`` the group, combine, exchange and update programs;
+``group_stages`` the named stages a group program is chained from;
+``group_build`` every program of one argument structure, and where its
+state lives; ``transfers`` moving values between devices (copies, two-hop
+relays, reduce-scatters, rows).
 """
 
 from hetspmd.lowering.program import Layout as Layout

@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hetspmd.errors import InvalidValueError
-from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES
+from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES, ZERO_STAGES
 
 GROUP_PLAN_VERSION = 5
 # the JSON versions from_json reads (version 1: no state shares; version 2: no zero_stage, ZeRO-1 under shares;
 # version 3: no reduce_dtype, float32; version 4: no model axis)
 _READS = (1, 2, 3, 4, 5)
 # the ZeRO stages a group plan runs: 0 replicated, 1 optimizer state in shares, 3 parameters in shares too
-ZERO_STAGES = (0, 1, 3)
 # relative slack on state shares that must add up to 1
 _SHARE_SLACK = 1e-6
 

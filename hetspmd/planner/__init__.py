@@ -4,7 +4,10 @@
 memory per device); ``pricing`` prices one candidate; ``ranking`` generates
 candidates, keeps those that fit and ranks them against the baselines;
 ``stages`` searches pipeline stage plans; ``building`` turns a priced
-candidate (or given choices) into a runnable :class:`~hetspmd.plan.Plan`.
+candidate (or given choices) into a runnable :class:`~hetspmd.plan.Plan`;
+``grouping`` prices group plans (one program per group of one device kind,
+joined by exchange programs) and makes the best a
+:class:`~hetspmd.plan.GroupPlan`.
 """
 
 from hetspmd.planner.building import plan_for as plan_for

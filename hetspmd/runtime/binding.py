@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetspmd._dtypes import traced_dtype
+from hetspmd._pytree import new_state_leaves
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.runtime.placement import ShardedBatch, local_positions
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, local_positions
 
 
 def is_graph_node(x: Any) -> bool:
@@ -162,7 +164,7 @@ class Call:
   @property
   def float_state_inputs(self) -> tuple[int, ...]:
     return tuple(i for i, x in enumerate(self._dynamic[:self._n_state])
-                 if jnp.issubdtype(dtype_of(x), jnp.floating))
+                 if jnp.issubdtype(traced_dtype(x), jnp.floating))
 
   def inputs(self, dynamic: tuple[list, list]) -> list:
     return list(dynamic[0]) + list(dynamic[1])
@@ -185,7 +187,7 @@ class Call:
     abstract = []
     batch_ids = set(self.batch_inputs)
     for i, x in enumerate(self._dynamic):
-      shape, dtype = np.shape(x), dtype_of(x)
+      shape, dtype = np.shape(x), traced_dtype(x)
       if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
         shape = (global_batch,) + tuple(shape[2:])
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
@@ -199,13 +201,8 @@ class Call:
     it was given alive."""
     if self.graph_args:
       return True
-    outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
-    state = jax.tree.structure(self.state)
-    if jax.tree.structure(outputs) == state:
-      first = jax.tree.leaves(outputs)
-    elif isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == state:
-      first = jax.tree.leaves(outputs[0])
-    else:
+    first = new_state_leaves(self.state, out_tree)
+    if not first:
       return False
     producer = {v: e for e in jx.equations(closed) for v in e.outvars}
     made = [producer.get(jx.outvars(closed)[i]) for i in first]
@@ -241,11 +238,6 @@ def distinct_leaves(tree: Any) -> Any:
     seen.add(id(x))
     out.append(x)
   return jax.tree.unflatten(treedef, out)
-
-
-def dtype_of(x: Any) -> Any:
-  dtype = getattr(x, "dtype", None)
-  return dtype if dtype is not None else np.asarray(x).dtype
 
 
 def aval_key(x: Any) -> Any:
@@ -292,11 +284,19 @@ def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int
   if step._plan is not None and not step.grouped and jax.process_count() > 1:
     positions = local_positions(step._mesh, step._plan)
     expected = {sum(step._plan.examples_per_position()[i] for i in positions)}
+  return batch_arguments(args, graph_args, step.global_batch, expected)
+
+
+def batch_arguments(args: tuple, graph_args: tuple[int, ...], global_batch: int,
+                    expected: set[int] | None = None) -> tuple[int, ...]:
+  """The positional arguments (not NNX objects) whose every array leaf leads with one of ``expected`` examples
+  (``{global_batch}`` unless given), or that are a batch placed ahead (a ShardedBatch or GroupedBatch)."""
+  expected = expected or {global_batch}
   found = []
   for i, a in enumerate(args):
     if i in graph_args:
       continue
-    if isinstance(a, ShardedBatch) or getattr(a, "placed_for_groups", False):
+    if isinstance(a, (ShardedBatch, GroupedBatch)):
       return (i,)
     leading = leading_sizes(a)
     if leading and all(n in expected for n in leading):
@@ -304,8 +304,8 @@ def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int
   if not found:
     described = ", ".join(f"argument {i}: leading dims {sorted(set(map(str, leading_sizes(a))))[:4]}"
                           for i, a in enumerate(args) if i not in graph_args)
-    raise HetSpmdError(f"no argument of the step is a batch of {step.global_batch} examples (every array with a "
-                       f"leading axis of {step.global_batch}); got {described or 'no array arguments'}. Pass "
+    raise HetSpmdError(f"no argument of the step is a batch of {global_batch} examples (every array with a "
+                       f"leading axis of {global_batch}); got {described or 'no array arguments'}. Pass "
                        "the global batch, or name it with parallelize(..., batch_argnums=(i,))")
   return tuple(found)
 
@@ -325,3 +325,20 @@ def unbound(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple]:
     raise HetSpmdError("this flax version's nnx.cached_partial keeps its function and objects where hetspmd does "
                        "not look; parallelize the step itself and call it with the model and optimizer")
   return free["f"], tuple(free["cached_args"])
+
+
+def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any], tuple, Any]:
+  """``fn(state, batch, *rest)`` with the leaves of ``rest`` that are not arrays or numbers (a string, a config,
+  a function) bound as constants, as the single program takes them: ``(fn(state, batch, arrays), (arrays,),
+  a key for the bound values and where they were)``; ``fn`` and ``rest`` as they are when there are none."""
+  leaves, tree = jax.tree.flatten(rest)
+  fixed = {i: x for i, x in enumerate(leaves) if not is_dynamic(x)}
+  if not fixed:
+    return fn, rest, ()
+
+  def bound(state, batch, arrays):
+    given = iter(arrays)
+    return fn(state, batch, *jax.tree.unflatten(tree, [fixed[i] if i in fixed else next(given)
+                                                       for i in range(len(leaves))]))
+
+  return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))

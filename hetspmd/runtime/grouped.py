@@ -53,81 +53,81 @@ It takes functional steps, ``step(state, batch, *rest) -> outputs`` (a Linen
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetspmd import lowering
-from hetspmd.autodiff import SAVED, remat_policy
-from hetspmd.errors import HetSpmdError, InvalidValueError
-from hetspmd.lowering import groups as group_lowering
-from hetspmd.lowering.program import Program
-from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis.analysis import analyse
+from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.lowering import transfers
+from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
+from hetspmd.lowering.group_stages import DATA
+from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.state_layout import role_of
-from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
-from hetspmd.runtime.group_wrappers import (DATA, Donating, assembled, constrained, donating, group_mesh,
-                                            less_held, model_split, narrowed, new_values, relayed, reordered,
-                                            returns_state, scatter_program, spread, widened)
-
+from hetspmd.runtime import group_calls as calls
+from hetspmd.runtime.binding import (batch_arguments, distinct_leaves, is_graph_node, positional_function,
+                                     static_bound)
+from hetspmd.runtime.placement import GroupedBatch, check_global_batch, group_buffers, tail_buffers
 
 
 @dataclasses.dataclass
 class GroupedStep:
   """A functional train step bound to a :class:`GroupPlan`; call it as ``step(state, batch, *rest)`` with the
-  global batch (host arrays leading with ``plan.global_batch``)."""
+  global batch (host arrays leading with ``plan.global_batch``). It places values, calls the programs
+  :func:`hetspmd.lowering.group_build.build` makes (once per argument structure) and explains them."""
 
   fn: Callable[..., Any]
   plan: GroupPlan
   example_batch: Any = None
   batch_stats: str = "exact"
   donate_state: bool = False
-  _built: dict = dataclasses.field(default_factory=dict)
-  _owners: dict = dataclasses.field(default_factory=dict)  # {state path: device} of the held leaves
-  _last: dict = dataclasses.field(default_factory=dict)  # {program name: (program, abstract arguments)}
+  _meshes: GroupMeshes = dataclasses.field(init=False, repr=False)
+  _local: tuple = dataclasses.field(init=False, repr=False)  # per group: whether this process runs it
+  _counts: tuple = dataclasses.field(init=False, repr=False)  # per group: (counts, starts) placed, or None
+  _tail: tuple = dataclasses.field(init=False, repr=False)  # the tail's (counts, starts) over every device
+  _built: dict = dataclasses.field(init=False, repr=False, default_factory=dict)  # {argument key: GroupPrograms}
+  _latest: GroupPrograms | None = dataclasses.field(init=False, repr=False, default=None)
+  _last: dict = dataclasses.field(init=False, repr=False, default_factory=dict)  # {name: (program, arguments)}
 
   def __post_init__(self):
     if self.batch_stats not in ("exact", "local"):
       raise InvalidValueError(f"batch_stats must be 'exact' or 'local', got {self.batch_stats!r}")
-    by_id = {d.id: d for d in jax.devices()}
-    missing = [d for d in self.plan.devices if d not in by_id]
-    if missing:
-      raise InvalidValueError(f"the group plan names devices {missing} that JAX does not have (it has ids "
-                              f"{sorted(by_id)})")
-    self.devices = [by_id[d] for d in self.plan.devices]
-    self.mesh = Mesh(np.array(self.devices), (DATA,))
-    self.group_meshes = [group_mesh([by_id[d] for d in g.devices], g.model) for g in self.plan.groups]
+    self._meshes = GroupMeshes.of(self.plan)
     here = jax.process_index()
-    for g, mesh in enumerate(self.group_meshes):
-      processes = sorted({d.process_index for d in mesh.devices.flat})
-      if len(processes) > 1:
-        raise InvalidValueError(f"group {g} holds devices of processes {processes}: each group's program runs in "
-                                "one process, so a group's devices must all be one process's")
-    self.local = [any(d.process_index == here for d in mesh.devices.flat) for mesh in self.group_meshes]
-    if not any(self.local):
+    self._local = tuple(any(d.process_index == here for d in mesh.devices.flat) for mesh in self._meshes.groups)
+    if not any(self._local):
       raise InvalidValueError(f"the group plan gives process {here} no devices: every process runs at least one "
                               "group")
-    # each loop's counts and first examples, placed once: (this process's group meshes'..., the tail's)
     on = lambda mesh, values: jax.device_put(np.asarray(values, np.int32), NamedSharding(mesh, P(DATA)))
-    self._loops = [(on(mesh, g.positions), on(mesh, starts)) if local else None
-                   for g, mesh, starts, local in zip(self.plan.groups, self.group_meshes, self.plan.starts(),
-                                                     self.local)]
-    self._tail = (on(self.mesh, [self.plan.tail_count] * len(self.devices)), on(self.mesh, self.plan.tail_starts()))
-    self._sum_rows = jax.jit(lambda rows: [r.sum(axis=0) for r in rows],
-                             out_shardings=NamedSharding(self.mesh, P()))
+    self._counts = tuple((on(mesh, g.positions), on(mesh, starts)) if local else None
+                         for g, mesh, starts, local in zip(self.plan.groups, self._meshes.groups, self.plan.starts(),
+                                                           self._local))
+    mesh = self._meshes.mesh
+    self._tail = (on(mesh, [self.plan.tail_count] * mesh.size), on(mesh, self.plan.tail_starts()))
+
+  @property
+  def devices(self) -> tuple:
+    return self._meshes.devices
+
+  @property
+  def mesh(self) -> Any:
+    """Every device of the plan on one ``data`` axis (the uniform programs' mesh)."""
+    return self._meshes.mesh
+
+  @property
+  def traced(self) -> bool:
+    """Whether the step has been traced (a call, or :meth:`prepare`): the held leaves' devices are known."""
+    return self._latest is not None
 
   def state_shardings(self, state: Any) -> Any:
     """The shardings the state lives in between steps (to restore a checkpoint into, as
     ``ParallelStep.state_shardings``): replicated on every device of the plan, except, under state shares, each
-    held optimizer-state leaf whole on the one device that updates it."""
-    owners = self._owners_of(state) if self.plan.state_shares else {}
+    held leaf whole on the one device that updates it."""
+    owners = self._owners(state) if self.plan.state_shares else {}
     replicated = NamedSharding(self.mesh, P())
     return jax.tree.unflatten(jax.tree.structure(state), [
         jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else replicated
@@ -137,37 +137,18 @@ class GroupedStep:
     """``state`` placed as :meth:`state_shardings` says. Under state shares, before the step has been traced
     (no call yet, no ``example_batch``), the optimizer-state leaves stay where they are until the first call
     places each on its device."""
-    if self.plan.state_shares and not self._owners and self.example_batch is None:
+    if self.plan.state_shares and not self.traced and self.example_batch is None:
       return jax.tree.unflatten(jax.tree.structure(state), [
-          x if role_of(path, _traced_dtype(x)) == "opt_state" else _on(self.mesh, x)
+          x if role_of(path, traced_dtype(x)) == "opt_state" else transfers.on(self.mesh, x)
           for path, x in leaves_with_paths(state)])
     placed = []
     for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(self.state_shardings(state))):
-      device = next(iter(sharding.device_set))
       if isinstance(sharding, NamedSharding):
-        placed.append(_on(self.mesh, x))
-      elif device.process_index == jax.process_index():
-        placed.append(jax.device_put(x, sharding))
+        placed.append(transfers.on(self.mesh, x))
       else:
-        placed.append(_elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device))
+        device = next(iter(sharding.device_set))
+        placed.append(transfers.held_on(x, device, jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x))))
     return jax.tree.unflatten(jax.tree.structure(state), placed)
-
-  @property
-  def traced(self) -> bool:
-    """Whether the step has been traced (a call, or :meth:`prepare`): the held leaves' devices are known."""
-    return bool(self._built)
-
-  def _owners_of(self, state: Any) -> dict:
-    """``{path: device}`` of the held optimizer-state leaves, which come from the step's trace: of the first call,
-    or of ``example_batch``."""
-    if not self._owners:
-      if self.example_batch is None:
-        raise HetSpmdError("under state_shares the device holding each optimizer-state leaf comes from the step's "
-                           "trace: call the step once first, or pass example_batch=batch (to parallelize or "
-                           "run_groups)")
-      leaves, tree = jax.tree.flatten((state, self.example_batch, ()))
-      self._built_for(self.fn, None, state, leaves, tree, len(jax.tree.leaves(self.example_batch)))
-    return self._owners
 
   def resident_bytes(self, state: Any) -> dict[int, int]:
     """Bytes of ``state`` each device of the plan (by JAX id) holds between steps."""
@@ -180,6 +161,8 @@ class GroupedStep:
 
   def explain(self) -> str:
     lines = [self.plan.summary()]
+    if self._latest is not None:
+      lines.append("  each group's program: " + " -> ".join(self._latest.stages))
     if not self.plan.state_shares:
       lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
                    "program over every device reduces and updates")
@@ -192,20 +175,7 @@ class GroupedStep:
                   "device"))
     for built in self._built.values():
       if built.units is not None:
-        by_device = {d.id: 0 for d in self.devices}
-        for path, device in built.owner_paths.items():
-          by_device[device.id] += 1
-        lines.append(f"  {len(built.units.units)} state unit(s) over {len(built.owner_paths)} held leaves; leaves "
-                     f"held per device: {by_device}")
-        total = sum(built.held_bytes) or 1
-        if built.casts:
-          names = sorted({str(d) for d in built.casts.values()})
-          lines.append(f"  {len(built.casts)} of {len(built.params)} parameters sent as their {', '.join(names)} "
-                       "casts (the step reads them only so); each device updates the ones it holds as they are")
-        lines.append(("  parameter and optimizer-state" if three else "  optimizer-state") +
-                     " bytes held per device (of its share): " + ", ".join(
-            f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
-            for d, b, share in zip(self.devices, built.held_bytes, self.plan.state_shares)))
+        lines += _held_lines(built, self.devices, self.plan.state_shares, three)
     return "\n".join(lines)
 
   def __call__(self, *args: Any) -> Any:
@@ -213,67 +183,42 @@ class GroupedStep:
     objects' state is split out (as ``nnx.jit`` does), and updated in place after the step."""
     from flax import nnx
 
-    graph = [i for i, a in enumerate(args) if is_graph_node(a)]
+    graph = tuple(i for i, a in enumerate(args) if is_graph_node(a))
     if not graph:
       if len(args) < 2:
         raise InvalidValueError("a functional step is called as step(state, batch, *rest)")
       return self.run(self.fn, args[0], args[1], args[2:])
-    batch_at = next((i for i, a in enumerate(args) if i not in graph and (isinstance(a, GroupedBatch) or (
-        jax.tree.leaves(a) and all(np.shape(x)[:1] == (self.plan.global_batch,) for x in jax.tree.leaves(a))))),
-                    None)
-    if batch_at is None:
-      raise InvalidValueError(f"no argument of the step is a batch of {self.plan.global_batch} examples")
+    batch_at = batch_arguments(args, graph, self.plan.global_batch)[0]
     objects = tuple(args[i] for i in graph)
     graphdef, state = nnx.split(objects)
-    rest_at = [i for i in range(len(args)) if i not in graph and i != batch_at]
-
-    def pure(state, batch, *rest):
-      merged = nnx.merge(graphdef, state)
-      call = list(args)
-      for i, o in zip(graph, merged):
-        call[i] = o
-      call[batch_at] = batch
-      for i, r in zip(rest_at, rest):
-        call[i] = r
-      out = self.fn(*call)
-      return nnx.state(merged), out
-
-    new_state, out = self.run(pure, state, args[batch_at], tuple(args[i] for i in rest_at), graphdef=graphdef)
+    f = positional_function(self.fn, len(args), graph_args=graph, graphdef=graphdef, batch_argnums=(batch_at,),
+                            state_argnum=None)
+    rest = tuple(a for i, a in enumerate(args) if i not in graph and i != batch_at)
+    new_state, out = self.run(lambda state, batch, *rest: f(state, (batch,), rest, {}), state, args[batch_at], rest,
+                              graphdef=graphdef)
     nnx.update(objects, new_state)
     return out
 
-  def shard_batch(self, batch: Any) -> "GroupedBatch":
+  def shard_batch(self, batch: Any) -> GroupedBatch:
     """``batch`` (the global batch, on every process) placed for this plan ahead of the step: this process's
     groups' microbatch buffers and the tail's. Pass it to the step in the batch's place, as
     ``ParallelStep.shard_batch``'s result."""
-    self._check_batch(batch)
-    leaves, tree = jax.tree.flatten(batch)
-    return GroupedBatch(jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x))
-                                                  for x in leaves]),
-                        {g: self._buffers(g, leaves) for g, loop in enumerate(self._loops) if loop is not None},
-                        self._tail_buffers(leaves) if self.plan.tail_count else [None] * len(leaves))
-
-  def _check_batch(self, batch: Any) -> None:
-    for x in jax.tree.leaves(batch):
-      if np.shape(x)[:1] != (self.plan.global_batch,):
-        raise InvalidValueError(f"every batch array must lead with the plan's global batch of "
-                                f"{self.plan.global_batch}, got shape {np.shape(x)}")
+    check_global_batch(batch, self.plan.global_batch)
+    plan, leaves = self.plan, jax.tree.leaves(batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)), batch)
+    groups = {g: group_buffers(plan.groups[g], plan.starts()[g], self._meshes.groups[g], leaves)
+              for g, local in enumerate(self._local) if local}
+    tail = (tail_buffers(plan.tail_count, plan.tail_microbatch, plan.tail_starts(), self.mesh, leaves)
+            if plan.tail_count else [None] * len(leaves))
+    return GroupedBatch(abstract, groups, tail)
 
   def prepare(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
-              static: Any = ()) -> "_Built":
+              static: Any = ()) -> GroupPrograms:
     """Traces ``fn(state, batch, *rest)`` and builds its programs (compiled on first run); raises
     :class:`HetSpmdError` for a step group programs do not run. ``static``: a key for values already bound into
-    ``fn`` (:func:`static_bound`)."""
+    ``fn`` (:func:`hetspmd.runtime.binding.static_bound`)."""
     fn, rest, found = static_bound(fn, rest)
-    return self._prepared(fn, state, batch, rest, (graphdef, static, found))
-
-  def _prepared(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, key: Any) -> "_Built":
-    """:meth:`prepare` of a step whose ``rest`` holds arrays only; ``key``: what else tells its programs apart
-    (the NNX graph, the values bound into ``fn``)."""
-    batch = batch.abstract if isinstance(batch, GroupedBatch) else batch
-    leaves, tree = jax.tree.flatten((state, batch, rest))
-    self._check_batch(batch)
-    return self._built_for(fn, key, state, leaves, tree, len(jax.tree.leaves(batch)))
+    return self._programs(fn, state, batch, rest, (graphdef, static, found))
 
   def run(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
           static: Any = ()) -> Any:
@@ -283,21 +228,22 @@ class GroupedStep:
     placed = batch if isinstance(batch, GroupedBatch) else None
     batch = placed.abstract if placed is not None else batch
     fn, rest, found = static_bound(fn, rest)
-    leaves, tree = jax.tree.flatten((state, batch, rest))
+    built = self._programs(fn, state, batch, rest, (graphdef, static, found))
+    leaves = jax.tree.leaves((state, batch, rest))
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
-    built = self._prepared(fn, state, batch, rest, (graphdef, static, found))
-    batch_leaves = leaves[n_state:n_state + n_batch]
     given = distinct_leaves(leaves[:n_state]) if self.donate_state else leaves[:n_state]  # each buffer donated once
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(given)]
     masters = {i: state_leaves[i] for i in built.casts}  # the parameters the programs take as casts, as held
     if built.params:
-      state_leaves = self._gathered(built, state_leaves)
+      state_leaves = calls.gather_params(built, state_leaves, self.mesh, self.plan.state_shares, self._call)
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
-    placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), batch_leaves))
-    joined, earlier, examples = self._loops_of(built, [state_leaves[i] for i in free], placed.groups, others)
-    tail = placed.tail
-    common = [_on(self.mesh, state_leaves[i]) for i in free] + tail + [_on(self.mesh, x) for x in others]
+    placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), leaves[n_state:n_state + n_batch]))
+    joined, earlier, examples = calls.run_loops(built, self._meshes, self._counts, self._call,
+                                                state=[state_leaves[i] for i in free], buffers=placed.groups,
+                                                others=others)
+    common = ([transfers.on(self.mesh, state_leaves[i]) for i in free] + placed.tail +
+              [transfers.on(self.mesh, x) for x in others])
     results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier, examples)
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, results)
@@ -305,135 +251,41 @@ class GroupedStep:
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
-    self._update(built, outputs, state_leaves, n_batch, [_on(self.mesh, x) for x in others], sums, masters=masters)
+    inputs = state_leaves + [None] * n_batch + [transfers.on(self.mesh, x) for x in others]
+    calls.run_updates(built, outputs, inputs, sums, masters, mesh=self.mesh, shares=self.plan.state_shares,
+                      call=self._call, called=self._last)
     return jax.tree.unflatten(built.out_tree, outputs)
 
-  def _loops_of(self, built: "_Built", state: list, buffers: dict, others: list):
-    """Each loop's group programs (this process's groups, ``buffers``: each one's microbatch buffers), every loop
-    but the last reduced by its uniform combine program for the next: the last loop's partials and the rows of
-    the step's per-example outputs as global arrays, and the earlier loops' reduced cuts."""
-    earlier: dict = {}
-    loops = len(built.combines) + 1
-    for s in range(loops):
-      partials, examples = [], []
-      for g, (mesh, programs, loop) in enumerate(zip(self.group_meshes, built.programs, self._loops)):
-        if loop is not None:  # this process's groups only
-          inputs = [_on(mesh, x) for x in state] + buffers[g] + [_on(mesh, x) for x in others]
-          name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
-          mine, rows = self._call(name, programs[s], inputs, *loop, jax.tree.map(functools.partial(_on, mesh),
-                                                                                  earlier))
-          partials.append(mine)
-          examples.append(rows)
-      joined = [[self._rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
-                for k in range(len(partials[0]))]
-      if s < loops - 1:
-        earlier.update(self._call(f"combine loop {s}", built.combines[s], joined))
-    return joined, earlier, [self._rows([e[k] for e in examples]) for k in range(len(examples[0]))]
+  def memory_analysis(self) -> dict[str, Any]:
+    """Each program of the last call (by name: ``group 0``, ``exchange``, ``update on device 3``) and XLA's
+    ``Compiled.memory_analysis()`` of it: argument, output and temporary bytes per device."""
+    if not self._last:
+      raise HetSpmdError("memory_analysis describes the programs of the last call: call the step first")
+    return {name: program.lower(*args).compile().memory_analysis() for name, (program, args) in self._last.items()}
 
-  def _update(self, built: "_Built", outputs: list, state_leaves: list, n_batch: int, others: list, sums, *,
-              masters: dict) -> None:
-    """Each of this process's devices' update program on its held leaves (the rest of the state and ``sums``: its
-    own copies; ``masters``: the parameters sent as casts, each as it is held, which its maker's update reads); a
-    held leaf's new value stays on the device, every other output is sent to every device."""
-    kept = built.kept
-    made: dict[int, Any] = {}
-    calls = []
-    reduced = self._scattered(built, sums[0]) if built.relay else {}
-    for device, (outs, program) in built.updates.items():
-      if device.process_index != jax.process_index():
-        for o in outs:  # made in another process: this process's handle on it has no shard here
-          if o in kept:
-            outputs[o] = _elsewhere(built.out_avals[o], device)
-        continue
-      mine = functools.partial(_shard_on, device=device)
-      made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in masters}
-      inputs = [state_leaves[i] if i in built.owner else mine(masters[i] if i in made_here else state_leaves[i])
-                for i in range(len(state_leaves)) if built.owner.get(i, device) == device]
-      inputs += [None] * n_batch + [mine(x) for x in others]
-      if built.needs is None:  # the reduced sums: this device's copies
-        given = (jax.tree.map(mine, sums),)
-      else:  # every device's rows of the sums its units read, and the earlier loops' totals
-        given = (self._rows_on(device, built.needs[device], sums[0], reduced, built.relay), jax.tree.map(mine, sums[1]))
-      calls.append((f"update on device {device.id}", outs, program, inputs, given))
-    # every donating update compiled before any runs (one not yet called): one that fails leaves the state whole
-    for name, _, program, inputs, given in calls:
-      if isinstance(program, Donating) and self._last.get(name, (None,))[0] is not program:
-        program.lower(inputs, *given).compile()  # into jax.jit's cache: the call below compiles nothing new
-    for name, outs, program, inputs, given in calls:
-      for o, x in zip(outs, self._call(name, program, inputs, *given)):
-        if o in kept:
-          outputs[o] = x
-        else:
-          made[o] = x
-    sent = self._send(built, made)
-    for o in sent:
-      outputs[o] = sent[o]
+  def _owners(self, state: Any) -> dict:
+    """``{path: device}`` of the held leaves, which come from the step's trace: of the first call, or of
+    ``example_batch``."""
+    if self._latest is None:
+      if self.example_batch is None:
+        raise HetSpmdError("under state_shares the device holding each optimizer-state leaf comes from the step's "
+                           "trace: call the step once first, or pass example_batch=batch (to parallelize or "
+                           "run_groups)")
+      self._programs(self.fn, state, self.example_batch, (), None)
+    return self._latest.owner_paths
 
-  def _rows_on(self, device: Any, needed: tuple[int, ...], partials: list, reduced: dict, axes: dict) -> list:
-    """Per partial value (the last loop's, flattened) that the update on ``device`` reads (``needed``), else None:
-    every device's row of it copied there, or, for a value ``reduced`` holds (split along ``axes[j]``), its sum
-    over the devices made whole there, one row."""
-    flat = [x for part in partials for x in part]
-    rows = {j: [s.data for s in sorted(flat[j].addressable_shards, key=lambda s: s.index[0].start or 0)]
-            for j in needed if j not in reduced}
-    moved = jax.device_put(rows, device)
-    summed = [j for j in needed if j in reduced]
-    moved.update(zip(summed, ([x] for x in assembled([reduced[j] for j in summed], [axes[j] for j in summed],
-                                                    device))))
-    return [moved.get(j) for j in range(len(flat))]
-
-  def _scattered(self, built: "_Built", partials: list) -> dict:
-    """``{partial value: its sum over the devices, split evenly over them}`` for the values ``built.relay`` names,
-    by one reduce-scatter program."""
-    flat = [x for part in partials for x in part]
-    order = sorted(built.relay)
-    return dict(zip(order, self._call("reduce-scatter", built.scatter, [flat[j] for j in order])))
-
-  def _send(self, built: "_Built", made: dict[int, Any]) -> dict[int, Any]:
-    """The outputs of the update programs that every device needs, on every device."""
-    owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in built.kept}
-    return self._broadcast("send", owner, made, {o: built.out_avals[o] for o in owner})
-
-  def _gathered(self, built: "_Built", state_leaves: list) -> list:
-    """``state_leaves`` with each parameter ZeRO-3 holds on one device (between steps) on every device, for the
-    step's programs: cast first, on its device, where the programs take its cast (``built.casts``); a parameter
-    already replicated (a first call) stays where it is, cast there."""
-    casts = built.casts
-    held = {i: device for i, (device, _) in built.params.items()
-            if isinstance(state_leaves[i], jax.Array) and state_leaves[i].sharding.device_set == {device}}
-    local = {i: state_leaves[i] for i, device in held.items() if device.process_index == jax.process_index()}
-    by_device: dict[Any, list[int]] = {}
-    for i in local:
-      if i in casts:
-        by_device.setdefault(held[i], []).append(i)
-    for mine in by_device.values():  # one program per device casts its parameters
-      local.update(zip(mine, _cast([local[i] for i in mine], tuple(casts[i].name for i in mine))))
-    sent = self._broadcast("gather", held, local, {
-        i: jax.ShapeDtypeStruct(np.shape(state_leaves[i]), casts.get(i, _traced_dtype(state_leaves[i])))
-        for i in held})
-    return [sent[i] if i in sent else _narrowed(x, casts[i]) if i in casts else x for i, x in enumerate(state_leaves)]
-
-  def _broadcast(self, name: str, owner: dict, local: dict, avals: dict) -> dict:
-    """``{key: value}`` on every device, for each ``key`` of ``owner`` whose value lives on ``owner[key]``
-    (``local``: this process's values; ``avals``: every value's shape and dtype). In one process each is copied
-    from its device, or where one device holds much more than the rest (:func:`hetspmd.plan.groups.relays`)
-    sent in two hops (:func:`relayed`); across processes, one uniform program adds rows that are the value on
-    its device and zeros on every other."""
-    replicated = NamedSharding(self.mesh, P())
-    if jax.process_count() == 1:
-      if relays(self.plan.state_shares):
-        return relayed(local, self.mesh)
-      return {k: jax.device_put(x, replicated) for k, x in local.items()}
-    order = sorted(owner)
-    rows = []
-    for k in order:
-      aval = avals[k]
-      pieces = [local[k] if owner[k] == d else jnp.zeros(aval.shape, aval.dtype, device=d) for d in self.devices
-                if d.process_index == jax.process_index()]
-      rows.append(jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(aval.shape),
-                                                           NamedSharding(self.mesh, P(DATA)),
-                                                           [x[None] for x in pieces]))
-    return dict(zip(order, self._call(name, self._sum_rows, rows))) if order else {}
+  def _programs(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, key: Any) -> GroupPrograms:
+    """The programs of ``fn(state, batch, *rest)`` (``rest``: arrays only), built on the first call with this
+    argument structure; ``key``: what else tells its programs apart (the NNX graph, the values bound into ``fn``)."""
+    batch = batch.abstract if isinstance(batch, GroupedBatch) else batch
+    check_global_batch(batch, self.plan.global_batch)
+    leaves, tree = jax.tree.flatten((state, batch, rest))
+    full = (tree, key, tuple((np.shape(x), str(traced_dtype(x))) for x in leaves))
+    if full not in self._built:
+      self._built[full] = build(fn, self.plan, self._meshes, state, leaves, tree, n_batch=len(jax.tree.leaves(batch)),
+                                batch_stats=self.batch_stats, donate_state=self.donate_state)
+    self._latest = self._built[full]
+    return self._latest
 
   def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
     """``program(*args)``, its arguments' shapes and shardings kept for :meth:`memory_analysis` (once per
@@ -444,316 +296,32 @@ class GroupedStep:
           args))
     return program(*args)
 
-  def memory_analysis(self) -> dict[str, Any]:
-    """Each program of the last call (by name: ``group 0``, ``exchange``, ``update on device 3``) and XLA's
-    ``Compiled.memory_analysis()`` of it: argument, output and temporary bytes per device."""
-    if not self._last:
-      raise HetSpmdError("memory_analysis describes the programs of the last call: call the step first")
-    return {name: program.lower(*args).compile().memory_analysis() for name, (program, args) in self._last.items()}
-
-  def _placed(self, built: "_Built", i: int, x: Any) -> Any:
+  def _placed(self, built: GroupPrograms, i: int, x: Any) -> Any:
     """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner (a handle with no
     shard here when another process holds it); any other as it is (the programs place it)."""
     if i not in built.owner:
       return x
-    device = built.owner[i]
-    if isinstance(x, jax.Array) and x.sharding.device_set == {device}:
-      return x
-    if device.process_index != jax.process_index():
-      return _elsewhere(jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)), device)
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
-
-  def _built_for(self, fn, extra_key, state, leaves, tree, n_batch) -> "_Built":
-    key = (tree, extra_key, tuple((np.shape(x), str(_traced_dtype(x))) for x in leaves))
-    if key not in self._built:
-      self._built[key] = self._build(fn, state, tree, leaves, n_batch)
-      self._owners = self._built[key].owner_paths
-    return self._built[key]
-
-  def _build(self, fn, state, tree, leaves, n_batch) -> "_Built":
-    n_state = len(jax.tree.leaves(state))
-    progs, shapes = self._traced(fn, tree, leaves, n_state, n_batch)
-    prog = progs[self.plan.tail_remat]  # the exchange program's trace
-    out_tree = jax.tree.structure(shapes)
-    new_value_of = new_values(state, out_tree)
-    units, owner, params = self._units(prog, state, new_value_of) if self.plan.state_shares else (None, {}, {})
-    donated = frozenset(new_value_of.values()) if self.donate_state and returns_state(prog, new_value_of) else ()
-    held = tuple(sorted(owner))
-    loops = prog.analysis.loops
-    casts = _narrow_reads(progs, units, params)
-    wide = {i: jx.aval_dtype(prog.invars[i]) for i in casts}  # what the step reads them as
-    programs = [self._group_programs(progs, group, mesh, state, held, wide)
-                for group, mesh in zip(self.plan.groups, self.group_meshes)]
-    combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(self.mesh, P()))
-                for s in range(loops - 1)]
-    tail = None
-    if self.plan.tail_count:
-      count = self.plan.tail_count
-      tail = lowering.Layout(self.mesh, DATA, self.plan.tail_microbatch, count, (count,) * len(self.devices),
-                             reduce_dtype=self.plan.reduce_dtype, overlap=True)
-    # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
-    # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
-    to_owner = units is not None and not self.plan.tail_count and jax.process_count() == 1
-    order = np.asarray(self.plan.example_slots(), np.int32) if group_lowering.per_example_outputs(prog) else None
-    run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner,
-                                          order=order)
-    # replicated outputs: each group program reads its devices' copies of the new state (no transfer between processes)
-    entries = leaves_with_paths(state)
-    free = [i for i in range(len(entries)) if i not in owner]
-    exchange = donating(less_held(prog, held, widened(wide, run)),
-                        [k for k, i in enumerate(free) if i in donated and units is None],
-                        out_shardings=NamedSharding(self.mesh, P()))
-    updates = {}
-    for device in self.devices:
-      outs = tuple(sorted(o for ins, unit_outs in (units.units if units else ()) if owner[ins[0]] == device
-                          for o in unit_outs))
-      if outs:
-        mine = {i for i in held if owner[i] == device}
-        update = (group_lowering.owner_update_program(prog, outs, len(self.devices)) if to_owner else
-                  group_lowering.update_program(prog, outs))
-        reads = [i for i in range(len(entries)) if owner.get(i, device) == device]  # its inputs' state leaves
-        others = tuple(i for i in held if i not in mine)
-        made = {i for i in casts if params[i][0] == device}  # read as held (not as cast): its new value's buffer
-        updates[device] = (outs, donating(less_held(prog, others, widened(wide, update)),
-                                          [k for k, i in enumerate(reads) if i in mine | made and i in donated]))
-    readers = group_lowering.partial_readers(prog) if to_owner else ()
-    needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
-    relay = _relayed_sums(prog, needs, len(self.devices)) if to_owner and relays(self.plan.state_shares) else {}
-    holder = {**owner, **{i: device for i, (device, _) in params.items()}}
-    held_bytes = tuple(sum(_nbytes(entries[i][1]) for i, d in holder.items() if d == device)
-                       for device in self.devices)
-    return _Built(programs, exchange, updates, out_tree, units, owner, {entries[i][0]: d for i, d in holder.items()},
-                  tuple(jax.tree.leaves(shapes)), held_bytes, combines, params, needs if to_owner else None, casts,
-                  relay, scatter_program(self.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
-
-  def _group_programs(self, progs: dict[str, Program], group: Any, mesh: Mesh, state: Any,
-                      held: tuple[int, ...], wide: dict) -> list:
-    """``group``'s program of each loop, ``jax.jit`` over its ``mesh``: its own trace's loop (its remat policy's,
-    from ``progs``; the parameters ``wide`` names taken as their casts), its partial sums laid out and narrowed as
-    the exchange program takes them, one row per device."""
-    prog, own = progs[self.plan.tail_remat], progs[group.remat]
-    loops = prog.analysis.loops
-    layout = lowering.Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
-    order = None if own is prog else group_lowering.sums_order(prog, own)
-    split = model_split(state, group, mesh)
-    # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
-    mask = None if self.plan.tail_count else group_lowering.narrowed(prog, self.plan.reduce_dtype)
-    out = []
-    for s in range(loops):
-      loop = group_lowering.group_program(own, layout, s, self.plan.example_width)
-      run = reordered(order, less_held(own, held, widened(wide, constrained(split, loop))))
-      run = spread(prog, s, group.model, narrowed(mask if s == loops - 1 else None, self.plan.reduce_dtype, run))
-      out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
-    return out
-
-  def _traced(self, fn, tree, leaves, n_state: int, n_batch: int) -> tuple[dict[str, Program], Any]:
-    """The step's analysed program under each remat policy the plan uses (its groups' and the tail's), and its
-    output shapes."""
-    batch_inputs = tuple(range(n_state, n_state + n_batch))
-    avals = [jax.ShapeDtypeStruct(np.shape(x), _traced_dtype(x)) for x in leaves]
-    floats = tuple(i for i, x in enumerate(leaves[:n_state]) if jnp.issubdtype(_traced_dtype(x), jnp.floating))
-
-    def flat(*xs):  # one function per trace: JAX caches a trace by its function, which does not see the policy
-      state, batch, rest = jax.tree.unflatten(tree, xs)
-      return fn(state, batch, *rest)
-
-    progs, shapes = {}, None
-    policies = list(dict.fromkeys([self.plan.tail_remat] + [g.remat for g in self.plan.groups]))
-    for policy in policies:
-      # beside checkpointed groups, "none" is traced checkpointed too, saving everything: the same cuts
-      with remat_policy(SAVED if policy == "none" and len(policies) > 1 else policy):
-        closed, shapes = jx.make_closed_jaxpr(functools.partial(flat), *avals, return_shape=True)
-      progs[policy] = Program(analyse(closed, batch_inputs, self.plan.global_batch, batch_stats=self.batch_stats,
-                                      float_state_inputs=floats), batch_inputs)
-      group_lowering.check(progs[policy], tail=bool(self.plan.tail_count))
-    if len(progs) > 1 and progs[self.plan.tail_remat].analysis.loops > 1:
-      raise HetSpmdError(f"this step needs {progs[self.plan.tail_remat].analysis.loops} microbatch loops, whose "
-                         f"sums feed one another: give every group the same remat policy (the plan has "
-                         f"{', '.join(progs)})")
-    return progs, shapes
-
-  def _units(self, prog: Program, state: Any, new_value_of: dict[int, int]):
-    """The update's state units, the device holding each held optimizer-state leaf (by flat state index) and,
-    under ZeRO-3, each parameter a unit makes (``{state index: (device, output)}``); ``new_value_of``:
-    :func:`hetspmd.runtime.group_wrappers.new_values`."""
-    entries = leaves_with_paths(state)
-    held = [i for i, (path, leaf) in enumerate(entries)
-            if np.ndim(leaf) >= 1 and np.size(leaf) > 1 and role_of(path, _traced_dtype(leaf)) == "opt_state"]
-    units = group_lowering.state_units(prog, held, new_value_of)
-    made = [{new_value_of[o]: o for o in outs if o in new_value_of and new_value_of[o] not in held}
-            if self.plan.zero_stage == 3 else {} for _, outs in units.units]  # the parameters each unit makes
-    sizes = [sum(_nbytes(entries[i][1]) for i in (*ins, *params)) for (ins, _), params in zip(units.units, made)]
-    owners = [self.devices[d] for d in assign_owners(sizes, self.plan.state_shares)]
-    return (units, {i: owners[u] for u, (ins, _) in enumerate(units.units) for i in ins},
-            {i: (owners[u], o) for u, params in enumerate(made) for i, o in params.items()})
-
-  def _buffers(self, g: int, batch_leaves):
-    """Group ``g``'s padded microbatch buffers ``[positions * max_count, microbatch, ...]`` of each batch array."""
-    group, mesh = self.plan.groups[g], self.group_meshes[g]
-    starts = self.plan.starts()[g]
-    out = []
-    for x in batch_leaves:
-      x = np.asarray(x)
-      buf = np.zeros((len(group.positions) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
-      for i, (c, s) in enumerate(zip(group.positions, starts)):
-        rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
-        buf[i * group.max_count:i * group.max_count + c] = rows
-      out.append(jax.device_put(buf, NamedSharding(mesh, P(DATA))))
-    return out
-
-  def _tail_buffers(self, batch_leaves):
-    """The tail's microbatch buffers ``[devices * tail_count, tail_microbatch, ...]`` over every device."""
-    plan, count, size = self.plan, self.plan.tail_count, self.plan.tail_microbatch
-    out = []
-    for x in batch_leaves:
-      x = np.asarray(x)
-      rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) for s in plan.tail_starts()]
-      out.append(jax.device_put(np.concatenate(rows), NamedSharding(self.mesh, P(DATA))))
-    return out
-
-  def _rows(self, parts):
-    """One global array over every device from each of this process's groups' rows (one per device, the same
-    shape), no copy."""
-    shards = [s for part in parts for s in sorted(part.addressable_shards, key=lambda s: s.index[0].start or 0)]
-    by_device = {s.device: s.data for s in shards}
-    row = shards[0].data.shape
-    return jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(row[1:]),
-                                                    NamedSharding(self.mesh, P(DATA)),
-                                                    [by_device[d] for d in self.devices if d in by_device])
+    return transfers.held_on(x, built.owner[i], jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)))
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedBatch:
-  """A global batch placed for a group plan (:meth:`GroupedStep.shard_batch`): its shapes (``abstract``), this
-  process's groups' microbatch buffers (by group) and the tail's buffers over every device."""
-
-  abstract: Any
-  groups: dict
-  tail: list
-  placed_for_groups = True  # (a class attribute) a step's batch argument placed ahead, as a ShardedBatch is
-
-
-def _relayed_sums(prog: Program, needs: dict, n: int) -> dict[int, tuple[int, int]]:
-  """``{partial value: (axis, size)}`` of the values the updates read that reach their owners in two hops,
-  reduce-scattered over the ``n`` devices along :func:`hetspmd.plan.groups.relay_axis`, then made whole on the
-  owner: the sums. (A ``max`` or ``min``, a scalar or an empty value is copied to its owner row by row.)"""
-  wanted = set().union(*needs.values()) if needs else set()
-  out = {}
-  for j, (reduce, shape) in enumerate(group_lowering.partial_values(prog)):
-    axis = relay_axis(shape, n)
-    if j in wanted and reduce == "sum" and axis is not None:
-      out[j] = (axis, shape[axis])
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Built:
-  """The programs of one argument structure: each group's loop, the exchange, each device's update (under
-  state shares: ``{device: (outputs, program)}``), the output tree, the state units and the device holding each
-  held optimizer-state leaf (by flat state index and by path)."""
-
-  programs: list
-  exchange: Any
-  updates: dict
-  out_tree: Any
-  units: Any
-  owner: dict
-  owner_paths: dict
-  out_avals: tuple = ()
-  held_bytes: tuple = ()  # per device of the plan: the bytes of the state leaves it holds
-  combines: list = dataclasses.field(default_factory=list)  # per loop but the last: its uniform combine program
-  params: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: (device, output)} per parameter
-  needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
-  casts: dict = dataclasses.field(default_factory=dict)  # ZeRO-3: {state index: dtype} of parameters sent as casts
-  relay: dict = dataclasses.field(default_factory=dict)  # {partial value: (axis, size)} reduce-scattered, then sent
-  scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
-
-  @property
-  def kept(self) -> frozenset:
-    """The update programs' outputs that stay on the device that made them: held leaves' new values (and, under
-    ZeRO-3, the parameters')."""
-    return self.units.kept_outputs | {o for _, o in self.params.values()}
-
-
-def static_bound(fn: Callable[..., Any], rest: tuple) -> tuple[Callable[..., Any], tuple, Any]:
-  """``fn(state, batch, *rest)`` with the leaves of ``rest`` that are not arrays or numbers (a string, a config,
-  a function) bound as constants, as the single program takes them: ``(fn(state, batch, arrays), (arrays,),
-  a key for the bound values and where they were)``; ``fn`` and ``rest`` as they are when there are none."""
-  leaves, tree = jax.tree.flatten(rest)
-  fixed = {i: x for i, x in enumerate(leaves) if not is_dynamic(x)}
-  if not fixed:
-    return fn, rest, ()
-
-  def bound(state, batch, arrays):
-    given = iter(arrays)
-    return fn(state, batch, *jax.tree.unflatten(tree, [fixed[i] if i in fixed else next(given)
-                                                       for i in range(len(leaves))]))
-
-  return bound, ([x for x in leaves if is_dynamic(x)],), (tree, hashable(tuple(fixed.items())))
-
-
-def _narrow_reads(progs: dict[str, Program], units: Any, params: dict) -> dict[int, Any]:
-  """ZeRO-3: ``{state index: dtype}`` of the parameters every trace in ``progs`` reads, outside the update that
-  makes them, only through casts to ``dtype`` (:func:`hetspmd.lowering.groups.narrow_reads`)."""
-  if not params:
-    return {}
-  unit_of = {o: frozenset(outs) for _, outs in units.units for o in outs}
-  made_by = {i: unit_of[o] for i, (_, o) in params.items()}
-  found = [group_lowering.narrow_reads(p, made_by) for p in progs.values()]
-  return {i: d for i, d in found[0].items() if all(f.get(i) == d for f in found[1:])}
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(xs: list, dtypes: tuple[str, ...]) -> list:
-  """``xs`` cast to ``dtypes``, in one program (on the device that holds them)."""
-  return [x.astype(d) for x, d in zip(xs, dtypes)]
-
-
-def _narrowed(x: Any, dtype: Any) -> Any:
-  """``x`` (a device array, or a host value) cast to ``dtype`` where it lives."""
-  return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x).astype(dtype)
-
-
-def _shard_on(x: Any, device: Any) -> Any:
-  """``device``'s own copy of a replicated array (no copy made)."""
-  if x is None:
-    return None
-  if not isinstance(x, jax.Array):
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
-  for shard in x.addressable_shards:
-    if shard.device == device:
-      return shard.data
-  return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
-
-
-def _elsewhere(aval: Any, device: Any) -> Any:
-  """This process's handle on an array that lives whole on ``device`` of another process."""
-  return jax.make_array_from_single_device_arrays(tuple(aval.shape), jax.sharding.SingleDeviceSharding(device), [],
-                                                  dtype=aval.dtype)
-
-
-def _nbytes(x: Any) -> int:
-  return int(np.size(x)) * np.dtype(_traced_dtype(x)).itemsize
-
-
-def _traced_dtype(x: Any) -> Any:
-  """The dtype ``x`` is traced with (a Python scalar: JAX's default for it)."""
-  return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-
-
-def _on(mesh: Mesh, x: Any) -> Any:
-  """``x`` (a host value or a replicated array) replicated on ``mesh``'s devices, made from this process's
-  pieces: its own per-device buffers where it has them (no copy), a copy of one of them (or of the host value)
-  on this process's other devices of ``mesh``. (``jax.device_put`` of a single-device array onto devices of
-  several processes does not give a usable array.)"""
-  sharding = NamedSharding(mesh, P())
-  if isinstance(x, jax.Array) and not x.is_fully_replicated:
-    return jax.device_put(x, sharding)  # sharded: one process holds it all
-  have = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
-  here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-  source = next(iter(have.values()), None) if have else np.asarray(x)
-  pieces = [have[d] if d in have else jax.device_put(source, d) for d in here]
-  return jax.make_array_from_single_device_arrays(np.shape(x), sharding, pieces)
+def _held_lines(built: GroupPrograms, devices: tuple, shares: tuple, three: bool) -> list[str]:
+  """:meth:`GroupedStep.explain`'s lines on where one argument structure's state lives."""
+  by_device = {d.id: 0 for d in devices}
+  for device in built.owner_paths.values():
+    by_device[device.id] += 1
+  lines = [f"  {len(built.units.units)} state unit(s) over {len(built.owner_paths)} held leaves; leaves "
+           f"held per device: {by_device}"]
+  held_bytes = built.held_bytes(devices)
+  total = sum(held_bytes) or 1
+  if built.casts:
+    names = sorted({str(d) for d in built.casts.values()})
+    lines.append(f"  {len(built.casts)} of {len(built.params)} parameters sent as their {', '.join(names)} "
+                 "casts (the step reads them only so); each device updates the ones it holds as they are")
+  lines.append(("  parameter and optimizer-state" if three else "  optimizer-state") +
+               " bytes held per device (of its share): " + ", ".join(
+      f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
+      for d, b, share in zip(devices, held_bytes, shares)))
+  return lines
 
 
 def run_groups(fn: Callable[..., Any], plan: GroupPlan, *, example_batch: Any = None,

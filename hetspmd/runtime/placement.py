@@ -8,6 +8,7 @@ into one global array sharded over ``data``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -77,3 +78,47 @@ def shard_batch(plan: Plan, mesh: Any, batch: Any) -> ShardedBatch:
                   for d in grid[i].ravel() if d.process_index == jax.process_index()]
   counts = jax.make_array_from_single_device_arrays((plan.data_size,), sharding, count_arrays)
   return ShardedBatch(data, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedBatch:
+  """A global batch placed for a group plan (``GroupedStep.shard_batch``): its shapes (``abstract``), this
+  process's groups' microbatch buffers (by group) and the tail's buffers over every device. (Not a pytree: a step
+  takes it whole in the batch's place.)"""
+
+  abstract: Any
+  groups: dict
+  tail: list
+
+
+def check_global_batch(batch: Any, global_batch: int) -> None:
+  """Refuses a batch any of whose arrays does not lead with ``global_batch``."""
+  for x in jax.tree.leaves(batch):
+    if np.shape(x)[:1] != (global_batch,):
+      raise HetSpmdError(f"every batch array must lead with the plan's global batch of {global_batch}, got shape "
+                         f"{np.shape(x)}")
+
+
+def group_buffers(group: Any, starts: Any, mesh: Any, batch_leaves: list) -> list:
+  """A group's padded microbatch buffers ``[positions * max_count, microbatch, ...]`` of each batch array
+  (``starts``: each position's first example), sharded over its mesh's ``data`` axis."""
+  out = []
+  for x in batch_leaves:
+    x = np.asarray(x)
+    buf = np.zeros((len(group.positions) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
+    for i, (c, s) in enumerate(zip(group.positions, starts)):
+      rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
+      buf[i * group.max_count:i * group.max_count + c] = rows
+    out.append(jax.device_put(buf, NamedSharding(mesh, P("data"))))
+  return out
+
+
+def tail_buffers(count: int, size: int, starts: Any, mesh: Any, batch_leaves: list) -> list:
+  """The tail's microbatch buffers ``[devices * count, size, ...]`` over every device of ``mesh`` (``starts``:
+  each device's first tail example)."""
+  out = []
+  for x in batch_leaves:
+    x = np.asarray(x)
+    rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) for s in starts]
+    out.append(jax.device_put(np.concatenate(rows), NamedSharding(mesh, P("data"))))
+  return out

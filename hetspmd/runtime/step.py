@@ -32,6 +32,7 @@ import numpy as np
 
 from hetspmd import lowering
 from hetspmd.autodiff import recording_calls, remat_policy
+from hetspmd._dtypes import traced_dtype
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
@@ -46,9 +47,9 @@ from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
-from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, dtype_of, positional_function, unbound
-from hetspmd.runtime.grouped import GroupedStep, static_bound
-from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
+from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, positional_function, static_bound, unbound
+from hetspmd.runtime.grouped import GroupedStep
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, positions_array, shard_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ class _Trace:
   def of(cls, step: "ParallelStep", f: Callable[..., Any], batch: tuple, rest: tuple, graphdef: Any = None
          ) -> "_Trace":
     """``f`` as ``step`` traces it, the leaves of ``rest`` that are not arrays (a config, a schedule) bound into
-    it first (:func:`~hetspmd.runtime.grouped.static_bound`), as the single program binds them."""
+    it first (:func:`~hetspmd.runtime.binding.static_bound`), as the single program binds them."""
     f, rest, static = static_bound(f, rest)
     return cls(step.traced(f), batch, rest, graphdef, static)
 
@@ -246,7 +247,7 @@ class ParallelStep:
 
   def _global(self, batch: Any) -> Any:
     """``batch``'s arrays as abstract values leading with the global batch."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), dtype_of(x)),
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), traced_dtype(x)),
                         batch)
 
   def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
@@ -332,7 +333,7 @@ class ParallelStep:
     the one placed by :meth:`shard_batch`)."""
     from flax import nnx
 
-    placed = len(parts.batch) == 1 and getattr(parts.batch[0], "placed_for_groups", False)
+    placed = len(parts.batch) == 1 and isinstance(parts.batch[0], GroupedBatch)
     trace = _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
     out = self._grouped.run(trace.f, parts.state, parts.batch[0] if placed else parts.batch, trace.rest,
                             graphdef=parts.graphdef, static=trace.static)
@@ -467,7 +468,7 @@ def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, bat
   closed = jx.make_closed_jaxpr(fn, jx.to_abstract(state), with_batch(batch, size))
   leaves = jax.tree.leaves(state)
   inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
-  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(dtype_of(x), jnp.floating)]  # statistics live here
+  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(traced_dtype(x), jnp.floating)]  # statistics live here
   return analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
 
 

@@ -1,17 +1,29 @@
-"""The wrappers a group plan's programs are made of, around :mod:`hetspmd.lowering.groups`' programs.
+"""The stages a group plan's programs are made of, around :mod:`hetspmd.lowering.groups`' programs.
 
-Each group program is the lowering's loop with, from the inside out: the parameters a model axis splits
-constrained to their split (:func:`constrained`), zeros standing in for the optimizer-state leaves other devices
-hold (:func:`less_held`), its partial sums laid out as the exchange program's trace lays them out
-(:func:`reordered`), cast to the dtype they cross devices in (:func:`narrowed`), and its rows made one per device
-(:func:`spread`). The uniform and update programs donate the state leaves whose buffers their new values may
-take (:func:`donating`).
+A group program is a named chain of stages (:func:`chain`, as optax chains
+transforms), innermost first:
+
+1. ``loop``: the group's microbatch loop (:func:`hetspmd.lowering.groups.group_program`);
+2. ``constrain``: the parameters a model axis splits constrained to their split (:func:`constrained`);
+3. ``widen``: parameters taken as their narrow casts, cast back up (:func:`widened`);
+4. ``hold``: zeros for the optimizer-state leaves other devices hold (:func:`less_held`);
+5. ``reorder``: the partial sums laid out as the exchange program's trace lays them out (:func:`reordered`);
+6. ``narrow``: the partial sums cast to the dtype they cross devices in (:func:`narrowed`);
+7. ``spread``: the rows (one per data position) made one per device (:func:`spread`).
+
+An *inputs* stage wraps ``run(inputs, *rest)``, where ``inputs`` is the step's
+flat inputs (state, batch, the rest), and changes only ``inputs``. An
+*outputs* stage wraps ``run(*args) -> (partials, examples)`` and changes
+only what it returns. The exchange and update programs are chains of the
+inputs stages ``widen`` and ``hold`` around their own programs, made to
+donate the state leaves whose buffers their new values may take
+(:func:`donating`).
 """
+
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -23,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 from hetspmd.errors import InvalidValueError
 from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.program import Program, is_backward
-from hetspmd.plan.groups import padded_length, relay_axis
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd._pytree import leaves_with_paths
 
@@ -31,22 +42,10 @@ DATA = "data"
 MODEL = "model"
 
 
-def new_values(state: Any, out_tree: Any) -> dict[int, int]:
-  """``{flat output: flat state input}`` of the outputs that are a state leaf's new value: the step's outputs
-  (or its first output) shaped like the state."""
-  outputs = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
-  structure = jax.tree.structure(state)
-  new_state = (outputs if jax.tree.structure(outputs) == structure else outputs[0]
-               if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == structure else None)
-  if new_state is None:
-    return {}
-  return dict(zip(jax.tree.leaves(new_state), range(structure.num_leaves)))
-
-
 def returns_state(prog: Program, new_value_of: dict[int, int]) -> bool:
-  """Whether the state-shaped outputs are a new state, whose buffers may be the old state's, and not gradients
-  made by the backward pass (for an update of the step's own after it), as
-  :meth:`hetspmd.runtime.binding.Call.returns_state` tells them apart."""
+  """Whether the state-shaped outputs (``new_value_of``: :func:`hetspmd._pytree.new_state_leaves`) are a new state,
+  whose buffers may be the old state's, and not gradients made by the backward pass (for an update of the step's
+  own after it), as :meth:`hetspmd.runtime.binding.Call.returns_state` tells them apart."""
   made = [prog.producer.get(prog.outvars[o]) for o in new_value_of if not jx.is_literal(prog.outvars[o])]
   return bool(new_value_of) and not all(is_backward(prog, i) for i in made)
 
@@ -190,85 +189,17 @@ def widened(wide: dict[int, Any], run: Callable[..., Any]) -> Callable[..., Any]
                                     for i, x in enumerate(inputs)], *rest)
 
 
-def relayed(values: dict, mesh: Mesh) -> dict:
-  """``{key: value on one device}`` on every device of ``mesh`` (one axis), in two hops: each value split evenly
-  over the devices along its :func:`hetspmd.plan.groups.relay_axis` (zero-padded there first where the device
-  count does not divide it: the padded copy is transient), its device keeping one part and copying the others,
-  then every part sent to every device by one program (an all-gather, each device sending only its parts; the
-  padding cut off by another). A PRNG key, a scalar, an empty value or one that padding would grow by more than
-  :data:`hetspmd.plan.groups.MAX_PADDING` is copied whole from its device. What reaches each device is the
-  value, bit for bit."""
-  n = mesh.size
-  replicated = NamedSharding(mesh, P())
-  split, whole, trims = {}, {}, {}
-  for key, x in values.items():
-    axis = None if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else relay_axis(np.shape(x), n)
-    if axis is None:  # a PRNG key, a scalar, an empty value, or one padding would grow too much
-      whole[key] = jax.device_put(x, replicated)
-      continue
-    size = np.shape(x)[axis]
-    if size % n:
-      x = _padded(axis, padded_length(size, n))(x)
-      trims[key] = (axis, size)
-    split[key] = jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])))
-  if split:  # an all-gather; the padding cut off by a program of its own (inside it, XLA may add the parts instead)
-    gathered = dict(zip(split, _gathered_on(replicated)(list(split.values()))))
-    if trims:
-      gathered.update(zip(trims, _trimmed(tuple(trims.values()))([gathered[k] for k in trims])))
-    whole.update(gathered)
-  return whole
+
+Stage = tuple  # (name, wrap): ``wrap(run) -> run``; a wrap that returns ``run`` itself does nothing here
 
 
-@functools.lru_cache(maxsize=None)
-def _padded(axis: int, length: int) -> Callable[[Any], Any]:
-  """A program that zero-pads its argument along ``axis`` to ``length``, where the argument is."""
-  return jax.jit(lambda x: _pad_to(x, axis, length))
-
-
-def _pad_to(x, axis: int, length: int):
-  if x.shape[axis] == length:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, length - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-@functools.lru_cache(maxsize=None)
-def _gathered_on(replicated: NamedSharding) -> Callable[[list], list]:
-  """One program per mesh that makes its (split) arguments whole on every device: an all-gather."""
-  return jax.jit(lambda xs: xs, out_shardings=replicated)
-
-
-@functools.lru_cache(maxsize=None)
-def _trimmed(trims: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
-  """A program that cuts each (replicated) argument to its ``(axis, size)``, on every device."""
-  return jax.jit(lambda xs: [jax.lax.slice_in_dim(x, 0, size, axis=axis) for x, (axis, size) in zip(xs, trims)])
-
-
-def scatter_program(mesh: Mesh, axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
-  """``program(rows) -> parts``: per value, every device's row of it (a global array ``[devices, *shape]`` over
-  ``mesh``'s one axis) summed over the devices in the rows' dtype and left split evenly along its axis (``axes``:
-  ``(axis, size)`` per value, zero-padded along it first where the device count does not divide ``size``): a
-  reduce-scatter, each device sending and receiving ``(n - 1) / n`` of the values."""
-  name, n = mesh.axis_names[0], mesh.size
-
-  def per_device(rows):
-    return [jax.lax.psum_scatter(_pad_to(r[0], a, padded_length(size, n)), name, scatter_dimension=a, tiled=True)
-            for r, (a, size) in zip(rows, axes)]
-
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=([P(name)] * len(axes),),
-                               out_specs=[P(*([None] * a), name) for a, _ in axes], check_vma=False))
-
-
-def assembled(parts: list, axes: list[tuple[int, int]], device: Any) -> list:
-  """Values split evenly over devices (:func:`scatter_program`'s; ``axes``: ``(axis, size)`` of each), each whole
-  on ``device`` as one row (a leading axis of one): their parts copied there, joined and cut to ``size``."""
-  pieces = [[s.data for s in sorted(p.addressable_shards, key=lambda s, a=a: s.index[a].start or 0)]
-            for p, (a, _) in zip(parts, axes)]
-  return _joined(tuple(axes))(jax.device_put(pieces, device))
-
-
-@functools.lru_cache(maxsize=None)
-def _joined(axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
-  return jax.jit(lambda pieces: [jax.lax.slice_in_dim(jnp.concatenate(p, axis=a), 0, size, axis=a)[None]
-                                 for p, (a, size) in zip(pieces, axes)])
+def chain(run: Callable[..., Any], *stages: Stage) -> tuple[Callable[..., Any], tuple[str, ...]]:
+  """``run`` wrapped by each ``(name, wrap)`` stage in turn, the first innermost, and the names of the stages that
+  changed it (a stage with nothing to do for this program returns ``run`` as it is)."""
+  names = []
+  for name, wrap in stages:
+    wrapped = wrap(run)
+    if wrapped is not run:
+      names.append(name)
+    run = wrapped
+  return run, tuple(names)

@@ -1,0 +1,109 @@
+"""The calls of one step under a group plan: the groups' loops, the owners' updates and the parameters they send.
+
+Each function dispatches programs :func:`hetspmd.lowering.group_build.build`
+made, through ``call(name, program, *args)`` (the runtime's, which keeps
+each program's arguments for ``memory_analysis``), and moves values with
+:mod:`hetspmd.lowering.transfers`. JAX dispatches asynchronously, so the
+groups' programs run at the same time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from hetspmd._dtypes import traced_dtype
+from hetspmd.lowering import transfers
+from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms
+from hetspmd.lowering.group_stages import Donating
+
+
+def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Callable[..., Any], *,
+              state: list, buffers: dict, others: list):
+  """Each loop's group programs (this process's groups: ``counts`` placed, else None; ``buffers``: each one's
+  microbatch buffers; ``state``: the state leaves every device has), every loop
+  but the last reduced by its uniform combine program for the next: the last loop's partials and the rows of
+  the step's per-example outputs as global arrays, and the earlier loops' reduced cuts."""
+  earlier: dict = {}
+  loops = len(built.combines) + 1
+  rows = functools.partial(transfers.global_rows, mesh=meshes.mesh)
+  for s in range(loops):
+    partials, examples = [], []
+    for g, (mesh, programs, counts) in enumerate(zip(meshes.groups, built.loops, counts)):
+      if counts is not None:  # this process's groups only
+        on = functools.partial(transfers.on, mesh)
+        inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
+        name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
+        mine, per_example = call(name, programs[s], inputs, *counts, jax.tree.map(on, earlier))
+        partials.append(mine)
+        examples.append(per_example)
+    joined = [[rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
+              for k in range(len(partials[0]))]
+    if s < loops - 1:
+      earlier.update(call(f"combine loop {s}", built.combines[s], joined))
+  return joined, earlier, [rows([e[k] for e in examples]) for k in range(len(examples[0]))]
+
+def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, masters: dict, *, mesh: Mesh,
+                shares: tuple, call: Callable[..., Any], called: dict) -> None:
+  """Each of this process's devices' update program on its held leaves, its outputs set in ``outputs`` (``call``:
+  runs a named program; ``called``: ``{name: (program, ...)}`` of those run before); ``inputs``: the step's flat inputs, the
+  batch's None; ``sums``: the reduced sums, or the rows and earlier totals each owner reduces itself;
+  ``masters``: the parameters sent as casts, each as it is held, which its maker's update reads); a held
+  leaf's new value stays on the device, every other output is sent to every device."""
+  made: dict[int, Any] = {}
+  calls = []
+  flat = [x for part in sums[0] for x in part] if built.needs is not None else []
+  reduced = (dict(zip(sorted(built.relay), call("reduce-scatter", built.scatter,
+                                                       [flat[j] for j in sorted(built.relay)])))
+             if built.relay else {})
+  for device, (outs, program) in built.updates.items():
+    if device.process_index != jax.process_index():
+      for o in outs:  # made in another process: this process's handle on it has no shard here
+        if o in built.kept:
+          outputs[o] = transfers.elsewhere(built.out_avals[o], device)
+      continue
+    mine = functools.partial(transfers.shard_on, device=device)
+    made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in masters}
+    given = [x if i in built.owner else mine(masters[i] if i in made_here else x)
+             for i, x in enumerate(inputs) if built.owner.get(i, device) == device]
+    if built.needs is None:  # the reduced sums: this device's copies
+      extra = (jax.tree.map(mine, sums),)
+    else:  # every device's rows of the sums its units read, and the earlier loops' totals
+      extra = (transfers.rows_on(device, built.needs[device], flat, reduced, built.relay),
+               jax.tree.map(mine, sums[1]))
+    calls.append((f"update on device {device.id}", outs, program, given, extra))
+  # every donating update compiled before any runs (one not yet called): one that fails leaves the state whole
+  for name, _, program, given, extra in calls:
+    if isinstance(program, Donating) and called.get(name, (None,))[0] is not program:
+      program.lower(given, *extra).compile()  # into jax.jit's cache: the call below compiles nothing new
+  for name, outs, program, given, extra in calls:
+    for o, x in zip(outs, call(name, program, given, *extra)):
+      if o in built.kept:
+        outputs[o] = x
+      else:
+        made[o] = x
+  owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in built.kept}
+  sent = transfers.broadcast(owner, made, {o: built.out_avals[o] for o in owner}, mesh, shares,
+                             functools.partial(call, "send"))
+  for o in sent:
+    outputs[o] = sent[o]
+
+def gather_params(built: GroupPrograms, state_leaves: list, mesh: Mesh, shares: tuple,
+                  call: Callable[..., Any]) -> list:
+  """``state_leaves`` with each parameter ZeRO-3 holds on one device (between steps) on every device, for the
+  step's programs: cast first, on its device, where the programs take its cast (``built.casts``); a parameter
+  already replicated (a first call) stays where it is, cast there."""
+  casts = built.casts
+  held = {i: device for i, (device, _) in built.params.items()
+          if isinstance(state_leaves[i], jax.Array) and state_leaves[i].sharding.device_set == {device}}
+  local = transfers.cast_where_held({i: state_leaves[i] for i, device in held.items()
+                                     if device.process_index == jax.process_index()}, casts)
+  avals = {i: jax.ShapeDtypeStruct(np.shape(state_leaves[i]), casts.get(i, traced_dtype(state_leaves[i])))
+           for i in held}
+  sent = transfers.broadcast(held, local, avals, mesh, shares, functools.partial(call, "gather"))
+  return [sent[i] if i in sent else transfers.cast_value(x, casts[i]) if i in casts else x
+          for i, x in enumerate(state_leaves)]
