@@ -44,22 +44,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.lowering.loop import LoopContext, between_loops, feed_back, one_loop
-from hetspmd.lowering.program import Layout, Program, is_backward, sum_outputs
+from hetspmd.lowering.loop import LoopContext, between_loops, combined_over, feed_back, one_loop
+from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, is_gradient_cut,
+                                     narrowable, sum_outputs)
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
 
 
 
-def _sum(x, axis: int):
-  """``x`` summed over ``axis`` in its own dtype (``jnp.sum`` adds bfloat16 in float32, so a sum over devices would
-  cross them in float32)."""
-  if x.dtype not in (jnp.bfloat16, jnp.float16):
-    return jnp.sum(x, axis=axis)
-  return jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.add, (axis,))
-
-
-_COMBINE = {"sum": _sum, "max": jnp.max, "min": jnp.min}
 
 
 def check(prog: Program, tail: bool = False) -> None:
@@ -241,15 +233,13 @@ def narrowed(prog: Program, dtype: str) -> tuple[tuple[bool, ...], ...]:
   region), floating and not scalars, as the single program narrows them
   (:func:`hetspmd.lowering.program.low_precision`); the loss's sum, token counts and metrics stay float32."""
   def floating(v) -> bool:
-    return dtype != "float32" and jnp.issubdtype(jx.aval_dtype(v), jnp.floating) and math.prod(jx.aval_shape(v)) > 1
+    return narrowable(dtype, jx.aval_dtype(v), math.prod(jx.aval_shape(v)))
 
   cut_outs, out = prog.cut_outs, []
   for k, part in zip(loop_cuts(cut_outs, prog.analysis.loops - 1), _partials(prog)):
-    cut = cut_outs[k]
-    gradient = cut.reduce == "sum" and not cut.feedback and not cut.local and is_backward(prog, cut.index)
+    gradient = is_gradient_cut(prog, cut_outs[k])
     out.append(tuple(gradient and floating(v) for _, v in part))
-  return tuple(out) + tuple((not prog.region and is_backward(prog, prog.producer.get(v)) and floating(v),)
-                            for v in prog.accumulated)
+  return tuple(out) + tuple((is_gradient_accumulated(prog, v) and floating(v),) for v in prog.accumulated)
 
 
 def narrow(partials: Sequence[Sequence[Any]], mask: Sequence[Sequence[bool]], dtype: str) -> list[list[Any]]:
@@ -392,7 +382,7 @@ def combine_program(prog: Program, s: int):
 def _combined(prog: Program, cut: Any, part: Sequence[Any]) -> list[Any]:
   """One cut's per-device rows combined over the devices, in its outputs' dtypes."""
   outvars = [prog.eqns[cut.index].outvars[j] for j in sum_outputs(prog.analysis.decisions[cut.index])]
-  return [_COMBINE[cut.reduce](x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)]
+  return [combined_over(cut.reduce)(x, axis=0).astype(v.aval.dtype) for x, v in zip(part, outvars)]
 
 
 def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequence[int] | None = None, *,
@@ -476,7 +466,7 @@ def _reduced(prog: Program, cut_outs: Sequence[Any], partials: Sequence[Sequence
   last = loop_cuts(cut_outs, prog.analysis.loops - 1)
   final = {k: _combined(prog, cut_outs[k], part) for k, part in zip(last, partials)}
   totals = [final[k] if k in final else earlier[k] for k in range(len(cut_outs))]
-  return totals, [_sum(x, 0) for (x,) in partials[len(last):]]
+  return totals, [combined_over("sum")(x, 0) for (x,) in partials[len(last):]]
 
 
 def _with_tail(prog: Program, tail: Layout, ops):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hetspmd._dtypes import wide
 from hetspmd.errors import HetSpmdError
@@ -24,6 +25,7 @@ from hetspmd.passes import _jax_adapter as jx
 
 
 def identity(reduce: str, shape, dtype):
+  """The value that leaves a ``reduce`` (``sum``, ``max`` or ``min``) unchanged, filled to ``shape``."""
   if reduce == "sum":
     return jnp.zeros(shape, dtype)
   if jnp.issubdtype(dtype, jnp.bool_):
@@ -34,8 +36,27 @@ def identity(reduce: str, shape, dtype):
   return jnp.full(shape, info.min if reduce == "max" else info.max, dtype)
 
 
+def _sum_in_own_dtype(x, axis: int):
+  """``x`` summed over ``axis`` in its own dtype (``jnp.sum`` adds bfloat16 in float32, so a sum over devices would
+  cross them in float32)."""
+  if x.dtype not in (jnp.bfloat16, jnp.float16):
+    return jnp.sum(x, axis=axis)
+  return jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.add, (axis,))
+
+
+# how each kind of partial value combines: two at a time (a loop's carry), and over an axis of rows (devices)
+_PAIRWISE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_OVER_AXIS = {"sum": _sum_in_own_dtype, "max": jnp.max, "min": jnp.min}
+
+
 def combiner(reduce: str):
-  return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[reduce]
+  """``f(a, b)``: two partial values of a ``reduce`` combined."""
+  return _PAIRWISE[reduce]
+
+
+def combined_over(reduce: str):
+  """``f(x, axis)``: the rows of a ``reduce``'s partial values along ``axis`` combined, in their own dtype."""
+  return _OVER_AXIS[reduce]
 
 
 def feed_back(prog, cut, values, outer: dict) -> None:

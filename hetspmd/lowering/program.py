@@ -424,7 +424,26 @@ def low_precision(layout: Layout, x) -> bool:
   pass (metrics), sums that feed later loops and per-microbatch statistics
   stay float32; the callers check all but the first.
   """
-  return layout.reduce_dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1
+  return narrowable(layout.reduce_dtype, x.dtype, x.size)
+
+
+def narrowable(reduce_dtype: str, dtype: Any, size: int) -> bool:
+  """Whether a gradient of ``dtype`` and ``size`` elements crosses devices in ``reduce_dtype``: a floating array
+  (not a scalar) when the plan narrows at all."""
+  return reduce_dtype != "float32" and jnp.issubdtype(dtype, jnp.floating) and size > 1
+
+
+def is_gradient_cut(prog: "Program", cut: Any) -> bool:
+  """Whether a cut's sum is a gradient, which may cross devices narrowed: a sum made by the backward pass that
+  feeds no later loop (``feedback``) nor a per-microbatch region (``local``). The loss's sum, token counts and
+  metrics are not."""
+  return cut.reduce == "sum" and not cut.feedback and not cut.local and is_backward(prog, cut.index)
+
+
+def is_gradient_accumulated(prog: "Program", var: Any) -> bool:
+  """Whether an accumulated value is a gradient, which may cross devices narrowed: made by the backward pass,
+  in a program with no per-microbatch region."""
+  return not prog.region and is_backward(prog, prog.producer.get(var))
 
 
 def is_zero_broadcast(prog, var) -> bool:

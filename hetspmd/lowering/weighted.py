@@ -40,7 +40,8 @@ from hetspmd.lowering.collectives import reduce_over_data
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.lowering import staged
 from hetspmd.lowering.loop import LoopContext, LoopOperands, between_loops, combiner, feed_back, one_loop
-from hetspmd.lowering.program import (Layout, Program, definition_order, is_backward, low_precision, scatter_dim_of,
+from hetspmd.lowering.program import (Layout, Program, definition_order, is_gradient_accumulated,
+                                     is_gradient_cut, low_precision, scatter_dim_of,
                                      sum_outputs, with_bases)
 from hetspmd.passes.batch_axis.analysis import Analysis
 from hetspmd.passes.batch_axis.rules import Axis
@@ -154,11 +155,10 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
       if s == final and prog.accumulated:
         extra = partials[len(mine):]
         partials = partials[:len(mine)]
-        low = [[not prog.region and is_backward(prog, prog.producer.get(v)) and low_precision(layout, x[0])]
+        low = [[is_gradient_accumulated(prog, v) and low_precision(layout, x[0])]
                for v, x in zip(prog.accumulated, extra)]
         accumulated = reduce(extra, ["sum"] * len(extra), acc_scatter, low=low)
-      low = [[s == final and cut_outs[k].reduce == "sum" and not cut_outs[k].feedback and not cut_outs[k].local
-              and is_backward(prog, cut_outs[k].index) and low_precision(layout, x) for x in part]
+      low = [[s == final and is_gradient_cut(prog, cut_outs[k]) and low_precision(layout, x) for x in part]
              for k, part in zip(mine, partials)]
       reduced = reduce(partials, [cut_outs[k].reduce for k in mine], [scatter.get(k) for k in mine], low=low)
       for k, values_k in zip(mine, reduced):
