@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from hetspmd.passes import _jax_adapter as jx
@@ -127,7 +128,7 @@ def _pooling_transpose(eqn, summed, is_zero) -> str | None:
 
 
 def _inexact(dtype) -> bool:
-  return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)  # bfloat16 too
 
 
 @register("convert_element_type")
