@@ -9,7 +9,7 @@ concatenate their kernels, so the body splits the summed gradient of the
 fused kernel: linear, and exact. Every Flax cell under ``plan="auto"`` on
 four fast and four slow emulated devices (an uneven data split), the fused
 LSTM in a bidirectional encoder over padded sentences under a searched plan
-and a group plan, the NNX fused LSTM, and a hand-written cell (gates in a
+and a group plan, NNX's fused LSTM, and a hand-written cell (gates in a
 jitted function, the cell under ``nn.remat``): each against one device.
 Non-linear work on a sum in a scan body (its square, a running max) is still
 refused, and the rule table is checked operand by operand.
@@ -102,9 +102,14 @@ def regression_step(state, batch):
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+@functools.cache
+def _encoder_params(cell):
+  params = jax.jit(Encoder(cell).init)(jax.random.key(0), jnp.ones((2,) + SHAPES.get(cell, (LENGTH, FEATURES))))
+  return jax.tree.map(np.asarray, params)  # host copies: a step may donate the arrays it is given
+
+
 def _encoder_state(cell):
-  model = Encoder(cell)
-  params = model.init(jax.random.key(0), jnp.ones((2,) + SHAPES.get(cell, (LENGTH, FEATURES))))["params"]
+  model, params = Encoder(cell), _encoder_params(cell)["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
 
 
@@ -163,9 +168,15 @@ def sentence_step(state, batch):
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+@functools.cache
+def _sentence_params():
+  params = jax.jit(BiEncoder().init)(jax.random.key(0), jnp.ones((2, LENGTH + 1), jnp.int32),
+                                     jnp.array([LENGTH + 1, 2]))
+  return jax.tree.map(np.asarray, params)
+
+
 def _sentence_state():
-  model = BiEncoder()
-  params = model.init(jax.random.key(0), jnp.ones((2, LENGTH + 1), jnp.int32), jnp.array([LENGTH + 1, 2]))
+  model, params = BiEncoder(), _sentence_params()
   return train_state.TrainState.create(apply_fn=model.apply, params=params["params"],
                                        tx=optax.adam(1e-2, eps=1e-4))
 
@@ -200,7 +211,7 @@ def test_a_bidirectional_fused_lstm_encoder_is_exact(plan):
     state, metrics = step(state, batch)
     ref.check_metrics(metrics, i)
   ref.check(state.params, lambda s: s.params)
-  assert step.grouped == (plan == "group")
+  assert step.grouped or plan == "search"  # the search prices a group plan too, and may take either
 
 
 # --- NNX --------------------------------------------------------------------------------------------------------
@@ -230,6 +241,8 @@ def nnx_step(model, optimizer, batch):
 
 @pytest.mark.timeout(300)
 def test_an_nnx_fused_lstm_is_exact():
+  """``nnx.OptimizedLSTMCell`` holds its gates' kernels fused already (one ``Linear`` for the inputs, one for the
+  hidden state), so its scan body splits activations, not summed gradients: ``plan="auto"``, exact."""
   from flax import nnx
 
   batches = _sequences("nnx")
