@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis import accumulation, self_indexing
+from hetspmd.passes.batch_axis import accumulation, linearity, self_indexing
 from hetspmd.passes.batch_axis.rules import RULES as RULES
 from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
@@ -280,67 +280,29 @@ class Body:
   chunked: bool = False  # a step's own accumulation loop over chunks of the batch: on a microbatch, one chunk
 
 
-# Equations through which a value stays a sum over examples (linear in it), when its other operands are not.
-_LINEAR = frozenset({"add", "sub", "add_any", "neg", "transpose", "reshape", "squeeze", "broadcast_in_dim",
-                     "convert_element_type", "reduce_sum", "copy", "copy_p", "mul", "dot_general", "select_n",
-                     "concatenate", "pad", "slice", "dynamic_slice", "div", "reduce_precision", "scatter-add",
-                     "dynamic_update_slice"})
-_ADDITIVE = frozenset({"add", "sub", "add_any", "concatenate", "select_n", "scatter-add", "dynamic_update_slice"})
-
-
-def _is_zero(var, producers: dict, eqns) -> bool:
-  import numpy as np
-
-  if jx.is_literal(var):
-    return bool(np.all(np.asarray(jx.literal_value(var)) == 0))
-  i = producers.get(var)
-  if i is None:
-    return False
-  eqn = eqns[i]
-  return jx.primitive_name(eqn) in ("broadcast_in_dim", "convert_element_type") and _is_zero(
-      eqn.invars[0], producers, eqns)
-
-
 def _check_body(prop: Propagation, what: str, eqn) -> None:
-  """Raises Mixing unless every cut in the body is a plain sum that only flows linearly to the body's outputs."""
+  """Raises Mixing unless every cut in the body is a plain sum that only flows linearly to the body's outputs
+  (:mod:`hetspmd.passes.batch_axis.linearity`: which example-free equations keep a sum a sum)."""
   eqns = jx.equations(prop.jaxpr)
   producers = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  is_zero = lambda v: linearity.is_zero(v, producers, eqns)
   for index, decision in prop.cut_list:
     if index < 0:
       continue
     if decision.reduce != "sum":
       raise Mixing(f"its {what} takes a {decision.reduce} over the examples")
-    if decision.base is not None and not _is_zero(eqns[index].invars[decision.base], producers, eqns):
+    if decision.base is not None and not is_zero(eqns[index].invars[decision.base]):
       raise Mixing(f"its {what} scatter-adds over the examples into a non-zero array")
   for v in prop.axes:
     if prop.cut_deps.get(v, 0):
       raise Mixing(f"its {what} feeds a sum over the examples back into per-example work")
-  for i, (e, decision) in enumerate(zip(eqns, prop.decisions)):
+  for e, decision in zip(eqns, prop.decisions):
     if decision is not None:
       continue
     summed = [not jx.is_literal(v) and prop.cut_deps.get(v, 0) != 0 for v in e.invars]
-    if not any(summed):
-      continue
-    name = jx.primitive_name(e)
-    if name not in _LINEAR:
-      raise Mixing(f"its {what} applies {name} to a sum over the examples")
-    others = [v for v, s in zip(e.invars, summed) if not s]
-    if name == "pad" and not _is_zero(e.invars[1], producers, eqns):
-      raise Mixing(f"its {what} pads a sum over the examples with a value that is not zero")
-    if name in _ADDITIVE:
-      skip = {0} if name == "select_n" else set()
-      if name == "scatter-add":
-        skip = {1}
-      if name == "dynamic_update_slice":
-        skip = set(range(2, len(e.invars)))
-      bad = [v for j, (v, s) in enumerate(zip(e.invars, summed)) if not s and j not in skip
-             and not _is_zero(v, producers, eqns)]
-      if bad or (name == "select_n" and summed[0]):
-        raise Mixing(f"its {what} adds a sum over the examples to a value that is not one")
-    elif name in ("mul", "dot_general") and len(others) != len(e.invars) - 1:
-      raise Mixing(f"its {what} multiplies two sums over the examples")
-    elif name == "div" and not (summed[0] and not summed[1]):
-      raise Mixing(f"its {what} divides by a sum over the examples")
+    why = linearity.reason(e, summed, is_zero) if any(summed) else None
+    if why is not None:
+      raise Mixing(f"its {what} {why}")
   del eqn
 
 
