@@ -575,9 +575,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     group_plans: ``False``: ``plan="search"`` takes single programs only.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
-  for name, value in (("donate_state", donate_state), ("group_plans", group_plans)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise InvalidValueError(f"{name} must be True or False, got {value!r}")
+  _check_flags(donate_state=donate_state, group_plans=group_plans)
   cluster = _bound_cluster(cluster)
   names = named_axes.axis_names(axis_name)
 
@@ -599,6 +597,12 @@ def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
   if batch_argnums is None:
     return None
   return tuple(i + bound for i in ((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums))
+
+
+def _check_flags(**flags: Any) -> None:
+  for name, value in flags.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise InvalidValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _bound_cluster(cluster: Any) -> Cluster | None:
