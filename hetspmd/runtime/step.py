@@ -461,9 +461,10 @@ class ParallelStep:
 
 
 def _step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_batch: int | None = None) -> Any:
-  """``run()``, which traces the user's step on ``batch``: an error the step itself raises there (a batch of
-  other shapes or keys than it expects, a state of another structure) as a :class:`TraceError` that shows the
-  batch as the step saw it, the step's own error chained. ``leading``: the batch's leading axes that stand for
+  """``run()``, which traces the user's step on ``batch``. A ``TypeError`` there (JAX's for operands of other
+  shapes or dtypes: a batch that is not what the step expects) becomes a :class:`TraceError` (a ``TypeError``
+  too) that shows the batch as the step saw it, the step's own error chained; any other error the step raises
+  stays its own, with that batch added as a note. ``leading``: the batch's leading axes that stand for
   ``global_batch`` examples (2 for placed microbatch buffers)."""
   try:
     return run()
@@ -475,9 +476,13 @@ def _step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_ba
       return f"{np.dtype(dtype_of(x)).name}{list(((global_batch,) if global_batch else ()) + dims)}"
     shown = jax.tree.map(shape, batch)
     shown = shown[0] if isinstance(shown, tuple) and len(shown) == 1 else shown  # one batch argument
-    raise TraceError(f"the step raised {type(e).__name__} when traced on the batch {shown}: {str(e).rstrip('.')}. Check the batch's "
-                     "keys and shapes (and example_batch's, for plan='search') against what the step reads, and the "
-                     "state against what it was made from") from e
+    where = f"when traced on the batch {shown}"
+    advice = ("Check the batch's keys and shapes (and example_batch's, for plan='search') against what the step "
+              "reads, and the state against what it was made from")
+    if not isinstance(e, TypeError):
+      e.add_note(f"hetspmd: the step raised this {where}. {advice}")
+      raise
+    raise TraceError(f"the step raised {type(e).__name__} {where}: {str(e).rstrip('.')}. {advice}") from e
 
 
 def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
