@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
       "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), and "
       "homogeneous_equivalent: the best plan of the same pool with every device its mean; the heterogeneity tax is "
       "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
-      "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per device kind, each its own "
-      "microbatch). For a model that scans its layers (the zoo's -scan models), pipeline "
+      "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
+      "device kind, each its own microbatch). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
@@ -281,11 +281,12 @@ def _print_search(args: argparse.Namespace, cluster: Cluster, workload, result, 
     if name in result.baselines:
       b = result.baselines[name]
       print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
-  if result.homogeneous_equivalent is not None:
-    print(_plan_row("", result.homogeneous_equivalent, ideal, label="homogeneous_equivalent",
-                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device "
-                           f"its mean, reaches {result.homogeneous_equivalent.throughput / result.homogeneous_ideal:.1%}"
-                           f" of its own ideal; best {result.throughput_vs_homogeneous:.2f}x its throughput)"))
+  equivalent = result.homogeneous_equivalent
+  if equivalent is not None:
+    print(_plan_row("", equivalent, ideal, label="homogeneous_equivalent",
+                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device its "
+                           f"mean, reaches {equivalent.throughput / result.homogeneous_ideal:.1%} of its own ideal; "
+                           f"best is {result.throughput_vs_homogeneous:.2f}x its throughput)"))
   if result.group_plan is not None:
     print()
     print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
