@@ -2,8 +2,8 @@
 error with exit status 2) that says what was wrong and what would be right, before anything is lost: no raw
 traceback, no crash, no results thrown away."""
 
-import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -132,7 +132,8 @@ LIBRARY = [
      "must be positive"),
     ("plan typo", lambda: _step(plan="serach"), hs.InvalidValueError,
      r"'auto', 'search', a Plan, a GroupPlan, or the path.*did you mean plan='search'\?"),
-    ("plan a number", lambda: _step(plan=3), hs.InvalidValueError, "plan must be 'auto', 'search'"),
+    ("plan a number (clear already, now at parallelize())", lambda: _step(plan=3), hs.InvalidValueError,
+     "plan must be 'auto', 'search'"),
     ("plan a folder", lambda: _step(plan=os.path.dirname(__file__)), hs.InvalidValueError, "a directory"),
     ("cluster a number", lambda: _step(cluster=8), hs.InvalidValueError, "preset name, cluster TOML file or spec"),
     ("cluster spec of another size", lambda: _step(cluster="2xV100-32GB"), hs.InvalidValueError,
@@ -247,7 +248,6 @@ def test_cli_bad_inputs_say_what_would_be_right(files, capsys, argv, status, mes
   assert code == status
   assert "Traceback" not in err
   assert len([l for l in err.splitlines() if "error:" in l]) == 1, err
-  import re
   assert re.search(message, err, re.S), err
 
 
