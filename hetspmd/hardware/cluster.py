@@ -299,7 +299,8 @@ class Cluster:
               custom: dict[str, DeviceSpec] | None = None, inter: Link | None = None) -> "Cluster":
     """Real devices (e.g. 8 emulated CPU devices) standing in for ``kinds``.
 
-    Plans for the result run on ``devices``; costs use the virtual kinds.
+    Plans for the result run on ``devices``; costs use the virtual kinds, one
+    per device (a bare string is refused: ``[kind] * len(devices)`` for one kind).
     Consecutive devices of one kind in one process form one virtual host.
     ``inter``: the link between virtual hosts (default the ``host`` preset,
     20 GB/s: one process's memory); processes joined by ``jax.distributed``
