@@ -535,11 +535,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
 
   Args:
     fn: the single-device step.
-    cluster: the devices, bound to JAX (``Cluster.from_devices`` or
-      ``Cluster.emulate``), or a preset name, cluster TOML file or spec
-      (``"4xV100-32GB+4xP100-16GB"``) standing for ``jax.devices()`` in
-      order; default ``Cluster.from_devices(jax.devices())``. A plan made
-      for other device kinds than the cluster's is refused.
+    cluster: the devices, bound to JAX (``Cluster.from_devices``, ``.emulate``), or a preset, TOML file or
+      spec string for ``jax.devices()`` in order; default ``Cluster.from_devices(jax.devices())``.
     plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
       (:mod:`hetspmd.runtime.grouped`: the global batch on every process), or
       a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
