@@ -230,11 +230,16 @@ def _device_count(spec: str) -> int:
 
 
 def _latest(ckpt_dir: str) -> str:
-  steps = [int(name.split("_")[1]) for name in os.listdir(ckpt_dir) if name.startswith("step_")] \
-      if os.path.isdir(ckpt_dir) else []
-  if not steps:
-    raise SystemExit(f"--resume: no checkpoint (step_N folder) in {ckpt_dir}")
-  return os.path.join(ckpt_dir, f"step_{max(steps)}")
+  """The latest complete checkpoint in ``ckpt_dir``, as orbax finds it: a save that was killed leaves a
+  ``step_N.orbax-checkpoint-tmp-*`` folder, which orbax does not count as a step."""
+  from orbax.checkpoint.path import step as ocp_step
+
+  latest = None
+  if os.path.isdir(ckpt_dir):
+    latest = ocp_step.latest_step_metadata(ckpt_dir, ocp_step.standard_name_format(step_prefix="step"))
+  if latest is None:
+    raise SystemExit(f"--resume: no checkpoint (a complete step_N folder) in {ckpt_dir}")
+  return str(latest.path)
 
 
 def _save(checkpointer, ckpt_dir: str, step: int, state) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -29,6 +31,7 @@ from hetspmd.hardware.profiler import profile as profile_devices
 from hetspmd.passes import Role
 from hetspmd.passes import trace as trace_graph
 from hetspmd.passes.profile import profile_step
+from hetspmd.plan.groups import is_group_plan_file
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
@@ -90,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
       "counts per data position weighted by device speed (balanced to the slowest position), microbatch size, "
       "ZeRO stage, remat, and which device kinds take part; against the baselines dp_even, dp_proportional, "
       "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), and "
-      "homogeneous_equivalent: the best plan of the same pool with every device its mean, whose gap to the best "
-      "plan is the heterogeneity tax. Also the best group plan (one program per device kind, each its own "
-      "microbatch). For a model that scans its layers (the zoo's -scan models), pipeline "
+      "homogeneous_equivalent: the best plan of the same pool with every device its mean; the heterogeneity tax is "
+      "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
+      "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
+      "device kind, each its own microbatch). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
@@ -162,14 +166,17 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 def _run_profile(args: argparse.Namespace) -> int:
 
+  _check_writable(args.out, "--out")
+  if args.devices and args.devices > len(jax.devices()):
+    raise HetSpmdError(f"--devices {args.devices}: JAX sees {len(jax.devices())} device(s) "
+                       f"({jax.devices()[0].platform}); give at most {len(jax.devices())}")
   devices = jax.devices()[: args.devices] if args.devices else jax.devices()
   result = profile_devices(devices, progress=not args.json)
   cluster = Cluster.from_profile(result)
-  if args.out:
-    cluster.save(args.out)
+  writes = [(args.out, "the measured cluster", lambda: cluster.save(args.out))] if args.out else []
   if args.json:
     print(json.dumps({**result.to_json(), "cluster": cluster.describe()}, indent=2))
-    return 0
+    return _write_all(args, writes)
   print(f"measured {len(result.devices)} {result.backend} device(s) in {result.seconds:.1f} s")
   print(f"{'device':>6} {'kind':<10} {'fp32 alone':>15} {'fp32 busy':>15} {'bf16 busy':>15} {'copy alone':>11} {'copy busy':>11} {'read busy':>11} {'cache write':>11} {'cache':>9} {'memory':>9}")
   for d in result.devices:
@@ -180,12 +187,45 @@ def _run_profile(args: argparse.Namespace) -> int:
   for fit in result.collectives:
     print(f"{fit.op:<15} over {fit.group_size} ({fit.axis}): alpha {fit.alpha * 1e6:.1f} us, "
           f"{_si(1 / fit.beta if fit.beta else float('inf'), 'B/s')} asymptotic")
-  if args.out:
-    print(f"wrote {args.out}")
-  return 0
+  return _write_all(args, writes)
+
+
+def _check_writable(path: str | None, option: str) -> None:
+  """Refuses, before any work, an output path that cannot be written: a folder, or in a folder that does not
+  exist or that this user may not write to (a write that still fails is reported after the results)."""
+  if not path:
+    return
+  target = Path(path)
+  folder = target.parent
+  if target.is_dir():
+    raise HetSpmdError(f"{option} {path!r} is a folder: give a file path, such as {str(target / 'out.json')!r}")
+  if not folder.is_dir():
+    raise HetSpmdError(f"{option} {path!r}: the folder {str(folder)!r} does not exist")
+  if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    raise HetSpmdError(f"{option} {path!r} cannot be written (no permission)")
+
+
+def _write_all(args: argparse.Namespace, writes: list) -> int:
+  """Writes each ``(path, what, write)`` after the results are printed; a write that fails is reported on
+  stderr (the results stay above it) and the exit status is 2."""
+  status = 0
+  for path, what, write in writes:
+    try:
+      write()
+    except (OSError, HetSpmdError) as e:
+      why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+      print(f"hetspmd {args.command}: error: {what} was not written to {path}: {why} (the results are printed "
+            "above)", file=sys.stderr)
+      status = 2
+    else:
+      if not getattr(args, "json", False):
+        print(f"wrote {what} to {path}")
+  return status
 
 
 def _run_search(args: argparse.Namespace) -> int:
+  _check_writable(args.out, "--out")
+  _check_writable(args.group_plan_out, "--group-plan-out")
   cluster = Cluster.resolve(args.cluster)
   workload = models.get(args.model).with_dtype(args.dtype)
   batch = workload.example_batch(2, args.seq)
@@ -206,16 +246,24 @@ def _run_search(args: argparse.Namespace) -> int:
   except PlanDoesNotFitError as e:
     return _group_plan_only(args, cluster, workload, profile, e, dtypes)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
-  ideal = result.ideal_throughput
-  best = result.plans[0]
-  if args.out:
-    plan_from(best, cluster, state, ideal).save(args.out)
-  if args.group_plan_out:
-    _write_group_plan(args, cluster, result.group_plan, result.ideal_throughput)
   report = _search_report(args, cluster, workload, batch, result, stage_plans)
   if args.json:
     print(json.dumps(report, indent=2))
-    return 0
+  else:
+    _print_search(args, cluster, workload, result, stage_plans, report)
+  writes = []
+  if args.out:
+    writes.append((args.out, "the best plan",
+                   lambda: plan_from(result.plans[0], cluster, state, result.ideal_throughput).save(args.out)))
+  if args.group_plan_out:
+    writes.append((args.group_plan_out, "the best group plan",
+                   lambda: _write_group_plan(args, cluster, result.group_plan, result.ideal_throughput)))
+  return _write_all(args, writes)
+
+
+def _print_search(args: argparse.Namespace, cluster: Cluster, workload, result, stage_plans, report: dict) -> None:
+  """The search's tables: the ranked plans, the baselines, the homogeneous equivalent, group and stage plans."""
+  ideal, best = result.ideal_throughput, result.plans[0]
   kinds = ", ".join(f"{sum(1 for d in cluster.devices if d.spec.name == k)} {k}" for k in cluster.kinds)
   print(f"{workload.name} on {cluster} ({cluster.num_devices} devices: {kinds}), global batch {args.global_batch}"
         + (f", seq {report['seq']}" if report["seq"] else "") + (f", {args.dtype} compute" if args.dtype != "float32"
@@ -233,10 +281,12 @@ def _run_search(args: argparse.Namespace) -> int:
     if name in result.baselines:
       b = result.baselines[name]
       print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
-  if result.homogeneous_equivalent is not None:
-    print(_plan_row("", result.homogeneous_equivalent, ideal, label="homogeneous_equivalent",
-                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device "
-                           "its mean)"))
+  equivalent = result.homogeneous_equivalent
+  if equivalent is not None:
+    print(_plan_row("", equivalent, ideal, label="homogeneous_equivalent",
+                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device its "
+                           f"mean, reaches {equivalent.throughput / result.homogeneous_ideal:.1%} of its own ideal; "
+                           f"best is {result.throughput_vs_homogeneous:.2f}x its throughput)"))
   if result.group_plan is not None:
     print()
     print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
@@ -247,11 +297,8 @@ def _run_search(args: argparse.Namespace) -> int:
     for p in stage_plans:
       print(f"{'':>2} {describe(p, cluster):<60} {p.step_seconds:8.3f} s {args.global_batch / p.step_seconds:10.1f} "
             f"samples/s {p.memory_bytes / 1e9:6.2f} GB/dev  {best.step_seconds / p.step_seconds:.2f}x the best plan")
-  if args.out:
-    print(f"\nwrote the best plan to {args.out}")
-  if args.group_plan_out:
-    print(f"wrote the best group plan to {args.group_plan_out}")
-  return 0
+  if args.out or args.group_plan_out:
+    print()
 
 
 def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, result, stage_plans) -> dict:
@@ -265,7 +312,8 @@ def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, 
                            result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
       "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
                                  result.homogeneous_equivalent.to_json(ideal)),
-      "heterogeneity_tax": result.heterogeneity_tax,
+      "heterogeneity_tax": result.heterogeneity_tax, "throughput_vs_homogeneous": result.throughput_vs_homogeneous,
+      "homogeneous_ideal_throughput": result.homogeneous_ideal,
       "group_plan": (None if result.group_plan is None else
                      {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
                       best.throughput, "parallelize": {
@@ -284,28 +332,27 @@ def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profi
   if grouped is None:
     raise error
   ideal = ideal_throughput(cluster, profile, args.global_batch)
-  if args.group_plan_out:
-    _write_group_plan(args, cluster, grouped, ideal)
+  writes = ([(args.group_plan_out, "the best group plan", lambda: _write_group_plan(args, cluster, grouped, ideal))]
+            if args.group_plan_out else [])
   written = 0 if not args.out else 1  # the single program asked for: none fits
   if args.json:
     print(json.dumps({"model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
                       "global_batch": args.global_batch, "dtype": args.dtype, "seq": args.seq, "plans": [],
                       "baselines": {}, "homogeneous_equivalent": None, "heterogeneity_tax": None,
+                      "throughput_vs_homogeneous": None, "homogeneous_ideal_throughput": None,
                       "no_single_program": str(error), "group_plan": grouped.to_json(ideal),
                       "ideal_throughput": ideal, "search_seconds": None, "candidates": 0, "stage_plans": []},
                      indent=2))
-    return written
+    return _write_all(args, writes) or written
   print(f"{workload.name} on {cluster}, global batch {args.global_batch}"
         + (f", {args.dtype} compute" if args.dtype != "float32" else "") + f"; ideal throughput {ideal:.1f} samples/s")
   print(f"\nno single program fits ({error})\n")
   print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
   print(_group_plan_row(grouped, None, ideal))
-  if args.group_plan_out:
-    print(f"wrote the best group plan to {args.group_plan_out}")
   if args.out:
     print(f"nothing written to {args.out}: no single program fits (--group-plan-out FILE writes the group plan)",
           file=sys.stderr)
-  return written
+  return _write_all(args, writes) or written
 
 
 def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal: float) -> None:
@@ -358,6 +405,11 @@ def _counts_summary(kinds, counts) -> str:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
+  _check_writable(args.png, "--png")
+  if is_group_plan_file(args.plan):
+    raise HetSpmdError(f"{args.plan!r} is a group plan (hetspmd search --group-plan-out): explain reads plans "
+                       "written by hetspmd search --out; hetspmd.parallelize(step, plan=FILE, ...).explain() "
+                       "describes a group plan's programs")
   plan = Plan.load(args.plan)
   if args.json:
     print(json.dumps({"plan": plan.to_json(), "positions": plan_report.positions(plan)}, indent=2))

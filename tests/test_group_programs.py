@@ -743,3 +743,27 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
       re.findall(r"stablehlo\.reduce\(.*?: \(([^)]*)\)", exchange))
   # the three gradients: reduced one by one over the rows, or in one bucket by the tail's all-reduce
   assert sum("bf16" in operands for operands in narrowed) == (1 if tail[1] else 3), narrowed
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_each_held_leaf_is_one_record(zero):
+  """Where the state lives is one record per held leaf (its device, role, the output that makes it and its cast),
+  the devices following the shares; the group program's stages are named, innermost first."""
+  from hetspmd.lowering.group_build import HeldLeaf
+
+  require_devices(8)
+  plan = group_plan(PLANS[0], 38, state_shares=SHARES_80_16, zero_stage=zero)
+  step = run_groups(dropout_step, plan)
+  built = step.prepare(dropout_step, _state(), _batches(38)[0], ())
+  assert built.held and all(isinstance(h, HeldLeaf) for h in built.held)
+  assert len({h.index for h in built.held}) == len(built.held)  # one record per leaf
+  roles = {h.role for h in built.held}
+  assert roles == ({"opt_state", "param"} if zero == 3 else {"opt_state"})
+  assert all((h.output is not None) == (h.role == "param") for h in built.held)
+  assert set(built.owner_paths) == {h.path for h in built.held}
+  held = built.held_bytes(step.devices)
+  assert sum(held) == sum(h.nbytes for h in built.held)
+  assert max(held[:4]) > max(held[4:])  # the 80 GB devices hold more than the 16 GB ones
+  assert built.stages[0] == "loop" and "hold" in built.stages  # every group reads less than the whole state
+  explained = step.explain()
+  assert "each group's program: loop -> " in explained and "held per device" in explained

@@ -235,7 +235,11 @@ def test_search_cli_json(capsys, tmp_path):
   assert set(report["baselines"]) == set(BASELINES)
   assert all("throughput" in b for b in report["baselines"].values())
   best, same = report["plans"][0], report["homogeneous_equivalent"]
-  assert report["heterogeneity_tax"] == pytest.approx(1 - best["throughput"] / same["throughput"], rel=1e-9)
+  assert report["throughput_vs_homogeneous"] == pytest.approx(best["throughput"] / same["throughput"], rel=1e-9)
+  own = report["homogeneous_ideal_throughput"]  # the equivalent's own ideal: its mean devices' throughputs added
+  assert own > 0
+  assert report["heterogeneity_tax"] == pytest.approx(
+      1 - (best["throughput"] / report["ideal_throughput"]) / (same["throughput"] / own), rel=1e-9)
   assert all(best["throughput"] >= b["throughput"] * (1 - 1e-12) for b in report["baselines"].values())
   assert hs.Plan.load(out).global_batch == 32
   assert main(["explain", str(out)]) == 0

@@ -24,6 +24,7 @@ process drives them all (otherwise each host is taken to be a process).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import re
 import tomllib
@@ -198,7 +199,8 @@ class Cluster:
   def preset(cls, name: str) -> "Cluster":
     """A named cluster from :data:`CLUSTER_PRESETS`."""
     if name not in CLUSTER_PRESETS:
-      raise UnknownNameError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTER_PRESETS)}")
+      raise UnknownNameError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTER_PRESETS)}."
+                             f"{_did_you_mean(name, CLUSTER_PRESETS)}")
     return _parse(CLUSTER_PRESETS[name], {}, name)
 
   @classmethod
@@ -211,6 +213,8 @@ class Cluster:
       raise InvalidValueError(f"cluster file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
       raise InvalidValueError(f"cluster file {str(path)!r} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+      raise InvalidValueError(f"cannot read cluster file {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
     return from_dict(data, where=str(path))
 
   def save(self, path: str | Path) -> None:
@@ -219,11 +223,26 @@ class Cluster:
   @classmethod
   def resolve(cls, text: str) -> "Cluster":
     """A preset name, a path to a TOML file, or a compact spec."""
+    if not isinstance(text, (str, Path)):
+      raise InvalidValueError(f"a cluster is a preset name, a cluster TOML file or a spec such as "
+                              f"'4xV100-32GB+4xP100-16GB', got {text!r}")
+    text = str(text)
     if text in CLUSTER_PRESETS:
       return cls.preset(text)
     if text.endswith(".toml") or Path(text).is_file():
       return cls.load(text)
-    return cls.parse(text)
+    if Path(text).is_dir():
+      raise InvalidValueError(f"cluster {text!r} is a folder: give a preset name, a cluster TOML file or a spec")
+    try:
+      return cls.parse(text)
+    except (InvalidValueError, UnknownNameError) as e:
+      if any(c in text for c in "+;@") or re.match(r"\s*\d+\s*x", text):
+        raise  # a spec: its parse error points at the part that is wrong
+      why = str(e).split(";")[0].split("\n")[0]
+      raise UnknownNameError(
+          f"{text!r} is neither a cluster preset, a cluster TOML file, nor a valid cluster spec ({why})."
+          f"{_did_you_mean(text, CLUSTER_PRESETS)} Presets: {', '.join(CLUSTER_PRESETS)}; a spec reads like "
+          "'4xV100-32GB+4xP100-16GB' (hetspmd search --help gives its grammar)") from None
 
   @classmethod
   def from_devices(cls, devices: Sequence[Any], inter: str = DEFAULT_INTER) -> "Cluster":
@@ -280,12 +299,18 @@ class Cluster:
               custom: dict[str, DeviceSpec] | None = None, inter: Link | None = None) -> "Cluster":
     """Real devices (e.g. 8 emulated CPU devices) standing in for ``kinds``.
 
-    Plans for the result run on ``devices``; costs use the virtual kinds.
+    Plans for the result run on ``devices``; costs use the virtual kinds, one
+    per device (a bare string is refused: ``[kind] * len(devices)`` for one kind).
     Consecutive devices of one kind in one process form one virtual host.
     ``inter``: the link between virtual hosts (default the ``host`` preset,
     20 GB/s: one process's memory); processes joined by ``jax.distributed``
     over TCP (gloo on CPU) are better described by a measured link.
     """
+    if isinstance(kinds, str):
+      raise InvalidValueError(f"emulate(kinds=...) takes one kind per device, got the string {kinds!r}: for "
+                              f"{len(list(devices))} devices of one kind pass kinds=[{kinds!r}] * "
+                              f"{len(list(devices))}; for a spec use Cluster.resolve({kinds!r}) or "
+                              f"parallelize(cluster={kinds!r})")
     devices, kinds = list(devices), list(kinds)
     if len(devices) != len(kinds):
       raise InvalidValueError(f"emulate() got {len(devices)} devices but {len(kinds)} kinds; give one kind per device")
@@ -294,6 +319,11 @@ class Cluster:
     specs = {k: device_spec(k, custom) for k in dict.fromkeys(kinds)}
     return _grouped(devices, kinds, specs, inter or LINK_PRESETS["host"], name="emulated",
                     intra=LINK_PRESETS["host"])
+
+
+def _did_you_mean(name: str, names: Any) -> str:
+  close = difflib.get_close_matches(str(name), list(names), n=1)
+  return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,

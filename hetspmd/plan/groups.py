@@ -304,6 +304,8 @@ class GroupPlan:
       raise InvalidValueError(f"group plan file {str(path)!r} does not exist") from None
     except json.JSONDecodeError as e:
       raise InvalidValueError(f"group plan file {str(path)!r} is not valid JSON: {e}") from None
+    except OSError as e:  # a directory, no permission
+      raise InvalidValueError(f"cannot read group plan file {str(path)!r}: {e.strerror or e}") from None
     if not isinstance(data, dict) or "groups" not in data:
       raise InvalidValueError(f"group plan file {str(path)!r} holds no groups: write one with "
                               "hetspmd search --group-plan-out")

@@ -292,6 +292,9 @@ class Plan:
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "Plan":
+    if not isinstance(data, dict):
+      raise InvalidValueError(f"a plan JSON is an object with keys schema, mesh, global_batch, ... (as hetspmd "
+                              f"search --out writes it), got a {type(data).__name__}")
     try:
       schema = int(data["schema"])
       if schema not in READABLE_SCHEMAS:
@@ -315,6 +318,11 @@ class Plan:
           version=str(data.get("hetspmd_version", "")), schema=schema)
     except KeyError as e:
       raise InvalidValueError(f"plan JSON lacks the key {e.args[0]!r}") from None
+    except HetSpmdError:
+      raise
+    except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type: "4" for a list, a list for 4
+      raise InvalidValueError(f"plan JSON holds a value of the wrong type ({e}); write plans with hetspmd search "
+                              "--out or Plan.save") from None
 
   def save(self, path: str | Path) -> None:
     Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -325,8 +333,10 @@ class Plan:
       return cls.from_json(json.loads(Path(path).read_text()))
     except FileNotFoundError:
       raise InvalidValueError(f"plan file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise InvalidValueError(f"plan file {str(path)!r} is not valid JSON: {e}") from None
+    except OSError as e:  # a directory, no permission
+      raise InvalidValueError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
 
   def summary(self) -> str:
     lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))}, global batch {self.global_batch} = "

@@ -100,14 +100,26 @@ class SearchResult:
   candidates: int
   homogeneous_equivalent: Evaluated | None = None
   group_plan: Evaluated | None = None  # the best group plan (one program per kind: hetspmd.planner.grouping)
+  homogeneous_ideal: float | None = None  # the homogeneous equivalent's own ideal throughput
 
   @property
   def heterogeneity_tax(self) -> float | None:
-    """``1 - best / homogeneous_equivalent`` in throughput: what the pool's differences cost the best plan,
-    apart from what the network costs any plan."""
+    """``1 - (best / ideal) / (homogeneous_equivalent / its own ideal)``: how much further the best plan falls
+    short of its pool's ideal than the best plan of the pool's homogeneous equivalent falls short of that
+    pool's ideal (each pool's ideal: its devices' own throughputs added, no communication). 0 where the
+    differences between the devices cost nothing; a raw throughput ratio is :attr:`throughput_vs_homogeneous`."""
+    if self.homogeneous_equivalent is None or not self.homogeneous_ideal:
+      return None
+    equivalent = self.homogeneous_equivalent.throughput / self.homogeneous_ideal
+    return 1.0 - (self.plans[0].throughput / self.ideal_throughput) / equivalent
+
+  @property
+  def throughput_vs_homogeneous(self) -> float | None:
+    """``best / homogeneous_equivalent`` in throughput, each pool's best plan (the ratio of two pools whose
+    ideals differ: a device's step time is not linear in its peak and bandwidth)."""
     if self.homogeneous_equivalent is None:
       return None
-    return 1.0 - self.plans[0].throughput / self.homogeneous_equivalent.throughput
+    return self.plans[0].throughput / self.homogeneous_equivalent.throughput
 
 
 def fits(cluster: Cluster, e: Evaluated) -> bool:
@@ -302,8 +314,11 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
                             recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes)
-  return SearchResult(ranked, tally.best, ideal_throughput(cluster, profile, global_batch),
-                      time.perf_counter() - start, tally.candidates, equivalent, grouped)
+  ideal = ideal_throughput(cluster, profile, global_batch)
+  homogeneous_ideal = None if not homogeneous else ideal if cluster.is_homogeneous else ideal_throughput(
+      cluster.homogeneous_equivalent(), profile, global_batch)
+  return SearchResult(ranked, tally.best, ideal, time.perf_counter() - start, tally.candidates, equivalent, grouped,
+                      homogeneous_ideal)
 
 
 def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, *,
@@ -422,6 +437,8 @@ def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster
   """
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+  if not isinstance(top, int) or top < 1:
+    raise InvalidValueError(f"top (how many plans to rank) must be a positive integer, got {top!r}")
   if progress:
     progress("tracing the step at two batch sizes")
   fn = named_axes.binding(fn, None)  # a pmap-style step: its collectives over the global batch

@@ -122,3 +122,28 @@ def tail_buffers(count: int, size: int, starts: Any, mesh: Any, batch_leaves: li
     rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) for s in starts]
     out.append(jax.device_put(np.concatenate(rows), NamedSharding(mesh, P("data"))))
   return out
+
+
+DONATED = ("the state passed to the step was donated to an earlier call (parallelize(donate_state=True): its "
+           "buffers now hold the state that call returned): pass the state the last call returned, as in "
+           "`state, metrics = step(state, batch)`, or parallelize(..., donate_state=False) to keep the old one")
+
+
+def check_live(state: Any, others: Any = (), devices: Any = None) -> None:
+  """Refuses, before anything is dispatched, arrays that a program cannot take: a deleted one (donated to an
+  earlier call; running on it would crash the process) and, given the program's ``devices``, a state placed on
+  other devices (another plan's step)."""
+  for x in jax.tree.leaves(others):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise HetSpmdError("an array passed to the step has been deleted (donated to another program, or "
+                         "x.delete()): pass live arrays")
+  for x in jax.tree.leaves(state):
+    if not isinstance(x, jax.Array):
+      continue
+    if x.is_deleted():
+      raise HetSpmdError(DONATED)
+    if devices is not None and x.committed and x.sharding.device_set != devices:
+      held = sorted(d.id for d in x.sharding.device_set)
+      raise HetSpmdError(f"the state lies on devices {held}, but this step's plan runs on devices "
+                         f"{sorted(d.id for d in devices)} (a state placed by another plan's step?): place it with "
+                         "step.shard_state(state) first")

@@ -23,7 +23,10 @@ Each argument structure is lowered once to one ``jax.jit`` program:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import os
+import pathlib
 from typing import Any, Callable
 
 import jax
@@ -33,7 +36,7 @@ import numpy as np
 from hetspmd import lowering
 from hetspmd.autodiff import recording_calls, remat_policy
 from hetspmd._dtypes import traced_dtype
-from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
@@ -49,7 +52,7 @@ from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, S
                                      search, searches_group_plans)
 from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, positional_function, static_bound, unbound
 from hetspmd.runtime.grouped import GroupedStep
-from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, positions_array, shard_batch
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, check_live, positions_array, shard_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,7 @@ class ParallelStep:
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   _grouped: GroupedStep | None = None  # under a group plan: its runtime
   _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
+  _devices: frozenset | None = None  # the single program's devices (the state must lie on them)
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -138,7 +142,7 @@ class ParallelStep:
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested, runtime = self.requested_plan, None
-      if isinstance(requested, str) and requested not in ("auto", "search"):
+      if isinstance(requested, (str, os.PathLike)) and requested not in ("auto", "search"):
         requested = GroupPlan.load(requested) if is_group_plan_file(requested) else Plan.load(requested)
       if isinstance(requested, (Plan, GroupPlan)):
         plan = requested
@@ -154,6 +158,7 @@ class ParallelStep:
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
+      _check_plan_kinds(plan, self.cluster)
       self._adopt(plan, runtime)
     if state is not None and not self.grouped:
       self._plan.check_state(state)
@@ -166,7 +171,7 @@ class ParallelStep:
       plan = self._grouped.plan
     else:
       self._grouped = None
-      self._mesh = plan.mesh()
+      self._mesh, self._devices = plan.mesh(), None
     self._plan = plan
 
   def _group_runtime(self, plan: GroupPlan) -> GroupedStep:
@@ -208,7 +213,7 @@ class ParallelStep:
     fn, batch = trace.state_batch(), trace.batch
     considered = searches_group_plans(cluster, self.specs, jax.process_count())
     with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
-      profile = profile_step(fn, state, batch)
+      profile = _step_traced(lambda: profile_step(fn, state, batch), batch)
     result = search(cluster, profile, self.global_batch, top=1,
                     remat_policies=SEARCHED_REMAT if calls else ("none",),
                     recompute=self._recompute(fn, state, batch),
@@ -324,15 +329,22 @@ class ParallelStep:
     call = Call.bind(self, args, kwargs)
     compiled = self._executable(call)
     state, others = call.dynamic
+    check_live(state, others, self._mesh_devices())
     outputs = compiled(distinct_leaves(state) if self.donate_state else state, others, call.batch.counts,
                        self._starts())
     return call.finish(outputs)
+
+  def _mesh_devices(self) -> frozenset:
+    if self._devices is None:
+      self._devices = frozenset(self._mesh.devices.flat)
+    return self._devices
 
   def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
     """One step under the group plan: the step as ``f(state, batch, rest, kwargs)``, with the batch arguments (or
     the one placed by :meth:`shard_batch`)."""
     from flax import nnx
 
+    check_live(parts.state, parts.batch)
     placed = len(parts.batch) == 1 and isinstance(parts.batch[0], GroupedBatch)
     trace = _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
     out = self._grouped.run(trace.f, parts.state, parts.batch[0] if placed else parts.batch, trace.rest,
@@ -411,7 +423,8 @@ class ParallelStep:
     plan, mesh = self.plan, self._mesh
     state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
     with remat_policy(plan.remat):
-      closed, out_tree = call.trace(plan.global_batch)
+      closed, out_tree = _step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
+                                      global_batch=plan.global_batch)
     analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
     self._analysis = analysis
@@ -446,6 +459,31 @@ class ParallelStep:
 
     run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
     return run
+
+
+def _step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_batch: int | None = None) -> Any:
+  """``run()``, which traces the user's step on ``batch``. A ``TypeError`` there (JAX's for operands of other
+  shapes or dtypes: a batch that is not what the step expects) becomes a :class:`TraceError` (a ``TypeError``
+  too) that shows the batch as the step saw it, the step's own error chained; any other error the step raises
+  stays its own, with that batch added as a note. ``leading``: the batch's leading axes that stand for
+  ``global_batch`` examples (2 for placed microbatch buffers)."""
+  try:
+    return run()
+  except HetSpmdError:
+    raise
+  except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    def shape(x):
+      dims = tuple(np.shape(x)[leading:]) if global_batch else tuple(np.shape(x))
+      return f"{np.dtype(traced_dtype(x)).name}{list(((global_batch,) if global_batch else ()) + dims)}"
+    shown = jax.tree.map(shape, batch)
+    shown = shown[0] if isinstance(shown, tuple) and len(shown) == 1 else shown  # one batch argument
+    where = f"when traced on the batch {shown}"
+    advice = ("Check the batch's keys and shapes (and example_batch's, for plan='search') against what the step "
+              "reads, and the state against what it was made from")
+    if not isinstance(e, TypeError):
+      e.add_note(f"hetspmd: the step raised this {where}. {advice}")
+      raise
+    raise TraceError(f"the step raised {type(e).__name__} {where}: {str(e).rstrip('.')}. {advice}") from e
 
 
 def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
@@ -498,8 +536,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
 
   Args:
     fn: the single-device step.
-    cluster: the devices, bound to JAX (``Cluster.from_devices`` or
-      ``Cluster.emulate``); default ``Cluster.from_devices(jax.devices())``.
+    cluster: the devices, bound to JAX (``Cluster.from_devices``, ``.emulate``), or a preset, TOML file or
+      spec string for ``jax.devices()`` in order; default ``Cluster.from_devices(jax.devices())``.
     plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
       (:mod:`hetspmd.runtime.grouped`: the global batch on every process), or
       a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
@@ -543,6 +581,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     group_plans: ``False``: ``plan="search"`` takes single programs only.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
+  _check_flags(donate_state=donate_state, group_plans=group_plans)
+  cluster = _bound_cluster(cluster)
   names = named_axes.axis_names(axis_name)
 
   def wrap(f: Callable[..., Any]) -> ParallelStep:
@@ -565,11 +605,64 @@ def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
   return tuple(i + bound for i in ((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums))
 
 
+def _check_flags(**flags: Any) -> None:
+  for name, value in flags.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise InvalidValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _bound_cluster(cluster: Any) -> Cluster | None:
+  """``parallelize``'s ``cluster``: a :class:`Cluster`, or a preset name, cluster TOML file or spec
+  (:meth:`Cluster.resolve`) standing for JAX's devices in order, as :meth:`Cluster.emulate` binds them."""
+  if cluster is None or isinstance(cluster, Cluster):
+    return cluster
+  if not isinstance(cluster, str):
+    raise InvalidValueError(f"cluster must be a Cluster, or a preset name, cluster TOML file or spec such as "
+                            f"'4xV100-32GB+4xP100-16GB', got {cluster!r}")
+  virtual = Cluster.resolve(cluster)
+  if virtual.jax_device_ids is not None:  # a measured cluster file: its own devices
+    return virtual
+  devices = jax.devices()
+  if virtual.num_devices != len(devices):
+    raise InvalidValueError(f"cluster {cluster!r} has {virtual.num_devices} devices but JAX sees {len(devices)}: "
+                            f"give one with {len(devices)}, or a Cluster.emulate(devices, kinds) of some of them")
+  return virtual.replace(jax_device_ids=tuple(d.id for d in devices))
+
+
+def _check_plan_kinds(plan: Plan | GroupPlan, cluster: Cluster | None) -> None:
+  """Refuses a plan made for other device kinds than ``cluster``'s at the plan's devices."""
+  if not isinstance(plan, Plan) or not plan.device_kinds or cluster is None or cluster.jax_device_ids is None:
+    return
+  kind_of = dict(zip(cluster.jax_device_ids, (d.spec.name for d in cluster.devices)))
+  here = tuple(kind_of.get(i, "absent") for i in plan.device_ids)
+  if here != plan.device_kinds:
+    count = lambda kinds: ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    raise HetSpmdError(f"the plan was made for devices {count(plan.device_kinds)}, but the cluster's devices "
+                       f"{list(plan.device_ids)} are {count(here)}: make a plan for this cluster (plan='search' or "
+                       "hetspmd search --cluster ...), or pass the cluster the plan was made for")
+
+
+def _check_plan_value(plan: Any) -> None:
+  """``plan`` is 'auto', 'search', a Plan, a GroupPlan or a path to an existing plan file."""
+  if isinstance(plan, (Plan, GroupPlan)) or (isinstance(plan, str) and plan in ("auto", "search")):
+    return
+  valid = "'auto', 'search', a Plan, a GroupPlan, or the path of an existing plan JSON file"
+  if not isinstance(plan, (str, os.PathLike)):
+    raise InvalidValueError(f"plan must be {valid}, got {plan!r}")
+  path = pathlib.Path(plan)
+  if not path.is_file():
+    close = difflib.get_close_matches(str(plan), ("auto", "search"), n=1)
+    what = "a directory" if path.is_dir() else "no such file"
+    raise InvalidValueError(f"plan={str(plan)!r} is not a plan value and {what}: plan must be {valid}"
+                            + (f"; did you mean plan={close[0]!r}?" if close else ""))
+
+
 def _check_options(plan: Any, global_batch: int, microbatch: int | None, batch_stats: str,
                    grad_reduce_dtype: str) -> None:
   """``parallelize``'s options, each checked before any trace: what was given and what would be valid."""
   if not isinstance(global_batch, int) or global_batch < 1:
     raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+  _check_plan_value(plan)
   if microbatch is not None and (not isinstance(microbatch, int) or microbatch < 1 or global_batch % microbatch):
     raise InvalidValueError(f"microbatch must be a positive divisor of the global batch {global_batch}, "
                             f"got {microbatch!r}")
