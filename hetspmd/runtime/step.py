@@ -32,7 +32,7 @@ import numpy as np
 
 from hetspmd import lowering
 from hetspmd.autodiff import recording_calls, remat_policy
-from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError, UnsupportedPrimitiveError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
@@ -46,7 +46,8 @@ from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
-from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, dtype_of, positional_function, unbound
+from hetspmd.runtime.binding import (Arguments, Call, StaticArgs, distinct_leaves, dtype_of, positional_function,
+                                     unbound)
 from hetspmd.runtime.grouped import GroupedStep, static_bound
 from hetspmd.runtime.placement import ShardedBatch, positions_array, shard_batch
 
@@ -106,6 +107,7 @@ class ParallelStep:
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   _grouped: GroupedStep | None = None  # under a group plan: its runtime
   _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
+  static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -291,11 +293,12 @@ class ParallelStep:
     trace = self._example_trace()
     try:
       self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest, static=trace.static)
-    except HetSpmdError:
-      raise
-    except TypeError as e:
-      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
-                         "the step once first, then ask for state_shardings") from None
+    except (TypeError, TraceError) as e:  # a TraceError chained to the TypeError of a call the step does not take
+      cause = e.__cause__ if isinstance(e, TraceError) else e
+      if isinstance(e, UnsupportedPrimitiveError) or not isinstance(cause, TypeError) or jx.is_concreteness_error(e):
+        raise
+      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({cause}): "
+                         "call the step once first, then ask for state_shardings") from None
 
   def shard_batch(self, batch: Any) -> ShardedBatch:
     """Host batch → padded per-device microbatch buffers and counts.
@@ -312,8 +315,26 @@ class ParallelStep:
   # --- running -------------------------------------------------------------------
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
+    return self._with_static(self._call, args, kwargs)
+
+  def _with_static(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``run(args, kwargs)`` on the call's arguments (``nnx.cached_partial``'s objects first), the static ones
+    wrapped (:class:`~hetspmd.runtime.binding.StaticArgs`); where the trace needs a top-level Python ``int`` or
+    ``bool`` of an unjitted step as a Python value (a shape, a branch), again with that argument static."""
     args = self.bound + args
+    while True:
+      try:
+        return run(*self.static.mark(args, kwargs))
+      except Exception as e:  # noqa: BLE001 (re-raised unless a scalar made static lets the trace through)
+        if not jx.is_concreteness_error(e):
+          raise
+        scalars = self.static.scalars(args, kwargs)
+        if self.static.jitted or not scalars:
+          raise _concreteness_error(self.static, scalars, args, kwargs, e) from e
+        self.static = self.static.inferring(scalars[0])
+
+  def _call(self, args: tuple, kwargs: dict) -> Any:
+    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
     if self._plan is None or self.grouped:
       parts = Arguments.of(self, args)
       if self._plan is None:
@@ -346,8 +367,12 @@ class ParallelStep:
     if self.grouped:
       raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "
                          "updates): there is no one program to lower; step.explain() describes them")
-    call = self._bind_call(args, kwargs)
-    return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+
+    def lowered(args: tuple, kwargs: dict):
+      call = Call.bind(self, args, kwargs)
+      return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+
+    return self._with_static(lowered, args, kwargs)
 
   def explain(self) -> str:
     if self.grouped:
@@ -385,10 +410,13 @@ class ParallelStep:
     return "\n".join(lines)
 
   def _call_notes(self) -> list[str]:
+    notes = [f"  argument {self.static.describe(k)}, a Python value the step uses as a shape or a branch, is bound "
+             "static (as jax.jit's static_argnums): each new value builds programs of its own"
+             for k in self.static.inferred]
     if not self.axis_name:
-      return []
+      return notes
     names = ", ".join(repr(n) for n in self.axis_name)
-    return [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
+    return notes + [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
 
   def _starts(self):
     plan = self.plan
@@ -396,9 +424,6 @@ class ParallelStep:
       starts = np.concatenate([[0], np.cumsum(plan.examples_per_position())[:-1]]).astype(np.int32)
       self._starts_array = positions_array(self._mesh, plan, starts)
     return self._starts_array
-
-  def _bind_call(self, args: tuple, kwargs: dict) -> Call:
-    return Call.bind(self, self.bound + args, kwargs)
 
   def _executable(self, call: Call):
     key = call.key
@@ -447,6 +472,25 @@ class ParallelStep:
     return run
 
 
+def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: dict,
+                        error: BaseException) -> TraceError:
+  """The error for a trace that needed a Python value where it had a traced one, and no argument left to bind
+  static: the call's Python ``int``/``bool`` arguments that are not static, and how to make one static."""
+  named = ", ".join(f"argument {static.describe(k)} = {args[k] if isinstance(k, int) else kwargs[k]!r}"
+                    for k in scalars)
+  if static.jitted:
+    fix = ("name the argument it comes from in the step's jax.jit (or nnx.jit) static_argnums/static_argnames, as "
+           "jax.jit alone would need")
+  else:
+    fix = "name the argument it comes from in parallelize(..., static_argnums=..., static_argnames=...)"
+  while error.__cause__ is not None:
+    error = error.__cause__
+  said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return TraceError(f"the step uses a traced value as a Python value (a shape or a Python branch)"
+                    + (f"; its Python int/bool arguments that are traced: {named}" if named else "")
+                    + f". To bind an argument as a hashable Python value, {fix}. JAX: {said}")
+
+
 def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
   """XLA options the plan needs: on GPUs, an overlapped reduction needs the latency-hiding scheduler to move each
   gradient's all-reduce start up into the last microbatch's backward pass."""
@@ -480,7 +524,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
                 batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
-                group_plans: bool = True):
+                group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -494,6 +538,27 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   from its jaxpr (:mod:`hetspmd.passes.batch_axis.analysis`). A step that
   mixes examples in a way that does not split into microbatches (a sort
   along the batch) is refused, naming the primitive and the Flax module.
+
+  The call's arguments go as ``jax.jit`` takes them:
+
+  * the train state: the NNX objects, or else the first argument beside the
+    batch that holds arrays: placed with the plan's shardings;
+  * the batch: the arguments all of whose arrays lead with ``global_batch``
+    examples (or ``batch_argnums``): split into microbatches;
+  * other arrays, and Python ``int``, ``float`` and ``bool`` values anywhere
+    else (a dropout key, a learning rate, a ``TrainState``'s ``step``):
+    traced, so a new value runs the same programs;
+  * static arguments (the step's own ``jax.jit`` / ``nnx.jit``
+    ``static_argnums`` and ``static_argnames``, and those given here): bound
+    into the programs as hashable Python values, each new value building
+    programs of its own, as ``jax.jit`` recompiles; an unhashable one is
+    refused;
+  * other leaves that are neither arrays nor numbers (a string, a config
+    dataclass, a schedule function): bound into the programs as constants,
+    keyed by value;
+  * an unjitted step's top-level Python ``int`` or ``bool`` argument that
+    its trace needs as a Python value (a layer width, a ``train`` flag a
+    Python ``if`` reads) is bound static, and ``explain()`` says so.
 
   Args:
     fn: the single-device step.
@@ -540,6 +605,10 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       the global batch" under any plan (``lax.axis_index`` is 0; see
       :mod:`hetspmd.passes.frontend.named_axes`).
     group_plans: ``False``: ``plan="search"`` takes single programs only.
+    static_argnums, static_argnames: the step's static arguments, with
+      ``jax.jit``'s meaning (positions counted among the call's own
+      arguments, after any ``nnx.cached_partial`` binds), added to those of
+      the step's own ``jax.jit`` / ``nnx.jit``.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   names = named_axes.axis_names(axis_name)
@@ -551,7 +620,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     argnums = _batch_argnums(batch_argnums, len(bound))
     return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
                         batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
-                        bound=bound, axis_name=names, group_plans=group_plans)
+                        bound=bound, axis_name=names, group_plans=group_plans,
+                        static=StaticArgs.of(f, static_argnums, static_argnames, len(bound)))
 
   return wrap if fn is None else wrap(fn)
 
