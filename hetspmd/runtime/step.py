@@ -539,26 +539,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   mixes examples in a way that does not split into microbatches (a sort
   along the batch) is refused, naming the primitive and the Flax module.
 
-  The call's arguments go as ``jax.jit`` takes them:
-
-  * the train state: the NNX objects, or else the first argument beside the
-    batch that holds arrays: placed with the plan's shardings;
-  * the batch: the arguments all of whose arrays lead with ``global_batch``
-    examples (or ``batch_argnums``): split into microbatches;
-  * other arrays, and Python ``int``, ``float`` and ``bool`` values anywhere
-    else (a dropout key, a learning rate, a ``TrainState``'s ``step``):
-    traced, so a new value runs the same programs;
-  * static arguments (the step's own ``jax.jit`` / ``nnx.jit``
-    ``static_argnums`` and ``static_argnames``, and those given here): bound
-    into the programs as hashable Python values, each new value building
-    programs of its own, as ``jax.jit`` recompiles; an unhashable one is
-    refused;
-  * other leaves that are neither arrays nor numbers (a string, a config
-    dataclass, a schedule function): bound into the programs as constants,
-    keyed by value;
-  * an unjitted step's top-level Python ``int`` or ``bool`` argument that
-    its trace needs as a Python value (a layer width, a ``train`` flag a
-    Python ``if`` reads) is bound static, and ``explain()`` says so.
+  Arguments go as under ``jax.jit``: the state (NNX objects, or the first
+  argument beside the batch with arrays) and the batch (``batch_argnums``, or
+  the arguments whose arrays lead with ``global_batch``) are placed; other
+  arrays and Python numbers are traced; static arguments (the step's own
+  ``jax.jit``/``nnx.jit`` ones, ``static_argnums``/``static_argnames``, an
+  unjitted step's ``int``/``bool`` its trace needs as a value: ``explain()``)
+  and other non-array leaves (a config) are bound in: a new value, new programs.
 
   Args:
     fn: the single-device step.
@@ -596,34 +583,33 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       (exact), ``"bfloat16"`` (half the bytes; each element within a few
       units of bfloat16's roundoff of the sum of the positions' magnitudes),
       or ``"search"`` (``plan="search"`` only: the search picks float32 or
-      bfloat16 per plan, by cost).
-      Accumulation over microbatches stays float32 either way. ``"search"``
-      plans overlap the reduction with each position's last microbatch.
+      bfloat16 per plan, by cost). Accumulation over microbatches stays
+      float32 either way. ``"search"`` plans overlap the reduction with each
+      position's last microbatch.
     axis_name: a ``jax.pmap``-style step's collective axis name(s)
       (``lax.pmean(grads, 'batch')``); default: found from the step. It runs
       as the one replica of the global batch, so its collectives mean "over
       the global batch" under any plan (``lax.axis_index`` is 0; see
       :mod:`hetspmd.passes.frontend.named_axes`).
     group_plans: ``False``: ``plan="search"`` takes single programs only.
-    static_argnums, static_argnames: the step's static arguments, with
-      ``jax.jit``'s meaning (positions counted among the call's own
-      arguments, after any ``nnx.cached_partial`` binds), added to those of
-      the step's own ``jax.jit`` / ``nnx.jit``.
+    static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
-  names = named_axes.axis_names(axis_name)
-
-  def wrap(f: Callable[..., Any]) -> ParallelStep:
-    if not callable(f):
-      raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
-    f, bound = unbound(f)
-    argnums = _batch_argnums(batch_argnums, len(bound))
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
-                        batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
-                        bound=bound, axis_name=names, group_plans=group_plans,
-                        static=StaticArgs.of(f, static_argnums, static_argnames, len(bound)))
-
+  wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
+      cluster=cluster, requested_plan=plan, global_batch=global_batch, microbatch=microbatch,
+      donate_state=donate_state, specs=specs, example_batch=example_batch, batch_stats=batch_stats,
+      grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
   return wrap if fn is None else wrap(fn)
+
+
+def _parallel_step(batch_argnums: Any, static: tuple, options: dict, f: Callable[..., Any]) -> ParallelStep:
+  """``f`` bound to ``parallelize``'s ``options``: an ``nnx.cached_partial``'s objects unbound, the batch and
+  static arguments' positions counted after them."""
+  if not callable(f):
+    raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
+  f, bound = unbound(f)
+  return ParallelStep(f, **options, batch_argnums=_batch_argnums(batch_argnums, len(bound)), bound=bound,
+                      static=StaticArgs.of(f, *static, len(bound)))
 
 
 def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
