@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError
+from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.runtime.placement import ShardedBatch, local_positions
 
@@ -305,7 +305,7 @@ class Call:
       if i in batch_ids:  # buffers [positions * max_count, microbatch, ...] stand for [global batch, ...]
         shape = (global_batch,) + tuple(shape[2:])
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, weak_type=isinstance(x, (int, float, bool, complex))))
-    closed, shapes = traced_jaxpr(self._pure(), abstract)
+    closed, shapes = jx.make_closed_jaxpr(self._pure(), *abstract, return_shape=True)
     return closed, jax.tree.structure(shapes)
 
   def returns_state(self, out_tree: Any, closed: Any) -> bool:
@@ -343,17 +343,6 @@ class Call:
       nnx.update(tuple(self.args[i] for i in self.graph_args), new_state)
       return out
     return outputs
-
-
-def traced_jaxpr(fn: Callable[..., Any], avals: list) -> tuple[Any, Any]:
-  """The step's closed jaxpr at ``avals`` and its output shapes; a trace that fails on its arguments raises a
-  :class:`~hetspmd.errors.TraceError` (chained to JAX's error)."""
-  try:
-    return jx.make_closed_jaxpr(fn, *avals, return_shape=True)
-  except HetSpmdError:
-    raise
-  except (TypeError, ValueError) as e:
-    raise TraceError(f"could not trace the step with these arguments: {e}") from e
 
 
 def distinct_leaves(tree: Any) -> Any:

@@ -72,7 +72,7 @@ from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
 from hetspmd.plan.state_layout import role_of
-from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node, traced_jaxpr
+from hetspmd.runtime.binding import distinct_leaves, hashable, is_dynamic, is_graph_node
 from hetspmd.runtime.group_wrappers import (DATA, Donating, assembled, constrained, donating, group_mesh,
                                             less_held, model_split, narrowed, new_values, relayed, reordered,
                                             returns_state, scatter_program, spread, widened)
@@ -562,7 +562,7 @@ class GroupedStep:
     for policy in policies:
       # beside checkpointed groups, "none" is traced checkpointed too, saving everything: the same cuts
       with remat_policy(SAVED if policy == "none" and len(policies) > 1 else policy):
-        closed, shapes = traced_jaxpr(functools.partial(flat), avals)
+        closed, shapes = jx.make_closed_jaxpr(functools.partial(flat), *avals, return_shape=True)
       progs[policy] = Program(analyse(closed, batch_inputs, self.plan.global_batch, batch_stats=self.batch_stats,
                                       float_state_inputs=floats), batch_inputs)
       group_lowering.check(progs[policy], tail=bool(self.plan.tail_count))

@@ -32,7 +32,7 @@ import numpy as np
 
 from hetspmd import lowering
 from hetspmd.autodiff import recording_calls, remat_policy
-from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError, UnsupportedPrimitiveError
+from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
@@ -293,12 +293,13 @@ class ParallelStep:
     trace = self._example_trace()
     try:
       self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest, static=trace.static)
-    except (TypeError, TraceError) as e:  # a TraceError chained to the TypeError of a call the step does not take
-      cause = e.__cause__ if isinstance(e, TraceError) else e
-      if isinstance(e, UnsupportedPrimitiveError) or not isinstance(cause, TypeError) or jx.is_concreteness_error(e):
+    except HetSpmdError:
+      raise
+    except TypeError as e:
+      if jx.is_concreteness_error(e):
         raise
-      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({cause}): "
-                         "call the step once first, then ask for state_shardings") from None
+      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
+                         "the step once first, then ask for state_shardings") from None
 
   def shard_batch(self, batch: Any) -> ShardedBatch:
     """Host batch → padded per-device microbatch buffers and counts.
