@@ -116,6 +116,9 @@ def test_a_jitted_step_takes_its_static_arguments_as_python_values(given, plan):
     built.append(_programs(step))
   _check_plan(step, plan)
   assert built == [1, 2, 2]  # one per train value
+  if not step.grouped:  # a call's program, lowered: the one its static values built
+    args, kwargs = ((False, 4), {}) if given == "static_argnums" else ((), {"train": False, "num_classes": 4})
+    assert step.lower(_copy(initial), batches[0], *args, **kwargs).as_text() and _programs(step) == 2
   assert "bound static" not in step.explain()  # declared, not found
 
 

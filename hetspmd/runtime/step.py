@@ -327,8 +327,8 @@ class ParallelStep:
       try:
         return run(*self.static.mark(args, kwargs))
       except Exception as e:  # noqa: BLE001 (re-raised unless a scalar made static lets the trace through)
-        if not jx.is_concreteness_error(e):
-          raise
+        if isinstance(e, HetSpmdError) and type(e) is not TraceError or not jx.is_concreteness_error(e):
+          raise  # hetspmd's own message (a TraceError only wraps JAX's), or not a value needed concrete
         scalars = self.static.scalars(args, kwargs)
         if self.static.jitted or not scalars:
           raise _concreteness_error(self.static, scalars, args, kwargs, e) from e
