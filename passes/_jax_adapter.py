@@ -73,6 +73,36 @@ def trace_to_jaxpr(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str
   return traced.jaxpr, traced.out_info
 
 
+def jit_static_arguments(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+  """``(static_argnums, static_argnames)`` of a ``jax.jit``-ed ``fn``, or of an ``nnx.jit``-ed one (the
+  ``jax.jit`` of its function, ``jitted_fn``, which takes the same arguments); ``None`` for a function that is
+  not jitted. JAX resolves each against the signature, so both name the same arguments (jax 0.10.2: the
+  ``PjitFunction``'s ``_jit_info``, a ``PjitInfo``)."""
+  info = getattr(getattr(fn, "jitted_fn", fn), "_jit_info", None)
+  if info is None or not hasattr(info, "static_argnums"):
+    return None
+  return tuple(info.static_argnums), tuple(info.static_argnames)
+
+
+# A shape or a Python branch that met a traced value (jax 0.10.2 wordings): a shape of tracers is a plain
+# TypeError, a jitted function's static argument given a tracer a ValueError.
+_CONCRETENESS = re.compile(r"concrete value|Non-hashable static arguments are not supported.*Tracer", re.DOTALL)
+
+
+def is_concreteness_error(error: BaseException) -> bool:
+  """Whether ``error``, or an error it was raised from, says the trace needed a concrete Python value (a shape,
+  a branch, a jitted function's static argument) where it had a traced one."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)):
+      return True
+    if isinstance(error, (TypeError, ValueError)) and _CONCRETENESS.search(str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
 # JAX's two wordings of a collective over an axis name that nothing binds (core.AxisEnv and lax.parallel).
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (?P<name>[^\s.]+)")
 

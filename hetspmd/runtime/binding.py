@@ -6,6 +6,13 @@ functional step's state argument or the NNX state of its graph objects
 ``nnx.jit`` does); the batch is the arguments whose arrays lead with the
 global batch (or ``batch_argnums``); the rest is passed through. A
 ``nnx.cached_partial`` step is unbound into its function and objects.
+
+Static arguments (:class:`StaticArgs`: the step's own ``jax.jit`` /
+``nnx.jit`` ``static_argnums`` and ``static_argnames``, those given to
+``parallelize``, and an unjitted step's Python ``int`` or ``bool`` found to
+set a shape or a branch) arrive wrapped in :class:`Static`: not an array,
+so bound into the programs as a constant and part of their key, and
+unwrapped to the step's own value as it is called.
 """
 
 from __future__ import annotations
@@ -29,6 +36,115 @@ def is_graph_node(x: Any) -> bool:
   from flax import nnx
 
   return nnx.graph.is_graph_node(x)
+
+
+class Static:
+  """A static argument's value, as ``jax.jit`` takes one: hashable, equal to another of the same type and value
+  (so a new value builds programs of its own), never traced. ``where`` names the argument in messages."""
+
+  __slots__ = ("value", "where")
+
+  def __init__(self, value: Any, where: str):
+    if not _is_hashable(value):
+      raise HetSpmdError(f"the static argument {where} is a {type(value).__name__}, which is not hashable: static "
+                         "arguments are bound into the programs as jax.jit binds them, keyed by value. Pass a "
+                         "hashable value (a tuple for a list, a frozen dataclass for a dict), or leave the argument "
+                         "out of static_argnums/static_argnames so that it is traced")
+    self.value, self.where = value, where
+
+  def __eq__(self, other: Any) -> bool:
+    return (isinstance(other, Static) and type(other.value) is type(self.value)
+            and bool(other.value == self.value))
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __repr__(self) -> str:
+    return f"Static({self.value!r})"
+
+
+def unwrapped(x: Any) -> Any:
+  """A call's argument as the step takes it: a :class:`Static`'s value, anything else as it is."""
+  return x.value if isinstance(x, Static) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticArgs:
+  """Which of a step's arguments are static, with ``jax.jit``'s meaning: positions ``argnums`` (counted among
+  every argument the step's function takes, ``nnx.cached_partial``'s objects first) and keyword ``argnames``,
+  each resolved against the signature where it has one. ``jitted``: the step is ``jax.jit``- or
+  ``nnx.jit``-ed, so its own static arguments are all it takes as Python values; ``inferred``: an unjitted
+  step's Python ``int``/``bool`` arguments (position or name) bound static because their trace needed them
+  concrete."""
+
+  argnums: frozenset = frozenset()
+  argnames: frozenset = frozenset()
+  jitted: bool = False
+  inferred: tuple = ()
+  names: tuple = ()  # the step's positional parameters' names, where its signature says them
+
+  @classmethod
+  def of(cls, fn: Callable[..., Any], argnums: Any, argnames: Any, bound: int) -> "StaticArgs":
+    """The step's own static arguments (read from its ``jax.jit`` / ``nnx.jit``) and the ``argnums`` (counted
+    after the ``bound`` objects of an ``nnx.cached_partial``) and ``argnames`` given for it."""
+    own = jx.jit_static_arguments(fn)
+    nums = {i + bound if i >= 0 else i for i in _ints(argnums, "static_argnums")} | set(own[0] if own else ())
+    names = set(_strs(argnames)) | set(own[1] if own else ())
+    params = _positional_names(fn)
+    nums |= {params.index(n) for n in names if n in params}
+    names |= {params[i] for i in nums if 0 <= i < len(params)}
+    return cls(frozenset(nums), frozenset(names), own is not None, (), tuple(params))
+
+  def inferring(self, key: int | str) -> "StaticArgs":
+    return dataclasses.replace(self, inferred=self.inferred + (key,))
+
+  def is_static(self, key: int | str, n_args: int) -> bool:
+    if isinstance(key, str):
+      return key in self.argnames or key in self.inferred
+    return key in self.inferred or any(i == key or i < 0 and i + n_args == key for i in self.argnums)
+
+  def mark(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each static argument's value wrapped in :class:`Static`."""
+    if not (self.argnums or self.argnames or self.inferred):
+      return args, kwargs
+    args = tuple(Static(a, self.describe(i)) if self.is_static(i, len(args)) else a for i, a in enumerate(args))
+    kwargs = {k: Static(v, self.describe(k)) if self.is_static(k, len(args)) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+  def scalars(self, args: tuple, kwargs: dict) -> list:
+    """The positions and names of the call's top-level Python ``int`` and ``bool`` arguments not static yet."""
+    found = [i for i, a in enumerate(args) if type(a) in (int, bool) and not self.is_static(i, len(args))]
+    return found + [k for k, v in kwargs.items() if type(v) in (int, bool) and not self.is_static(k, len(args))]
+
+  def describe(self, key: int | str) -> str:
+    if isinstance(key, str):
+      return f"{key!r}"
+    return f"{key} ({self.names[key]!r})" if key < len(self.names) else f"{key}"
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+  value = () if value is None else (value,) if isinstance(value, int) else tuple(value)
+  if not all(isinstance(i, int) for i in value):
+    raise InvalidValueError(f"{what} must be an int or a sequence of ints, got {value!r}")
+  return value
+
+
+def _strs(value: Any) -> tuple[str, ...]:
+  value = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+  if not all(isinstance(n, str) for n in value):
+    raise InvalidValueError(f"static_argnames must be a str or a sequence of strs, got {value!r}")
+  return value
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+  """The names of ``fn``'s parameters that may be passed by position, in order (none where it has no
+  signature)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  return [p.name for p in params if p.kind in kinds]
 
 
 def is_dynamic(x: Any) -> bool:
@@ -105,7 +221,7 @@ def positional_function(fn: Callable[..., Any], n_args: int, *, graph_args: tupl
         args[i] = state
       else:
         args[i] = next(others)
-    out = fn(*args, **kwargs)
+    out = fn(*map(unwrapped, args), **{k: unwrapped(v) for k, v in kwargs.items()})
     if graph_args:
       return nnx.state(objects), out
     return out

@@ -50,7 +50,8 @@ from hetspmd.planner.building import plan_for, plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
-from hetspmd.runtime.binding import Arguments, Call, distinct_leaves, positional_function, static_bound, unbound
+from hetspmd.runtime.binding import (Arguments, Call, StaticArgs, distinct_leaves, positional_function,
+                                     static_bound, unbound)
 from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, check_live, positions_array, shard_batch
 
@@ -111,6 +112,7 @@ class ParallelStep:
   _grouped: GroupedStep | None = None  # under a group plan: its runtime
   _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
   _devices: frozenset | None = None  # the single program's devices (the state must lie on them)
+  static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -300,6 +302,8 @@ class ParallelStep:
     except HetSpmdError:
       raise
     except TypeError as e:
+      if jx.is_concreteness_error(e):
+        raise
       raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
                          "the step once first, then ask for state_shardings") from None
 
@@ -318,8 +322,26 @@ class ParallelStep:
   # --- running -------------------------------------------------------------------
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
+    return self._with_static(self._call, args, kwargs)
+
+  def _with_static(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``run(args, kwargs)`` on the call's arguments (``nnx.cached_partial``'s objects first), the static ones
+    wrapped (:class:`~hetspmd.runtime.binding.StaticArgs`); where the trace needs a top-level Python ``int`` or
+    ``bool`` of an unjitted step as a Python value (a shape, a branch), again with that argument static."""
     args = self.bound + args
+    while True:
+      try:
+        return run(*self.static.mark(args, kwargs))
+      except Exception as e:  # noqa: BLE001 (re-raised unless a scalar made static lets the trace through)
+        if isinstance(e, HetSpmdError) and type(e) is not TraceError or not jx.is_concreteness_error(e):
+          raise  # hetspmd's own message (a TraceError only wraps JAX's), or not a value needed concrete
+        scalars = self.static.scalars(args, kwargs)
+        if self.static.jitted or not scalars:
+          raise _concreteness_error(self.static, scalars, args, kwargs, e) from e
+        self.static = self.static.inferring(scalars[0])
+
+  def _call(self, args: tuple, kwargs: dict) -> Any:
+    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
     if self._plan is None or self.grouped:
       parts = Arguments.of(self, args)
       if self._plan is None:
@@ -359,8 +381,12 @@ class ParallelStep:
     if self.grouped:
       raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "
                          "updates): there is no one program to lower; step.explain() describes them")
-    call = self._bind_call(args, kwargs)
-    return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+
+    def lowered(args: tuple, kwargs: dict):
+      call = Call.bind(self, args, kwargs)
+      return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+
+    return self._with_static(lowered, args, kwargs)
 
   def explain(self) -> str:
     if self.grouped:
@@ -398,10 +424,13 @@ class ParallelStep:
     return "\n".join(lines)
 
   def _call_notes(self) -> list[str]:
+    notes = [f"  argument {self.static.describe(k)}, a Python value the step uses as a shape or a branch, is bound "
+             "static (as jax.jit's static_argnums): each new value builds programs of its own"
+             for k in self.static.inferred]
     if not self.axis_name:
-      return []
+      return notes
     names = ", ".join(repr(n) for n in self.axis_name)
-    return [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
+    return notes + [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
 
   def _starts(self):
     plan = self.plan
@@ -409,9 +438,6 @@ class ParallelStep:
       starts = np.concatenate([[0], np.cumsum(plan.examples_per_position())[:-1]]).astype(np.int32)
       self._starts_array = positions_array(self._mesh, plan, starts)
     return self._starts_array
-
-  def _bind_call(self, args: tuple, kwargs: dict) -> Call:
-    return Call.bind(self, self.bound + args, kwargs)
 
   def _executable(self, call: Call):
     key = call.key
@@ -486,6 +512,25 @@ def _step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_ba
     raise TraceError(f"the step raised {type(e).__name__} {where}: {str(e).rstrip('.')}. {advice}") from e
 
 
+def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: dict,
+                        error: BaseException) -> TraceError:
+  """The error for a trace that needed a Python value where it had a traced one, and no argument left to bind
+  static: the call's Python ``int``/``bool`` arguments that are not static, and how to make one static."""
+  named = ", ".join(f"argument {static.describe(k)} = {args[k] if isinstance(k, int) else kwargs[k]!r}"
+                    for k in scalars)
+  if static.jitted:
+    fix = ("name the argument it comes from in the step's jax.jit (or nnx.jit) static_argnums/static_argnames, as "
+           "jax.jit alone would need")
+  else:
+    fix = "name the argument it comes from in parallelize(..., static_argnums=..., static_argnames=...)"
+  while error.__cause__ is not None:
+    error = error.__cause__
+  said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return TraceError("the step uses a traced value as a Python value (a shape or a Python branch)"
+                    + (f"; its Python int/bool arguments that are traced: {named}" if named else "")
+                    + f". To bind an argument as a hashable Python value, {fix}. JAX: {said}")
+
+
 def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
   """XLA options the plan needs: on GPUs, an overlapped reduction needs the latency-hiding scheduler to move each
   gradient's all-reduce start up into the last microbatch's backward pass."""
@@ -519,7 +564,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
                 batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
-                group_plans: bool = True):
+                group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -533,6 +578,12 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
   from its jaxpr (:mod:`hetspmd.passes.batch_axis.analysis`). A step that
   mixes examples in a way that does not split into microbatches (a sort
   along the batch) is refused, naming the primitive and the Flax module.
+
+  Arguments go as under ``jax.jit``: the state (NNX objects, or the first argument beside the batch with
+  arrays) and the batch (``batch_argnums``, or the arguments whose arrays lead with ``global_batch``) are
+  placed; other arrays and Python numbers are traced; static arguments (the step's own ``jax.jit``/``nnx.jit``
+  ones, ``static_argnums``/``static_argnames``, an unjitted step's ``int``/``bool`` its trace needs as a value:
+  ``explain()``) and other non-array leaves (a config) are bound in: a new value, new programs.
 
   Args:
     fn: the single-device step.
@@ -570,31 +621,34 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       (exact), ``"bfloat16"`` (half the bytes; each element within a few
       units of bfloat16's roundoff of the sum of the positions' magnitudes),
       or ``"search"`` (``plan="search"`` only: the search picks float32 or
-      bfloat16 per plan, by cost).
-      Accumulation over microbatches stays float32 either way. ``"search"``
-      plans overlap the reduction with each position's last microbatch.
+      bfloat16 per plan, by cost). Accumulation over microbatches stays
+      float32 either way. ``"search"`` plans overlap the reduction with each
+      position's last microbatch.
     axis_name: a ``jax.pmap``-style step's collective axis name(s)
       (``lax.pmean(grads, 'batch')``); default: found from the step. It runs
       as the one replica of the global batch, so its collectives mean "over
       the global batch" under any plan (``lax.axis_index`` is 0; see
       :mod:`hetspmd.passes.frontend.named_axes`).
     group_plans: ``False``: ``plan="search"`` takes single programs only.
+    static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
-  cluster = _bound_cluster(cluster)
-  names = named_axes.axis_names(axis_name)
-
-  def wrap(f: Callable[..., Any]) -> ParallelStep:
-    if not callable(f):
-      raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
-    f, bound = unbound(f)
-    argnums = _batch_argnums(batch_argnums, len(bound))
-    return ParallelStep(f, cluster, plan, global_batch, microbatch, donate_state, specs, example_batch,
-                        batch_argnums=argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
-                        bound=bound, axis_name=names, group_plans=group_plans)
-
+  wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
+      cluster=_bound_cluster(cluster), requested_plan=plan, global_batch=global_batch, microbatch=microbatch,
+      donate_state=donate_state, specs=specs, example_batch=example_batch, batch_stats=batch_stats,
+      grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
   return wrap if fn is None else wrap(fn)
+
+
+def _parallel_step(batch_argnums: Any, static: tuple, options: dict, f: Callable[..., Any]) -> ParallelStep:
+  """``f`` bound to ``parallelize``'s ``options``: an ``nnx.cached_partial``'s objects unbound, the batch and
+  static arguments' positions counted after them."""
+  if not callable(f):
+    raise InvalidValueError(f"parallelize() needs a callable train step, got {f!r}")
+  f, bound = unbound(f)
+  return ParallelStep(f, **options, batch_argnums=_batch_argnums(batch_argnums, len(bound)), bound=bound,
+                      static=StaticArgs.of(f, *static, len(bound)))
 
 
 def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
