@@ -7,8 +7,9 @@ output captured as printed (progress on standard error is dropped). RESULTS.md g
 benchmark: what it measures, whether its figures are predicted (the cost model, no device runs) or
 measured (emulated CPU devices on this machine), the command that produced them and their output. The
 header names the date, the commit and the machine. A benchmark that runs past ``--timeout`` seconds or
-fails is listed with the reason instead of figures. With ``--only``, the other sections are kept from the
-existing file, so one benchmark can be refreshed alone. Git keeps the history of the figures.
+fails is listed with the reason instead of figures. The sections of benchmarks not run this time (``--only``,
+``--skip-slow``) are kept from the existing file, so one benchmark can be refreshed alone. Git keeps the history
+of the figures.
 """
 
 from __future__ import annotations
@@ -104,15 +105,16 @@ def revision() -> str:
   return done.stdout.strip() or "unknown"
 
 
-def section(bench: Bench, output: str, seconds: float, reason: str | None) -> str:
+def section(bench: Bench, output: str, seconds: float, reason: str | None, load: float) -> str:
   source = {"predicted": "predicted by the cost model (no device runs the plans)",
-            "measured": "measured on emulated CPU devices on the machine named above"}[bench.source]
+            "measured": "measured on the machine named above (steps on emulated CPU devices)"}[bench.source]
   lines = [MARK.format(bench.name), f"## {bench.name}", "", bench.what, "",
            f"Figures: {source}. Command: `{command(bench)}`"]
   if reason:
     lines += ["", f"Not run this time: {reason}."]
   else:
-    lines[-1] += f" ({seconds:.0f} s; {datetime.date.today().isoformat()}, commit {revision()})."
+    lines[-1] += (f" ({seconds:.0f} s; {datetime.date.today().isoformat()}, commit {revision()}; load average "
+                  f"{load:.1f} on {os.cpu_count()} cores when it started).")
     lines += ["", "```text", output.rstrip(), "```"]
   return "\n".join(lines) + "\n"
 
@@ -129,7 +131,8 @@ def header(benches: list[Bench]) -> str:
       "Do not edit by hand: rerun the script (`--only NAME` refreshes one section). Git keeps the history.", "",
       "**Predicted** figures come from the cost model with datasheet device specs: no accelerator has checked",
       "them yet. **Measured** figures come from emulated CPU devices on a small shared machine: they are",
-      "noisy, so compare ratios within one run, not across runs.", "",
+      "noisy (other work shares the cores: each section gives the load average when it started), so compare",
+      "ratios within one run, not across runs.", "",
       "| benchmark | figures |", "|---|---|",
       *[f"| [{b.name}](#{b.name}) | {b.source} |" for b in benches], "", ""])
 
@@ -158,14 +161,15 @@ def main() -> None:
   if unknown:
     sys.exit(f"unknown benchmark(s) {sorted(unknown)}; known: {[b.name for b in BENCHES]}")
   out = pathlib.Path(args.out)
-  sections = kept_sections(out) if args.only else {}
+  sections = kept_sections(out)
   for bench in BENCHES:
     if (args.only and bench.name not in args.only) or (args.skip_slow and bench.slow and not args.only):
       continue
     print(f"running {command(bench)} ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
     output, seconds, reason = run(bench, args.timeout)
     print(f"  {seconds:.0f} s{': ' + reason if reason else ''}", file=sys.stderr, flush=True)
-    sections[bench.name] = section(bench, output, seconds, reason)
+    sections[bench.name] = section(bench, output, seconds, reason, load)
   listed = [b for b in BENCHES if b.name in sections]
   out.write_text(header(listed) + "\n".join(sections[b.name] for b in listed))
   print(f"wrote {out}", file=sys.stderr)
