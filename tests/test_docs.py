@@ -62,3 +62,20 @@ def test_readme_is_short_and_opens_with_the_two_commands():
   ci = [line for line in (root / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
   assert second.strip() == ci[-1]  # CI runs the README's test command, after removing .venv
   assert ci[-2] == "rm -rf .venv"
+
+
+@pytest.mark.timeout(300)
+def test_group_programs_page_runs(tmp_path, monkeypatch):
+  require_devices(8)
+  monkeypatch.chdir(tmp_path)
+  import jax
+
+  blocks = python_blocks((DOCS / "group-programs.md").read_text())
+  assert len(blocks) == 2
+  namespace = {"__name__": "docs_group_programs"}
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"group-programs.md block {i + 1}", "exec"), namespace)
+    assert math.isfinite(float(namespace["metrics"]["loss"]))
+  held = [s for s in jax.tree.leaves(namespace["step"].state_shardings(namespace["state"]))
+          if isinstance(s, jax.sharding.SingleDeviceSharding)]
+  assert held  # the second block's plan holds state leaves in shares, each on one device
