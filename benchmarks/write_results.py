@@ -1,0 +1,179 @@
+"""Runs the CPU benchmarks one at a time and writes their printed tables to benchmarks/RESULTS.md.
+
+    python benchmarks/write_results.py [--only NAME ...] [--skip-slow] [--timeout 300] [--out benchmarks/RESULTS.md]
+
+Each benchmark is run as its own process with this interpreter, from the repository root, its standard
+output captured as printed (progress on standard error is dropped). RESULTS.md gets one section per
+benchmark: what it measures, whether its figures are predicted (the cost model, no device runs) or
+measured (emulated CPU devices on this machine), the command that produced them and their output. The
+header names the date, the commit and the machine. A benchmark that runs past ``--timeout`` seconds or
+fails is listed with the reason instead of figures. The sections of benchmarks not run this time (``--only``,
+``--skip-slow``) are kept from the existing file, so one benchmark can be refreshed alone. Git keeps the history
+of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+  name: str
+  args: tuple[str, ...]
+  source: str  # "predicted" or "measured"
+  what: str
+  slow: bool = False  # minutes of a busy loop on a second core, or a long search
+
+
+BENCHES = (
+    Bench("plan_quality", (), "predicted",
+          "The best plan's efficiency (throughput / ideal, the ideal adding every device's own throughput with "
+          "no communication) and its speedup over the baselines on the reference clusters; the best group plan "
+          "against it; the cases only a group plan fits.", slow=True),
+    Bench("search_time", (), "measured",
+          "Search seconds after one trace, GPT-2 medium, clusters of 8 to 1024 devices of two and three kinds; "
+          "goals 2 s at 64 devices, 20 s at 1024. The plans are predicted; the seconds are measured here.",
+          slow=True),
+    Bench("stage_plans", (), "predicted",
+          "The best pipeline-stage plan against the best plan of the search, on the `-scan` zoo models."),
+    Bench("pipeline_estimate", (), "predicted",
+          "What uneven pipeline stages (1F1B, a bound with every transfer hidden, and the lockstep schedule "
+          "that is built) would give against today's best plan on the slow-network clusters."),
+    Bench("expert_estimate", (), "predicted",
+          "Experts split across host groups (all-to-alls of the dispatched tokens) against today's best plan."),
+    Bench("uneven_state", (), "measured",
+          "Bytes per device of an Adam state split evenly and split by memory (padded, as one SPMD program "
+          "must hold it), on 8 emulated CPU devices."),
+    Bench("group_memory", (), "measured",
+          "What each device holds under a group plan with the optimizer state in memory shares (ZeRO-1, "
+          "ZeRO-3, a model axis), and each program's compiled memory, on 8 emulated CPU devices."),
+    Bench("reduction", (), "measured",
+          "Gradient reduction after the loop, overlapped, in bfloat16, and both: step time, wire bytes and "
+          "parameter drift on 8 emulated CPU devices (the CPU runs collectives in line: nothing hides)."),
+    Bench("overhead", (), "measured",
+          "A uniform plan against hand-written `jax.jit` with the same shardings, and an unmodified step "
+          "against one marked with `hs.value_and_grad`, on 8 emulated CPU devices."),
+    Bench("fidelity", (), "measured",
+          "Predicted against measured step time for plans of the MLP and GPT-tiny on 8 profiled CPU devices "
+          "(goals: Spearman >= 0.8, median absolute error <= 25%)."),
+    Bench("trace_time", (), "measured",
+          "Seconds to trace GPT-2 medium's step and to run the microbatch pass on its jaxpr."),
+    Bench("emulated_hetero", (), "measured",
+          "Two processes (gloo), one core slowed by a busy loop: the weighted plan and the group plan against "
+          "the uniform split and the step ideal (goal: 90% of the step ideal).", slow=True),
+    Bench("pipeline_hetero", (), "measured",
+          "Two processes (gloo), one core slowed by a busy loop: pipeline layers split evenly and by measured "
+          "speed, predicted against measured.", slow=True),
+)
+
+MARK = "<!-- benchmark: {} -->"
+
+
+def command(bench: Bench) -> str:
+  return " ".join(["python", f"benchmarks/{bench.name}.py", *bench.args])
+
+
+def run(bench: Bench, timeout: float) -> tuple[str, float, str | None]:
+  """The benchmark's standard output, its seconds, and why it has no figures (None when it ran)."""
+  start = time.perf_counter()
+  try:
+    done = subprocess.run([sys.executable, f"benchmarks/{bench.name}.py", *bench.args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return "", time.perf_counter() - start, f"skipped: ran past {timeout:.0f} s on this machine"
+  seconds = time.perf_counter() - start
+  if done.returncode != 0:
+    tail = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    return done.stdout, seconds, f"failed (exit {done.returncode}): {tail}"
+  return done.stdout, seconds, None
+
+
+def revision() -> str:
+  done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+  return done.stdout.strip() or "unknown"
+
+
+def section(bench: Bench, output: str, seconds: float, reason: str | None, load: float) -> str:
+  source = {"predicted": "predicted by the cost model (no device runs the plans)",
+            "measured": "measured on the machine named above (steps on emulated CPU devices)"}[bench.source]
+  lines = [MARK.format(bench.name), f"## {bench.name}", "", bench.what, "",
+           f"Figures: {source}. Command: `{command(bench)}`"]
+  if reason:
+    lines += ["", f"Not run this time: {reason}."]
+  else:
+    lines[-1] += (f" ({seconds:.0f} s; {datetime.date.today().isoformat()}, commit {revision()}; load average "
+                  f"{load:.1f} on {os.cpu_count()} cores when it started).")
+    lines += ["", "```text", output.rstrip(), "```"]
+  return "\n".join(lines) + "\n"
+
+
+def header(benches: list[Bench]) -> str:
+  commit = revision()
+  import jax
+
+  machine = f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores, jax {jax.__version__}"
+  today = datetime.date.today().isoformat()
+  return "\n".join([
+      "# Benchmark results", "",
+      f"Written by `python benchmarks/write_results.py` on {today} at commit {commit} ({machine}).",
+      "Do not edit by hand: rerun the script (`--only NAME` refreshes one section). Git keeps the history.", "",
+      "**Predicted** figures come from the cost model with datasheet device specs: no accelerator has checked",
+      "them yet. **Measured** figures come from emulated CPU devices on a small shared machine: they are",
+      "noisy (other work shares the cores: each section gives the load average when it started), so compare",
+      "ratios within one run, not across runs.", "",
+      "| benchmark | figures |", "|---|---|",
+      *[f"| [{b.name}](#{b.name}) | {b.source} |" for b in benches], "", ""])
+
+
+def kept_sections(path: pathlib.Path) -> dict[str, str]:
+  """The sections of an existing RESULTS.md, by benchmark name."""
+  if not path.exists():
+    return {}
+  parts = re.split(r"(?=^<!-- benchmark: )", path.read_text(), flags=re.M)
+  found = {}
+  for part in parts:
+    m = re.match(r"<!-- benchmark: (\S+) -->", part)
+    if m:
+      found[m.group(1)] = part.rstrip() + "\n"
+  return found
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", action="append", default=[], help="run only this benchmark; repeatable")
+  parser.add_argument("--skip-slow", action="store_true", help="leave out the benchmarks marked slow")
+  parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a benchmark is skipped")
+  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+  args = parser.parse_args()
+  unknown = set(args.only) - {b.name for b in BENCHES}
+  if unknown:
+    sys.exit(f"unknown benchmark(s) {sorted(unknown)}; known: {[b.name for b in BENCHES]}")
+  out = pathlib.Path(args.out)
+  sections = kept_sections(out)
+  for bench in BENCHES:
+    if (args.only and bench.name not in args.only) or (args.skip_slow and bench.slow and not args.only):
+      continue
+    print(f"running {command(bench)} ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    output, seconds, reason = run(bench, args.timeout)
+    print(f"  {seconds:.0f} s{': ' + reason if reason else ''}", file=sys.stderr, flush=True)
+    sections[bench.name] = section(bench, output, seconds, reason, load)
+  listed = [b for b in BENCHES if b.name in sections]
+  out.write_text(header(listed) + "\n".join(sections[b.name] for b in listed))
+  print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
