@@ -33,12 +33,12 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
   rows = functools.partial(transfers.global_rows, mesh=meshes.mesh)
   for s in range(loops):
     partials, examples = [], []
-    for g, (mesh, programs, counts) in enumerate(zip(meshes.groups, built.loops, counts)):
-      if counts is not None:  # this process's groups only
+    for g, (mesh, programs, placed) in enumerate(zip(meshes.groups, built.loops, counts)):
+      if placed is not None:  # this process's groups only
         on = functools.partial(transfers.on, mesh)
         inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
         name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
-        mine, per_example = call(name, programs[s], inputs, *counts, jax.tree.map(on, earlier))
+        mine, per_example = call(name, programs[s], inputs, *placed, jax.tree.map(on, earlier))
         partials.append(mine)
         examples.append(per_example)
     joined = [[rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
