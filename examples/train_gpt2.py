@@ -25,7 +25,16 @@ What it does:
    ``--save-every`` steps. ``--resume`` restores the latest checkpoint into
    the current plan's shardings, whatever plan wrote it, and continues: the
    data of step *k* depends only on *k*, so the loss curve continues where it
-   stopped.
+   stopped. Each save and restore prints a line (step, path, plan).
+
+The defaults (128 sequences of 64 tokens) are sized so that the plan puts
+every device to work, the V100s on more microbatches than the P100s: at a
+few dozen sequences the gradients' reduction costs more than the P100s'
+work saves, and the search leaves them idle.
+
+Results (the plan, each save and restore, the median step) go to stdout; on
+a terminal a progress bar is drawn on stderr, elsewhere (a log file) each
+step is one line on stdout.
 
 ``main(argv)`` returns the per-step records, so tests can run it in-process.
 """
@@ -48,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--cluster", default=DEFAULT_CLUSTER,
                  help=f"preset, TOML file or compact spec, one device per local device (default: {DEFAULT_CLUSTER})")
   p.add_argument("--steps", type=int, default=30, help="train until this step (default: 30)")
-  p.add_argument("--global-batch", type=int, default=32, help="examples per step (default: 32)")
-  p.add_argument("--seq", type=int, default=32, help="tokens per example (default: 32)")
+  p.add_argument("--global-batch", type=int, default=128, help="examples per step (default: 128)")
+  p.add_argument("--seq", type=int, default=64, help="tokens per example (default: 64)")
   p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate (default: 3e-3)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ckpt", default=None, help="checkpoint directory (orbax)")
@@ -57,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt")
   p.add_argument("--profile", action="store_true", help="cost the plan with measured local device speeds")
   p.add_argument("--log", default=None, help="write one JSON line per step to this file")
-  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--quiet", action="store_true", help="no per-step progress (bar or lines)")
   args = p.parse_args(argv)
   for name in ("steps", "global_batch", "seq"):
     if getattr(args, name) < 1:
@@ -109,13 +118,17 @@ def build_cluster(spec: str, profile: bool):
 
 
 class Progress:
-  """A one-line progress bar on stderr."""
+  """A one-line progress bar on stderr where stderr is a terminal; elsewhere one line per step on stdout."""
 
   def __init__(self, total: int, start: int, quiet: bool):
     self.total, self.start, self.quiet = total, start, quiet
+    self.bar = sys.stderr.isatty()
 
   def update(self, step: int, text: str) -> None:
     if self.quiet:
+      return
+    if not self.bar:
+      print(f"step {step}/{self.total} {text}", flush=True)
       return
     done = (step - self.start) / max(1, self.total - self.start)
     bar = "#" * int(24 * done) + "." * (24 - int(24 * done))
@@ -157,9 +170,6 @@ def main(argv=None) -> list[dict]:
 
   import hetspmd as hs
   from hetspmd import models
-  from hetspmd.planner.building import plan_from
-  from hetspmd.planner.ranking import search_step
-
   workload = models.get(args.model)
   if workload.family != "gpt2":
     raise SystemExit(f"--model must be a GPT-2 size ({', '.join(n for n in models.names() if n.startswith('gpt2'))}), "
@@ -170,9 +180,7 @@ def main(argv=None) -> list[dict]:
   workload.example_batch(args.global_batch, args.seq)  # checks the sizes
 
   step_fn = make_train_step(workload)
-  result = search_step(step_fn, workload.abstract_state(), workload.example_batch(2, args.seq), cluster,
-                       global_batch=args.global_batch, top=1)
-  plan = plan_from(result.plans[0], cluster, workload.abstract_state(), result.ideal_throughput)
+  plan = searched_plan(step_fn, workload, cluster, args)
   predicted = dict(plan.predicted)["step_seconds"]
   train_step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=args.global_batch)
 
@@ -180,13 +188,14 @@ def main(argv=None) -> list[dict]:
   checkpointer = ocp.StandardCheckpointer() if args.ckpt else None
   if resume_from:
     state = _restore(checkpointer, resume_from, train_step, state)
+    print(f"restored step {int(state['step'])} from {resume_from} into the plan {plan_line(plan)}", flush=True)
   else:
     state = train_step.shard_state(state)
   first = int(state["step"])
   if not args.quiet:
-    print(train_step.explain(), file=sys.stderr)
+    print(train_step.explain())
     print(f"cluster {args.cluster} ({cluster.num_devices} devices); training steps {first}..{args.steps - 1}",
-          file=sys.stderr)
+          flush=True)
 
   log = open(args.log, "a") if args.log else None
   progress = Progress(args.steps, first, args.quiet)
@@ -214,9 +223,30 @@ def main(argv=None) -> list[dict]:
   timed = [r["seconds"] for r in records if not r["compiled"]]
   if timed and not args.quiet:
     where = "this machine's measured devices" if args.profile else f"the devices of {args.cluster}"
-    print(f"median step {_ms(float(np.median(timed)))} achieved, {_ms(predicted)} predicted for {where}",
-          file=sys.stderr)
+    print(f"median step {_ms(float(np.median(timed)))} achieved, {_ms(predicted)} predicted for {where}")
   return records
+
+
+def searched_plan(step_fn, workload, cluster, args):
+  """The search's best plan for ``step_fn`` on ``cluster`` at ``args``' batch and sequence length."""
+  from hetspmd.planner.building import plan_from
+  from hetspmd.planner.ranking import search_step
+
+  result = search_step(step_fn, workload.abstract_state(), workload.example_batch(2, args.seq), cluster,
+                       global_batch=args.global_batch, top=1)
+  return plan_from(result.plans[0], cluster, workload.abstract_state(), result.ideal_throughput)
+
+
+def plan_line(plan) -> str:
+  """``plan`` in one line: its mesh, microbatch and microbatch counts by device kind."""
+  per = len(plan.device_ids) // plan.data_size
+  counts: dict[str, list[int]] = {}
+  for i, count in enumerate(plan.microbatch_counts):
+    for kind in plan.device_kinds[i * per:(i + 1) * per]:
+      counts.setdefault(kind, []).append(count)
+  kinds = ", ".join(f"{len(c)}x{k} {'/'.join(map(str, sorted(set(c))))}" for k, c in counts.items())
+  return (f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, microbatches of {plan.microbatch} "
+          f"({kinds} each)")
 
 
 def _ms(seconds: float) -> str:
@@ -243,7 +273,9 @@ def _latest(ckpt_dir: str) -> str:
 
 
 def _save(checkpointer, ckpt_dir: str, step: int, state) -> None:
-  checkpointer.save(os.path.join(ckpt_dir, f"step_{step}"), state, force=True)
+  path = os.path.join(ckpt_dir, f"step_{step}")
+  checkpointer.save(path, state, force=True)
+  print(f"saving step {step} to {path}", flush=True)
 
 
 def _restore(checkpointer, path: str, train_step, state):
