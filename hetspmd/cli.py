@@ -27,11 +27,12 @@ from hetspmd import report as plan_report
 from hetspmd._format import si
 from hetspmd.errors import HetSpmdError
 from hetspmd.hardware.cluster import Cluster
+from hetspmd.hardware.devices import LINK_PRESETS
 from hetspmd.hardware.profiler import profile as profile_devices
 from hetspmd.passes import Role
 from hetspmd.passes import trace as trace_graph
 from hetspmd.passes.profile import profile_step
-from hetspmd.plan.groups import is_group_plan_file
+from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
   search.set_defaults(run=_run_search)
 
   explain = sub.add_parser("explain", help="show a plan file: devices, microbatch shares, predictions")
-  explain.add_argument("plan", help="a plan JSON file written by hetspmd search --out")
+  explain.add_argument("plan", help="a plan JSON file written by hetspmd search --out, or a group plan written "
+                       "by --group-plan-out or GroupPlan.save")
   explain.add_argument("--png", metavar="FILE", help="also draw the bars to FILE (needs matplotlib)")
   explain.add_argument("--json", action="store_true", help="print the per-position figures as JSON")
   explain.set_defaults(run=_run_explain)
@@ -130,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _GRAMMAR = ("SPEC := GROUP('+'GROUP)*(';'OPTION)*, GROUP := [HOSTSx][DEVICESx]KIND[@LINK], "
             "OPTION := inter=LINK | intra=LINK | inter_latency=TIME | intra_latency=TIME | processes=N; "
-            "e.g. '2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps'. LINK is a preset (pcie, pcie4, nvlink, "
-            "nvlink3, nvlink4, xgmi, ici, host) or a bandwidth such as 25Gbps.")
+            "e.g. '2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps'. LINK is a preset "
+            f"({', '.join(LINK_PRESETS)}) or a bandwidth such as 25Gbps.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -407,9 +409,7 @@ def _counts_summary(kinds, counts) -> str:
 def _run_explain(args: argparse.Namespace) -> int:
   _check_writable(args.png, "--png")
   if is_group_plan_file(args.plan):
-    raise HetSpmdError(f"{args.plan!r} is a group plan (hetspmd search --group-plan-out): explain reads plans "
-                       "written by hetspmd search --out; hetspmd.parallelize(step, plan=FILE, ...).explain() "
-                       "describes a group plan's programs")
+    return _explain_group_plan(args)
   plan = Plan.load(args.plan)
   if args.json:
     print(json.dumps({"plan": plan.to_json(), "positions": plan_report.positions(plan)}, indent=2))
@@ -418,6 +418,19 @@ def _run_explain(args: argparse.Namespace) -> int:
   if args.png:
     path = plan_report.explain_png(plan, args.png)
     print(f"wrote {path}", file=sys.stderr)
+  return 0
+
+
+def _explain_group_plan(args: argparse.Namespace) -> int:
+  """A group plan file (hetspmd search --group-plan-out, GroupPlan.save): per group and per device."""
+  if args.png:
+    raise HetSpmdError(f"--png draws plans written by hetspmd search --out; {args.plan!r} is a group plan: "
+                       "drop --png to see it as text")
+  plan = GroupPlan.load(args.plan)
+  if args.json:
+    print(json.dumps({"group_plan": plan.to_json(), "devices": plan_report.group_devices(plan)}, indent=2))
+  else:
+    print(plan_report.explain_group_text(plan))
   return 0
 
 

@@ -1,4 +1,5 @@
-"""``hetspmd explain``: a plan's per-position work, time and memory, as text or PNG.
+"""``hetspmd explain``: a plan's per-position work, time and memory, as text or PNG; a group plan's per group
+and per device.
 
 Per data position of the plan: the device kind, its microbatch count, and,
 where the planner filled them in (``Plan.predicted_per_position``), the
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hetspmd._format import si
+from hetspmd._format import quantity, si
 from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.errors import InvalidValueError
+from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.value import Plan
 
 BAR = 30
@@ -33,13 +35,14 @@ def positions(plan: Plan) -> list[dict]:
   group = len(plan.device_ids) // plan.data_size
   rows = []
   for i, count in enumerate(plan.microbatch_counts):
-    kind = plan.device_kinds[i * group] if plan.device_kinds else "?"
+    kinds = list(dict.fromkeys(plan.device_kinds[i * group:(i + 1) * group])) if plan.device_kinds else ["?"]
+    kind = "+".join(kinds)  # a pipeline position spans every stage's devices, of one kind or several
     row = {"position": i, "kind": kind, "devices": list(plan.device_ids[i * group:(i + 1) * group]),
            "microbatches": count, "examples": count * plan.microbatch}
     for key, values in per.items():
       row[key] = values[i]
-    if "memory_capacity_bytes" not in row and kind in DEVICE_PRESETS:
-      row["memory_capacity_bytes"] = float(DEVICE_PRESETS[kind].memory_bytes)
+    if "memory_capacity_bytes" not in row and all(k in DEVICE_PRESETS for k in kinds):
+      row["memory_capacity_bytes"] = float(min(DEVICE_PRESETS[k].memory_bytes for k in kinds))
     rows.append(row)
   return rows
 
@@ -128,6 +131,63 @@ def explain_text(plan: Plan) -> str:
                    f"{si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}")
   elif "memory_bytes_per_device" in predicted:
     lines += ["", f"memory per device (predicted): {si(predicted['memory_bytes_per_device'], 'B')}"]
+  return "\n".join(lines)
+
+
+def group_devices(plan: GroupPlan) -> list[dict]:
+  """One row per device of a group plan, in group order: its group, microbatch, count, examples (tail
+  included), state share and any per-device predictions."""
+  per = dict(plan.predicted_per_device)
+  shares = dict(zip(plan.devices, plan.state_shares))
+  rows = []
+  for g, group in enumerate(plan.groups):
+    for device, count in zip(group.devices, group.counts):
+      at = plan.devices.index(device)
+      row = {"device": device, "group": g, "microbatch": group.microbatch, "microbatches": count,
+             "examples": (count * group.microbatch) // group.model + plan.tail_count * plan.tail_microbatch,
+             "remat": group.remat, "model": group.model}
+      if device in shares:
+        row["state_share"] = shares[device]
+      row.update({key: values[at] for key, values in per.items()})
+      rows.append(row)
+  return rows
+
+
+def explain_group_text(plan: GroupPlan) -> str:
+  """A group plan as text: its summary line per group, then per device its work, predicted time and memory."""
+  rows = group_devices(plan)
+  lines = [f"group plan: {len(plan.groups)} group program(s), global batch {plan.global_batch}"
+           + (f", then {plan.tail_count} microbatch(es) of {plan.tail_microbatch} on every device in the "
+              "exchange program" if plan.tail_count else "")
+           + f", gradients' partial sums in {plan.reduce_dtype}"]
+  for g, group in enumerate(plan.groups):
+    lines.append(f"  group {g}: devices {list(group.devices)}, {sum(group.positions)} microbatches of "
+                 f"{group.microbatch} ({group.examples} examples), remat {group.remat}"
+                 + (f", model axis {group.model}" if group.model > 1 else ""))
+  predicted = dict(plan.predicted)
+  if predicted:
+    lines.append("predicted: " + ", ".join(f"{key.replace('_', ' ')} {quantity(key, value)}"
+                                           for key, value in predicted.items()))
+  most = max(r["examples"] for r in rows)
+  lines += ["", "work per device (examples, share of the global batch)"]
+  for r in rows:
+    lines.append(f"  device {r['device']:<3} group {r['group']:<2} {r['microbatches']:>4} x {r['microbatch']:<5}"
+                 f"{r['examples']:>7} {r['examples'] / plan.global_batch:>6.1%} {_bar(r['examples'], most)}")
+  if all("compute_seconds" in r for r in rows):
+    longest = max(r["compute_seconds"] for r in rows)
+    lines += ["", "compute time per step (predicted)"]
+    lines += [f"  device {r['device']:<3} group {r['group']:<2} {quantity('compute_seconds', r['compute_seconds']):>10} "
+              f"{_bar(r['compute_seconds'], longest)}" for r in rows]
+  if all("memory_bytes" in r for r in rows):
+    lines += ["", "memory per device (predicted / capacity)" + (", state share" if plan.state_shares else "")]
+    for r in rows:
+      cap = r.get("memory_capacity_bytes")
+      lines.append(f"  device {r['device']:<3} group {r['group']:<2} {si(r['memory_bytes'], 'B'):>10} / "
+                   f"{si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}"
+                   + (f" {r['state_share']:.1%}" if "state_share" in r else ""))
+  elif plan.state_shares:
+    lines += ["", f"state (ZeRO-{plan.zero_stage}) in shares by device: "
+              + ", ".join(f"{r['device']}: {r['state_share']:.1%}" for r in rows)]
   return "\n".join(lines)
 
 

@@ -155,9 +155,47 @@ def test_search_shows_the_group_plan_where_no_single_program_fits(tmp_path, caps
   assert "of the parameters and optimizer state per device" in text
   from hetspmd.plan.groups import GroupPlan
   assert GroupPlan.load(out).zero_stage == 3
+  assert main(["explain", str(out)]) == 0  # the group plan file, per group and per device
+  shown = capsys.readouterr().out
+  assert shown.startswith(f"group plan: {len(GroupPlan.load(out).groups)} group program(s), global batch 64")
+  assert all(f"device {d} " in shown for d in GroupPlan.load(out).devices)
+  assert "memory per device (predicted / capacity), state share" in shown and "e+0" not in shown
   assert main(argv + ["--json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["plans"] == [] and "no plan fits" in report["no_single_program"]
   assert report["group_plan"]["zero_stage"] == 3 and report["devices"] == 4 and report["stage_plans"] == []
   assert main(argv + ["--out", str(tmp_path / "plan.json")]) == 1  # the single program asked for: none fits
   assert "nothing written to" in capsys.readouterr().err and not (tmp_path / "plan.json").exists()
+
+
+def test_explain_reads_a_saved_group_plan(tmp_path, capsys):
+  from hetspmd.plan.groups import group_plan
+
+  path = tmp_path / "groups.json"
+  group_plan([((0, 1), 4, (3, 3)), ((2, 3, 4, 5), 2, (2, 2, 1, 1))], global_batch=42, tail=(1, 1)).save(path)
+  assert main(["explain", str(path)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("group plan: 2 group program(s), global batch 42, then 1 microbatch(es) of 1")
+  assert lines[1].startswith("  group 0: devices [0, 1], 6 microbatches of 4 (24 examples)")
+  work = [line.split() for line in lines if line.startswith("  device ")]
+  assert [(int(w[1]), int(w[3]), int(w[4]), int(w[6]), int(w[7])) for w in work] == [
+      (0, 0, 3, 4, 13), (1, 0, 3, 4, 13), (2, 1, 2, 2, 5), (3, 1, 2, 2, 5), (4, 1, 1, 2, 3), (5, 1, 1, 2, 3)]
+  assert sum(int(w[7]) for w in work) == 42
+  assert main(["explain", str(path), "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["devices"]
+  assert [r["examples"] for r in rows] == [13, 13, 5, 5, 3, 3]
+  assert main(["explain", str(path), "--png", str(tmp_path / "g.png")]) == 2
+  assert "is a group plan" in capsys.readouterr().err
+
+
+def test_help_lists_every_link_the_grammar_accepts(capsys):
+  from hetspmd.hardware.cluster import Cluster
+  from hetspmd.hardware.devices import LINK_PRESETS
+
+  with pytest.raises(SystemExit):
+    main(["search", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  listed = text[text.index("LINK is a preset (") + len("LINK is a preset ("):].split(")")[0].split(", ")
+  assert listed == list(LINK_PRESETS) and {"pcie3", "pcie5", "nvlink2"} <= set(listed)
+  for name in listed:
+    assert Cluster.parse(f"2xV100-32GB@{name}").num_devices == 2

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hetspmd._format import quantity
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES, ZERO_STAGES
 
@@ -263,9 +264,10 @@ class GroupPlan:
     if self.tail_count:
       lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
                    f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
-    lines += [f"  predicted {key}: {value:.6g}" for key, value in self.predicted]
+    lines += [f"  predicted {key}: {quantity(key, value)}" for key, value in self.predicted]
     for key, values in self.predicted_per_device:
-      lines.append(f"  predicted {key} by device: " + ", ".join(f"{d}: {v:.4g}" for d, v in zip(self.devices, values)))
+      lines.append(f"  predicted {key} by device: " +
+                   ", ".join(f"{d}: {quantity(key, v)}" for d, v in zip(self.devices, values)))
     return "\n".join(lines)
 
   def to_json(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from hetspmd._format import quantity
 from hetspmd._pytree import leaves_with_paths
 from hetspmd._version import __version__
 from hetspmd.errors import HetSpmdError, InvalidValueError
@@ -349,10 +350,10 @@ class Plan:
     kinds = np.asarray(self.device_kinds or ["?"] * len(self.device_ids), dtype=object).reshape(self.data_size, -1)
     for i, count in enumerate(self.microbatch_counts):
       share = count / sum(self.microbatch_counts)
-      lines.append(f"  {self.data_axis}[{i}] devices {list(map(int, groups[i]))} ({kinds[i][0]}): "
+      lines.append(f"  {self.data_axis}[{i}] devices {list(map(int, groups[i]))} ({', '.join(dict.fromkeys(kinds[i]))}): "
                    f"{count} microbatches ({share:.0%}) {'#' * round(share * 40)}")
     for key, value in self.predicted:
-      lines.append(f"  predicted {key}: {value:.6g}")
+      lines.append(f"  predicted {key}: {quantity(key, value)}")
     return "\n".join(lines)
 
 

@@ -344,7 +344,7 @@ GROUP_PLAN_MARGIN = 1.05
 # where parallelize(plan="search") prices group plans at all, beside the margin (searches_group_plans); and what
 # group programs refuse at run time (hetspmd.lowering.groups.check), where the step then runs as one program
 GROUP_PLAN_CONDITIONS = ("in one process, on the pool's own JAX devices, with no specs, for a step their "
-                         "programs take (explain() says why one gives way)")
+                         "programs take")
 
 
 def searches_group_plans(cluster: Cluster, specs: Any, processes: int) -> bool:
