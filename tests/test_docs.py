@@ -109,6 +109,9 @@ def _readme(namespace: dict) -> None:
   assert namespace["train_step"].plan.predicted  # the plan came from the search
   assert_mixed_split(namespace["train_step"], {"V100-32GB", "P100-16GB"})
   assert namespace["loaded"] == namespace["named"]
+  explained = namespace["train_step"].explain()
+  assert "predicted efficiency: " in explained and "%" in explained.split("predicted efficiency: ")[1].split("\n")[0]
+  assert not re.search(r"\de[+-]\d", explained), explained  # numbers as hetspmd explain prints them
 
 
 def _group_programs(namespace: dict) -> None:
@@ -122,6 +125,8 @@ def _group_programs(namespace: dict) -> None:
 
 def _pipeline(namespace: dict) -> None:
   assert namespace["plan"].stages == namespace["layers"] and math.isfinite(float(namespace["metrics"]["loss"]))
+  positions = [line for line in namespace["train_step"].explain().splitlines() if line.startswith("  data[")]
+  assert len(positions) == 4 and all("(V100-32GB, P100-16GB)" in line for line in positions), positions
 
 
 CHECKS = {"README.md": _readme, "tutorial-nnx.md": _nnx, "tutorial-linen.md": _linen,
@@ -142,3 +147,48 @@ def test_readme_is_short_and_opens_with_the_two_commands():
   ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
   assert second.strip() == ci[-1]  # CI runs the README's test command, after removing .venv
   assert ci[-2] == "rm -rf .venv"
+
+
+# --- the README's sample outputs, against the commands they show ------------------------------------------------
+
+SAMPLE = re.compile(r"^```\n\$ (hetspmd [^\n]*)\n(.*?)^```", flags=re.S | re.M)
+SAMPLE_ARGS = {"profile": ["--devices", "2"]}  # two devices measure in seconds; the columns are the same
+
+
+def template(line: str) -> str:
+  """A line without what varies from run to run: numbers, SI prefixes, bars; ``...`` where the sample elides."""
+  line = re.sub(r"\s[#~]+\s*$", "", line)
+  line = re.sub(r"\d+(\.\d+)?", "N", line)
+  line = re.sub(r"N [kMGTP]?(B/s|FLOP/s|B)\b", r"N \1", line)
+  line = re.sub(r"N (s|ms|us|µs)\b", "N s", line)
+  return " ".join(line.split())
+
+
+def readme_samples() -> list[tuple[str, list[str]]]:
+  text = (ROOT / "README.md").read_text()
+  return [(command, body.splitlines()) for command, body in SAMPLE.findall(text)]
+
+
+def test_readme_shows_the_three_samples():
+  assert [c.split()[1] for c, _ in readme_samples()] == ["search", "explain", "profile"]
+
+
+@pytest.mark.timeout(300)
+def test_readme_samples_match_the_commands(tmp_path, monkeypatch, capsys):
+  """Every line of each sample has the columns and row names of a line the command prints now."""
+  require_devices(8)
+  from hetspmd.cli import main
+
+  monkeypatch.chdir(tmp_path)
+  for command, lines in readme_samples():
+    argv = command.split()[1:]
+    assert main(argv + SAMPLE_ARGS.get(argv[0], [])) == 0, command
+    printed = [template(line) for line in capsys.readouterr().out.splitlines()]
+    for line in lines:
+      want = template(line)
+      if want in ("...", ""):
+        continue
+      if want.endswith(" ..."):
+        assert any(p.startswith(want[:-4]) for p in printed), (command, line)
+      else:
+        assert want in printed, (command, line, printed)
