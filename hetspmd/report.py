@@ -153,9 +153,25 @@ def group_devices(plan: GroupPlan) -> list[dict]:
   return rows
 
 
+def _device_runs(rows: list[dict]) -> list[tuple[str, dict]]:
+  """Consecutive devices with the same figures, as (label, first row): ``devices 0-11``."""
+  out: list[tuple[str, dict]] = []
+  start = 0
+  for i in range(1, len(rows) + 1):
+    if (i == len(rows) or {**rows[i], "device": 0} != {**rows[start], "device": 0}
+        or rows[i]["device"] != rows[i - 1]["device"] + 1):
+      first, last = rows[start]["device"], rows[i - 1]["device"]
+      out.append((f"device {first}" if i - start == 1 else f"devices {first}-{last}", rows[start]))
+      start = i
+  return out
+
+
 def explain_group_text(plan: GroupPlan) -> str:
-  """A group plan as text: its summary line per group, then per device its work, predicted time and memory."""
+  """A group plan as text: a line per group, then per device (consecutive equal devices on one line) its work,
+  predicted compute time and memory."""
   rows = group_devices(plan)
+  runs = _device_runs(rows)
+  width = max(len(label) for label, _ in runs)
   lines = [f"group plan: {len(plan.groups)} group program(s), global batch {plan.global_batch}"
            + (f", then {plan.tail_count} microbatch(es) of {plan.tail_microbatch} on every device in the "
               "exchange program" if plan.tail_count else "")
@@ -166,23 +182,25 @@ def explain_group_text(plan: GroupPlan) -> str:
                  + (f", model axis {group.model}" if group.model > 1 else ""))
   predicted = dict(plan.predicted)
   if predicted:
-    lines.append("predicted: " + ", ".join(f"{key.replace('_', ' ')} {quantity(key, value)}"
+    names = {"step_seconds": "step", "throughput": "", "compute_seconds": "compute",
+             "communication_seconds": "communication", "hidden_communication_seconds": "hidden"}
+    lines.append("predicted: " + ", ".join(f"{names.get(key, key.replace('_', ' '))} {quantity(key, value)}".strip()
                                            for key, value in predicted.items()))
   most = max(r["examples"] for r in rows)
-  lines += ["", "work per device (examples, share of the global batch)"]
-  for r in rows:
-    lines.append(f"  device {r['device']:<3} group {r['group']:<2} {r['microbatches']:>4} x {r['microbatch']:<5}"
+  lines += ["", "work per device (microbatches x size, examples with the tail, share of the global batch)"]
+  for label, r in runs:
+    lines.append(f"  {label:<{width}} group {r['group']:<2} {r['microbatches']:>4} x {r['microbatch']:<5}"
                  f"{r['examples']:>7} {r['examples'] / plan.global_batch:>6.1%} {_bar(r['examples'], most)}")
   if all("compute_seconds" in r for r in rows):
     longest = max(r["compute_seconds"] for r in rows)
     lines += ["", "compute time per step (predicted)"]
-    lines += [f"  device {r['device']:<3} group {r['group']:<2} {quantity('compute_seconds', r['compute_seconds']):>10} "
-              f"{_bar(r['compute_seconds'], longest)}" for r in rows]
+    lines += [f"  {label:<{width}} group {r['group']:<2} {quantity('compute_seconds', r['compute_seconds']):>10} "
+              f"{_bar(r['compute_seconds'], longest)}" for label, r in runs]
   if all("memory_bytes" in r for r in rows):
     lines += ["", "memory per device (predicted / capacity)" + (", state share" if plan.state_shares else "")]
-    for r in rows:
+    for label, r in runs:
       cap = r.get("memory_capacity_bytes")
-      lines.append(f"  device {r['device']:<3} group {r['group']:<2} {si(r['memory_bytes'], 'B'):>10} / "
+      lines.append(f"  {label:<{width}} group {r['group']:<2} {si(r['memory_bytes'], 'B'):>10} / "
                    f"{si(cap, 'B') if cap else '?':>10} {_bar(r['memory_bytes'], cap) if cap else ''}"
                    + (f" {r['state_share']:.1%}" if "state_share" in r else ""))
   elif plan.state_shares:
