@@ -4,8 +4,9 @@
 
 Each row is one published measurement, the same setup priced by hetspmd
 (cluster, zoo model, precision, global batch; the best plan of
-``hetspmd.planner.ranking.search``), and their ratio (predicted / measured
-throughput: above 1 the model is optimistic). Then the ratios the papers
+``hetspmd.planner.ranking.search``), and their ratio (predicted speed over
+measured speed, whether the row is a throughput or a time: above 1 the model
+is optimistic). Then the ratios the papers
 report (mixed precision over float32, one pool over another) against the
 same ratios predicted. Every number's source is named beside it.
 
@@ -20,12 +21,19 @@ Three sources:
   ``src/results/het_cluster_results.txt`` (3 p3.8xlarge + 1 g4dn.12xlarge)
   and ``src/results/homogeneous_results.txt`` (4 g4dn.12xlarge), GPT-2 with
   24 layers, hidden 1024, sequence 1024, global batch 32, on
-  DeepSpeed/Megatron. The best measured plan of each file is the row.
+  DeepSpeed/Megatron in mixed precision (``examples/ds_pretrain_gpt2_pipe.sh``
+  passes ``--fp16``; ``examples/ds_config.json``: ``"fp16": {"enabled": true}``,
+  ``"fp32_allreduce": true``). The best measured plan of each file is the row;
+  AMP's best plans are pipelines (``pp_deg`` 8 and 4), which the search does
+  not consider (``hetspmd.search`` prices data and tensor parallelism; pipeline
+  stages are priced apart, ``benchmarks/pipeline_estimate.py``). The zoo's
+  ``gpt2-medium`` has GPT-2's 50,257-token vocabulary, AMP's config 52,256.
 - Cephalo (github benson-guo/cephalo): ``data/model_latencies.json``, one
   GPT-2.7B layer (hidden 2560, sequence 512) per sample, forward and
-  backward, float16 and float32, per GPU (PyTorch autocast). These bound the
-  half-precision rates: the measured float16 over float32 speed per GPU
-  against hetspmd's priced ratio, and the P40's achieved float16 rate.
+  backward, float16 and float32, per GPU (PyTorch autocast; float32 without
+  TF32, PyTorch's default). Priced as the same layer of the zoo's
+  ``gpt3-2.7b``; then the measured float16 over float32 speed per GPU
+  against hetspmd's.
 
 AMP's and Cephalo's frameworks are not tuned like NVIDIA's; their absolute
 ratios say how far a datasheet spec is from that stack. To plan for your own
@@ -69,7 +77,6 @@ CEPHALO_SLOPES_MS = {  # gpu: (float16 fwd, float16 bwd, float32 fwd, float32 bw
     "L4": (7.415, 10.946, 13.930, 28.147),
     "RTX-A6000": (2.835, 4.221, 6.069, 11.429),
 }
-CEPHALO_LAYER_FLOPS = 3 * (24 * 512 * 2560**2 + 4 * 512**2 * 2560)  # forward + backward, one sample, one layer
 
 GOALS = {"nvidia": 0.30, "ratio": 0.15}
 
@@ -99,27 +106,52 @@ def nvidia_rows(profiles: dict) -> list[dict]:
 def amp_rows(profiles: dict) -> list[dict]:
   rows = []
   for cluster, seconds in AMP_MEASURED:
-    predicted = 32 / _predicted_throughput(cluster, "gpt2-medium", 1024, "float32", 32, profiles)
-    rows.append(dict(source="AMP src/results", setup=f"gpt2-medium seq 1024 float32 batch 32 on {cluster}",
+    predicted = 32 / _predicted_throughput(cluster, "gpt2-medium", 1024, "float16", 32, profiles)
+    rows.append(dict(source="AMP src/results", setup=f"gpt2-medium seq 1024 float16 batch 32 on {cluster}",
                      unit="s/step", predicted=predicted, measured=seconds))
   return rows
 
 
-def cephalo_rows() -> list[dict]:
-  from hetspmd.hardware.devices import DEVICE_PRESETS
-  from hetspmd.passes import _jax_adapter as jx
-  from hetspmd.passes.costing.step_cost import EFFICIENCY
+def _layer_ms(dtype: str, kinds: list[str]) -> dict[str, float]:
+  """hetspmd's price of one GPT-3 2.7B layer, forward and backward, per sample at sequence 512 (ms): the
+  difference of the 2-layer and 1-layer models' microbatch times, between microbatches of 8 and 4."""
+  import dataclasses
 
+  from hetspmd import models
+  from hetspmd.hardware.devices import DEVICE_PRESETS
+  from hetspmd.passes.profile import profile_step
+
+  base = models.get("gpt3-2.7b")
+  profiles = []
+  for layers in (1, 2):
+    w = dataclasses.replace(base, name=f"gpt3-2.7b-{layers}l", config=dataclasses.replace(base.config, n_layer=layers))
+    w = w.with_dtype(dtype)
+    profiles.append(profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 512)))
+  out = {}
+  for kind in kinds:
+    t = lambda p, b: p.microbatch_seconds(DEVICE_PRESETS[kind], b)
+    out[kind] = ((t(profiles[1], 8) - t(profiles[0], 8)) - (t(profiles[1], 4) - t(profiles[0], 4))) / 4 * 1e3
+  return out
+
+
+def cephalo_rows() -> list[dict]:
+  kinds = list(CEPHALO_SLOPES_MS)
+  f16, f32 = _layer_ms("float16", kinds), _layer_ms("float32", kinds)
   rows = []
   for kind, (f16_fwd, f16_bwd, f32_fwd, f32_bwd) in CEPHALO_SLOPES_MS.items():
-    spec = DEVICE_PRESETS[kind]
-    f32 = spec.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
-    rows.append(dict(source="Cephalo model_latencies.json", setup=f"{kind}: float16 / float32 layer speed",
-                     unit="x", predicted=spec.float16_flops / f32, measured=(f32_fwd + f32_bwd) / (f16_fwd + f16_bwd)))
-    if kind == "P40":
-      achieved = CEPHALO_LAYER_FLOPS / ((f16_fwd + f16_bwd) * 1e-3) / 1e12
-      rows.append(dict(source="Cephalo model_latencies.json", setup="P40 float16 matmul rate (layer FLOPs / time)",
-                       unit="TF/s", predicted=spec.float16_flops * EFFICIENCY["matmul"] / 1e12, measured=achieved))
+    for dtype, predicted, measured in (("float16", f16[kind], f16_fwd + f16_bwd), ("float32", f32[kind],
+                                                                                     f32_fwd + f32_bwd)):
+      rows.append(dict(source="Cephalo model_latencies.json", setup=f"{kind}: GPT-3 2.7B layer, {dtype}, per sample",
+                       unit="ms", predicted=predicted, measured=measured))
+  return rows
+
+
+def cephalo_ratio_rows(cephalo: list[dict]) -> list[dict]:
+  rows = []
+  for half, full in zip(cephalo[::2], cephalo[1::2]):  # float16 over float32 speed per GPU, as Cephalo measured it
+    kind = half["setup"].split(":")[0]
+    rows.append(dict(source="Cephalo (derived)", setup=f"{kind}: float16 / float32 layer speed", unit="x",
+                     predicted=full["predicted"] / half["predicted"], measured=full["measured"] / half["measured"]))
   return rows
 
 
@@ -129,9 +161,9 @@ def ratio_rows(nvidia: list[dict], amp: list[dict]) -> list[dict]:
     f32, f16 = (r for r in nvidia if f" seq {seq} " in r["setup"])
     rows.append(dict(source="NVIDIA DLE (derived)", setup=f"bert-large seq {seq}: mixed precision / float32",
                      unit="x", predicted=f16["predicted"] / f32["predicted"], measured=f16["measured"] / f32["measured"]))
-  het, homo = amp  # AMP's two best measured runs: the mixed pool's step over the T4 pool's
-  rows.append(dict(source="AMP src/results (derived)", setup="amp-t4-v100 step / t4x16 step", unit="x",
-                   predicted=het["predicted"] / homo["predicted"], measured=het["measured"] / homo["measured"]))
+  het, homo = amp  # AMP's two best measured runs: the mixed pool's speed over the T4 pool's
+  rows.append(dict(source="AMP src/results (derived)", setup="amp-t4-v100 speed / t4x16 speed", unit="x",
+                   predicted=homo["predicted"] / het["predicted"], measured=homo["measured"] / het["measured"]))
   return rows
 
 
@@ -150,17 +182,19 @@ def main(argv: list[str] | None = None) -> dict:
   profiles: dict = {}
   nvidia = [] if args.quick else nvidia_rows(profiles)
   amp = [] if args.quick else amp_rows(profiles)
-  tables = {"nvidia": nvidia, "amp": amp, "cephalo": cephalo_rows(),
-            "ratios": [] if args.quick else ratio_rows(nvidia, amp)}
+  cephalo = cephalo_rows()
+  tables = {"nvidia": nvidia, "amp": amp, "cephalo": cephalo,
+            "ratios": ([] if args.quick else ratio_rows(nvidia, amp)) + cephalo_ratio_rows(cephalo)}
   for rows in tables.values():
-    for r in rows:
-      r["ratio"] = r["predicted"] / r["measured"]
+    for r in rows:  # predicted speed over measured speed: above 1 the model is optimistic
+      timed = r["unit"] in ("s/step", "ms")
+      r["ratio"] = r["measured"] / r["predicted"] if timed else r["predicted"] / r["measured"]
   if args.json:
     print(json.dumps(tables, indent=1))
     return tables
   _print("NVIDIA's tuned BERT-large (throughput; goal: ratio within 1 +- 30%)", nvidia)
   _print("AMP's measured runs (step seconds; a slower framework: ratio is what the datasheet spec misses)", amp)
-  _print("Cephalo's per-layer measurements (half-precision speed over float32; the P40's float16 rate)",
+  _print("Cephalo's per-layer measurements (PyTorch autocast; ratio is what the datasheet spec misses)",
          tables["cephalo"])
   _print("ratios the papers report (goal: ratio within 1 +- 15%)", tables["ratios"])
   for name, goal in GOALS.items():
