@@ -198,7 +198,7 @@ class Link:
     return self.latency + nbytes / self.bandwidth
 
 
-def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float,
+def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float, *,
           reduced_f32_tflops: float | None = None, fp16_tflops: float | None = None) -> DeviceSpec:
   return DeviceSpec(name, fp32_tflops * TFLOPS, bf16_tflops * TFLOPS, int(memory_gib * GiB), bandwidth_gbs * GB,
                     reduced_f32_flops=reduced_f32_tflops * TFLOPS if reduced_f32_tflops else None,
