@@ -47,8 +47,9 @@ _DEFAULT_INTRA = {
 }
 
 CLUSTER_PRESETS: dict[str, str] = {
-    # HAP (Zhang et al., EuroSys 2024): 2 hosts x 8 V100 + 6 hosts x 8 P100, 10.4 Gbps between hosts (the paper's
-    # testbed; its code, not read here, was not checked)
+    # HAP (Zhang et al., EuroSys 2024; github ylxdzsw/hap readme.txt: "2 machines each equipped with 8 NVIDIA V100
+    # GPUs and 6 machines each equipped with 8 NVIDIA P100 GPUs. The inter-machine bandwidth is about 10.4Gbps").
+    # The V100s' memory size is not stated there; 32 GB is assumed
     "hap-v100-p100": "2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps",
     # AMP (Li et al., NeurIPS 2022) as its code ran it (github DachengLi1/AMP src/het_cluster.py: "M = 4, N = 4";
     # nodes 0-2 "[10 * 1e9 / 32, 170 * 1e9 / 32]", node 3 "[50 * 1e9 / 32, 50 * 1e9 / 32]"; src/cost_het_cluster.py
