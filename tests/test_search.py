@@ -163,7 +163,7 @@ def test_allreduce_is_bounded_by_the_slowest_link():
   assert allreduce_seconds(lopsided, list(range(9)), nbytes) > allreduce_seconds(balanced, [0, 1], nbytes)
 
 
-@pytest.mark.parametrize("preset", ["amp-t4-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
+@pytest.mark.parametrize("preset", ["amp-t4-v100", "t4-heavy-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
 def test_best_plan_never_loses_to_a_baseline(gpt_profile, preset):
   result = search(Cluster.preset(preset), gpt_profile, global_batch=64)
   best = result.plans[0]
