@@ -75,7 +75,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
 from hetspmd.passes.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.counts import balanced_counts, even_counts, proportional_counts
+from hetspmd.plan.counts import balanced_counts, divisors as all_divisors, even_counts, proportional_counts
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
 from hetspmd.hardware.mesh import enumerate_layouts
 from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated, device_groups, price_candidate
@@ -136,7 +136,7 @@ def microbatch_sizes(global_batch: int, limit: int = 16) -> list[int]:
   A power-of-two batch keeps all its divisors (2048 has 12): with the overlap the best size is often the
   largest one every device can run once (32 for 64 devices at 2048), so none may be skipped.
   """
-  divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+  divisors = all_divisors(global_batch)
   if len(divisors) <= limit:
     return divisors
   logs = np.log(divisors)
@@ -224,6 +224,17 @@ def tensor_parallel_choices(costing: Costing, c: Candidate) -> Iterator[Candidat
     yield c.replace(tp=tp, reduce_dtypes=dtypes)
 
 
+def _priced_once(costing: Costing, c: Candidate, priced: dict[tuple, list[Evaluated]]) -> list[Evaluated]:
+  """:func:`price_candidate` of ``c``, reusing the price of an earlier candidate of one microbatch size that
+  differs from it only in name (a baseline on a device set the weighted plans also try, the fastest kind both
+  alone and as ``fastest 1 kind(s)``): ``priced`` holds them by what they run."""
+  key = (c.layout.devices, c.layout.m, c.zero, c.remat, c.counts, c.tp, c.reduce_dtypes, c.overlap, c.fuse)
+  if key not in priced:
+    priced[key] = price_candidate(costing, c)
+    return priced[key]
+  return [e if e is None else dataclasses.replace(e, name=c.name) for e in priced[key]]
+
+
 @dataclasses.dataclass
 class _Tally:
   """The search's running account: ranked plans, the best of each baseline, what overflowed memory."""
@@ -283,9 +294,10 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   named = lambda name, positions, m: dataclasses.replace(layouts(positions, m), name=name)
   tally = _Tally()
   for n_done, microbatch in enumerate(sizes):
+    priced: dict[tuple, list[Evaluated]] = {}
     for c in candidates(space, microbatch, named):
       for concrete in tensor_parallel_choices(costing, c):
-        for e in price_candidate(costing, concrete):
+        for e in _priced_once(costing, concrete, priced):
           tally.add(e, concrete)
     if progress:
       progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {tally.candidates} candidates costed")
