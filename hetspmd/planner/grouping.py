@@ -38,7 +38,7 @@ from hetspmd.plan.groups import (GroupPlan, copy_factor, group_plan, padded_leng
                                  relays)
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
-                                       gradient_reductions, memory_per_device, microbatch_bytes,
+                                       gradient_reductions, microbatch_bytes,
                                        whole_gather_seconds)
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
@@ -301,8 +301,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   (:func:`_loop_param_bytes`), the others whole. ``narrow``: the group program casts its float32 accumulator to
   bfloat16 rows as it ends (a plan without a tail that reduces in bfloat16), so after the loop a device holds
   those rows and the reduced gradients (or the rows it reduces) at half the bytes, and no accumulator."""
-  tail_peak = memory_per_device(costing.profile, n, tail[0], 0, tail[1], optimizer_share=share,
-                                reduced_share=rows) if tail[0] else 0
+  tail_peak = costing.memory(n, tail[0], 0, tail[1], optimizer_share=share, reduced_share=rows) if tail[0] else 0
   if tp.m == 1 and narrow:
     p = costing.profile
     params = _params_held(p, zero, share)
@@ -311,8 +310,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
     working = max(microbatch_bytes(p, loop[0], loop[1]) + p.param_count * GRAD_BYTES, after)
     return max(tail_peak, int((params + optimizer + working) * WORKSPACE))
   if tp.m == 1:
-    peak = max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
-                                            reduced_share=rows))
+    peak = max(tail_peak, costing.memory(n, loop[0], 0, loop[1], optimizer_share=share, reduced_share=rows))
     # under ZeRO-3 the parameters as received and the share of them held, in place of whole float32 ones
     return peak + int((_params_held(costing.profile, zero, share) - costing.profile.param_bytes) * WORKSPACE)
   p = costing.profile

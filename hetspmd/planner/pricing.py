@@ -175,7 +175,7 @@ class Candidate:
     return self.global_batch // self.microbatch
 
   def replace(self, **changes: Any) -> "Candidate":
-    return dataclasses.replace(self, **changes)
+    return Candidate(**{**self.__dict__, **changes})  # every field is an init field: dataclasses.replace, faster
 
 
 class Costing:
@@ -198,6 +198,7 @@ class Costing:
     self._first: dict[tuple[str, int], float] = {}
     self._backward: dict[tuple[str, int], float] = {}
     self._kind_costs: dict[tuple, KindCost] = {}
+    self._memory: dict[tuple, int] = {}
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -264,10 +265,20 @@ class Costing:
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:
     """A position's microbatch and per-step costs (computed once per search for each set of arguments)."""
-    key = (kind, tp, microbatch, remat, min(zero, 1), n)
+    key = (kind, tp.m, tp.choice, tp.param_share, microbatch, remat, min(zero, 1), n)  # what it reads of tp
     if key not in self._kind_costs:
       self._kind_costs[key] = self._kind_cost(kind, tp, microbatch, remat, zero, n)
     return self._kind_costs[key]
+
+  def memory(self, n: int, microbatch: int, zero: int, remat: str, tp: TensorParallel = NO_TENSOR_PARALLEL, *,
+             optimizer_share: float | None = None, reduced_share: float | None = None) -> int:
+    """:func:`memory_per_device` for this profile (computed once per search for each set of arguments)."""
+    key = (n, microbatch, zero, remat, tp.m, tp.choice, tp.param_share, tp.activation_share, optimizer_share,
+           reduced_share)
+    if key not in self._memory:
+      self._memory[key] = memory_per_device(self.profile, n, microbatch, zero, remat, tp,
+                                            optimizer_share=optimizer_share, reduced_share=reduced_share)
+    return self._memory[key]
 
   def _kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
@@ -338,7 +349,7 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   counts = c.counts(layout.kinds, costs) if callable(c.counts) else tuple(c.counts)
   if len(counts) != n or sum(counts) != c.total:
     return []
-  memory = (memory_per_device(costing.profile, n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
+  memory = (costing.memory(n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both
   options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]
   timed = []
@@ -391,7 +402,7 @@ def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
     if total == n * k:  # the fused pass is all of every position's work: the plain plan at k * microbatch
       continue
     size = k * microbatch
-    memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
+    memory = (costing.memory(n, size, zero, remat, tp),) * len(layout.devices)
     if memory[0] > layout.memory:
       continue
     costs, fused, loop_costs = {}, {}, {}

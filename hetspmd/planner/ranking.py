@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
-from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
+from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES
 from hetspmd.planner.grouping import search_groups
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
@@ -217,7 +217,7 @@ def tensor_parallel_choices(costing: Costing, c: Candidate) -> Iterator[Candidat
   layout = c.layout
   choices = costing.choices(layout.m)
   fitting = [tp for tp in choices
-             if memory_per_device(costing.profile, len(layout.groups), c.microbatch, c.zero, c.remat, tp)
+             if costing.memory(len(layout.groups), c.microbatch, c.zero, c.remat, tp)
              <= layout.memory]
   dtypes = c.reduce_dtypes if layout.m == 1 else ("float32",)
   for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
