@@ -31,9 +31,11 @@ import functools
 import itertools
 from typing import Sequence
 
+import numpy as np
+
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.counts import KindCost
+from hetspmd.plan.counts import KindCost, kind_ranks
 from hetspmd.plan.groups import (GroupPlan, copy_factor, group_plan, padded_length, relay_axis, relay_factor,
                                  relays)
 from hetspmd.plan.options import REMAT_POLICIES
@@ -65,8 +67,10 @@ def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[s
     c = costs[k]
     return max(0, int((t - c.fixed - c.first) / c.micro + 1e-9))  # at(count) itself finishes count microbatches
 
-  def capacity(t: float) -> int:
-    return sum(n[k] * most(k, t) * sizes[k] for k in order)
+  terms = [(costs[k].fixed, costs[k].first, costs[k].micro, n[k] * sizes[k]) for k in order]
+
+  def capacity(t: float) -> int:  # examples the positions finish within t: most() inlined, as the bisection's hot loop
+    return sum(weight * max(0, int((t - fixed - first) / micro + 1e-9)) for fixed, first, micro, weight in terms)
 
   low, high = 0.0, max(costs[k].at(-(-global_batch // sizes[k])) for k in order)
   for _ in range(60):
@@ -97,13 +101,10 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
     fewer[k], excess = take, excess - take * sizes[k]
   if excess:
     return None
-  seen = {k: 0 for k in order}
-  counts = []
-  for k in kinds:
-    share, extra = divmod(fewer[k], n[k])
-    counts.append(base[k] - share - (1 if seen[k] < extra else 0))
-    seen[k] += 1
-  return tuple(counts)
+  index, rank = kind_ranks(tuple(kinds))
+  share, extra = (np.array([divmod(fewer[k], n[k])[i] for k in order]) for i in (0, 1))
+  kept = np.array([base[k] for k in order]) - share
+  return tuple((kept[index] - (rank < extra[index])).tolist())
 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
@@ -411,8 +412,9 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
-      choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies,
-                                             models.get(k, NO_TENSOR_PARALLEL)) for k in order})
+      least = {k: _least_recompute(costing, k, chosen[k], n, remat_policies, models.get(k, NO_TENSOR_PARALLEL))
+               for k in order}
+      choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
     for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
       e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
                        models=models)
