@@ -70,7 +70,12 @@ def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[s
   terms = [(costs[k].fixed, costs[k].first, costs[k].micro, n[k] * sizes[k]) for k in order]
 
   def capacity(t: float) -> int:  # examples the positions finish within t: most() inlined, as the bisection's hot loop
-    return sum(weight * max(0, int((t - fixed - first) / micro + 1e-9)) for fixed, first, micro, weight in terms)
+    examples = 0
+    for fixed, first, micro, weight in terms:
+      finished = int((t - fixed - first) / micro + 1e-9)
+      if finished > 0:
+        examples += weight * finished
+    return examples
 
   low, high = 0.0, max(costs[k].at(-(-global_batch // sizes[k])) for k in order)
   for _ in range(60):
