@@ -145,7 +145,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
   if zero and not shares:
     return None
-  spread = [shares[k] for k in kinds] if zero else []
+  spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
                      split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner else None,
@@ -162,7 +162,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if counts is None:
     return None
   per_position = position_seconds(costing, blocked, with_tail, counts, False)  # loop, then tail, on every device
-  busiest = max(range(len(counts)), key=lambda i: per_position[i])
+  busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _factor(spread, split)
@@ -179,13 +179,15 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       f", {dtype} gradients" if dtype != "float32" else "") + "".join(
       f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1)
   on = blocked.kinds  # per position
+  each = lambda values: tuple(map(values.__getitem__, on))  # a value per kind, per position
+  per_device = each(memory) if blocked is layout else tuple(memory[k] for k in on for _ in range(tps[k].m))
   return Evaluated(
       name=name, device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
-      memory_bytes=tuple(memory[k] for k in on for _ in range(tps[k].m)), global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in on),
-      tail=tail, state_shares=tuple(shares[k] for k in on) if zero else (), remats=tuple(remats[k] for k in on),
-      group_models=tuple(tps[k] for k in on) if blocked is not layout else ())
+      memory_bytes=per_device, global_batch=global_batch, position_seconds=per_position,
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
+      tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
+      group_models=each(tps) if blocked is not layout else ())
 
 
 def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
@@ -282,7 +284,7 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
     used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
                  tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
-  total = sum(free[k] for k in kinds)
+  total = sum(free[k] * kinds.count(k) for k in free)  # whole bytes: the sum over devices, exactly
   shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
   if total <= 0 or total < shared * WORKSPACE:
     return {}

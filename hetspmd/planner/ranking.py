@@ -16,7 +16,8 @@ search tries every candidate of
   kinds (one choice per plan: the state's PartitionSpecs are global) and
   keeps the fastest that fits;
 * microbatch size: divisors of the global batch;
-* ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
+* ZeRO stage 0 or 1 over ``data`` (on top of the split over ``model``; ZeRO-3 is priced as ZeRO-1 with more
+  memory, so never ranks ahead: :data:`SEARCHED_ZERO`),
   and remat: none, ``all_dots`` (every matmul output saved, reductions and
   gathers recomputed) or ``dots`` (weight-matmul outputs saved, the rest of
   the forward pass recomputed); not ``full``, which lowers no peak;
@@ -83,6 +84,10 @@ from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated,
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
 # data_axis.activation_share), so it never wins and is not searched
 SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
+# ZeRO-3 in one program is priced as ZeRO-1 (the same update on shards, reduction and gather) and holds more on
+# every device (it gathers the split parameters whole for the loop, beside their shards: see
+# data_axis.memory_per_device), so it never ranks ahead of ZeRO-1 and is not searched (group plans price it apart)
+SEARCHED_ZERO = tuple(z for z in ZERO_STAGES if z != 3)
 
 
 
@@ -192,7 +197,7 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
   for m in space.model_sizes:
     groups = {name: layouts(name, positions, m) for name, positions in sets.items()}
     suffix = "" if m == 1 else f", model {m}"
-    for zero in ZERO_STAGES:
+    for zero in SEARCHED_ZERO:
       for remat in space.remat_policies:
         base = Candidate(groups["all"], microbatch, zero, remat, space.global_batch, weighted, "", None,
                          space.grad_reduce_dtypes, space.overlap)
