@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -365,12 +366,14 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
                   remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
-                  grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+                  grad_reduce_dtypes: Sequence[str] = ("float32",),
+                  progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
   ``grad_reduce_dtypes``; None if none fits or the pool has one kind (a group plan is then one program). Of the
   plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
-  prefers."""
+  prefers. ``progress``: called with a line of text every eighth of each device set's microbatch
+  combinations."""
   kinds = cluster.kinds
   if len(kinds) < 2:
     return None
@@ -383,7 +386,7 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
-                                 dtypes=tuple(grad_reduce_dtypes)))
+                                 dtypes=tuple(grad_reduce_dtypes), progress=progress))
   return min(near, key=_fewest_microbatches) if near else None
 
 
@@ -394,8 +397,8 @@ def _near(plans: list[Evaluated]) -> list[Evaluated]:
 
 
 def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",)
-             ) -> list[Evaluated]:
+             remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",),
+             progress: Callable[[str], None] | None = None) -> list[Evaluated]:
   """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
   tails, the optimizer state replicated or in shares, the gradients' reduce dtypes, and remat: one policy for
   every group, or per kind the one that recomputes least of those that fit its microbatch. A kind none of whose
@@ -415,7 +418,10 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   # ZeRO-3 lowers a step's peak only where the programs take parameters as narrower casts
   zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
-  for combo in itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS):
+  total = min(math.prod(len(fits[k]) for k in order), MAX_COMBINATIONS)
+  report = {max(1, total * i // 8) for i in range(1, 9)} if progress else set()  # every eighth, and the last
+  priced = 0
+  for done, combo in enumerate(itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS), 1):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
@@ -426,7 +432,9 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
       e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
                        models=models)
       if e is not None:
-        near = _near(near + [e])
+        near, priced = _near(near + [e]), priced + 1
+    if done in report:
+      progress(f"group plans on {layout.name}: {done}/{total} microbatch combinations, {priced} plans priced")
   return near
 
 

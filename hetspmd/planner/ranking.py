@@ -314,25 +314,26 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     equivalent = ranked[0] if cluster.is_homogeneous else _homogeneous_best(
         cluster, profile, global_batch, remat_policies=space.remat_policies, recompute=recompute,
         grad_reduce_dtypes=space.grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
-        models=space.model_sizes)
+        models=space.model_sizes, progress=_prefixed(progress, "homogeneous equivalent: "))
   grouped = None
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
-                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes)
+                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
   return SearchResult(ranked, tally.best, ideal_throughput(cluster, profile, global_batch),
                       time.perf_counter() - start, tally.candidates, equivalent, grouped)
 
 
 def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, *,
                      remat_policies: Sequence[str] = SEARCHED_REMAT,
-                     grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+                     grad_reduce_dtypes: Sequence[str] = ("float32",),
+                     progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The best group plan over the microbatch sizes :func:`search` tries, for a pool where no single program fits
   (:func:`search` then raises :class:`PlanDoesNotFitError`): a group plan holds what each device needs of its own
   microbatch and its share of the state, which one program cannot give devices of different memory."""
   space = SearchSpace(cluster, profile, global_batch, (1,), tuple(remat_policies), tuple(grad_reduce_dtypes),
                       True, True)
   return search_groups(cluster, profile, global_batch, space.microbatches, remat_policies=space.remat_policies,
-                       grad_reduce_dtypes=space.grad_reduce_dtypes)
+                       grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
 
 
 # how much faster than the best single program a group plan must be priced for the search to run it: a group
@@ -364,11 +365,16 @@ def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -
   return g if g is not None and result.plans and g.throughput >= margin * result.plans[0].throughput else None
 
 
+def _prefixed(progress: Callable[[str], None] | None, prefix: str) -> Callable[[str], None] | None:
+  """``progress`` with ``prefix`` before each line (None stays None)."""
+  return None if progress is None else (lambda message: progress(prefix + message))
+
+
 def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int, **options: Any) -> Evaluated | None:
   """The best plan on ``cluster``'s homogeneous equivalent (``None`` if nothing fits there)."""
   try:
     return search(cluster.homogeneous_equivalent(), profile, global_batch, top=1, homogeneous=False,
-                  **options).plans[0]
+                  **options).plans[0]  # options may carry progress
   except PlanDoesNotFitError:
     return None
 
