@@ -204,7 +204,7 @@ def _run_search(args: argparse.Namespace) -> int:
     result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
                           overlap=not args.no_overlap, homogeneous=True, groups=True)
   except PlanDoesNotFitError as e:
-    return _group_plan_only(args, cluster, workload, profile, e, dtypes, progress)
+    return _group_plan_only(args, cluster, workload, profile, e, dtypes, progress=progress)
   stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes,
                               progress=progress)
   ideal = result.ideal_throughput
@@ -278,7 +278,7 @@ def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, 
 
 
 def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profile, error: Exception,
-                     dtypes: tuple[str, ...], progress=None) -> int:
+                     dtypes: tuple[str, ...], *, progress=None) -> int:
   """Where no single program fits: the best group plan, which holds each device's own microbatch and share of the
   state, or the error when none fits either."""
   grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes, progress=progress)

@@ -70,7 +70,7 @@ def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[s
 
   terms = [(costs[k].fixed, costs[k].first, costs[k].micro, n[k] * sizes[k]) for k in order]
 
-  def capacity(t: float) -> int:  # examples the positions finish within t: most() inlined, as the bisection's hot loop
+  def capacity(t: float) -> int:  # examples the positions finish within t (most() inlined: a hot loop)
     examples = 0
     for fixed, first, micro, weight in terms:
       finished = int((t - fixed - first) / micro + 1e-9)
@@ -78,16 +78,35 @@ def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[s
         examples += weight * finished
     return examples
 
-  low, high = 0.0, max(costs[k].at(-(-global_batch // sizes[k])) for k in order)
-  for _ in range(60):
-    mid = (low + high) / 2
-    low, high = (low, mid) if capacity(mid) >= global_batch else (mid, high)
+  high = _least_makespan(order, costs, terms, capacity, global_batch)
   for _ in range(_MAX_RAISES):  # the least makespan may not make the batch exactly: allow the next microbatch
     counts = _trimmed(kinds, {k: most(k, high) for k in order}, sizes, global_batch)
     if counts is not None:
       return counts
     high = min(costs[k].at(most(k, high) + 1) for k in order)
   return None
+
+
+def _least_makespan(order: Sequence[str], costs: dict[str, KindCost], terms: Sequence[tuple[float, float, float, int]],
+                    capacity: Callable[[float], int], global_batch: int) -> float:
+  """The least of the times a position finishes a microbatch (``costs[k].at(c)``) by which the positions finish
+  ``global_batch`` examples (``capacity``): from the continuous bound (every kind's positions busy from its
+  per-step work on, at its rate), one microbatch time after another in order."""
+  starts = sorted((fixed + first, micro, weight) for fixed, first, micro, weight in terms)
+  rate = offset = 0.0
+  for i, (start, micro, weight) in enumerate(starts):  # the kinds under way by the bound
+    rate, offset = rate + weight / micro, offset + weight * start / micro
+    bound = (global_batch + offset) / rate
+    if i + 1 == len(starts) or starts[i + 1][0] >= bound:
+      break
+  # a microbatch below each kind's continuous count: every time before these finishes fewer than the batch
+  counts = {k: max(0, math.floor((bound - costs[k].fixed - costs[k].first) / costs[k].micro) - 1) for k in order}
+  while True:
+    t = min(costs[k].at(counts[k] + 1) for k in order)
+    if capacity(t) >= global_batch:
+      return t
+    for k, (fixed, first, micro, _) in zip(order, terms):
+      counts[k] = max(counts[k], int((t - fixed - first) / micro + 1e-9))
 
 
 # times group_counts lets the makespan grow by one microbatch to make the batch exactly

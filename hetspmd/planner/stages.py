@@ -198,7 +198,7 @@ def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int
 
 def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
                   microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                  grad_reduce_dtypes: Sequence[str] = ("float32",),
+                  grad_reduce_dtypes: Sequence[str] = ("float32",), *,
                   progress: Callable[[str], None] | None = None) -> list[StagePlan]:
   """The fastest stage plans that fit, best first; [] when the step has no layer scan or one host only.
   ``grad_reduce_dtypes``: the dtypes gradients may cross in (each plan takes the fastest); ``progress``: called
