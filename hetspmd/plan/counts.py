@@ -143,6 +143,10 @@ class KindCost:
   model_comm: float = 0.0  # of micro: tensor-parallel collectives
   first: float = 0.0  # seconds the first microbatch costs over a later one
 
+  def with_fixed(self, fixed: float) -> "KindCost":
+    """The same microbatch costs with ``fixed`` seconds per step (``dataclasses.replace``, without its cost)."""
+    return KindCost(self.micro, fixed, self.model_comm, self.first)
+
   def at(self, count: int) -> float:
     """Seconds of a position with ``count`` microbatches."""
     return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)

@@ -176,8 +176,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
-  with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
-                                                                        if count else 0.0)) for k in order}
+  with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
+               for k in order}
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
@@ -375,12 +375,12 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   whole = 0.0
   if tp.m > 1:
     whole = costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
-    cost = dataclasses.replace(cost, fixed=costing.fixed[kind] + whole)
+    cost = cost.with_fixed(costing.fixed[kind] + whole)
   if share is None:
     return cost
   spec = costing.cluster.spec_of(kind)
   received = _loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
-  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + received / spec.write_rate + whole)
+  return cost.with_fixed(costing.fixed[kind] * share + received / spec.write_rate + whole)
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
