@@ -246,8 +246,9 @@ def _run_search(args: argparse.Namespace) -> int:
     result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
                           overlap=not args.no_overlap, homogeneous=True, groups=True)
   except PlanDoesNotFitError as e:
-    return _group_plan_only(args, cluster, workload, profile, e, dtypes)
-  stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes)
+    return _group_plan_only(args, cluster, workload, profile, e, dtypes, progress=progress)
+  stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes,
+                              progress=progress)
   report = _search_report(args, cluster, workload, batch, result, stage_plans)
   if args.json:
     print(json.dumps(report, indent=2))
@@ -327,10 +328,10 @@ def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, 
 
 
 def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profile, error: Exception,
-                     dtypes: tuple[str, ...]) -> int:
+                     dtypes: tuple[str, ...], *, progress=None) -> int:
   """Where no single program fits: the best group plan, which holds each device's own microbatch and share of the
   state, or the error when none fits either."""
-  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes)
+  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes, progress=progress)
   if grouped is None:
     raise error
   ideal = ideal_throughput(cluster, profile, args.global_batch)

@@ -32,13 +32,30 @@ def test_preset_sanity_against_datasheets():
 
 def test_a_workstation_that_mixes_kinds():
   """Cephalo's workstation (2 L4, an RTX A6000, a P40): the preset, the spec and its TOML agree. Pascal's P40
-  computes float16 at 1/64 of its float32 rate; the A6000 has twice an L4's memory."""
+  computes float16 dots with float32 accumulation at its float32 rate (not GP102's 1/64 fp16 arithmetic); the
+  A6000 has twice an L4's memory."""
   cluster = Cluster.preset("cephalo-workstation")
   assert [d.spec.name for d in cluster.devices] == ["L4", "L4", "RTX-A6000", "P40"]
   assert cluster.inter.name == "pcie3" and Cluster.parse(cluster.describe()).devices == cluster.devices
   p40, a6000 = DEVICE_PRESETS["P40"], DEVICE_PRESETS["RTX-A6000"]
-  assert p40.bf16_flops == pytest.approx(p40.fp32_flops / 64) and p40.memory_bytes == 24 * GiB
+  assert p40.peak_flops("float16") == p40.peak_flops("bfloat16") == p40.fp32_flops and p40.memory_bytes == 24 * GiB
   assert a6000.memory_bytes == 2 * DEVICE_PRESETS["L4"].memory_bytes and a6000.bf16_flops > a6000.fp32_flops
+
+
+def test_half_precision_before_ampere_is_priced_as_xla_runs_it():
+  """No preset is slower in reduced precision than in float32; before Ampere a bfloat16 dot runs at the float32
+  rate, a float16 dot on the tensor cores (Volta, Turing) or at the float32 rate (Pascal); from Ampere on the
+  two are one rate."""
+  for spec in DEVICE_PRESETS.values():
+    assert min(spec.peak_flops("float16"), spec.peak_flops("bfloat16")) >= spec.fp32_flops, spec.name
+  for kind, fp16 in (("V100-16GB", 125e12), ("V100-32GB", 125e12), ("T4", 65e12), ("P100-16GB", 9.3e12)):
+    spec = DEVICE_PRESETS[kind]
+    assert spec.peak_flops("bfloat16") == spec.fp32_flops and spec.peak_flops("float16") == pytest.approx(fp16)
+  a100 = DEVICE_PRESETS["A100-80GB"]
+  assert a100.peak_flops("float16") == a100.peak_flops("bfloat16") == 312e12
+  mixed = hetspmd.hardware.devices.mean_spec([DEVICE_PRESETS["T4"], a100])
+  assert mixed.float16_flops == pytest.approx((65e12 + 312e12) / 2) and mixed.bf16_flops == pytest.approx(
+      (8.1e12 + 312e12) / 2)
 
 
 def test_cpu_spec_is_measured():
@@ -157,8 +174,11 @@ def test_required_cluster_presets():
   hap = Cluster.preset("hap-v100-p100")
   assert hap.num_devices == 64 and [h.count for h in hap.hosts] == [8] * 8
   assert hap.kinds == ("V100-32GB", "P100-16GB") and hap.inter.bandwidth == pytest.approx(1.3e9)
-  amp = Cluster.preset("amp-t4-v100")
-  assert amp.num_devices == 16 and len(amp.hosts) == 4 and set(amp.kinds) == {"T4", "V100-16GB"}
+  amp = Cluster.preset("amp-t4-v100")  # as AMP's src/het_cluster.py ran it: 3 hosts of 4 V100 + 1 host of 4 T4
+  assert amp.num_devices == 16 and [(h.device.name, h.count) for h in amp.hosts] == [("V100-16GB", 4)] * 3 + [("T4", 4)]
+  assert amp.inter.bandwidth == pytest.approx(10e9 / 8) and amp.hosts[0].intra.name == "nvlink2"
+  heavy = Cluster.preset("t4-heavy-v100")
+  assert [h.device.name for h in heavy.hosts] == ["T4"] * 3 + ["V100-16GB"]
   for name in ("a100-v100-mix", "h100-a100-l4-mix"):
     assert not Cluster.preset(name).is_homogeneous
   assert any(Cluster.preset(n).is_homogeneous for n in CLUSTER_PRESETS)

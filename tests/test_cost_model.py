@@ -169,6 +169,26 @@ def test_a_matmul_that_sets_its_own_precision_is_priced_by_it():
     assert jx.f32_matmul_precision(setting) == expected, setting
 
 
+def test_float16_and_bfloat16_matmuls_are_priced_apart_before_ampere():
+  # a V100 runs float16 dots on its tensor cores (125 TF/s) and bfloat16 ones at its float32 rate (15.7 TF/s);
+  # an A100 runs both at 312 TF/s
+  from hetspmd.hardware.devices import DEVICE_PRESETS
+
+  v100, a100 = DEVICE_PRESETS["V100-32GB"], DEVICE_PRESETS["A100-40GB"]
+
+  def profile(dtype):
+    w, x = jax.ShapeDtypeStruct((4096, 4096), dtype), lambda b: jax.ShapeDtypeStruct((b, 4096), dtype)
+    fn = lambda w, x: jnp.sum((x @ w).astype(jnp.float32))
+    return step_profile(hs.trace(fn, w, x(64)), hs.trace(fn, w, x(128)), 64, 128)
+
+  half, brain = profile(jnp.float16), profile(jnp.bfloat16)
+  assert list(half.float16[half.matmul]) == [True] and list(brain.float16[brain.matmul]) == [False]
+  batch = 8192  # compute-bound: 2 * 8192 * 4096^2 FLOPs against 64 MiB of operands
+  dot = lambda p, spec: float(np.sum(p.node_seconds(spec, batch) * p.matmul))
+  assert dot(brain, v100) / dot(half, v100) == pytest.approx(125 / 15.7, rel=1e-6)
+  assert dot(half, a100) == pytest.approx(dot(brain, a100))
+
+
 def test_a_value_that_cannot_fuse_into_its_consumer_is_written_and_read_back():
   # the dot cannot fuse: its input x * 2 is written, read by the dot, and the dot's output read by the tanh kernel
   graph = hs.trace(lambda x, w: jnp.tanh((x * 2.0) @ w), jax.ShapeDtypeStruct((8, 128), jnp.float32),

@@ -17,7 +17,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import hetspmd as hs
-import hetspmd.runtime.step as step_module
+import hetspmd.runtime.searching as step_module
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import group_plan, split_by_process
 from hetspmd.planner.grouping import to_group_plan

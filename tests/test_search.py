@@ -18,7 +18,7 @@ from hetspmd.passes.costing import step_cost as cost
 from hetspmd.plan.counts import KindCost
 from hetspmd.errors import PlanDoesNotFitError
 from hetspmd.planner.ranking import BASELINES, microbatch_sizes, search
-from hetspmd.plan.counts import balanced_counts, even_counts
+from hetspmd.plan.counts import balanced_counts, divisors, even_counts, prime_factors
 from hetspmd.passes.profile import profile_step
 from hetspmd.planner.pricing import evaluate
 from hetspmd.plan.counts import milp_counts
@@ -140,6 +140,37 @@ def test_microbatch_sizes_keep_every_divisor_of_a_small_set(batch):
   assert microbatch_sizes(batch) == [d for d in range(1, batch + 1) if batch % d == 0]
 
 
+@pytest.mark.parametrize("n", [1, 2, 12, 97, 360, 720720, 2 ** 20, 999_983 * 2])
+def test_divisors_match_trial_division(n):
+  assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.timeout(10)
+def test_divisors_of_huge_numbers_without_a_loop_to_them():
+  """A global batch of 10**9 (100 divisors), a large prime and large composites: factored, not counted to."""
+  assert len(divisors(10 ** 9)) == 100 and divisors(10 ** 9)[:6] == [1, 2, 4, 5, 8, 10]
+  assert prime_factors(10 ** 9) == {2: 9, 5: 9}
+  for prime in (1_000_000_007, 2 ** 61 - 1):
+    assert divisors(prime) == [1, prime] and prime_factors(prime) == {prime: 1}
+  composite = 1_000_000_007 * 998_244_353  # two primes near 10**9: no factor below 10**9
+  assert divisors(composite) == [1, 998_244_353, 1_000_000_007, composite]
+  assert divisors(2 ** 64) == [2 ** e for e in range(65)]
+  assert divisors(2 ** 10 * 3 ** 5 * 7 ** 2 * 1_000_003) == sorted(
+      2 ** a * 3 ** b * 7 ** c * 1_000_003 ** d for a in range(11) for b in range(6) for c in range(3) for d in (0, 1))
+  with pytest.raises(hs.errors.InvalidValueError):
+    divisors(0)
+
+
+@pytest.mark.timeout(30)
+def test_microbatch_sizes_of_a_batch_of_a_billion_are_quick():
+  import time
+
+  start = time.perf_counter()
+  sizes = microbatch_sizes(10 ** 9)
+  assert time.perf_counter() - start < 0.5
+  assert len(sizes) == 16 and sizes[0] == 1 and sizes[-1] == 10 ** 9 and all(10 ** 9 % d == 0 for d in sizes)
+
+
 @pytest.mark.parametrize("batch", [720720, 1680, 5040])
 def test_microbatch_sizes_of_a_composite_batch_spread_evenly_in_log_size(batch):
   sizes = microbatch_sizes(batch)
@@ -163,7 +194,7 @@ def test_allreduce_is_bounded_by_the_slowest_link():
   assert allreduce_seconds(lopsided, list(range(9)), nbytes) > allreduce_seconds(balanced, [0, 1], nbytes)
 
 
-@pytest.mark.parametrize("preset", ["amp-t4-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
+@pytest.mark.parametrize("preset", ["amp-t4-v100", "t4-heavy-v100", "a100-v100-mix", "h100-a100-l4-mix", "v100x16"])
 def test_best_plan_never_loses_to_a_baseline(gpt_profile, preset):
   result = search(Cluster.preset(preset), gpt_profile, global_batch=64)
   best = result.plans[0]
@@ -408,3 +439,38 @@ def test_a_model_with_scanned_layers_is_searched_like_its_unrolled_twin():
   assert profiles[0].flops.per_example == pytest.approx(profiles[1].flops.per_example, rel=0.01)
   result = search(Cluster.preset("hap-v100-p100"), profiles[0], 64)
   assert result.plans and result.plans[0].step_seconds > 0
+
+
+def test_progress_covers_every_phase_of_the_search(tiny_profile):
+  """The single program, the homogeneous equivalent and the group plans each report as they go, in that order."""
+  cluster = Cluster.parse("1x2xV100-32GB+1x2xP100-16GB")
+  lines: list[str] = []
+  search(cluster, tiny_profile, 32, progress=lines.append, homogeneous=True, groups=True)
+  phases = [("homogeneous equivalent: " if line.startswith("homogeneous equivalent: ") else
+             "group plans on " if line.startswith("group plans on ") else "single") for line in lines]
+  assert [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p] == [
+      "single", "homogeneous equivalent: ", "group plans on "]
+  sizes = len(microbatch_sizes(32))
+  assert lines[sizes - 1].startswith(f"microbatch 32 ({sizes}/{sizes})")
+  assert lines[2 * sizes - 1].startswith(f"homogeneous equivalent: microbatch 32 ({sizes}/{sizes})")
+  assert "microbatch combinations" in lines[-1] and lines[-1].split(": ")[1].split()[0].count("/") == 1
+  done, total = lines[-1].split(": ")[1].split()[0].split("/")
+  assert done == total  # the group phase reports its last combination
+
+
+@pytest.mark.timeout(120)
+def test_cli_progress_goes_to_stderr_through_every_phase(capsys):
+  """``hetspmd search`` prints a timed line per step of every phase to stderr (stage plans too, for a step that
+  scans its layers on two hosts), and nothing of it under --json, whose stdout is the JSON alone."""
+  argv = ["search", "--model", "gpt2-tiny-scan", "--cluster", "1x2xV100-32GB+1x2xP100-16GB", "--global-batch", "16"]
+  assert main(argv) == 0
+  captured = capsys.readouterr()
+  lines = captured.err.splitlines()
+  assert all(line.startswith("[") and "s] " in line for line in lines)
+  for phase in ("tracing the step", "] microbatch 16 (", "] homogeneous equivalent: microbatch 16 (",
+                "] group plans on group programs by kind: ", "] stage plans: 2 stages"):
+    assert any(phase in line for line in lines), phase
+  assert "microbatch combinations" not in captured.out
+  assert main(argv + ["--json"]) == 0
+  captured = capsys.readouterr()
+  assert captured.err == "" and json.loads(captured.out)["plans"]

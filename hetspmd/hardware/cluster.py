@@ -48,19 +48,28 @@ _DEFAULT_INTRA = {
 }
 
 CLUSTER_PRESETS: dict[str, str] = {
-    # HAP (Zhang et al., EuroSys 2024): 2 hosts x 8 V100 + 6 hosts x 8 P100, 10.4 Gbps between hosts
+    # HAP (Zhang et al., EuroSys 2024; github ylxdzsw/hap readme.txt: "2 machines each equipped with 8 NVIDIA V100
+    # GPUs and 6 machines each equipped with 8 NVIDIA P100 GPUs. The inter-machine bandwidth is about 10.4Gbps").
+    # The V100s' memory size is not stated there; 32 GB is assumed
     "hap-v100-p100": "2x8xV100-32GB+6x8xP100-16GB;inter=10.4Gbps",
-    # AMP (Li et al., NeurIPS 2022) mixed cluster: 3 g4dn.12xlarge (4 T4) + 1 p3.8xlarge (4 V100);
-    # the p3.8xlarge's 10 Gbps bounds the network
-    "amp-t4-v100": "3x4xT4+1x4xV100-16GB;inter=10Gbps",
+    # AMP (Li et al., NeurIPS 2022) as its code ran it (github DachengLi1/AMP src/het_cluster.py: "M = 4, N = 4";
+    # nodes 0-2 "[10 * 1e9 / 32, 170 * 1e9 / 32]", node 3 "[50 * 1e9 / 32, 50 * 1e9 / 32]"; src/cost_het_cluster.py
+    # weights "0.75 + 0.25"): three p3.8xlarge (4 V100-16GB on NVLink, 10 Gbps NIC) and one g4dn.12xlarge (4 T4,
+    # 50 Gbps NIC). One link joins all hosts here: a ring over the four hosts runs at the slowest NIC, 10 Gbps.
+    "amp-t4-v100": "3x4xV100-16GB+1x4xT4;inter=10Gbps",
+    # the opposite mix (12 T4, 4 V100), which this preset named before it followed AMP's code
+    "t4-heavy-v100": "3x4xT4+1x4xV100-16GB;inter=10Gbps",
     "a100-v100-mix": "1x8xA100-40GB+2x8xV100-32GB;inter=100Gbps",
     "h100-a100-l4-mix": "1x8xH100-80GB+1x8xA100-80GB+2x8xL4;inter=200Gbps",
-    # Cephalo (Guo et al., 2024): one workstation of 2 L4, an RTX A6000 and a P40. One device kind per host in
+    # Cephalo (Guo et al., 2024; github benson-guo/cephalo README: "a cluster of 4 GPUS: 2xL4, 1xA6000, 1xP40",
+    # split_workload.py "--gpus l4 l4 a6000 p40"): one workstation. One device kind per host in
     # this model, so the kinds are hosts joined by the workstation's PCIe 3 (the P40's link bounds it)
     "cephalo-workstation": "2xL4+RTX-A6000+P40;inter=pcie3;processes=1",
     # homogeneous references
     "v100x16": "2x8xV100-32GB;inter=10.4Gbps",
     "p100x48": "6x8xP100-16GB;inter=10.4Gbps",
+    # AMP's homogeneous run (src/homogeneous.py: 4 nodes of 4, every node "[50 * 1e9 / 32, 50 * 1e9 / 32]"; the
+    # profiles it reads are known_cost/gpt2_G4_*: g4dn, T4)
     "t4x16": "4x4xT4;inter=50Gbps",
     "a100x8": "1x8xA100-80GB",
     "a100x64": "8x8xA100-80GB;inter=200Gbps",

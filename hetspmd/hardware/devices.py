@@ -59,6 +59,12 @@ class DeviceSpec:
       (see :meth:`f32_matmul_flops`). ``None``: float32 matmuls run at
       ``fp32_flops``. A measured spec leaves it ``None``: its
       ``fp32_flops`` already is what float32 matmuls reach.
+    fp16_flops: dense peak of float16 matmuls where it differs from
+      ``bf16_flops``, FLOP/s; ``None``: the same. Before Ampere, NVIDIA
+      GPUs have no bfloat16 math: XLA hands a bfloat16 dot to cuBLAS, which
+      computes it at the float32 rate, while float16 dots use the tensor
+      cores (Volta, Turing) or run with float32 accumulation at the
+      float32 rate (Pascal). See docs/cost-model.md.
   """
 
   name: str
@@ -71,6 +77,7 @@ class DeviceSpec:
   cache_bytes: int | None = None
   cache_write_bandwidth: float | None = None
   reduced_f32_flops: float | None = None
+  fp16_flops: float | None = None
 
   def __post_init__(self):
     if not self.name or not isinstance(self.name, str):
@@ -93,6 +100,10 @@ class DeviceSpec:
       if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
         raise InvalidValueError(f"DeviceSpec {self.name!r}: {field} must be a positive number, got {value!r}")
 
+    half = self.fp16_flops
+    if half is not None and (isinstance(half, bool) or not isinstance(half, (int, float)) or not math.isfinite(half)
+                             or half <= 0):
+      raise InvalidValueError(f"DeviceSpec {self.name!r}: fp16_flops must be a positive number, got {half!r}")
     tf32 = self.reduced_f32_flops
     if tf32 is not None and (isinstance(tf32, bool) or not isinstance(tf32, (int, float)) or not math.isfinite(tf32)
                              or tf32 <= 0):
@@ -129,9 +140,16 @@ class DeviceSpec:
     """Bytes/s written into a touched value of at most :attr:`cache_bytes`; :attr:`write_rate` without a cache."""
     return self.cache_write_bandwidth or self.write_rate
 
+  @property
+  def float16_flops(self) -> float:
+    """FLOP/s of float16 matmuls: ``fp16_flops``, else ``bf16_flops``."""
+    return self.fp16_flops or self.bf16_flops
+
   def peak_flops(self, dtype: str = "float32") -> float:
     """Dense matmul peak for ``dtype`` (``bfloat16``/``float16``; ``float32`` at JAX's default precision)."""
-    if dtype in ("bfloat16", "float16", "bf16", "fp16"):
+    if dtype in ("float16", "fp16"):
+      return self.float16_flops
+    if dtype in ("bfloat16", "bf16"):
       return self.bf16_flops
     return self.f32_matmul_flops(reduced_precision_f32_matmuls())
 
@@ -146,6 +164,7 @@ def mean_spec(specs: Sequence[DeviceSpec], name: str = "") -> DeviceSpec:
   mean = lambda values: float(sum(values)) / len(specs)
   cached = all(s.cache_bytes is not None for s in specs)
   reduced = any(s.reduced_f32_flops is not None for s in specs)
+  half = any(s.fp16_flops is not None for s in specs)
   return DeviceSpec(
       name=name or "mean(" + ",".join(dict.fromkeys(s.name for s in specs)) + ")",
       fp32_flops=mean(s.fp32_flops for s in specs), bf16_flops=mean(s.bf16_flops for s in specs),
@@ -155,7 +174,8 @@ def mean_spec(specs: Sequence[DeviceSpec], name: str = "") -> DeviceSpec:
                       else None),
       cache_bytes=int(mean(s.cache_bytes for s in specs)) if cached else None,
       cache_write_bandwidth=mean(s.cache_write_bandwidth for s in specs) if cached else None,
-      reduced_f32_flops=mean(s.f32_matmul_flops(True) for s in specs) if reduced else None)
+      reduced_f32_flops=mean(s.f32_matmul_flops(True) for s in specs) if reduced else None,
+      fp16_flops=mean(s.float16_flops for s in specs) if half else None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,22 +199,27 @@ class Link:
     return self.latency + nbytes / self.bandwidth
 
 
-def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float,
-          reduced_f32_tflops: float | None = None) -> DeviceSpec:
+def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float, *,
+          reduced_f32_tflops: float | None = None, fp16_tflops: float | None = None) -> DeviceSpec:
   return DeviceSpec(name, fp32_tflops * TFLOPS, bf16_tflops * TFLOPS, int(memory_gib * GiB), bandwidth_gbs * GB,
-                    reduced_f32_flops=reduced_f32_tflops * TFLOPS if reduced_f32_tflops else None)
+                    reduced_f32_flops=reduced_f32_tflops * TFLOPS if reduced_f32_tflops else None,
+                    fp16_flops=fp16_tflops * TFLOPS if fp16_tflops else None)
 
 
 # name: DeviceSpec. Memory sizes are the marketed GB read as GiB (HBM stacks
 # are binary sized); bandwidth in GB/s as published.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
-    # NVIDIA Tesla P100 PCIe datasheet: 9.3 TF fp32, 18.7 TF fp16, 16 GB, 732 GB/s
-    _spec("P100-16GB", 9.3, 18.7, 16, 732),
-    # NVIDIA V100 datasheet (SXM2): 15.7 TF fp32, 125 TF tensor, 900 GB/s
-    _spec("V100-16GB", 15.7, 125, 16, 900),
-    _spec("V100-32GB", 15.7, 125, 32, 900),
-    # NVIDIA T4 datasheet: 8.1 TF fp32, 65 TF fp16 tensor, 16 GB GDDR6, 320 GB/s
-    _spec("T4", 8.1, 65, 16, 320),
+    # Before Ampere (sm_80) there is no bfloat16 math: a bfloat16 dot runs at the float32 rate (the second
+    # number below); float16 dots (the last) use the tensor cores on Volta and Turing, and on Pascal run with
+    # float32 accumulation, which XLA asks cuBLAS for, at the float32 rate (docs/cost-model.md).
+    # NVIDIA Tesla P100 PCIe datasheet: 9.3 TF fp32, 18.7 TF fp16 (fp16 accumulation, which XLA does not use),
+    # 16 GB, 732 GB/s
+    _spec("P100-16GB", 9.3, 9.3, 16, 732, fp16_tflops=9.3),
+    # NVIDIA V100 datasheet (SXM2): 15.7 TF fp32, 125 TF fp16 tensor (fp32 accumulation), 900 GB/s
+    _spec("V100-16GB", 15.7, 15.7, 16, 900, fp16_tflops=125),
+    _spec("V100-32GB", 15.7, 15.7, 32, 900, fp16_tflops=125),
+    # NVIDIA T4 datasheet: 8.1 TF fp32, 65 TF fp16 tensor (fp32 accumulation), 16 GB GDDR6, 320 GB/s
+    _spec("T4", 8.1, 8.1, 16, 320, fp16_tflops=65),
     # NVIDIA A10 datasheet (A10G is AWS's A10): 31.2 TF fp32, 62.5 TF tf32 / 125 TF bf16 tensor, 24 GB, 600 GB/s
     _spec("A10G", 31.2, 125, 24, 600, reduced_f32_tflops=62.5),
     # NVIDIA L4 datasheet: 30.3 TF fp32, 60 TF tf32 / 121 TF bf16 tensor (dense), 24 GB, 300 GB/s
@@ -206,9 +231,10 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     _spec("H100-80GB", 67, 989, 80, 3350, reduced_f32_tflops=494.5),
     # NVIDIA H200 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 141 GB, 4.8 TB/s
     _spec("H200", 67, 989, 141, 4800, reduced_f32_tflops=494.5),
-    # NVIDIA Tesla P40 datasheet: 11.76 TF fp32, 24 GB GDDR5, 346 GB/s; Pascal GP102 runs fp16 at 1/64 of fp32
-    # (no tensor cores)
-    _spec("P40", 11.76, 11.76 / 64, 24, 346),
+    # NVIDIA Tesla P40 datasheet: 11.76 TF fp32, 24 GB GDDR5, 346 GB/s. GP102's own fp16 arithmetic runs at 1/64
+    # of fp32, but a float16 dot with float32 accumulation (what XLA asks cuBLAS for) runs at the float32 rate:
+    # Cephalo measured the P40's fp16 layers at about 5.7 TF/s (benson-guo/cephalo data/model_latencies.json)
+    _spec("P40", 11.76, 11.76, 24, 346, fp16_tflops=11.76),
     # NVIDIA RTX A6000 datasheet: 38.7 TF fp32, 77.4 TF tf32 / 154.8 TF fp16/bf16 tensor (dense), 48 GB GDDR6,
     # 768 GB/s
     _spec("RTX-A6000", 38.7, 154.8, 48, 768, reduced_f32_tflops=77.4),

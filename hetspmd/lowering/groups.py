@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.errors import HetSpmdError
+from hetspmd.lowering.dataflow import labels_forward
 from hetspmd.lowering.loop import LoopContext, between_loops, combined_over, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, is_gradient_cut,
                                      narrowable, sum_outputs)
@@ -103,15 +104,13 @@ def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]
   ``{output: input}`` for the outputs that are the new value of a state leaf.
 
   Refuses a step whose microbatch loop reads a held leaf: the group programs could not read it."""
-  deps: dict[Any, frozenset] = {prog.invars[i]: frozenset((i,)) for i in held}
-  loop = set(range(len(prog.eqns))) - set(prog.pre) - set(prog.post)
-  for k, eqn in enumerate(prog.eqns):
-    read = frozenset().union(*[deps.get(v, frozenset()) for v in eqn.invars if not jx.is_literal(v)])
-    if read and k in loop:
-      raise HetSpmdError(f"the microbatch loop reads optimizer-state leaves (flat inputs {sorted(read)}, at "
-                         f"{jx.user_location(eqn)}): hold the state replicated (a group plan without state_shares)")
+  deps = labels_forward(prog.eqns, {prog.invars[i]: frozenset((i,)) for i in held}, range(len(prog.eqns)))
+  for k in sorted(set(range(len(prog.eqns))) - set(prog.pre) - set(prog.post)):  # the loop's equations
+    read = frozenset().union(*[deps.get(v, frozenset()) for v in prog.eqns[k].invars if not jx.is_literal(v)])
     if read:
-      deps.update((v, read) for v in eqn.outvars)
+      raise HetSpmdError(f"the microbatch loop reads optimizer-state leaves (flat inputs {sorted(read)}, at "
+                         f"{jx.user_location(prog.eqns[k])}): hold the state replicated (a group plan without "
+                         "state_shares)")
   parent = {i: i for i in held}
 
   def root(i):
@@ -121,8 +120,8 @@ def state_units(prog: Program, held: Sequence[int], new_value_of: dict[int, int]
     return i
 
   reads = {}
-  for o, v in enumerate(prog.outvars):
-    mine = set(deps.get(v, frozenset())) if not jx.is_literal(v) else set()
+  for o, labels in enumerate(prog.flow.outputs_of(deps, len(prog.outvars))):
+    mine = set(labels)
     if o in new_value_of and new_value_of[o] in parent:
       mine.add(new_value_of[o])
     reads[o] = sorted(mine)
@@ -147,11 +146,7 @@ def narrow_reads(prog: Program, made_by: dict[int, frozenset]) -> dict[int, Any]
   ``made_by``: for each candidate input, the flat outputs of the update that makes its new value (work that
   feeds only those, such as AdamW's decay term, may read it whole); a parameter whose other readers (a metric, a
   penalty in the loss, a loop) would see the cast's rounding is left out."""
-  readers: dict[Any, list[int]] = {}
-  for k, eqn in enumerate(prog.eqns):
-    for v in eqn.invars:
-      if not jx.is_literal(v):
-        readers.setdefault(v, []).append(k)
+  readers = prog.flow.readers
   pre, post = set(prog.pre) - set(prog.hoisted), set(prog.post)
   outputs = {v for v in prog.outvars if not jx.is_literal(v)}
   out = {}
@@ -200,14 +195,11 @@ def _reached(prog: Program, var: Any, casts: set, free: set) -> frozenset | None
   """The flat outputs ``var`` reaches other than through the equations ``casts`` (a decay term of AdamW before
   the loops, the update after them), or None where it reaches an equation outside ``free`` (the example-free
   work before and after the loops): the loops would read it."""
-  seen = {var}
-  for k, eqn in enumerate(prog.eqns):
-    if k in casts or not any(v in seen for v in eqn.invars if not jx.is_literal(v)):
-      continue
-    if k not in free:
-      return None
-    seen.update(eqn.outvars)
-  return frozenset(o for o, v in enumerate(prog.outvars) if not jx.is_literal(v) and v in seen)
+  labels = labels_forward(prog.eqns, {var: frozenset((0,))}, (k for k in range(len(prog.eqns)) if k not in casts))
+  read = {k for v in labels for k in prog.flow.readers.get(v, ()) if k not in casts}
+  if read - free:
+    return None
+  return frozenset(o for o, mine in enumerate(prog.flow.outputs_of(labels, len(prog.outvars))) if mine)
 
 
 def sums_order(base: Program, other: Program) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -279,47 +271,34 @@ def _signatures(prog: Program) -> list[tuple]:
   """Per value of :func:`_partials` (flattened): its reduction, shape, and the step outputs (by position) it reaches through the
   example-free rest of the step, by equations that neither reduce it (a gradient norm) nor broadcast it (a
   normaliser): a gradient reaches its parameter's new value and moments."""
-  readers: dict[Any, list] = {}
-  for i in prog.post:
-    for v in prog.eqns[i].invars:
-      if not jx.is_literal(v):
-        readers.setdefault(v, []).append(prog.eqns[i])
-  outputs: dict[Any, list[int]] = {}
-  for j, v in enumerate(prog.outvars):
-    if not jx.is_literal(v):
-      outputs.setdefault(v, []).append(j)
-  out = []
-  for reduce, var in (value for part in _partials(prog) for value in part):
-    seen, todo, reached = {var}, [var], set()
-    while todo:
-      v = todo.pop()
-      reached.update(outputs.get(v, ()))
-      for eqn in readers.get(v, ()):
-        if jx.primitive_name(eqn) == "broadcast_in_dim":  # a scalar (a normaliser, a norm) reaches everything
-          continue
-        for w in eqn.outvars:
-          if w not in seen and math.prod(jx.aval_shape(w)) >= math.prod(jx.aval_shape(v)):  # not reduced away
-            seen.add(w)
-            todo.append(w)
-    out.append((reduce, jx.aval_shape(var), tuple(sorted(reached))))
-  return out
+  values = [value for part in _partials(prog) for value in part]
+  seeds: dict[Any, frozenset] = {}
+  for j, (_, var) in enumerate(values):
+    seeds[var] = seeds.get(var, frozenset()) | {j}
+
+  def kept(k, v, w) -> bool:  # a scalar (a normaliser, a norm) reaches everything; a reduction is not followed
+    return (jx.primitive_name(prog.eqns[k]) != "broadcast_in_dim" and
+            math.prod(jx.aval_shape(w)) >= math.prod(jx.aval_shape(v)))
+
+  labels = labels_forward(prog.eqns, seeds, sorted(prog.post), keep=kept)
+  reached: list[set] = [set() for _ in values]
+  for o, mine in enumerate(prog.flow.outputs_of(labels, len(prog.outvars))):
+    for j in mine:
+      reached[j].add(o)
+  return [(reduce, jx.aval_shape(var), tuple(sorted(r))) for (reduce, var), r in zip(values, reached)]
 
 
 def partial_readers(prog: Program) -> tuple[frozenset, ...]:
   """Per value of the last loop's partial sums (flattened as :func:`_partials` orders them), the flat outputs that
   read it through the example-free rest of the step (an equation's outputs read all its inputs)."""
   values = [var for part in _partials(prog) for _, var in part]
-  deps: dict[Any, frozenset] = {}
+  seeds: dict[Any, frozenset] = {}
   for j, var in enumerate(values):
-    deps[var] = deps.get(var, frozenset()) | {j}
-  for i in prog.post:
-    eqn = prog.eqns[i]
-    read = frozenset().union(*[deps.get(v, frozenset()) for v in eqn.invars if not jx.is_literal(v)])
-    if read:
-      deps.update((v, deps.get(v, frozenset()) | read) for v in eqn.outvars)
+    seeds[var] = seeds.get(var, frozenset()) | {j}
+  deps = labels_forward(prog.eqns, seeds, sorted(prog.post))
   readers: list[set] = [set() for _ in values]
-  for o, v in enumerate(prog.outvars):
-    for j in ([] if jx.is_literal(v) else deps.get(v, ())):
+  for o, mine in enumerate(prog.flow.outputs_of(deps, len(prog.outvars))):
+    for j in mine:
       readers[j].add(o)
   return tuple(frozenset(r) for r in readers)
 

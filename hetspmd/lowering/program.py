@@ -18,6 +18,7 @@ import numpy as np
 
 from hetspmd.lowering import operands
 from hetspmd.errors import HetSpmdError
+from hetspmd.lowering.dataflow import DataFlow
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import Analysis
 from hetspmd.passes.batch_axis.rules import Axis
@@ -86,6 +87,7 @@ class Program:
     self.batch = analysis.global_batch
     self.cuts = {c.index: c for c in analysis.cuts}
     self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
+    self.flow = DataFlow.of(self.eqns, self.outvars)  # who reads each variable, which outputs it is
     local = {c.index for c in analysis.cuts if c.local}
     # which equations depend on a local (per-microbatch) statistic: those run inside the loop
     self.after_local = set()

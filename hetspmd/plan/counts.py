@@ -9,6 +9,7 @@ walk, with a reference MILP), and the microbatch a batch and counts imply.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -28,21 +29,94 @@ def proportional_counts(weights: Sequence[float], total: int) -> tuple[int, ...]
     raise InvalidValueError(f"cannot split {total} by weights {list(weights)}")
   exact = w / w.sum() * total
   counts = np.floor(exact).astype(int)
-  order = sorted(range(len(w)), key=lambda i: (-(exact[i] - counts[i]), i))
-  for i in order[: total - counts.sum()]:
-    counts[i] += 1
-  return tuple(int(c) for c in counts)
+  order = np.argsort(-(exact - counts), kind="stable")  # the largest remainders, ties to the earlier position
+  counts[order[: total - counts.sum()]] += 1
+  return tuple(counts.tolist())
+
+
+def divisors(n: int) -> list[int]:
+  """Every divisor of the positive integer ``n``, ascending, from its prime factors (:func:`prime_factors`):
+  a batch of 10**9 has 100, found without a loop to ``n``."""
+  if not isinstance(n, int) or n < 1:
+    raise InvalidValueError(f"divisors are of a positive integer, got {n!r}")
+  found = [1]
+  for p, power in prime_factors(n).items():
+    found = [d * p**e for d in found for e in range(power + 1)]
+  return sorted(found)
+
+
+def prime_factors(n: int) -> dict[int, int]:
+  """``n``'s prime factorisation ``{prime: power}``: trial division by the primes below ``_TRIAL``, then what
+  is left split by Pollard's rho (Brent's cycle finding) and checked by Miller-Rabin."""
+  factors: dict[int, int] = {}
+  for p in _SMALL_PRIMES:
+    while n % p == 0:
+      factors[p] = factors.get(p, 0) + 1
+      n //= p
+  pending = [n] if n > 1 else []
+  while pending:
+    m = pending.pop()
+    if _is_prime(m):
+      factors[m] = factors.get(m, 0) + 1
+    else:
+      d = _rho(m)
+      pending += [d, m // d]
+  return dict(sorted(factors.items()))
+
+
+_TRIAL = 1000
+_SMALL_PRIMES = tuple(p for p in range(2, _TRIAL) if all(p % q for q in range(2, math.isqrt(p) + 1)))
+# these bases decide primality for every n < 3.3e24 (Sorenson and Webster); above, a composite passes with
+# probability under 4**-12
+_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def _is_prime(n: int) -> bool:
+  """Miller-Rabin for ``n`` with no factor below ``_TRIAL`` (``n > 1``)."""
+  if n < _TRIAL * _TRIAL:
+    return True
+  d, s = n - 1, 0
+  while d % 2 == 0:
+    d, s = d // 2, s + 1
+  for a in _WITNESSES:
+    x = pow(a, d, n)
+    if x in (1, n - 1):
+      continue
+    for _ in range(s - 1):
+      x = x * x % n
+      if x == n - 1:
+        break
+    else:
+      return False
+  return True
+
+
+def _rho(n: int) -> int:
+  """A proper factor of the odd composite ``n`` (Pollard's rho with Brent's cycle finding)."""
+  for c in range(1, n):
+    x = y = 2
+    d = 1
+    power = lam = 1
+    while d == 1:
+      if power == lam:
+        x, power, lam = y, power * 2, 0
+      y = (y * y + c) % n
+      lam += 1
+      d = math.gcd(abs(x - y), n)
+    if d != n:
+      return d
+  raise HetSpmdError(f"no factor found for {n}")
 
 
 def default_microbatch(global_batch: int, data_size: int, per_position: int = 4) -> int:
   """The largest divisor of the global batch giving every position about ``per_position`` microbatches."""
   target = max(1, global_batch // (data_size * per_position))
-  return max(d for d in range(1, target + 1) if global_batch % d == 0)
+  return max(d for d in divisors(global_batch) if d <= target)
 
 
 def even_counts(n: int, total: int) -> tuple[int, ...]:
   """``total`` microbatches spread over ``n`` positions as evenly as they go, the first positions taking one more."""
-  return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+  return (total // n + 1,) * (total % n) + (total // n,) * (n - total % n)
 
 
 def microbatch_for(global_batch: int, positions: int, microbatch: int | None, counts: Sequence[int] | None) -> int:
@@ -58,7 +132,7 @@ def microbatch_for(global_batch: int, positions: int, microbatch: int | None, co
     microbatch = global_batch // max(1, sum(counts))
   if microbatch < 1 or global_batch % microbatch:
     raise InvalidValueError(f"global batch {global_batch} is not divisible by the microbatch {microbatch}; "
-                            f"valid microbatches: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}")
+                            f"valid microbatches: {divisors(global_batch)}")
   return microbatch
 
 
@@ -68,6 +142,10 @@ class KindCost:
   fixed: float  # seconds per step
   model_comm: float = 0.0  # of micro: tensor-parallel collectives
   first: float = 0.0  # seconds the first microbatch costs over a later one
+
+  def with_fixed(self, fixed: float) -> "KindCost":
+    """The same microbatch costs with ``fixed`` seconds per step (``dataclasses.replace``, without its cost)."""
+    return KindCost(self.micro, fixed, self.model_comm, self.first)
 
   def at(self, count: int) -> float:
     """Seconds of a position with ``count`` microbatches."""
@@ -156,8 +234,20 @@ def balanced_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int
     if full[kind] == 0:
       top[kind] -= 1
       full[kind] = n[kind]
-  counts, seen = [], {k: 0 for k in order}
-  for kind in kinds:
-    counts.append(top[kind] if seen[kind] < full[kind] else top[kind] - 1)
-    seen[kind] += 1
-  return tuple(counts)
+  index, rank = kind_ranks(tuple(kinds))
+  top_of, full_of = np.array([top[k] for k in order]), np.array([full[k] for k in order])
+  return tuple(np.where(rank < full_of[index], top_of[index], top_of[index] - 1).tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def kind_ranks(kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+  """Per position: its kind's index among the kinds in order of first appearance, and how many positions of
+  its kind come before it."""
+  at: dict[str, int] = {}
+  seen: dict[str, int] = {}
+  index, rank = [], []
+  for k in kinds:
+    index.append(at.setdefault(k, len(at)))
+    rank.append(seen.get(k, 0))
+    seen[k] = rank[-1] + 1
+  return np.array(index, dtype=np.intp), np.array(rank, dtype=np.intp)

@@ -10,7 +10,7 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.hardware.mesh import HetMesh, enumerate_layouts
-from hetspmd.plan.counts import even_counts, microbatch_for, proportional_counts
+from hetspmd.plan.counts import divisors, even_counts, microbatch_for, proportional_counts
 from hetspmd.plan.options import STAGE_AXIS, SpecEntry
 from hetspmd.plan.state_layout import auto_state_specs, model_specs_for, state_specs, zero_shards_for
 from hetspmd.plan.value import Plan
@@ -108,7 +108,7 @@ def stage_layers(cluster: Cluster, stages: int, layers: int, dtype: str = "float
   n = cluster.num_devices
   if stages < 1 or n % stages:
     raise InvalidValueError(f"{n} devices do not form {stages} stages of equal size; valid stage counts: "
-                            f"{[k for k in range(1, n + 1) if n % k == 0]}")
+                            f"{divisors(n)}")
   if layers < stages:
     raise InvalidValueError(f"{layers} layers cannot fill {stages} stages; every stage needs at least one")
   width = n // stages
@@ -129,13 +129,13 @@ def _staged_plan(cluster: Cluster, state: Any, stages: tuple[int, ...], *, globa
   n, S = cluster.num_devices, len(stages)
   if n % S:
     raise InvalidValueError(f"{n} devices do not form {S} stages of equal size; valid stage counts: "
-                            f"{[k for k in range(1, n + 1) if n % k == 0]}")
+                            f"{divisors(n)}")
   positions = n // S
   microbatch = microbatch_for(global_batch, positions, microbatch, counts)
   if counts is None and global_batch < positions * microbatch:
     raise InvalidValueError(f"global batch {global_batch} does not split into microbatches of {microbatch} with at "
                             f"least one for each of the {positions} data positions; valid microbatches: "
-                            f"{[d for d in range(1, global_batch // positions + 1) if global_batch % d == 0]}")
+                            f"{[d for d in divisors(global_batch) if d <= global_batch // positions]}")
   # every tick is lockstep across the data positions, so the fastest split is the most even one (the
   # stages' layers carry the weighting); a position past its count skips the ticks' work
   counts = even_counts(positions, global_batch // microbatch) if counts is None else tuple(counts)

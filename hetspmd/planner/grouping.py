@@ -29,16 +29,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Sequence
+import math
+from typing import Callable, Sequence
+
+import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.counts import KindCost
+from hetspmd.plan.counts import KindCost, kind_ranks
 from hetspmd.plan.groups import (GroupPlan, copy_factor, group_plan, padded_length, relay_axis, relay_factor,
                                  relays)
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
-                                       gradient_reductions, memory_per_device, microbatch_bytes,
+                                       gradient_reductions, microbatch_bytes,
                                        whole_gather_seconds)
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
@@ -65,19 +68,45 @@ def group_counts(kinds: Sequence[str], costs: dict[str, KindCost], sizes: dict[s
     c = costs[k]
     return max(0, int((t - c.fixed - c.first) / c.micro + 1e-9))  # at(count) itself finishes count microbatches
 
-  def capacity(t: float) -> int:
-    return sum(n[k] * most(k, t) * sizes[k] for k in order)
+  terms = [(costs[k].fixed, costs[k].first, costs[k].micro, n[k] * sizes[k]) for k in order]
 
-  low, high = 0.0, max(costs[k].at(-(-global_batch // sizes[k])) for k in order)
-  for _ in range(60):
-    mid = (low + high) / 2
-    low, high = (low, mid) if capacity(mid) >= global_batch else (mid, high)
+  def capacity(t: float) -> int:  # examples the positions finish within t (most() inlined: a hot loop)
+    examples = 0
+    for fixed, first, micro, weight in terms:
+      finished = int((t - fixed - first) / micro + 1e-9)
+      if finished > 0:
+        examples += weight * finished
+    return examples
+
+  high = _least_makespan(order, costs, terms, capacity, global_batch)
   for _ in range(_MAX_RAISES):  # the least makespan may not make the batch exactly: allow the next microbatch
     counts = _trimmed(kinds, {k: most(k, high) for k in order}, sizes, global_batch)
     if counts is not None:
       return counts
     high = min(costs[k].at(most(k, high) + 1) for k in order)
   return None
+
+
+def _least_makespan(order: Sequence[str], costs: dict[str, KindCost], terms: Sequence[tuple[float, float, float, int]],
+                    capacity: Callable[[float], int], global_batch: int) -> float:
+  """The least of the times a position finishes a microbatch (``costs[k].at(c)``) by which the positions finish
+  ``global_batch`` examples (``capacity``): from the continuous bound (every kind's positions busy from its
+  per-step work on, at its rate), one microbatch time after another in order."""
+  starts = sorted((fixed + first, micro, weight) for fixed, first, micro, weight in terms)
+  rate = offset = 0.0
+  for i, (start, micro, weight) in enumerate(starts):  # the kinds under way by the bound
+    rate, offset = rate + weight / micro, offset + weight * start / micro
+    bound = (global_batch + offset) / rate
+    if i + 1 == len(starts) or starts[i + 1][0] >= bound:
+      break
+  # a microbatch below each kind's continuous count: every time before these finishes fewer than the batch
+  counts = {k: max(0, math.floor((bound - costs[k].fixed - costs[k].first) / costs[k].micro) - 1) for k in order}
+  while True:
+    t = min(costs[k].at(counts[k] + 1) for k in order)
+    if capacity(t) >= global_batch:
+      return t
+    for k, (fixed, first, micro, _) in zip(order, terms):
+      counts[k] = max(counts[k], int((t - fixed - first) / micro + 1e-9))
 
 
 # times group_counts lets the makespan grow by one microbatch to make the batch exactly
@@ -97,13 +126,10 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
     fewer[k], excess = take, excess - take * sizes[k]
   if excess:
     return None
-  seen = {k: 0 for k in order}
-  counts = []
-  for k in kinds:
-    share, extra = divmod(fewer[k], n[k])
-    counts.append(base[k] - share - (1 if seen[k] < extra else 0))
-    seen[k] += 1
-  return tuple(counts)
+  index, rank = kind_ranks(tuple(kinds))
+  share, extra = (np.array([divmod(fewer[k], n[k])[i] for k in order]) for i in (0, 1))
+  kept = np.array([base[k] for k in order]) - share
+  return tuple((kept[index] - (rank < extra[index])).tolist())
 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
@@ -139,7 +165,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
   if zero and not shares:
     return None
-  spread = [shares[k] for k in kinds] if zero else []
+  spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
   memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
                      split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner else None,
@@ -150,13 +176,13 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
-  with_tail = {k: dataclasses.replace(costs[k], fixed=costs[k].fixed + (tails[k].at(count) - tails[k].fixed
-                                                                        if count else 0.0)) for k in order}
+  with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
+               for k in order}
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
   per_position = position_seconds(costing, blocked, with_tail, counts, False)  # loop, then tail, on every device
-  busiest = max(range(len(counts)), key=lambda i: per_position[i])
+  busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
     reduce = reduce / 2 * _factor(spread, split)
@@ -173,13 +199,15 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       f", {dtype} gradients" if dtype != "float32" else "") + "".join(
       f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1)
   on = blocked.kinds  # per position
+  each = lambda values: tuple(map(values.__getitem__, on))  # a value per kind, per position
+  per_device = each(memory) if blocked is layout else tuple(memory[k] for k in on for _ in range(tps[k].m))
   return Evaluated(
       name=name, device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
-      memory_bytes=tuple(memory[k] for k in on for _ in range(tps[k].m)), global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=tuple(sizes[k] for k in on),
-      tail=tail, state_shares=tuple(shares[k] for k in on) if zero else (), remats=tuple(remats[k] for k in on),
-      group_models=tuple(tps[k] for k in on) if blocked is not layout else ())
+      memory_bytes=per_device, global_batch=global_batch, position_seconds=per_position,
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
+      tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
+      group_models=each(tps) if blocked is not layout else ())
 
 
 def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
@@ -276,7 +304,7 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
     used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
                  tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
-  total = sum(free[k] for k in kinds)
+  total = sum(free[k] * kinds.count(k) for k in free)  # whole bytes: the sum over devices, exactly
   shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
   if total <= 0 or total < shared * WORKSPACE:
     return {}
@@ -301,8 +329,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   (:func:`_loop_param_bytes`), the others whole. ``narrow``: the group program casts its float32 accumulator to
   bfloat16 rows as it ends (a plan without a tail that reduces in bfloat16), so after the loop a device holds
   those rows and the reduced gradients (or the rows it reduces) at half the bytes, and no accumulator."""
-  tail_peak = memory_per_device(costing.profile, n, tail[0], 0, tail[1], optimizer_share=share,
-                                reduced_share=rows) if tail[0] else 0
+  tail_peak = costing.memory(n, tail[0], 0, tail[1], optimizer_share=share, reduced_share=rows) if tail[0] else 0
   if tp.m == 1 and narrow:
     p = costing.profile
     params = _params_held(p, zero, share)
@@ -311,8 +338,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
     working = max(microbatch_bytes(p, loop[0], loop[1]) + p.param_count * GRAD_BYTES, after)
     return max(tail_peak, int((params + optimizer + working) * WORKSPACE))
   if tp.m == 1:
-    peak = max(tail_peak, memory_per_device(costing.profile, n, loop[0], 0, loop[1], optimizer_share=share,
-                                            reduced_share=rows))
+    peak = max(tail_peak, costing.memory(n, loop[0], 0, loop[1], optimizer_share=share, reduced_share=rows))
     # under ZeRO-3 the parameters as received and the share of them held, in place of whole float32 ones
     return peak + int((_params_held(costing.profile, zero, share) - costing.profile.param_bytes) * WORKSPACE)
   p = costing.profile
@@ -349,22 +375,24 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   whole = 0.0
   if tp.m > 1:
     whole = costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
-    cost = dataclasses.replace(cost, fixed=costing.fixed[kind] + whole)
+    cost = cost.with_fixed(costing.fixed[kind] + whole)
   if share is None:
     return cost
   spec = costing.cluster.spec_of(kind)
   received = _loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
-  return dataclasses.replace(cost, fixed=costing.fixed[kind] * share + received / spec.write_rate + whole)
+  return cost.with_fixed(costing.fixed[kind] * share + received / spec.write_rate + whole)
 
 
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
                   remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
-                  grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+                  grad_reduce_dtypes: Sequence[str] = ("float32",),
+                  progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
   ``grad_reduce_dtypes``; None if none fits or the pool has one kind (a group plan is then one program). Of the
   plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
-  prefers."""
+  prefers. ``progress``: called with a line of text every eighth of each device set's microbatch
+  combinations."""
   kinds = cluster.kinds
   if len(kinds) < 2:
     return None
@@ -377,7 +405,7 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
-                                 dtypes=tuple(grad_reduce_dtypes)))
+                                 dtypes=tuple(grad_reduce_dtypes), progress=progress))
   return min(near, key=_fewest_microbatches) if near else None
 
 
@@ -388,8 +416,8 @@ def _near(plans: list[Evaluated]) -> list[Evaluated]:
 
 
 def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
-             remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",)
-             ) -> list[Evaluated]:
+             remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",),
+             progress: Callable[[str], None] | None = None) -> list[Evaluated]:
   """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
   tails, the optimizer state replicated or in shares, the gradients' reduce dtypes, and remat: one policy for
   every group, or per kind the one that recomputes least of those that fit its microbatch. A kind none of whose
@@ -409,17 +437,23 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   # ZeRO-3 lowers a step's peak only where the programs take parameters as narrower casts
   zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
-  for combo in itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS):
+  total = min(math.prod(len(fits[k]) for k in order), MAX_COMBINATIONS)
+  report = {max(1, total * i // 8) for i in range(1, 9)} if progress else set()  # every eighth, and the last
+  priced = 0
+  for done, combo in enumerate(itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS), 1):
     chosen = dict(zip(order, combo))
     choices = [dict.fromkeys(order, r) for r in remat_policies]
     if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
-      choices.insert(0, {k: _least_recompute(costing, k, chosen[k], n, remat_policies,
-                                             models.get(k, NO_TENSOR_PARALLEL)) for k in order})
+      least = {k: _least_recompute(costing, k, chosen[k], n, remat_policies, models.get(k, NO_TENSOR_PARALLEL))
+               for k in order}
+      choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
     for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
       e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
                        models=models)
       if e is not None:
-        near = _near(near + [e])
+        near, priced = _near(near + [e]), priced + 1
+    if done in report:
+      progress(f"group plans on {layout.name}: {done}/{total} microbatch combinations, {priced} plans priced")
   return near
 
 

@@ -12,6 +12,7 @@ the numbers is described in :mod:`hetspmd.planner.ranking` and ``docs/cost-model
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -122,6 +123,17 @@ class DeviceGroups:
   def m(self) -> int:
     return len(self.groups[0])
 
+  @functools.cached_property
+  def order(self) -> tuple[str, ...]:
+    """The kinds in order of first appearance."""
+    return tuple(dict.fromkeys(self.kinds))
+
+  @functools.cached_property
+  def kind_index(self) -> np.ndarray:
+    """Each position's kind as its index in :attr:`order`."""
+    at = {k: i for i, k in enumerate(self.order)}
+    return np.array([at[k] for k in self.kinds], dtype=np.intp)
+
 
 def device_groups(cluster: Cluster, name: str, positions: Sequence[int], m: int) -> DeviceGroups:
   devices = cluster.devices
@@ -163,7 +175,7 @@ class Candidate:
     return self.global_batch // self.microbatch
 
   def replace(self, **changes: Any) -> "Candidate":
-    return dataclasses.replace(self, **changes)
+    return Candidate(**{**self.__dict__, **changes})  # every field is an init field: dataclasses.replace, faster
 
 
 class Costing:
@@ -176,6 +188,7 @@ class Costing:
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
     self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
+    self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
     self._frontiers: dict[int, tuple[TensorParallel, ...]] = {}
@@ -184,6 +197,8 @@ class Costing:
     self._reductions: dict[tuple, float] = {}
     self._first: dict[tuple[str, int], float] = {}
     self._backward: dict[tuple[str, int], float] = {}
+    self._kind_costs: dict[tuple, KindCost] = {}
+    self._memory: dict[tuple, int] = {}
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -249,6 +264,23 @@ class Costing:
     return self._remat[key]
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:
+    """A position's microbatch and per-step costs (computed once per search for each set of arguments)."""
+    key = (kind, tp.m, tp.choice, tp.param_share, microbatch, remat, min(zero, 1), n)  # what it reads of tp
+    if key not in self._kind_costs:
+      self._kind_costs[key] = self._kind_cost(kind, tp, microbatch, remat, zero, n)
+    return self._kind_costs[key]
+
+  def memory(self, n: int, microbatch: int, zero: int, remat: str, tp: TensorParallel = NO_TENSOR_PARALLEL, *,
+             optimizer_share: float | None = None, reduced_share: float | None = None) -> int:
+    """:func:`memory_per_device` for this profile (computed once per search for each set of arguments)."""
+    key = (n, microbatch, zero, remat, tp.m, tp.choice, tp.param_share, tp.activation_share, optimizer_share,
+           reduced_share)
+    if key not in self._memory:
+      self._memory[key] = memory_per_device(self.profile, n, microbatch, zero, remat, tp,
+                                            optimizer_share=optimizer_share, reduced_share=reduced_share)
+    return self._memory[key]
+
+  def _kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:
     remat_factor = self.remat_factor(kind, microbatch, remat)
     zs = zero_split(self.profile, n, tp)
     fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
@@ -317,13 +349,13 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   counts = c.counts(layout.kinds, costs) if callable(c.counts) else tuple(c.counts)
   if len(counts) != n or sum(counts) != c.total:
     return []
-  memory = (memory_per_device(costing.profile, n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
+  memory = (costing.memory(n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both
   options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]
   timed = []
   for peeled in options:
     per_position = position_seconds(costing, layout, costs, counts, peeled)
-    busiest = max(range(n), key=lambda i: per_position[i])
+    busiest = per_position.index(max(per_position))  # the first that finishes last
     kind = layout.kinds[busiest]
     # the final loop's last microbatch: not the earlier loops' recomputed work (exact batch statistics)
     window = OVERLAP_EFFICIENCY * costs[kind].micro / costing.recompute * costing.backward_share(kind, microbatch)
@@ -370,7 +402,7 @@ def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
     if total == n * k:  # the fused pass is all of every position's work: the plain plan at k * microbatch
       continue
     size = k * microbatch
-    memory = (memory_per_device(costing.profile, n, size, zero, remat, tp),) * len(layout.devices)
+    memory = (costing.memory(n, size, zero, remat, tp),) * len(layout.devices)
     if memory[0] > layout.memory:
       continue
     costs, fused, loop_costs = {}, {}, {}
@@ -385,7 +417,7 @@ def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
     work = [fused[kind].micro + (loop_costs[kind].first + loop_costs[kind].micro * c if c else fused[kind].first)
             for kind, c in zip(layout.kinds, extra)]
     per_position = _shared_seconds(costing, layout, loop_costs, work)
-    busiest = max(range(n), key=lambda i: per_position[i])
+    busiest = per_position.index(max(per_position))
     kind = layout.kinds[busiest]
     window = OVERLAP_EFFICIENCY * fused[kind].micro / costing.recompute * costing.backward_share(kind, size)
     model_comm = costs[kind].model_comm * extra[busiest] + fused[kind].model_comm
@@ -396,22 +428,30 @@ def fused_timings(costing: Costing, c: Candidate) -> list[Timing]:
 def position_seconds(costing: Costing, layout: DeviceGroups, costs: dict, counts: Sequence[int],
                       peeled: bool) -> tuple[float, ...]:
   """Each position's seconds for its microbatches (one at least when ``peeled``), on hosts that share compute."""
-  work = [costs[k].at(max(c, 1) if peeled else c) - costs[k].fixed for k, c in zip(layout.kinds, counts)]
+  index, order = layout.kind_index, layout.order
+  micro, first, fixed = (np.array([getattr(costs[k], f) for k in order]) for f in ("micro", "first", "fixed"))
+  c = np.asarray(counts)
+  if peeled:
+    c = np.maximum(c, 1)
+  base = fixed[index]
+  # KindCost.at(c) - fixed, in the same order of operations
+  work = np.where(c > 0, (base + (first[index] + micro[index] * c)) - base, 0.0)
   return _shared_seconds(costing, layout, costs, work)
 
 
-def _shared_seconds(costing: Costing, layout: DeviceGroups, costs: dict, work: list[float]) -> tuple[float, ...]:
+def _shared_seconds(costing: Costing, layout: DeviceGroups, costs: dict, work: Sequence[float]
+                    ) -> tuple[float, ...]:
   """Each position's per-step seconds plus its microbatch ``work``, on hosts whose devices share compute."""
+  work = np.array(work, dtype=float)
   cluster = costing.cluster
-  for h in layout.hosts:
+  for h in costing.sharing.intersection(layout.hosts):
     host = cluster.hosts[h]
-    if host.alone_speedup > 1.0:
-      mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
-      finish = shared_finish_times([work[i] for i in mine], len(layout.groups[mine[0]]), host.count,
-                                   host.alone_speedup)  # a host's positions are one kind's: one size
-      for i, f in zip(mine, finish):
-        work[i] = f
-  return tuple(costs[k].fixed + w for k, w in zip(layout.kinds, work))
+    mine = [i for i, g in enumerate(layout.groups) if cluster.devices[g[0]].host == h]
+    finish = shared_finish_times([float(work[i]) for i in mine], len(layout.groups[mine[0]]), host.count,
+                                 host.alone_speedup)  # a host's positions are one kind's: one size
+    work[mine] = finish
+  fixed = np.array([costs[k].fixed for k in layout.order])
+  return tuple((fixed[layout.kind_index] + work).tolist())
 
 
 def shared_finish_times(seconds: Sequence[float], group: int, capacity: int, speedup: float) -> tuple[float, ...]:

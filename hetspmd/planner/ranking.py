@@ -16,7 +16,8 @@ search tries every candidate of
   kinds (one choice per plan: the state's PartitionSpecs are global) and
   keeps the fastest that fits;
 * microbatch size: divisors of the global batch;
-* ZeRO stage 0, 1 or 3 over ``data`` (on top of the split over ``model``),
+* ZeRO stage 0 or 1 over ``data`` (on top of the split over ``model``; ZeRO-3 is priced as ZeRO-1 with more
+  memory, so never ranks ahead: :data:`SEARCHED_ZERO`),
   and remat: none, ``all_dots`` (every matmul output saved, reductions and
   gathers recomputed) or ``dots`` (weight-matmul outputs saved, the rest of
   the forward pass recomputed); not ``full``, which lowers no peak;
@@ -68,14 +69,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
-from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
+from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES
 from hetspmd.planner.grouping import search_groups
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
 from hetspmd.passes.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.plan.counts import balanced_counts, even_counts, proportional_counts
+from hetspmd.plan.counts import balanced_counts, divisors as all_divisors, even_counts, proportional_counts
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
 from hetspmd.hardware.mesh import enumerate_layouts
 from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated, device_groups, price_candidate
@@ -83,6 +84,10 @@ from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated,
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
 # data_axis.activation_share), so it never wins and is not searched
 SEARCHED_REMAT = tuple(r for r in REMAT_POLICIES if r != "full")
+# ZeRO-3 in one program is priced as ZeRO-1 (the same update on shards, reduction and gather) and holds more on
+# every device (it gathers the split parameters whole for the loop, beside their shards: see
+# data_axis.memory_per_device), so it never ranks ahead of ZeRO-1 and is not searched (group plans price it apart)
+SEARCHED_ZERO = tuple(z for z in ZERO_STAGES if z != 3)
 
 
 
@@ -148,7 +153,7 @@ def microbatch_sizes(global_batch: int, limit: int = 16) -> list[int]:
   A power-of-two batch keeps all its divisors (2048 has 12): with the overlap the best size is often the
   largest one every device can run once (32 for 64 devices at 2048), so none may be skipped.
   """
-  divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+  divisors = all_divisors(global_batch)
   if len(divisors) <= limit:
     return divisors
   logs = np.log(divisors)
@@ -204,7 +209,7 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
   for m in space.model_sizes:
     groups = {name: layouts(name, positions, m) for name, positions in sets.items()}
     suffix = "" if m == 1 else f", model {m}"
-    for zero in ZERO_STAGES:
+    for zero in SEARCHED_ZERO:
       for remat in space.remat_policies:
         base = Candidate(groups["all"], microbatch, zero, remat, space.global_batch, weighted, "", None,
                          space.grad_reduce_dtypes, space.overlap)
@@ -229,11 +234,22 @@ def tensor_parallel_choices(costing: Costing, c: Candidate) -> Iterator[Candidat
   layout = c.layout
   choices = costing.choices(layout.m)
   fitting = [tp for tp in choices
-             if memory_per_device(costing.profile, len(layout.groups), c.microbatch, c.zero, c.remat, tp)
+             if costing.memory(len(layout.groups), c.microbatch, c.zero, c.remat, tp)
              <= layout.memory]
   dtypes = c.reduce_dtypes if layout.m == 1 else ("float32",)
   for tp in fitting or [min(choices, key=lambda t: t.param_share)]:
     yield c.replace(tp=tp, reduce_dtypes=dtypes)
+
+
+def _priced_once(costing: Costing, c: Candidate, priced: dict[tuple, list[Evaluated]]) -> list[Evaluated]:
+  """:func:`price_candidate` of ``c``, reusing the price of an earlier candidate of one microbatch size that
+  differs from it only in name (a baseline on a device set the weighted plans also try, the fastest kind both
+  alone and as ``fastest 1 kind(s)``): ``priced`` holds them by what they run."""
+  key = (c.layout.devices, c.layout.m, c.zero, c.remat, c.counts, c.tp, c.reduce_dtypes, c.overlap, c.fuse)
+  if key not in priced:
+    priced[key] = price_candidate(costing, c)
+    return priced[key]
+  return [e if e is None else dataclasses.replace(e, name=c.name) for e in priced[key]]
 
 
 @dataclasses.dataclass
@@ -295,9 +311,10 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   named = lambda name, positions, m: dataclasses.replace(layouts(positions, m), name=name)
   tally = _Tally()
   for n_done, microbatch in enumerate(sizes):
+    priced: dict[tuple, list[Evaluated]] = {}
     for c in candidates(space, microbatch, named):
       for concrete in tensor_parallel_choices(costing, c):
-        for e in price_candidate(costing, concrete):
+        for e in _priced_once(costing, concrete, priced):
           tally.add(e, concrete)
     if progress:
       progress(f"microbatch {microbatch} ({n_done + 1}/{len(sizes)}), {tally.candidates} candidates costed")
@@ -309,11 +326,11 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
     equivalent = ranked[0] if cluster.is_homogeneous else _homogeneous_best(
         cluster, profile, global_batch, remat_policies=space.remat_policies, recompute=recompute,
         grad_reduce_dtypes=space.grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
-        models=space.model_sizes)
+        models=space.model_sizes, progress=_prefixed(progress, "homogeneous equivalent: "))
   grouped = None
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
-                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes)
+                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
   ideal = ideal_throughput(cluster, profile, global_batch)
   homogeneous_ideal = None if not homogeneous else ideal if cluster.is_homogeneous else ideal_throughput(
       cluster.homogeneous_equivalent(), profile, global_batch)
@@ -323,14 +340,15 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
 
 def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, *,
                      remat_policies: Sequence[str] = SEARCHED_REMAT,
-                     grad_reduce_dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+                     grad_reduce_dtypes: Sequence[str] = ("float32",),
+                     progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The best group plan over the microbatch sizes :func:`search` tries, for a pool where no single program fits
   (:func:`search` then raises :class:`PlanDoesNotFitError`): a group plan holds what each device needs of its own
   microbatch and its share of the state, which one program cannot give devices of different memory."""
   space = SearchSpace(cluster, profile, global_batch, (1,), tuple(remat_policies), tuple(grad_reduce_dtypes),
                       True, True)
   return search_groups(cluster, profile, global_batch, space.microbatches, remat_policies=space.remat_policies,
-                       grad_reduce_dtypes=space.grad_reduce_dtypes)
+                       grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
 
 
 # how much faster than the best single program a group plan must be priced for the search to run it: a group
@@ -362,11 +380,16 @@ def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -
   return g if g is not None and result.plans and g.throughput >= margin * result.plans[0].throughput else None
 
 
+def _prefixed(progress: Callable[[str], None] | None, prefix: str) -> Callable[[str], None] | None:
+  """``progress`` with ``prefix`` before each line (None stays None)."""
+  return None if progress is None else (lambda message: progress(prefix + message))
+
+
 def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int, **options: Any) -> Evaluated | None:
   """The best plan on ``cluster``'s homogeneous equivalent (``None`` if nothing fits there)."""
   try:
     return search(cluster.homogeneous_equivalent(), profile, global_batch, top=1, homogeneous=False,
-                  **options).plans[0]
+                  **options).plans[0]  # options may carry progress
   except PlanDoesNotFitError:
     return None
 

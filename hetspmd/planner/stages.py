@@ -28,7 +28,7 @@ slowest tick by dynamic programming. These are predictions: the schedule itself 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -198,9 +198,11 @@ def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int
 
 def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
                   microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                  grad_reduce_dtypes: Sequence[str] = ("float32",)) -> list[StagePlan]:
+                  grad_reduce_dtypes: Sequence[str] = ("float32",), *,
+                  progress: Callable[[str], None] | None = None) -> list[StagePlan]:
   """The fastest stage plans that fit, best first; [] when the step has no layer scan or one host only.
-  ``grad_reduce_dtypes``: the dtypes gradients may cross in (each plan takes the fastest)."""
+  ``grad_reduce_dtypes``: the dtypes gradients may cross in (each plan takes the fastest); ``progress``: called
+  with a line of text after each stage count."""
   stack = find_stack(profile)
   hosts = list(range(len(cluster.hosts)))
   if stack is None or len(hosts) < 2:
@@ -221,6 +223,9 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
       priced = [p for p in priced if p is not None]
       if priced:
         found.append(min(priced, key=lambda p: p.step_seconds))
+    if progress:
+      progress(f"stage plans: {S} stages ({S - 1}/{min(len(hosts), stack.layers) - 1} stage counts), "
+               f"{len(found)} plans fit")
   found.sort(key=lambda p: p.step_seconds)
   return found[:top]
 

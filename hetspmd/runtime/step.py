@@ -30,29 +30,22 @@ import pathlib
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hetspmd import lowering
-from hetspmd.autodiff import recording_calls, remat_policy
-from hetspmd._dtypes import traced_dtype
+from hetspmd.autodiff import remat_policy
 from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.frontend import named_axes
-from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
-from hetspmd.plan.options import GRAD_REDUCE_DTYPES
-from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file, split_by_process
 from hetspmd.plan.value import Plan
-from hetspmd.planner.building import plan_for, plan_from
-from hetspmd.planner.grouping import to_group_plan
-from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
-                                     search, searches_group_plans)
+from hetspmd.planner.building import plan_for
 from hetspmd.runtime.binding import (Arguments, Call, StaticArgs, distinct_leaves, positional_function,
                                      static_bound, unbound)
 from hetspmd.runtime.grouped import GroupedStep
+from hetspmd.runtime.searching import global_abstract, searched_plan, step_traced
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, check_live, positions_array, shard_batch
 
 
@@ -153,7 +146,9 @@ class ParallelStep:
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
       elif requested == "search":
-        plan, runtime = self._search(self.cluster or Cluster.from_devices(jax.devices()), state, trace)
+        searched = searched_plan(self, self.cluster or Cluster.from_devices(jax.devices()), state,
+                                 self._search_trace(trace))
+        plan, runtime, self._group_note = searched.plan, searched.runtime, searched.note
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
@@ -169,14 +164,14 @@ class ParallelStep:
   def _adopt(self, plan: Plan | GroupPlan, runtime: GroupedStep | None = None) -> None:
     """Binds the step to ``plan``; ``runtime``: the group plan's programs, already built by the search's probe."""
     if isinstance(plan, GroupPlan):
-      self._grouped = runtime or self._group_runtime(plan)
+      self._grouped = runtime or self.group_runtime(plan)
       plan = self._grouped.plan
     else:
       self._grouped = None
       self._mesh, self._devices = plan.mesh(), None
     self._plan = plan
 
-  def _group_runtime(self, plan: GroupPlan) -> GroupedStep:
+  def group_runtime(self, plan: GroupPlan) -> GroupedStep:
     """``plan``'s runtime; each group's program runs in one process, so a group spanning several is cut."""
     process_of = {d.id: d.process_index for d in jax.devices()}
     if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
@@ -196,81 +191,23 @@ class ParallelStep:
       nnx.update(tuple(args[i] for i in parts.graph_args), state)
     return state
 
-  def _example_trace(self) -> "_Trace":
-    """The step traced as ``step(state, example_batch)``, before any call."""
-    f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
-    return _Trace(self.traced(f), (self.example_batch,), ((), {}))
-
-  def _search(self, cluster: Cluster, state: Any, trace: "_Trace | None") -> tuple[Plan | GroupPlan, Any]:
-    """The search's best plan, and for a group plan its runtime (its programs built: the plan is final before
-    anything is placed on its devices)."""
+  def _search_trace(self, trace: "_Trace | None") -> "_Trace":
+    """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:
+    ``step(state, example_batch)``)."""
     if trace is None:
       if self.example_batch is None:
         raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
                            "call the step (before shard_state) so that its first batch is used")
-      trace = self._example_trace()
-    elif self.example_batch is not None:
-      trace = dataclasses.replace(trace, batch=(self.example_batch,) if len(trace.batch) == 1
-                                  else tuple(self.example_batch))
-    fn, batch = trace.state_batch(), trace.batch
-    considered = searches_group_plans(cluster, self.specs, jax.process_count())
-    with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
-      profile = _step_traced(lambda: profile_step(fn, state, batch), batch)
-    result = search(cluster, profile, self.global_batch, top=1,
-                    remat_policies=SEARCHED_REMAT if calls else ("none",),
-                    recompute=self._recompute(fn, state, batch),
-                    grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if self.grad_reduce_dtype == "search"
-                                        else (self.grad_reduce_dtype,)),
-                    fuse_overlap=not self._per_microbatch_statistics(fn, state, batch),
-                    groups=self.group_plans and considered)
-    plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
-    if self.specs:
-      chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=self.specs,
-                                model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
-      plan = plan.replace(state_specs=chosen)
-    grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN)
-    self._group_note = self._group_verdict(cluster, result, grouped is not None, considered)
-    if grouped is None:
-      return plan, None
-    runtime = self._group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
-    try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
-      runtime.prepare(trace.f, state, self._global(trace.batch), trace.rest, graphdef=trace.graphdef,
-                      static=trace.static)
-    except HetSpmdError as e:
-      self._group_note = f"the search's group plan does not run this step, so it runs as one program: {e}"
-      return plan, None
-    return runtime.plan, runtime
+      return self._example_trace()
+    if self.example_batch is not None:
+      return dataclasses.replace(trace, batch=(self.example_batch,) if len(trace.batch) == 1
+                                 else tuple(self.example_batch))
+    return trace
 
-  def _group_verdict(self, cluster: Cluster, result: Any, chosen: bool, considered: bool) -> str:
-    """Why the search's plan is, or is not, a group plan."""
-    if result.group_plan is not None:
-      ratio = result.group_plan.throughput / result.plans[0].throughput
-      return (f"chosen by the search: priced {ratio:.2f}x the best single program" if chosen else
-              f"the best group plan was priced {ratio:.2f}x this plan") + (
-                  f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
-    if self.group_plans and not considered and len(cluster.kinds) > 1:
-      return f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}"
-    return ""
-
-  def _global(self, batch: Any) -> Any:
-    """``batch``'s arrays as abstract values leading with the global batch."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.global_batch,) + tuple(np.shape(x)[1:]), traced_dtype(x)),
-                        batch)
-
-  def _recompute(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
-    """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
-    if self.batch_stats != "exact":
-      return 1.0
-    analysis, inputs = _profile_analysis(fn, state, batch, "exact")
-    return lowering.recompute_factor(analysis, inputs)
-
-  def _per_microbatch_statistics(self, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> bool:
-    """Whether the step normalises by statistics of each microbatch (BatchNorm, ``batch_stats="local"``),
-    which a fused overlapped pass would compute over several microbatches at once."""
-    if self.batch_stats != "local":
-      return False
-    analysis, _ = _profile_analysis(fn, state, batch, "local")
-    return any(c.local for c in analysis.cuts)
+  def _example_trace(self) -> "_Trace":
+    """The step traced as ``step(state, example_batch)``, before any call."""
+    f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
+    return _Trace(self.traced(f), (self.example_batch,), ((), {}))
 
   # --- placing data ----------------------------------------------------------------
 
@@ -298,7 +235,7 @@ class ParallelStep:
     ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
     trace = self._example_trace()
     try:
-      self._grouped.prepare(trace.f, state, self._global(trace.batch), trace.rest, static=trace.static)
+      self._grouped.prepare(trace.f, state, global_abstract(trace.batch, self.global_batch), trace.rest, static=trace.static)
     except HetSpmdError:
       raise
     except TypeError as e:
@@ -449,7 +386,7 @@ class ParallelStep:
     plan, mesh = self.plan, self._mesh
     state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
     with remat_policy(plan.remat):
-      closed, out_tree = _step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
+      closed, out_tree = step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
                                       global_batch=plan.global_batch)
     analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
                              float_state_inputs=call.float_state_inputs)
@@ -487,31 +424,6 @@ class ParallelStep:
     return run
 
 
-def _step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_batch: int | None = None) -> Any:
-  """``run()``, which traces the user's step on ``batch``. A ``TypeError`` there (JAX's for operands of other
-  shapes or dtypes: a batch that is not what the step expects) becomes a :class:`TraceError` (a ``TypeError``
-  too) that shows the batch as the step saw it, the step's own error chained; any other error the step raises
-  stays its own, with that batch added as a note. ``leading``: the batch's leading axes that stand for
-  ``global_batch`` examples (2 for placed microbatch buffers)."""
-  try:
-    return run()
-  except HetSpmdError:
-    raise
-  except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-    def shape(x):
-      dims = tuple(np.shape(x)[leading:]) if global_batch else tuple(np.shape(x))
-      return f"{np.dtype(traced_dtype(x)).name}{list(((global_batch,) if global_batch else ()) + dims)}"
-    shown = jax.tree.map(shape, batch)
-    shown = shown[0] if isinstance(shown, tuple) and len(shown) == 1 else shown  # one batch argument
-    where = f"when traced on the batch {shown}"
-    advice = ("Check the batch's keys and shapes (and example_batch's, for plan='search') against what the step "
-              "reads, and the state against what it was made from")
-    if not isinstance(e, TypeError):
-      e.add_note(f"hetspmd: the step raised this {where}. {advice}")
-      raise
-    raise TraceError(f"the step raised {type(e).__name__} {where}: {str(e).rstrip('.')}. {advice}") from e
-
-
 def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: dict,
                         error: BaseException) -> TraceError:
   """The error for a trace that needed a Python value where it had a traced one, and no argument left to bind
@@ -543,16 +455,6 @@ def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
 # not just the participating pairs: inside a loop with per-device trip counts
 # they would deadlock or pair up the wrong iterations.
 _GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
-
-
-def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, batch_stats: str):
-  """The microbatch analysis of ``fn`` traced at the profile's batch size, and its batch inputs."""
-  size = PROFILE_BATCHES[-1]
-  closed = jx.make_closed_jaxpr(fn, jx.to_abstract(state), with_batch(batch, size))
-  leaves = jax.tree.leaves(state)
-  inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
-  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(traced_dtype(x), jnp.floating)]  # statistics live here
-  return analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
 
 
 def _loop_needs_lockstep(lowered: Any) -> bool:

@@ -60,6 +60,9 @@ class Device(Protocol):
   def bf16_flops(self) -> float: ...
 
   @property
+  def float16_flops(self) -> float: ...
+
+  @property
   def measured(self) -> bool: ...
 
   @property
@@ -196,6 +199,8 @@ class StepProfile:
   saved_batched: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the batched ones (attention's)
   # per node: a float32 matmul's own precision: 1 reduced, 2 full, 0 not set (JAX's default when costed)
   f32_precision: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int8))
+  # per node: both operands float16 (priced at the float16 peak, which before Ampere is not the bfloat16 one)
+  float16: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
@@ -226,7 +231,8 @@ class StepProfile:
     f32 = spec.f32_matmul_flops(jx.reduced_precision_f32_matmuls())
     if self.f32_precision.size:
       f32 = np.select([self.f32_precision == 1, self.f32_precision == 2], [spec.f32_matmul_flops(True), spec.fp32_flops], f32)
-    peak = np.where(self.low_precision, spec.bf16_flops, f32) * _efficiency(spec, "matmul")
+    half = np.where(self.float16, spec.float16_flops, spec.bf16_flops) if self.float16.size else spec.bf16_flops
+    peak = np.where(self.low_precision, half, f32) * _efficiency(spec, "matmul")
     compute = np.where(self.matmul, flops / peak, 0.0)
     write_rate = spec.write_rate
     if not first and spec.cache_bytes is not None and len(self.write_sizes_fit):
@@ -375,6 +381,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       writes_fit=writes_fit,
       matmul=np.array([n.primitive in MATMUL_PRIMITIVES for n in small.nodes]),
       low_precision=np.array([all(t.dtype in _LOW_PRECISION for t in n.inputs[:2]) for n in small.nodes]),
+      float16=np.array([all(t.dtype == "float16" for t in n.inputs[:2]) for n in small.nodes], bool),
       f32_precision=np.array([_PRECISION_CODE[jx.f32_matmul_precision(n.param("precision"))] for n in small.nodes],
                              np.int8),
       counts=np.array([n.count for n in small.nodes], float),
