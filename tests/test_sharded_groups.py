@@ -124,5 +124,10 @@ def test_shard_params_round_trips_through_json_and_needs_a_data_only_group():
   again = GroupPlan.from_json(json.loads(plan.dumps()))
   assert again == plan and again.groups[0].shard_params and not again.groups[1].shard_params
   assert "parameters sharded over its devices" in plan.summary()
+  older = json.loads(plan.dumps())  # version 5, before shard_params: every group unsharded
+  older["version"] = 5
+  for g in older["groups"]:
+    del g["shard_params"]
+  assert not any(g.shard_params for g in GroupPlan.from_json(older).groups)
   with pytest.raises(InvalidValueError, match="shard_params runs data-only for now"):
     Group((0, 1), 2, (1, 1), model=2, model_dims=(("kernel", 1),), shard_params=True)
