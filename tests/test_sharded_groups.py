@@ -85,6 +85,16 @@ def test_a_sharded_group_beside_an_unsharded_one_matches_one_device():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("tail,shares,zero", [((1, 1), (), None), ((0, 0), (1 / 8,) * 8, 3)],
+                         ids=["tail", "zero-3-shares"])
+def test_a_sharded_group_with_a_tail_or_state_shares_matches_one_device(tail, shares, zero):
+  require_devices(8)
+  groups = [_sharded((0, 1, 2), 2, (2, 1, 1)), ((3, 4, 5, 6, 7), 1, (1, 1, 1, 1, 0))]
+  plan = group_plan(groups, 12 + 8 * tail[0] * tail[1], tail=tail, state_shares=shares, zero_stage=zero)
+  _trained(plan, _state)
+
+
+@pytest.mark.timeout(240)
 def test_parameters_the_group_size_does_not_divide_are_padded_and_stay_exact():
   require_devices(8)
   # hidden 5 over 4 devices: the first kernel (6, 5), its bias and the LayerNorm's (5,) are zero-padded to 8 along
