@@ -30,7 +30,7 @@ from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.group_stages import (DATA, chain, constrained, donating, group_mesh, less_held, model_split,
                                            narrowed, reordered, returns_state, spread, widened)
 from hetspmd.lowering.program import Layout, Program
-from hetspmd.lowering.transfers import scatter_program
+from hetspmd.lowering.transfers import scatter_program, shard_program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
@@ -96,6 +96,9 @@ class GroupPrograms:
   relay: dict = dataclasses.field(default_factory=dict)  # {partial value: (axis, size)} reduce-scattered, then sent
   scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
   stages: tuple = ()  # the group loop's stage names, innermost first
+  # per group: None, or (positions among its program's inputs, its shard program) of the parameters it takes split
+  # over its devices (Group.shard_params; transfers.shard_program makes them from the replicated state)
+  shards: tuple = ()
 
   @functools.cached_property
   def owner(self) -> dict:
@@ -157,10 +160,14 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages = [], ()
+  loops, stages, shards = [], (), []
   for group, mesh in zip(plan.groups, meshes.groups):
-    programs, stages = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide)
+    split = _shards(progs[group.remat], group, state, held_inputs, wide)
+    programs, stages = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
     loops.append(programs)
+    free = [i for i in range(step.n_state) if i not in owner]
+    shards.append((tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())))
+                  if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
   # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
@@ -175,7 +182,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   relay = _relayed_sums(prog, needs, len(meshes.devices)) if to_owner and relays(plan.state_shares) else {}
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
-                       needs=needs if to_owner else None, relay=relay, stages=stages,
+                       needs=needs if to_owner else None, relay=relay, stages=stages, shards=tuple(shards),
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
@@ -223,14 +230,25 @@ def _updates(prog: Program, meshes: GroupMeshes, units: Any, held: tuple, wide: 
   return updates
 
 
+def _shards(own: Program, group: Any, state: Any, held: tuple[int, ...], wide: dict) -> dict[int, int]:
+  """``{flat state input: axis}`` of the parameters a group with ``shard_params`` takes split over its devices
+  (:func:`hetspmd.lowering.groups.shardable`; not held leaves nor parameters taken as their casts); none for a
+  group without."""
+  if not group.shard_params:
+    return {}
+  floats = [i for i, x in enumerate(jax.tree.leaves(state))
+            if jnp.issubdtype(traced_dtype(x), jnp.floating) and i not in held and i not in wide]
+  return group_lowering.shardable(own, floats, len(group.devices))
+
+
 def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: Mesh, state: Any, *,
-                 held: tuple[int, ...], wide: dict) -> tuple[list, tuple]:
+                 held: tuple[int, ...], wide: dict, shards: dict) -> tuple[list, tuple]:
   """``group``'s program of each loop, ``jax.jit`` over its ``mesh``, and its stages' names: its own trace's loop
-  (its remat policy's, from ``progs``), its partial sums laid out and narrowed as the exchange program takes them,
-  one row per device."""
+  (its remat policy's, from ``progs``; ``shards``: the parameters it takes split over its devices, FSDP-style, in
+  lockstep), its partial sums laid out and narrowed as the exchange program takes them, one row per device."""
   prog, own = progs[plan.tail_remat], progs[group.remat]
   loops = prog.analysis.loops
-  layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions)
+  layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions, lockstep=group.shard_params)
   order = None if own is prog else group_lowering.sums_order(prog, own)
   split = model_split(state, group, mesh)
   # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
@@ -243,7 +261,7 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
               ("reorder", functools.partial(reordered, order)),
               ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
-    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width), *stages)
+    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards), *stages)
     out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
   return out, ("loop",) + names
 

@@ -48,8 +48,10 @@ from hetspmd.lowering.dataflow import labels_forward
 from hetspmd.lowering.loop import LoopContext, between_loops, combined_over, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, is_gradient_cut,
                                      narrowable, sum_outputs)
+from hetspmd.lowering.transfers import ParamShards
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.plan.groups import shard_axis
 
 
 
@@ -313,7 +315,7 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
   return out
 
 
-def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0):
+def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None):
   """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
   last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
@@ -323,28 +325,97 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   adds into (``Program.accumulated``: a gradient's transpose or a sum of two gradients, fused into the loop), its
   values with a leading axis of one row per device, sharded over the group. ``examples``: for the last loop, per
   per-example output of the step (:func:`per_example_outputs`), each device's examples of it in its own order,
-  padded to ``width`` (:func:`example_rows`), with a leading axis of one row per device."""
+  padded to ``width`` (:func:`example_rows`), with a leading axis of one row per device.
+
+  ``shards`` (``{flat input: axis}``, :func:`shardable`'s) runs the loop FSDP-style: each of those inputs is
+  given as its zero-padded value split along ``axis`` over the group (:func:`hetspmd.lowering.transfers.shard_program`),
+  gathered whole inside every microbatch, the gradients' sums reduce-scattered onto parts as they accumulate,
+  each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.transfers.ParamShards`).
+  The layout must be in lockstep."""
   axis = layout.data_axis
   s = prog.analysis.loops - 1 if s is None else s
   pe_outs = per_example_outputs(prog) if s == prog.analysis.loops - 1 else ()
+  split = {prog.invars[i]: a for i, a in (shards or {}).items()}
+  derived = _derived(prog, split) if split else ()
+  made = {v for k in derived for v in prog.eqns[k].outvars}
+  param_shards = (ParamShards(axis, layout.mesh.shape[axis], tuple((v, a, jx.aval_shape(v)[a]) for v, a in split.items()),
+                              tuple(prog.eqns[k] for k in derived)) if shards else None)
 
   def run(inputs, counts, starts, earlier=None):
-    _, ops = before_loops(prog, inputs, counts, starts)
+    parts = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
+    whole = [jnp.zeros(jx.aval_shape(v), jx.aval_dtype(v)) if v in split else x for v, x in zip(prog.invars, inputs)]
+    env, ops = before_loops(prog, whole, counts, starts)  # the zeros' work is dead: the loop redoes it on the parts
     mine = loop_cuts(ops.cut_outs, s)
+    read = [v for v in ops.inputs if v not in made and v not in split] + _derived_reads(prog, derived, made, split)
+    read = list(dict.fromkeys(read))
+    specs = [P() for _ in read] + [P(*([None] * a), axis) for a in split.values()]
 
     def per_device(values, buffers, counts, starts, earlier):
-      outer = dict(zip(ops.inputs, values))
+      outer = dict(zip(read + list(split), values))
       _after_earlier(prog, ops.cut_outs, earlier, s, outer)
-      ctx = LoopContext(prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0])
+      ctx = LoopContext(prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0],
+                        param_shards)
       partials, outs = one_loop(ctx, s, outer, mine, pe_outs)
       outs = [example_rows(x, prog.analysis.axes[v].dim, width)[None] for v, x in zip(pe_outs, outs)]
       return [[x[None] for x in part] for part in partials], outs  # the cuts', then the sums the loop adds into
 
-    return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis), P()),
+    return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(specs, P(axis), P(axis), P(axis), P()),
                          out_specs=P(axis), axis_names={axis}, check_vma=False)(
-                             list(ops.values), list(ops.buffers), counts, starts, dict(earlier or {}))
+                             [env[v] for v in read] + [parts[v] for v in split], list(ops.buffers), counts, starts,
+                             dict(earlier or {}))
 
   return run
+
+
+def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
+  """``{flat input: axis}`` of the parameters (``floats``: the step's floating state inputs) a group of ``n``
+  devices can hold split during its loops (:attr:`hetspmd.plan.groups.Group.shard_params`), each along
+  :func:`hetspmd.plan.groups.shard_axis`: those the loops read, directly or through example-free work before them
+  (a bias's reshape, a cast: redone inside each microbatch on the gathered value, :func:`_derived`), that no work
+  between the loops reads and that are not scalars. The
+  update after the loops runs in other programs, on whole parameters."""
+  out = {}
+  for i in floats:
+    var = prog.invars[i]
+    axis = shard_axis(jx.aval_shape(var), n)
+    if axis is not None and _derived(prog, {var: axis}) is not None:
+      out[i] = axis
+  return out
+
+
+def _derived(prog: Program, split: dict) -> tuple[int, ...] | None:
+  """The example-free equations before the loops that read the parameters ``split`` names, directly or through one
+  another (indices, in order): the loop redoes them on the gathered values. None where the parameters cannot be
+  split: no loop reads them, or work between the loops or a hoisted copy of the loop's does. (Other values those
+  equations read come into the loop whole: :func:`_derived_reads`.)"""
+  loops = {k for eqns in prog.loop_eqns for k in eqns}
+  middle = {k for m in prog.middle for k in m}
+  pre, post = set(prog.pre), set(prog.post)
+  reached, derived, looped = set(split), [], False
+  for k in sorted(pre | loops | middle):
+    eqn = prog.eqns[k]
+    if not any(v in reached for v in eqn.invars if not jx.is_literal(v)):
+      continue
+    if k in middle or k in prog.hoisted:
+      return None
+    if k in loops:
+      looped = True
+      continue
+    derived.append(k)
+    reached.update(eqn.outvars)
+  if not looped:
+    return None
+  readers = {k for v in reached for k in prog.flow.readers.get(v, ())}
+  if readers - loops - post - set(derived):
+    return None
+  return tuple(derived)
+
+
+def _derived_reads(prog: Program, derived: Sequence[int], made: set, split: dict) -> list:
+  """The values the ``derived`` equations read besides the split parameters and one another's results: made
+  before the loops (inputs, example-free work), passed into the loop whole."""
+  return [v for k in derived for v in prog.eqns[k].invars
+          if not jx.is_literal(v) and v not in made and v not in split and v not in prog.constvars]
 
 
 def combine_program(prog: Program, s: int):

@@ -108,6 +108,9 @@ class LoopContext:
   buffers: tuple
   count: Any
   start: Any
+  # a group's parameters split over its devices (hetspmd.lowering.transfers.ParamShards): gathered in each
+  # microbatch, its sums reduce-scattered into parts and made rows after the loop; the layout is in lockstep
+  shards: Any = None
 
 
 def one_loop(ctx: LoopContext, s: int, outer: dict, mine: Sequence[int], pe_outs: Sequence[Any] = ()):
@@ -145,6 +148,8 @@ class _DeviceLoop:
     size = k * m
     targets = {self.ctx.cut_outs[k_].index: k_ for k_ in self.mine}
     env = dict(self.outer)
+    if self.ctx.shards is not None:  # the parameters split over the group, gathered whole for this microbatch
+      env.update(self.ctx.shards.gathered(self.outer))
     env.update(zip(prog.constvars, prog.consts))
     for v, b in zip(self.ctx.batch_vars, self.ctx.buffers):
       if k == 1:
@@ -181,6 +186,8 @@ class _DeviceLoop:
     if masked:
       valid = i < (self.ctx.count if limit is None else limit)
       part = [[jnp.where(valid, x, identity(r, x.shape, x.dtype)) for x in p] for r, p in zip(kinds, part)]
+    if self.ctx.shards is not None:  # after the mask: a padding slot adds nothing to another device's part
+      part = self.ctx.shards.scattered(part, kinds)
     acc = [[combiner(r)(a, x) for a, x in zip(aa, xx)] for r, aa, xx in zip(kinds, acc, part)]
     if k == 1:
       pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
@@ -191,10 +198,19 @@ class _DeviceLoop:
   def zero(self):
     """The empty carry: every sum's identity, every per-example output's slots zero."""
     shapes = jax.eval_shape(self.microbatches, 0)
-    zeros = [[identity(r, x.shape, x.dtype) for x in part] for r, part in zip(self.kinds, shapes[0])]
+    shards = self.ctx.shards
+    zeros = [[identity(r, x.shape if shards is None else shards.part_shape(r, x), x.dtype) for x in part]
+             for r, part in zip(self.kinds, shapes[0])]
     return zeros, [jnp.zeros((self.ctx.layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
 
   def run(self):
+    """The schedule's partial values and per-example outputs; a sharded group's parts made rows."""
+    acc, pe = self.schedule()
+    if self.ctx.shards is not None:
+      acc = self.ctx.shards.rows(acc, self.kinds, jax.eval_shape(self.microbatches, 0)[0])
+    return acc, pe
+
+  def schedule(self):
     """The schedule: a loop of this device's count (or, in lockstep, the longest count, masked), with the last
     microbatch(es) peeled after it when the layout overlaps the reduction with them."""
     layout, prog, count = self.ctx.layout, self.ctx.prog, self.ctx.count

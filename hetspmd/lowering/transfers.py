@@ -9,11 +9,15 @@ needs whole is reduce-scattered first (:func:`scatter_program`) and joined
 on it (:func:`assembled`). Across processes, one uniform program adds rows
 that are the value on its device and zeros elsewhere (:func:`broadcast`).
 Every device's row of a value becomes one global array without a copy
-(:func:`global_rows`).
+(:func:`global_rows`). Inside a group that shards its parameters
+(:class:`ParamShards`), each parameter arrives split evenly over the group's
+devices (:func:`shard_program`), is gathered whole inside every microbatch and
+its gradient's sum is reduce-scattered back onto the parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -23,7 +27,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetspmd.plan.groups import padded_length, relay_axis, relays
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.plan.groups import padded_length, relay_axis, relays, shard_axis
 
 DATA = "data"
 
@@ -110,6 +115,78 @@ def assembled(parts: list, axes: list[tuple[int, int]], device: Any) -> list:
 def _joined(axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
   return jax.jit(lambda pieces: [jax.lax.slice_in_dim(jnp.concatenate(p, axis=a), 0, size, axis=a)[None]
                                  for p, (a, size) in zip(pieces, axes)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShards:
+  """A group's parameters split evenly over its devices (FSDP inside the group), as its loop sees them.
+
+  ``params``: ``(jaxpr variable, axis, size)`` of each parameter the loop reads as this device's part (the
+  variable's whole value, zero-padded along ``axis`` to a multiple of ``n``, split over the mesh axis ``axis_name``
+  of ``n`` devices). Inside the loop (:class:`hetspmd.lowering.loop.LoopContext`), every microbatch gathers them
+  whole (:meth:`gathered`) and reduce-scatters its gradient sums (:meth:`scattered`: every floating sum that is
+  not a scalar, split along :func:`hetspmd.plan.groups.shard_axis`) into an accumulator of parts. Collectives
+  inside the loop need every device to run the same trip count: the group's layout is in lockstep. After the
+  loop, each device's row of a split sum is its part in place and zeros elsewhere (:meth:`rows`), so the rows
+  still add up to the group's sum."""
+
+  axis_name: str
+  n: int
+  params: tuple
+  derived: tuple = ()  # example-free equations before the loop on the parameters (a reshape, a cast), redone
+
+  def gathered(self, outer: dict) -> dict:
+    """The parameters of ``outer`` (their parts) gathered whole (an all-gather each, cut to its size), with the
+    example-free work the loop reads of them (``derived``) redone on them."""
+    env = dict(outer)
+    env.update({v: jax.lax.slice_in_dim(jax.lax.all_gather(outer[v], self.axis_name, axis=a, tiled=True), 0, size,
+                                        axis=a) for v, a, size in self.params})
+    jx.eval_equations(self.derived, env)
+    made = {v for v, _, _ in self.params} | {v for e in self.derived for v in e.outvars}
+    return {v: x for v, x in env.items() if v in made}
+
+  def axis_of(self, reduce: str, x: Any) -> int | None:
+    """The axis a partial value (or its shape) is reduce-scattered along, or None (kept whole on each device)."""
+    if reduce != "sum" or not jnp.issubdtype(x.dtype, jnp.floating):
+      return None
+    return shard_axis(x.shape, self.n)
+
+  def scattered(self, parts: list, kinds: list) -> list:
+    """One microbatch's partial values, each floating sum reduce-scattered over the group onto its parts."""
+    return [[x if (a := self.axis_of(r, x)) is None else
+             jax.lax.psum_scatter(_pad_to(x, a, padded_length(x.shape[a], self.n)), self.axis_name,
+                                  scatter_dimension=a, tiled=True) for x in p] for r, p in zip(kinds, parts)]
+
+  def part_shape(self, reduce: str, x: Any) -> tuple:
+    """The shape of a partial value's accumulator: a part's where it is reduce-scattered."""
+    a, shape = self.axis_of(reduce, x), list(x.shape)
+    if a is not None:
+      shape[a] = padded_length(shape[a], self.n) // self.n
+    return tuple(shape)
+
+  def rows(self, acc: list, kinds: list, shapes: list) -> list:
+    """The accumulated parts as this device's rows, each the whole value's shape (``shapes``): its part in place,
+    zeros elsewhere (the padding cut off)."""
+    def row(x, reduce, like):
+      a = self.axis_of(reduce, like)
+      if a is None:
+        return x
+      size = like.shape[a]
+      whole = jnp.zeros(x.shape[:a] + (padded_length(size, self.n),) + x.shape[a + 1:], x.dtype)
+      at = jax.lax.axis_index(self.axis_name) * x.shape[a]
+      return jax.lax.slice_in_dim(jax.lax.dynamic_update_slice_in_dim(whole, x, at, a), 0, size, axis=a)
+
+    return [[row(x, r, s) for x, s in zip(p, ss)] for r, p, ss in zip(kinds, acc, shapes)]
+
+
+def shard_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:
+  """``program(values) -> parts``: each value (replicated on ``mesh``'s one axis) zero-padded along its axis of
+  ``axes`` to a multiple of the device count and split evenly over the devices: each device keeps its own part of
+  the copy it has (nothing crosses devices)."""
+  name, n = mesh.axis_names[0], mesh.size
+  out = [NamedSharding(mesh, P(*([None] * a), name)) for a in axes]
+  return jax.jit(lambda xs: [_pad_to(x, a, padded_length(x.shape[a], n)) for x, a in zip(xs, axes)],
+                 out_shardings=out)
 
 
 def on(mesh: Mesh, x: Any) -> Any:

@@ -34,10 +34,10 @@ from hetspmd._format import quantity
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES, ZERO_STAGES
 
-GROUP_PLAN_VERSION = 5
+GROUP_PLAN_VERSION = 6
 # the JSON versions from_json reads (version 1: no state shares; version 2: no zero_stage, ZeRO-1 under shares;
-# version 3: no reduce_dtype, float32; version 4: no model axis)
-_READS = (1, 2, 3, 4, 5)
+# version 3: no reduce_dtype, float32; version 4: no model axis; version 5: no shard_params)
+_READS = (1, 2, 3, 4, 5, 6)
 # the ZeRO stages a group plan runs: 0 replicated, 1 optimizer state in shares, 3 parameters in shares too
 # relative slack on state shares that must add up to 1
 _SHARE_SLACK = 1e-6
@@ -53,7 +53,13 @@ class Group:
   devices split each microbatch's work, each parameter of ``model_dims`` (``(path, dimension)`` pairs, paths as
   the state's leaves are named: ``params/h/0/mlp/c_fc/kernel``) split along that dimension over them, so each
   holds that part of the parameter's gradient and activations. A position's devices share one count (each
-  device has its entry in ``counts``, equal within a position) and hold the whole parameters between steps."""
+  device has its entry in ``counts``, equal within a position) and hold the whole parameters between steps.
+
+  ``shard_params`` runs the group's loop FSDP-style: each floating parameter its loop reads is split evenly over
+  the group's devices (zero-padded along one axis where the group's size does not divide it), gathered whole
+  inside each microbatch, and each microbatch's gradient sums are reduce-scattered into an accumulator split the
+  same way. Its devices then run the group's longest count in lockstep, masking the microbatches they do not
+  have. Needs ``model`` == 1."""
 
   devices: tuple[int, ...]
   microbatch: int
@@ -61,6 +67,7 @@ class Group:
   remat: str = "none"
   model: int = 1
   model_dims: tuple[tuple[str, int], ...] = ()
+  shard_params: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -93,6 +100,11 @@ class Group:
                               f"devices, got model={m!r}")
     if m == 1 and self.model_dims:
       raise InvalidValueError("a group's model_dims need a model axis: give the group model > 1, or no model_dims")
+    if not isinstance(self.shard_params, bool):
+      raise InvalidValueError(f"a group's shard_params must be True or False, got {self.shard_params!r}")
+    if self.shard_params and m > 1:
+      raise InvalidValueError(f"a group with shard_params runs data-only for now: it cannot also have a model "
+                              f"axis (model={m}); give it model=1, or shard_params=False")
     if m > 1 and not self.model_dims:
       raise InvalidValueError(f"a group with a model axis of {m} needs model_dims: which dimension of which "
                               "parameters splits over it, as (path, dimension) pairs")
@@ -254,7 +266,8 @@ class GroupPlan:
       lines.append(f"  group {g}: devices {list(group.devices)}, microbatch {group.microbatch}, counts "
                    f"{list(group.counts)} ({group.examples} examples), remat {group.remat}" + (
                        f", model axis {group.model} ({len(group.model_dims)} parameters split over it)"
-                       if group.model > 1 else ""))
+                       if group.model > 1 else "") + (
+                       ", parameters sharded over its devices (FSDP, in lockstep)" if group.shard_params else ""))
     if self.state_shares:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
       what = "optimizer state" if self.zero_stage == 1 else "parameters and optimizer state"
@@ -276,7 +289,8 @@ class GroupPlan:
             "state_shares": list(self.state_shares), "zero_stage": self.zero_stage,
             "reduce_dtype": self.reduce_dtype,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
-                        "remat": g.remat, "model": g.model, "model_dims": dict(g.model_dims)} for g in self.groups],
+                        "remat": g.remat, "model": g.model, "model_dims": dict(g.model_dims),
+                        "shard_params": g.shard_params} for g in self.groups],
             "predicted": dict(self.predicted),
             "predicted_per_device": {k: list(v) for k, v in self.predicted_per_device}}
 
@@ -285,7 +299,7 @@ class GroupPlan:
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"),
-                           int(g.get("model", 1)), g.get("model_dims", ()))
+                           int(g.get("model", 1)), g.get("model_dims", ()), bool(g.get("shard_params", False)))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())), data.get("zero_stage"), data.get("reduce_dtype", "float32"),
@@ -317,13 +331,15 @@ class GroupPlan:
 def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
                state_shares: Sequence[float] = (), zero_stage: int | None = None,
                reduce_dtype: str = "float32") -> GroupPlan:
-  """``GroupPlan`` from ``(devices, microbatch, counts)``, ``(devices, microbatch, counts, remat)`` or ``(devices,
-  microbatch, counts, remat, model, model_dims)`` tuples (:class:`Group`);
+  """``GroupPlan`` from ``(devices, microbatch, counts)``, ``(devices, microbatch, counts, remat)``, ``(devices,
+  microbatch, counts, remat, model, model_dims)`` or ``(..., model, model_dims, shard_params)`` tuples
+  (:class:`Group`), or :class:`Group` values;
   ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the state it holds
   (devices in group order), or none to replicate it; ``zero_stage``: 1 (the default with shares) holds the
   optimizer state in the shares, 3 the parameters too; ``reduce_dtype``: the dtype the gradients' partial sums
   cross devices in."""
-  return GroupPlan(tuple(Group(tuple(g[0]), g[1], tuple(g[2]), *g[3:]) for g in groups), global_batch, *tail,
+  return GroupPlan(tuple(g if isinstance(g, Group) else Group(tuple(g[0]), g[1], tuple(g[2]), *g[3:]) for g in groups),
+                   global_batch, *tail,
                    state_shares=tuple(state_shares), zero_stage=zero_stage, reduce_dtype=reduce_dtype)
 
 
@@ -370,6 +386,17 @@ def relay_axis(shape: Sequence[int], n: int) -> int | None:
 
 
 MAX_PADDING = 1 / 8  # the most a value may grow by zero-padding to take two hops
+
+
+def shard_axis(shape: Sequence[int], n: int) -> int | None:
+  """The axis a parameter (or a gradient's sum) of ``shape`` is split along over a sharded group's ``n`` devices
+  (:attr:`Group.shard_params`): the first that ``n`` splits evenly (:func:`split_axis`), else the one that
+  zero-padding to a multiple of ``n`` grows least (the padding lives only in the parts and in the buffers that
+  gather them); none for a scalar or an empty value (kept whole)."""
+  if not shape or 0 in shape:
+    return None
+  axis = split_axis(shape, n)
+  return axis if axis is not None else min(range(len(shape)), key=lambda a: padded_length(shape[a], n) / shape[a])
 
 
 def padded_length(size: int, n: int) -> int:

@@ -37,6 +37,8 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
       if placed is not None:  # this process's groups only
         on = functools.partial(transfers.on, mesh)
         inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
+        if built.shards and built.shards[g] is not None:  # its parameters split over its devices (FSDP)
+          inputs = _split(inputs, *built.shards[g], functools.partial(call, f"shard group {g}"))
         name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
         mine, per_example = call(name, programs[s], inputs, *placed, jax.tree.map(on, earlier))
         partials.append(mine)
@@ -46,6 +48,12 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
     if s < loops - 1:
       earlier.update(call(f"combine loop {s}", built.combines[s], joined))
   return joined, earlier, [rows([e[k] for e in examples]) for k in range(len(examples[0]))]
+
+def _split(inputs: list, at: tuple, program: Callable[..., Any], call: Callable[..., Any]) -> list:
+  """``inputs`` with those ``at`` (positions) replaced by their parts, split over the group by ``program``."""
+  parts = dict(zip(at, call(program, [inputs[k] for k in at])))
+  return [parts.get(k, x) for k, x in enumerate(inputs)]
+
 
 def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, masters: dict, *, mesh: Mesh,
                 shares: tuple, call: Callable[..., Any], called: dict) -> None:

@@ -163,6 +163,7 @@ class GroupedStep:
     lines = [self.plan.summary()]
     if self._latest is not None:
       lines.append("  each group's program: " + " -> ".join(self._latest.stages))
+    lines += _sharded_lines(self.plan, self._latest)
     if not self.plan.state_shares:
       lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
                    "program over every device reduces and updates")
@@ -302,6 +303,22 @@ class GroupedStep:
     if i not in built.owner:
       return x
     return transfers.held_on(x, built.owner[i], jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)))
+
+
+def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
+  """:meth:`GroupedStep.explain`'s lines on the groups that shard their parameters (FSDP within the group)."""
+  lines = []
+  for g, group in enumerate(plan.groups):
+    if not group.shard_params:
+      continue
+    split = built.shards[g] if built is not None and built.shards else None
+    what = (f"{len(split[0])} parameter leaves" if split else "no parameter (none read only by its loop)"
+            if built is not None else "the parameters its loop reads (known once traced)")
+    lines.append(f"  group {g} shards its parameters over its {len(group.devices)} devices (FSDP): {what} split "
+                 f"evenly (zero-padded along one axis), gathered whole in each microbatch, each microbatch's "
+                 f"gradient sums reduce-scattered into parts; its devices run {group.max_count} microbatch(es) in "
+                 "lockstep (the ones a device lacks masked); each device's row is its part in place, zeros elsewhere")
+  return lines
 
 
 def _held_lines(built: GroupPrograms, devices: tuple, shares: tuple, three: bool) -> list[str]:

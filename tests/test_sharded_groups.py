@@ -1,0 +1,143 @@
+"""Groups that shard their parameters over their devices (FSDP within a group), beside unsharded groups: every step
+checked against one device, float64-referenced."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+from hetspmd.errors import InvalidValueError
+from hetspmd.plan.groups import Group, GroupPlan, group_plan, shard_axis
+from hetspmd.runtime.grouped import run_groups
+
+from conftest import require_devices
+from exactness import Reference
+
+STEPS = 2
+
+
+class Net(nn.Module):
+  hidden: int = 16
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(self.hidden)(x)))
+    return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+def _state(hidden: int = 16):
+  model = Net(hidden)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)), train=False)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
+
+
+def dropout_step(state, batch):
+  key = jax.random.fold_in(jax.random.key(7), state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": key})
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _batches(size, seed=0):
+  rs = np.random.RandomState(seed)
+  return [{"x": rs.randn(size, 6).astype(np.float32), "y": rs.randint(0, 4, size).astype(np.int32)}
+          for _ in range(STEPS)]
+
+
+def _trained(plan, state):
+  """``state()`` trained under ``plan``, every step's metrics checked against one device; the step, the final
+  state and the reference."""
+  batches = _batches(plan.global_batch)
+  ref = Reference(dropout_step, state()).run(batches)
+  step = run_groups(dropout_step, plan)
+  trained = step.shard_state(state())
+  for i, batch in enumerate(batches):
+    trained, metrics = step(trained, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(trained.params, lambda s: s.params)
+  ref.check(trained.opt_state, lambda s: s.opt_state)
+  return step, trained
+
+
+def _sharded(devices, microbatch, counts):
+  return Group(devices, microbatch, counts, shard_params=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_sharded_group_beside_an_unsharded_one_matches_one_device():
+  require_devices(8)
+  # four devices sharding their parameters, counts uneven (lockstep, the missing microbatches masked), beside
+  # four unsharded ones
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (3, 2, 2, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1))], 22)
+  step, _ = _trained(plan, _state)
+  text = step.explain()
+  assert "group 0 shards its parameters over its 4 devices" in text
+  assert "group 1 shards" not in text
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tail,shares,zero", [((1, 1), (), None), ((0, 0), (1 / 8,) * 8, 3)],
+                         ids=["tail", "zero-3-shares"])
+def test_a_sharded_group_with_a_tail_or_state_shares_matches_one_device(tail, shares, zero):
+  require_devices(8)
+  groups = [_sharded((0, 1, 2), 2, (2, 1, 1)), ((3, 4, 5, 6, 7), 1, (1, 1, 1, 1, 0))]
+  plan = group_plan(groups, 12 + 8 * tail[0] * tail[1], tail=tail, state_shares=shares, zero_stage=zero)
+  _trained(plan, _state)
+
+
+@pytest.mark.timeout(240)
+def test_parameters_the_group_size_does_not_divide_are_padded_and_stay_exact():
+  require_devices(8)
+  # hidden 5 over 4 devices: the first kernel (6, 5), its bias and the LayerNorm's (5,) are zero-padded to 8 along
+  # one axis; the second kernel (5, 4) and bias (4,) split evenly
+  assert [shard_axis(s, 4) for s in ((6, 5), (5,), (5, 4), (4,))] == [0, 0, 1, 0]
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5), 4, (1, 1))], 22)
+  _trained(plan, lambda: _state(5))
+
+
+@pytest.mark.timeout(240)
+def test_the_sharded_group_program_takes_its_parameters_split():
+  require_devices(8)
+  hidden, n = 256, 8  # parameters large beside the batch: 13 KiB of them, 1 example per device
+  state, batch = _state(hidden), _batches(n)[0]
+  params = jax.tree.leaves(state.params)
+  whole = sum(x.size * x.dtype.itemsize for x in params)
+  # per device: its part of every parameter, padding adding at most one slice along the split axis; its example;
+  # its count and first example (int32 each); scalars the loop may read whole (the step count)
+  padding = sum(x.size // min(x.shape) * x.dtype.itemsize for x in params)
+  example = sum(v[:1].nbytes for v in batch.values())
+  scalars = sum(np.asarray(x).dtype.itemsize for x in jax.tree.leaves(state) if np.ndim(x) == 0)
+  bound = whole / n + padding + example + 2 * 4 + scalars
+
+  def arguments(plan):
+    step = run_groups(dropout_step, plan)
+    step(step.shard_state(state), batch)
+    return step.memory_analysis()["group 0"].argument_size_in_bytes
+
+  sharded = arguments(group_plan([_sharded(tuple(range(n)), 1, (1,) * n)], n))
+  unsharded = arguments(group_plan([(tuple(range(n)), 1, (1,) * n)], n))
+  assert sharded <= bound, (sharded, bound, whole)
+  assert unsharded - sharded >= whole * (1 - 1 / n) - padding, (unsharded, sharded, whole)
+
+
+def test_shard_params_round_trips_through_json_and_needs_a_data_only_group():
+  plan = group_plan([_sharded((0, 1), 2, (1, 1)), ((2,), 4, (1,))], 8)
+  again = GroupPlan.from_json(json.loads(plan.dumps()))
+  assert again == plan and again.groups[0].shard_params and not again.groups[1].shard_params
+  assert "parameters sharded over its devices" in plan.summary()
+  older = json.loads(plan.dumps())  # version 5, before shard_params: every group unsharded
+  older["version"] = 5
+  for g in older["groups"]:
+    del g["shard_params"]
+  assert not any(g.shard_params for g in GroupPlan.from_json(older).groups)
+  with pytest.raises(InvalidValueError, match="shard_params runs data-only for now"):
+    Group((0, 1), 2, (1, 1), model=2, model_dims=(("kernel", 1),), shard_params=True)
