@@ -30,14 +30,16 @@ STEPS = 3
 
 
 class Net(nn.Module):
+  hidden: int = 16
+
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(16)(x)))
+    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(self.hidden)(x)))
     return nn.Dense(4)(nn.LayerNorm()(x))
 
 
-def _state():
-  model = Net()
+def _state(hidden: int = 16):
+  model = Net(hidden)
   params = model.init(jax.random.key(0), jnp.zeros((1, 6)), train=False)["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
 

@@ -3,13 +3,9 @@ checked against one device, float64-referenced."""
 
 import json
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.groups import Group, GroupPlan, group_plan, shard_axis
@@ -17,34 +13,9 @@ from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
 from exactness import Reference
+from test_group_programs import _state, dropout_step
 
 STEPS = 2
-
-
-class Net(nn.Module):
-  hidden: int = 16
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(self.hidden)(x)))
-    return nn.Dense(4)(nn.LayerNorm()(x))
-
-
-def _state(hidden: int = 16):
-  model = Net(hidden)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 6)), train=False)["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2, eps=1e-4))
-
-
-def dropout_step(state, batch):
-  key = jax.random.fold_in(jax.random.key(7), state.step)
-
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": key})
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradients(grads=grads), {"loss": loss}
 
 
 def _batches(size, seed=0):
