@@ -95,10 +95,15 @@ class GroupPrograms:
   needs: dict | None = None  # each device reducing its own sums: {device: the partial values its units read}
   relay: dict = dataclasses.field(default_factory=dict)  # {partial value: (axis, size)} reduce-scattered, then sent
   scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
-  stages: tuple = ()  # the group loop's stage names, innermost first
+  group_stages: tuple = ()  # per group: its last loop's stage names, innermost first
   # per group: None, or (positions among its program's inputs, its shard program) of the parameters it takes split
   # over its devices (Group.shard_params; transfers.shard_program makes them from the replicated state)
   shards: tuple = ()
+
+  @property
+  def stages(self) -> tuple[str, ...]:
+    """Every stage any group's program uses, in chain order."""
+    return tuple(dict.fromkeys(name for names in self.group_stages for name in names))
 
   @functools.cached_property
   def owner(self) -> dict:
@@ -160,12 +165,13 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages, shards = [], (), []
+  loops, stages, shards = [], [], []
+  free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh in zip(plan.groups, meshes.groups):
     split = _shards(progs[group.remat], group, state, held_inputs, wide)
-    programs, stages = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
+    programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
     loops.append(programs)
-    free = [i for i in range(step.n_state) if i not in owner]
+    stages.append(names)
     shards.append((tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())))
                   if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
@@ -182,7 +188,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   relay = _relayed_sums(prog, needs, len(meshes.devices)) if to_owner and relays(plan.state_shares) else {}
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
-                       needs=needs if to_owner else None, relay=relay, stages=stages, shards=tuple(shards),
+                       needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 

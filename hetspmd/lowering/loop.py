@@ -11,6 +11,7 @@ this device's microbatches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -133,6 +134,11 @@ class _DeviceLoop:
   mine: tuple
   pe_outs: tuple
 
+  @functools.cached_property
+  def shapes(self) -> Any:
+    """One microbatch's partial values and per-example outputs, as shapes (traced once)."""
+    return jax.eval_shape(self.microbatches, 0)
+
   @property
   def accumulated(self) -> list:
     prog = self.ctx.prog
@@ -197,7 +203,7 @@ class _DeviceLoop:
 
   def zero(self):
     """The empty carry: every sum's identity, every per-example output's slots zero."""
-    shapes = jax.eval_shape(self.microbatches, 0)
+    shapes = self.shapes
     shards = self.ctx.shards
     zeros = [[identity(r, x.shape if shards is None else shards.part_shape(r, x), x.dtype) for x in part]
              for r, part in zip(self.kinds, shapes[0])]
@@ -207,7 +213,7 @@ class _DeviceLoop:
     """The schedule's partial values and per-example outputs; a sharded group's parts made rows."""
     acc, pe = self.schedule()
     if self.ctx.shards is not None:
-      acc = self.ctx.shards.rows(acc, self.kinds, jax.eval_shape(self.microbatches, 0)[0])
+      acc = self.ctx.shards.rows(acc, self.kinds, self.shapes[0])
     return acc, pe
 
   def schedule(self):

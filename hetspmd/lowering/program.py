@@ -11,6 +11,7 @@ between loops and after them, with the per-equation facts the loop builders
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -87,7 +88,6 @@ class Program:
     self.batch = analysis.global_batch
     self.cuts = {c.index: c for c in analysis.cuts}
     self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
-    self.flow = DataFlow.of(self.eqns, self.outvars)  # who reads each variable, which outputs it is
     local = {c.index for c in analysis.cuts if c.local}
     # which equations depend on a local (per-microbatch) statistic: those run inside the loop
     self.after_local = set()
@@ -154,6 +154,11 @@ class Program:
     self.loop_eqns = [self._loop_equations(s) for s in range(analysis.loops)]
     # example-free work between loops (1/weight_sum): the post-cut equations later loops need
     self.middle = [self._middle(s) for s in range(analysis.loops)]
+
+  @functools.cached_property
+  def flow(self) -> DataFlow:
+    """Who reads each variable, which outputs it is (built on first use)."""
+    return DataFlow.of(self.eqns, self.outvars)
 
   def _hoisted(self) -> dict[int, Any]:
     """Copies of in-loop equations, pruned to the example-free values read outside them, to run before the loop.

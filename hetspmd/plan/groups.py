@@ -299,7 +299,7 @@ class GroupPlan:
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"),
-                           int(g.get("model", 1)), g.get("model_dims", ()), bool(g.get("shard_params", False)))
+                           int(g.get("model", 1)), g.get("model_dims", ()), g.get("shard_params", False))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())), data.get("zero_stage"), data.get("reduce_dtype", "float32"),
@@ -376,13 +376,8 @@ def relay_axis(shape: Sequence[int], n: int) -> int | None:
   that ``n`` splits evenly (:func:`split_axis`), else the one that zero-padding to a multiple of ``n`` grows
   least, if by at most :data:`MAX_PADDING` (the padded copy is transient); none for a scalar, an empty value or
   one that padding would grow more (it is copied whole)."""
-  if not shape or 0 in shape:
-    return None
-  axis = split_axis(shape, n)
-  if axis is not None:
-    return axis
-  axis = min(range(len(shape)), key=lambda a: padded_length(shape[a], n) / shape[a])
-  return axis if padded_length(shape[axis], n) <= (1 + MAX_PADDING) * shape[axis] else None
+  axis = shard_axis(shape, n)
+  return axis if axis is None or padded_length(shape[axis], n) <= (1 + MAX_PADDING) * shape[axis] else None
 
 
 MAX_PADDING = 1 / 8  # the most a value may grow by zero-padding to take two hops

@@ -31,16 +31,21 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
   earlier: dict = {}
   loops = len(built.combines) + 1
   rows = functools.partial(transfers.global_rows, mesh=meshes.mesh)
+  given = {}  # each of this process's groups' inputs, placed once for every loop
+  for g, (mesh, placed) in enumerate(zip(meshes.groups, counts)):
+    if placed is not None:
+      on = functools.partial(transfers.on, mesh)
+      inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
+      if built.shards and built.shards[g] is not None:  # its parameters split over its devices (FSDP)
+        inputs = _split(inputs, *built.shards[g], functools.partial(call, f"shard group {g}"))
+      given[g] = inputs
   for s in range(loops):
     partials, examples = [], []
     for g, (mesh, programs, placed) in enumerate(zip(meshes.groups, built.loops, counts)):
       if placed is not None:  # this process's groups only
         on = functools.partial(transfers.on, mesh)
-        inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
-        if built.shards and built.shards[g] is not None:  # its parameters split over its devices (FSDP)
-          inputs = _split(inputs, *built.shards[g], functools.partial(call, f"shard group {g}"))
         name = f"group {g}" + (f", loop {s}" if loops > 1 else "")
-        mine, per_example = call(name, programs[s], inputs, *placed, jax.tree.map(on, earlier))
+        mine, per_example = call(name, programs[s], given[g], *placed, jax.tree.map(on, earlier))
         partials.append(mine)
         examples.append(per_example)
     joined = [[rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]

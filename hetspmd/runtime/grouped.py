@@ -162,7 +162,9 @@ class GroupedStep:
   def explain(self) -> str:
     lines = [self.plan.summary()]
     if self._latest is not None:
-      lines.append("  each group's program: " + " -> ".join(self._latest.stages))
+      chains = self._latest.group_stages
+      lines += (["  each group's program: " + " -> ".join(chains[0])] if len(set(chains)) == 1 else
+                [f"  group {g}'s program: " + " -> ".join(names) for g, names in enumerate(chains)])
     lines += _sharded_lines(self.plan, self._latest)
     if not self.plan.state_shares:
       lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
@@ -243,8 +245,8 @@ class GroupedStep:
     joined, earlier, examples = calls.run_loops(built, self._meshes, self._counts, self._call,
                                                 state=[state_leaves[i] for i in free], buffers=placed.groups,
                                                 others=others)
-    common = ([transfers.on(self.mesh, state_leaves[i]) for i in free] + placed.tail +
-              [transfers.on(self.mesh, x) for x in others])
+    everywhere = [transfers.on(self.mesh, x) for x in others]  # the rest, on every device of the plan
+    common = [transfers.on(self.mesh, state_leaves[i]) for i in free] + placed.tail + everywhere
     results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier, examples)
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, results)
@@ -252,7 +254,7 @@ class GroupedStep:
     outputs: list[Any] = [None] * built.out_tree.num_leaves
     for o, x in zip(built.units.common, results):
       outputs[o] = x
-    inputs = state_leaves + [None] * n_batch + [transfers.on(self.mesh, x) for x in others]
+    inputs = state_leaves + [None] * n_batch + everywhere
     calls.run_updates(built, outputs, inputs, sums, masters, mesh=self.mesh, shares=self.plan.state_shares,
                       call=self._call, called=self._last)
     return jax.tree.unflatten(built.out_tree, outputs)

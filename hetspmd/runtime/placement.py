@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetspmd._pytree import leaves_with_paths
-from hetspmd.errors import HetSpmdError
+from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.plan.value import Plan
 
 
@@ -95,8 +95,8 @@ def check_global_batch(batch: Any, global_batch: int) -> None:
   """Refuses a batch any of whose arrays does not lead with ``global_batch``."""
   for x in jax.tree.leaves(batch):
     if np.shape(x)[:1] != (global_batch,):
-      raise HetSpmdError(f"every batch array must lead with the plan's global batch of {global_batch}, got shape "
-                         f"{np.shape(x)}")
+      raise InvalidValueError(f"every batch array must lead with the plan's global batch of {global_batch}, got "
+                              f"shape {np.shape(x)}")
 
 
 def group_buffers(group: Any, starts: Any, mesh: Any, batch_leaves: list) -> list:
