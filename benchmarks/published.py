@@ -177,7 +177,7 @@ def _print(title: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-  parser.add_argument("--quick", action="store_true", help="only the rows that need no tracing (Cephalo's)")
+  parser.add_argument("--quick", action="store_true", help="only Cephalo's per-layer rows (no NVIDIA or AMP rows, no search)")
   args = parser.parse_args(argv)
   profiles: dict = {}
   nvidia = [] if args.quick else nvidia_rows(profiles)

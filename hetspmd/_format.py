@@ -24,7 +24,7 @@ def quantity(key: str, value: float) -> str:
   if key == "efficiency":
     return f"{value:.1%}"
   if key == "throughput":
-    return f"{si(value, small='.4g')} samples/s".replace("  ", " ")
+    return f"{si(value, small='.4g')} samples/s"
   if key.endswith("seconds"):
     return seconds(value)
   if "bytes" in key:

@@ -7,6 +7,9 @@ can catch one type. Messages say what was given, what was expected, and where
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class HetSpmdError(Exception):
   """Base class of every error raised by hetspmd on purpose."""
@@ -43,3 +46,9 @@ class PlanDoesNotFitError(HetSpmdError):
 class NoLayerStackError(HetSpmdError):
   """The step has no layer stack that pipeline stages can cut: says what differs from one scan over stacked
   parameters and its transpose."""
+
+
+def closest(name: object, names: Iterable[str]) -> str | None:
+  """The one of ``names`` closest to ``name`` (a likely typo's intent, for "did you mean"), or None."""
+  close = difflib.get_close_matches(str(name), list(names), n=1)
+  return close[0] if close else None

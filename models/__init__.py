@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-import difflib
 
-from hetspmd.errors import UnknownNameError
+from hetspmd.errors import UnknownNameError, closest
 from hetspmd.models import bert, cnn, gpt2, gpt3, linen_lm, mlp, vit
 from hetspmd.models.workload import Workload as Workload
 
@@ -30,9 +29,9 @@ def get(name: str) -> Workload:
   try:
     return _REGISTRY[name]
   except KeyError:
-    close = difflib.get_close_matches(str(name), names(), n=1)
+    close = closest(name, names())
     raise UnknownNameError(f"unknown model {name!r}; known models: {', '.join(names())}"
-                           + (f". Did you mean {close[0]!r}?" if close else "")) from None
+                           + (f". Did you mean {close!r}?" if close else "")) from None
 
 
 __all__ = ["Workload", "get", "names", "test_names"]

@@ -186,3 +186,14 @@ def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, sh
   ring = whole_gather_seconds(cluster, layout.hosts, profile)  # every leaf whole, over all 8 devices
   assert ring > costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 1, "float32")[1]  # not only ZeRO's split leaves
   assert _gather_seconds(costing, layout, shares, 1) == pytest.approx(factor * ring)
+
+
+@pytest.mark.timeout(30)
+def test_group_counts_end_where_per_step_work_dwarfs_a_microbatch():
+  """The least makespan moves on past a finish time that rounding would not count (per-step work 1e11 times a
+  microbatch's): the kind that starts first takes the whole batch."""
+  from hetspmd.plan.counts import KindCost
+  from hetspmd.planner.grouping import group_counts
+
+  costs = {"a": KindCost(1e-9, 100.0), "b": KindCost(1.7e-9, 90.0)}
+  assert group_counts(["a", "a", "b"], costs, {"a": 2, "b": 1}, 1000) == (0, 0, 1000)

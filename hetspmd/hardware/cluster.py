@@ -24,14 +24,13 @@ process drives them all (otherwise each host is taken to be a process).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
-from hetspmd.errors import InvalidValueError, UnknownNameError
+from hetspmd.errors import InvalidValueError, UnknownNameError, closest
 from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
                                       preset_for_device_kind)
 from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec
@@ -331,8 +330,8 @@ class Cluster:
 
 
 def _did_you_mean(name: str, names: Any) -> str:
-  close = difflib.get_close_matches(str(name), list(names), n=1)
-  return f" Did you mean {close[0]!r}?" if close else ""
+  close = closest(name, names)
+  return f" Did you mean {close!r}?" if close else ""
 
 
 def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,

@@ -16,12 +16,11 @@ the first time it is asked for. This module measures nothing.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 from typing import Any, Sequence
 
-from hetspmd.errors import InvalidValueError, UnknownNameError
+from hetspmd.errors import InvalidValueError, UnknownNameError, closest
 from hetspmd.passes._jax_adapter import reduced_precision_f32_matmuls
 
 GiB = 2**30
@@ -302,10 +301,10 @@ def preset_spec(name: str, custom: dict[str, DeviceSpec] | None = None) -> Devic
 
 def unknown_device_error(name: str) -> UnknownNameError:
   """The error for a device kind that is neither a preset, ``cpu``, nor given: it names the known kinds."""
-  close = difflib.get_close_matches(name, known_device_names(), n=1)
+  close = closest(name, known_device_names())
   return UnknownNameError(
       f"unknown device kind {name!r}; known kinds: {', '.join(known_device_names())}. "
-      f"{f'Did you mean {close[0]!r}? ' if close else ''}"
+      f"{f'Did you mean {close!r}? ' if close else ''}"
       f"For other hardware give its numbers: Cluster.parse(spec, devices={{{name!r}: "
       f"hetspmd.DeviceSpec({name!r}, fp32_flops=..., bf16_flops=..., memory_bytes=..., memory_bandwidth=...)}}) "
       f"or a [devices.{name!r}] table in a cluster TOML file")

@@ -105,8 +105,9 @@ def _least_makespan(order: Sequence[str], costs: dict[str, KindCost], terms: Seq
     t = min(costs[k].at(counts[k] + 1) for k in order)
     if capacity(t) >= global_batch:
       return t
-    for k, (fixed, first, micro, _) in zip(order, terms):
-      counts[k] = max(counts[k], int((t - fixed - first) / micro + 1e-9))
+    for k, (fixed, first, micro, _) in zip(order, terms):  # the kind finishing at t moves on, even where
+      done = counts[k] + 1 if costs[k].at(counts[k] + 1) <= t else counts[k]  # rounding would say otherwise
+      counts[k] = max(done, int((t - fixed - first) / micro + 1e-9))
 
 
 # times group_counts lets the makespan grow by one microbatch to make the batch exactly

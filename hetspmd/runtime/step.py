@@ -23,7 +23,6 @@ Each argument structure is lowered once to one ``jax.jit`` program:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
 import pathlib
@@ -34,7 +33,7 @@ import numpy as np
 
 from hetspmd import lowering
 from hetspmd.autodiff import remat_policy
-from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError
+from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError, closest
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
@@ -607,10 +606,10 @@ def _check_plan_value(plan: Any) -> None:
     raise InvalidValueError(f"plan must be {valid}, got {plan!r}")
   path = pathlib.Path(plan)
   if not path.is_file():
-    close = difflib.get_close_matches(str(plan), ("auto", "search"), n=1)
+    close = closest(plan, ("auto", "search"))
     what = "a directory" if path.is_dir() else "no such file"
     raise InvalidValueError(f"plan={str(plan)!r} is not a plan value and {what}: plan must be {valid}"
-                            + (f"; did you mean plan={close[0]!r}?" if close else ""))
+                            + (f"; did you mean plan={close!r}?" if close else ""))
 
 
 def _check_options(plan: Any, global_batch: int, microbatch: int | None, batch_stats: str,
