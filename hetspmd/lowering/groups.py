@@ -375,12 +375,33 @@ def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
   between the loops reads and that are not scalars. The
   update after the loops runs in other programs, on whole parameters."""
   out = {}
+  scanned = _scanned(prog)
   for i in floats:
     var = prog.invars[i]
-    axis = shard_axis(jx.aval_shape(var), n)
+    shape = jx.aval_shape(var)
+    axis = shard_axis(shape, n)
+    if var in scanned:  # a layer scan's stacked parameter: split after the layers, gathered a slice at a time
+      inner = shard_axis(shape[1:], n)
+      axis = None if inner is None else inner + 1
     if axis is not None and _derived(prog, {var: axis}) is not None:
       out[i] = axis
   return out
+
+
+def _scanned(prog: Program) -> set:
+  """The step's inputs a scan in a loop reads as sliced inputs (a layer scan's stacked parameters), directly or
+  through casts before the loops."""
+  sliced = set()
+  for index in (k for eqns in prog.loop_eqns for k in eqns):
+    eqn = prog.eqns[index]
+    if jx.primitive_name(eqn) == "scan":
+      parts = jx.scan_parts(eqn)
+      sliced.update(v for v in eqn.invars[parts.num_consts + parts.num_carry:] if not jx.is_literal(v))
+  for k in reversed(sorted(prog.pre)):  # a cast's input is sliced where the cast is
+    eqn = prog.eqns[k]
+    if jx.primitive_name(eqn) == "convert_element_type" and eqn.outvars[0] in sliced:
+      sliced.add(eqn.invars[0])
+  return sliced
 
 
 def _derived(prog: Program, split: dict) -> tuple[int, ...] | None:

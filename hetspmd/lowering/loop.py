@@ -153,19 +153,30 @@ class _DeviceLoop:
     prog, m = self.ctx.prog, self.ctx.layout.microbatch
     size = k * m
     targets = {self.ctx.cut_outs[k_].index: k_ for k_ in self.mine}
-    env = dict(self.outer)
-    if self.ctx.shards is not None:  # the parameters split over the group, gathered whole for this microbatch
-      env.update(self.ctx.shards.gathered(self.outer))
+    shards = self.ctx.shards
+    env = dict(self.outer) if shards is None else {v: x for v, x in self.outer.items() if v not in shards.made}
     env.update(zip(prog.constvars, prog.consts))
     for v, b in zip(self.ctx.batch_vars, self.ctx.buffers):
       if k == 1:
         env[v] = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
       else:
         env[v] = jax.lax.dynamic_slice_in_dim(b, i, k, 0).reshape((size,) + b.shape[2:])
+    after = tuple(env[v] for v in self.ctx.batch_vars)  # the first gather waits for this microbatch
     offset = self.ctx.start + i * m
     partial: dict[int, list] = {}
     for index in prog.loop_eqns[self.s]:
-      ran = run_equation(prog, index, env, offset, size)
+      eqn = prog.eqns[index]
+      gathered = () if shards is None else shards.read_by(eqn)
+      scanned = {} if shards is None else shards.scanned_by(eqn)
+      if gathered:  # a split parameter's reader: its own copy, gathered while the reader before it runs
+        env.update({v: shards.whole(v, self.outer, after) for v in gathered})
+      env.update({v: shards.part_of(v, self.outer) for v in scanned.values()})  # a layer scan gathers its slices
+      if gathered or scanned:
+        after = tuple(env[v] for v in eqn.invars if not jx.is_literal(v) and v not in shards.made and v in env) or after
+      slices = {j: functools.partial(shards.gathered_slice, v) for j, v in scanned.items()}
+      ran = run_equation(prog, index, env, offset, size, slices)
+      for v in (*gathered, *scanned.values()):
+        del env[v]
       if ran is None:  # example-free work on a local statistic
         continue
       eqn, cut, out, summed = prog.eqns[index], prog.cuts.get(index), *ran
@@ -261,27 +272,36 @@ def split_fused(x, dim: int, k: int):
   return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
 
 
-def run_equation(prog, index: int, env: dict, offset, m: int) -> tuple[list[Any], list[int]] | None:
+def run_equation(prog, index: int, env: dict, offset, m: int, slices: dict | None = None
+                 ) -> tuple[list[Any], list[int]] | None:
   """Equation ``index`` on one microbatch of ``m`` examples from ``offset``: its outputs put in ``env`` but the
-  sums over the examples, returned with their positions; ``None`` for example-free work, evaluated as it is."""
+  sums over the examples, returned with their positions; ``None`` for example-free work, evaluated as it is.
+  ``slices``: for a scan, ``{input position: f(slice, carry)}`` made of each iteration's slice of that input
+  before the body reads it (a sharded group's layer scan gathers its parameters' slices:
+  :meth:`hetspmd.lowering.transfers.ParamShards.gathered_slice`)."""
   eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
   if decision is None:
+    if slices:
+      raise HetSpmdError("a sharded group's layer scan must read the microbatch's examples")
     jx.eval_equations([eqn], env)
     return None
   cut = prog.cuts.get(index)
-  out = apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None)
+  out = apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None,
+              slices=slices)
   summed = sum_outputs(decision)
   env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
   return out, summed
 
 
-def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False) -> list[Any]:
-  """One per-example or cut equation on one microbatch: its outputs."""
+def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False, slices: dict | None = None) -> list[Any]:
+  """One per-example or cut equation on one microbatch: its outputs (``slices``: :func:`run_equation`'s)."""
   invals = [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
   if zero_base:
     invals[decision.base] = jnp.zeros_like(invals[decision.base])
   if decision.body is not None:
-    return _apply_body(eqn, decision, invals, offset, m)
+    return _apply_body(eqn, decision, invals, offset, m, slices or {})
+  if slices:
+    raise HetSpmdError(f"a sharded group's parameters are sliced by {jx.primitive_name(eqn)}, which is not a scan")
   if jx.primitive_name(eqn) in _PLACEMENT:  # a sharding constraint: the loop's data axis is manual, XLA places it
     return list(invals)
   return jx.bind(eqn, invals, microbatch_params(eqn, decision, m))
@@ -320,7 +340,7 @@ class Body:
     return [jx.read(env, v) for v in self.outvars]
 
 
-def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
+def _apply_body(eqn, decision, invals, offset, m, slices: dict) -> list[Any]:
   body = Body(decision.body)
   name = jx.primitive_name(eqn)
   if name in ("remat2", "checkpoint"):
@@ -331,8 +351,11 @@ def _apply_body(eqn, decision, invals, offset, m) -> list[Any]:
   for k in decision.body.accumulators:  # partial sums start at zero; the initial value is added after reducing
     init[k] = jnp.zeros_like(init[k])
 
+  first = nc + nk
+
   def step(carry, x):
-    out = body.run(list(consts) + list(carry) + list(x), offset, m)
+    x = [slices[first + j](v, carry[0] if carry else None) if first + j in slices else v for j, v in enumerate(x)]
+    out = body.run(list(consts) + list(carry) + x, offset, m)
     return out[:nk], out[nk:]
 
   length = 1 if decision.body.chunked else parts.length  # an accumulation loop: the microbatch is one chunk

@@ -135,15 +135,78 @@ class ParamShards:
   params: tuple
   derived: tuple = ()  # example-free equations before the loop on the parameters (a reshape, a cast), redone
 
-  def gathered(self, outer: dict) -> dict:
-    """The parameters of ``outer`` (their parts) gathered whole (an all-gather each, cut to its size), with the
-    example-free work the loop reads of them (``derived``) redone on them."""
-    env = dict(outer)
-    env.update({v: jax.lax.slice_in_dim(jax.lax.all_gather(outer[v], self.axis_name, axis=a, tiled=True), 0, size,
-                                        axis=a) for v, a, size in self.params})
-    jx.eval_equations(self.derived, env)
-    made = {v for v, _, _ in self.params} | {v for e in self.derived for v in e.outvars}
-    return {v: x for v, x in env.items() if v in made}
+  @functools.cached_property
+  def made(self) -> frozenset:
+    """The values the loop reads of the parameters: the parameters and the example-free work on them."""
+    return frozenset([v for v, _, _ in self.params] + [v for e in self.derived for v in e.outvars])
+
+  @functools.cached_property
+  def _split(self) -> dict:
+    """``{value: (axis, size)}`` of the values gathered from parts: every parameter, and every cast of one (a
+    cast is gathered as the cast, at its own dtype's bytes)."""
+    out = {v: (a, size) for v, a, size in self.params}
+    for e in self.derived:
+      if jx.primitive_name(e) == "convert_element_type" and e.invars[0] in out:
+        out[e.outvars[0]] = out[e.invars[0]]
+    return out
+
+  @functools.cached_property
+  def _maker(self) -> dict:
+    return {v: e for e in self.derived for v in e.outvars}
+
+  def read_by(self, eqn: Any) -> tuple:
+    """The values of :attr:`made` that ``eqn`` reads whole (gathered for it alone); not those a layer scan reads
+    sliced (:meth:`scanned_by`)."""
+    scanned = set(self.scanned_by(eqn).values())
+    return tuple(dict.fromkeys(v for v in eqn.invars
+                               if not jx.is_literal(v) and v in self.made and v not in scanned))
+
+  def scanned_by(self, eqn: Any) -> dict:
+    """``{input position: value}`` of the parts a scan takes as sliced inputs (a layer scan's stacked
+    parameters, split along an axis after the layers'): each iteration gathers its own slice
+    (:meth:`gathered_slice`), so at most about two layers are whole at once."""
+    if jx.primitive_name(eqn) != "scan":
+      return {}
+    parts = jx.scan_parts(eqn)
+    first = parts.num_consts + parts.num_carry
+    return {j: v for j, v in enumerate(eqn.invars) if j >= first and not jx.is_literal(v)
+            and v in self._split and self._split[v][0] > 0}
+
+  def part_of(self, var: Any, outer: dict) -> Any:
+    """This device's part of a parameter, or of a cast of one (the cast made on the part)."""
+    if var in outer:
+      return outer[var]
+    eqn = self._maker[var]
+    env = {eqn.invars[0]: self.part_of(eqn.invars[0], outer)}
+    jx.eval_equations([eqn], env)
+    return env[var]
+
+  def gathered_slice(self, var: Any, part: Any, after: Any) -> Any:
+    """One iteration's slice of a scanned ``var``'s part, gathered whole after ``after`` (the iteration's carry)."""
+    a, size = self._split[var]
+    return self._gather(part, a - 1, size, (after,) if after is not None else ())
+
+  def _gather(self, part: Any, a: int, size: int, after: tuple) -> Any:
+    if after:
+      part = part + _zero_after(after[0]).astype(part.dtype)
+    gathered = jax.lax.all_gather(part, self.axis_name, axis=a, tiled=True)
+    return jax.lax.slice_in_dim(gathered, 0, size, axis=a)
+
+  def whole(self, var: Any, outer: dict, after: tuple = ()) -> Any:
+    """``var`` (a parameter, or example-free work on parameters) whole, gathered from the parts in ``outer`` for
+    one reader: an all-gather of its part (of a cast, the cast part), cut to its size, that starts no earlier
+    than the values ``after`` exist: the part has a zero made of them added (:func:`_zero_after`), so XLA
+    neither moves the gather out of the microbatch loop nor merges it with another reader's, and each gathered
+    copy lives from one reader to the next. (An optimization barrier does neither on CPU: XLA expands it into
+    control dependencies before its common-subexpression pass, which then merges the gathers.)"""
+    if var in self._split:
+      a, size = self._split[var]
+      return self._gather(self.part_of(var, outer), a, size, after)
+    eqn = self._maker[var]
+    env = {v: self.whole(v, outer, after) if v in self.made else outer[v]
+           for v in eqn.invars if not jx.is_literal(v)}
+    jx.eval_equations([eqn], env)
+    return env[var]
 
   def axis_of(self, reduce: str, x: Any) -> int | None:
     """The axis a partial value (or its shape) is reduce-scattered along, or None (kept whole on each device)."""
@@ -177,6 +240,13 @@ class ParamShards:
       return jax.lax.slice_in_dim(jax.lax.dynamic_update_slice_in_dim(whole, x, at, a), 0, size, axis=a)
 
     return [[row(x, r, s) for x, s in zip(p, ss)] for r, p, ss in zip(kinds, acc, shapes)]
+
+
+def _zero_after(x: Any) -> Any:
+  """A scalar zero that XLA cannot fold, made of ``x``'s first element: ``min(|x|, 0)`` (NaN only where ``x`` is
+  NaN, where the step's values are NaN already)."""
+  first = jnp.ravel(x)[0] if jnp.ndim(x) else x
+  return jnp.minimum(jnp.abs(first.astype(jnp.float32)), 0.0)
 
 
 def shard_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:
