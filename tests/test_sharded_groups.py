@@ -3,9 +3,13 @@ checked against one device, float64-referenced."""
 
 import json
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training import train_state
 
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.groups import Group, GroupPlan, group_plan, shard_axis
@@ -112,3 +116,59 @@ def test_shard_params_round_trips_through_json_and_needs_a_data_only_group():
   assert not any(g.shard_params for g in GroupPlan.from_json(older).groups)
   with pytest.raises(InvalidValueError, match="shard_params runs data-only for now"):
     Group((0, 1), 2, (1, 1), model=2, model_dims=(("kernel", 1),), shard_params=True)
+
+
+class _Block(nn.Module):
+  width: int
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    x = x + nn.gelu(nn.Dense(self.width)(nn.LayerNorm()(x)))
+    return (x, None) if self.scanned else x
+
+
+class _Layers(nn.Module):
+  """Blocks as a layer scan (stacked parameters, one scan each way) or unrolled, as Flax users write both."""
+  width: int = 16
+  depth: int = 4
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    if self.scanned:
+      blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth)
+      x, _ = blocks(self.width, scanned=True)(x, None)
+    else:
+      for _ in range(self.depth):
+        x = _Block(self.width)(x)
+    return nn.Dense(4)(x)
+
+
+def _layers_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "layer-scan"])
+def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned):
+  require_devices(8)
+  model = _Layers(scanned=scanned)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  # a layer scan's stacked parameters split after the layers' axis: (4, 16, 16) along 1, (4, 16) along 1
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (1, 1, 2, 2))], 18)
+  batches = _batches(plan.global_batch)
+  ref = Reference(_layers_step, state()).run(batches)
+  step = run_groups(_layers_step, plan)
+  trained = step.shard_state(state())
+  for i, batch in enumerate(batches):
+    trained, metrics = step(trained, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(trained.params, lambda s: s.params)
+  ref.check(trained.opt_state, lambda s: s.opt_state)
