@@ -417,8 +417,8 @@ def _derived(prog: Program, split: dict) -> tuple[int, ...] | None:
     eqn = prog.eqns[k]
     if not any(v in reached for v in eqn.invars if not jx.is_literal(v)):
       continue
-    if k in middle or k in prog.hoisted:
-      return None
+    if k in middle or (k in prog.hoisted and any(v in reached for v in prog.hoisted[k].invars if not jx.is_literal(v))):
+      return None  # work between the loops, or a hoisted copy (a scan's PRNG counters), reads them whole
     if k in loops:
       looped = True
       continue
