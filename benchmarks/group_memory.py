@@ -32,7 +32,12 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=48)
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--memory", default="80,80,80,80,16,16,16,16", help="GB per device, comma-separated")
+  parser.add_argument("--sharded-layers", type=int, default=24, help="layers of the sharded-group model")
+  parser.add_argument("--sharded-width", type=int, default=256, help="width of the sharded-group model")
+  parser.add_argument("--sharded-only", action="store_true", help="measure only the sharded groups")
   args = parser.parse_args()
+  if args.sharded_only:
+    return _sharded_rows(args.sharded_layers, args.sharded_width)
 
   import flax.linen as nn
   import jax
@@ -79,6 +84,83 @@ def main() -> None:
   print(f"\nthe small group's program, ZeRO-1, data-only vs a model axis of 2 (bytes per device): arguments "
         f"{one.argument_size_in_bytes} vs {two.argument_size_in_bytes}, temporary {one.temp_size_in_bytes} vs "
         f"{two.temp_size_in_bytes} ({two.temp_size_in_bytes / one.temp_size_in_bytes:.2f}x)")
+  _sharded_rows(args.sharded_layers, args.sharded_width)
+
+
+def _sharded_rows(layers: int, width: int) -> None:
+  """A group of 4 devices sharding its parameters (FSDP inside the group) beside 4 unsharded ones, against the
+  same plan with neither sharded: a ``layers``-deep residual MLP of ``width``, once unrolled and once as a layer
+  scan (``nn.scan``), Adam, float32, microbatches of 2. Per program of group 0 (the one that shards): its
+  arguments against the parameters' bytes, its temporaries less its accumulator (its part of the gradients: the
+  loop's carry) against one layer's parameter bytes, and the bytes every live array holds on device 0 between
+  steps."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax.training import train_state
+
+  from hetspmd.plan.groups import Group, group_plan
+  from hetspmd.runtime.grouped import run_groups
+
+  class Block(nn.Module):
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x, _=None):
+      x = x + nn.gelu(nn.Dense(width)(nn.LayerNorm()(x)))
+      return (x, None) if self.scanned else x
+
+  class Layers(nn.Module):
+    scanned: bool
+
+    @nn.compact
+    def __call__(self, x):
+      if self.scanned:
+        x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=layers)(True)(x, None)
+      else:
+        for _ in range(layers):
+          x = Block()(x)
+      return nn.Dense(10)(x)
+
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  rs = np.random.RandomState(0)
+  batch = {"x": rs.randn(32, width).astype(np.float32), "y": rs.randint(0, 10, 32).astype(np.int32)}
+  layer = (width * width + 4 * width) * 4  # one block's parameters: kernel, bias, LayerNorm scale and bias
+  print(f"\n=== a sharded group of 4 beside an unsharded group of 4: {layers} layers of {width}, "
+        f"one layer {layer / 1e3:.0f} KB ===")
+  print(f"{'model':>9} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
+        f"{'rest/layer':>10} {'live dev0':>10} {'loss':>10}")
+  for scanned in (False, True):
+    model = Layers(scanned)
+    params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, width)))["params"])
+    whole = sum(x.nbytes for x in jax.tree.leaves(params))
+    for sharded in (False, True):
+      plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), shard_params=sharded), ((4, 5, 6, 7), 2, (2, 2, 2, 2))],
+                        32)
+      runner = run_groups(step, plan)
+      state = runner.shard_state(train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                               tx=optax.adam(1e-3)))
+      for _ in range(2):
+        state, metrics = runner(state, batch)
+      jax.block_until_ready((state, metrics))
+      loop = runner.memory_analysis()["group 0"]
+      accumulator = whole / 4 if sharded else 0  # the loop's carry: its part of every gradient (whole: an output)
+      rest = loop.temp_size_in_bytes - accumulator
+      live = sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device.id == 0)
+      print(f"{'scan' if scanned else 'unrolled':>9} {'sharded' if sharded else 'whole':>10} "
+            f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
+            f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
+            f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f}")
+      del state, metrics, runner
+  print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer")
 
 
 def _report(runner, fresh, batch, memory) -> dict:
