@@ -99,6 +99,8 @@ class GroupPrograms:
   # per group: None, or (positions among its program's inputs, its shard program) of the parameters it takes split
   # over its devices (Group.shard_params; transfers.shard_program makes them from the replicated state)
   shards: tuple = ()
+  # per group: None, or the bytes its devices hold and gather of the parameters it splits (groups.ShardBytes)
+  shard_bytes: tuple = ()
 
   @property
   def stages(self) -> tuple[str, ...]:
@@ -165,7 +167,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages, shards = [], [], []
+  loops, stages, shards, shard_bytes = [], [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh in zip(plan.groups, meshes.groups):
     split = _shards(progs[group.remat], group, state, held_inputs, wide)
@@ -174,6 +176,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
     stages.append(names)
     shards.append((tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())))
                   if split else None)
+    shard_bytes.append(group_lowering.shard_bytes(progs[group.remat], split, len(group.devices)) if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
   # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
@@ -189,6 +192,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
+                       shard_bytes=tuple(shard_bytes),
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 

@@ -51,7 +51,7 @@ from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, 
 from hetspmd.lowering.transfers import ParamShards
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.plan.groups import shard_axis
+from hetspmd.plan.groups import padded_length, shard_axis
 
 
 
@@ -338,8 +338,7 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   split = {prog.invars[i]: a for i, a in (shards or {}).items()}
   derived = _derived(prog, split) if split else ()
   made = {v for k in derived for v in prog.eqns[k].outvars}
-  param_shards = (ParamShards(axis, layout.mesh.shape[axis], tuple((v, a, jx.aval_shape(v)[a]) for v, a in split.items()),
-                              tuple(prog.eqns[k] for k in derived)) if shards else None)
+  param_shards = _param_shards(prog, shards, axis, layout.mesh.shape[axis]) if shards else None
 
   def run(inputs, counts, starts, earlier=None):
     parts = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
@@ -365,6 +364,40 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
                              dict(earlier or {}))
 
   return run
+
+
+def _param_shards(prog: Program, shards: dict, axis_name: str, n: int) -> ParamShards:
+  """The :class:`ParamShards` of ``shards`` (``{flat input: axis}``) over ``n`` devices on ``axis_name``."""
+  split = {prog.invars[i]: a for i, a in shards.items()}
+  return ParamShards(axis_name, n, tuple((v, a, jx.aval_shape(v)[a]) for v, a in split.items()),
+                     tuple(prog.eqns[k] for k in _derived(prog, split)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardBytes:
+  """Per device of a group that shards its parameters: the bytes of its parts (``held``; the padding included),
+  of the parameters whole (``whole``), and the most its loop gathers for two readers in a row (``gathered``: a
+  reader's copy is gathered while the reader before it runs; a layer scan's one iteration's slice)."""
+
+  held: int
+  whole: int
+  gathered: int
+
+
+def shard_bytes(prog: Program, shards: dict, n: int) -> ShardBytes:
+  """:class:`ShardBytes` of the parameters ``shards`` (``{flat input: axis}``) split over ``n`` devices."""
+  ps = _param_shards(prog, shards, "", n)
+  size = lambda v: math.prod(jx.aval_shape(v)) * np.dtype(jx.aval_dtype(v)).itemsize
+  held = sum(size(v) // length * padded_length(length, n) // n for v, _, length in ps.params)
+  reads = []
+  for k in (k for eqns in prog.loop_eqns for k in eqns):
+    eqn = prog.eqns[k]
+    scanned = ps.scanned_by(eqn)
+    sliced = sum(size(v) // max(jx.aval_shape(v)[0], 1) for v in scanned.values())
+    if scanned or ps.read_by(eqn):
+      reads.append(sum(size(v) for v in ps.read_by(eqn)) + 2 * sliced)  # a scan: this iteration's and the next's
+  pairs = [a + b for a, b in zip(reads, reads[1:])] or reads
+  return ShardBytes(held, sum(size(v) for v, _, _ in ps.params), max(pairs, default=0))
 
 
 def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
