@@ -148,8 +148,9 @@ class _DeviceLoop:
   def kinds(self) -> list[str]:
     return [self.ctx.cut_outs[k].reduce for k in self.mine] + ["sum"] * len(self.accumulated)
 
-  def microbatches(self, i, k: int = 1):
-    """Microbatches ``i .. i + k - 1`` of this device, run as one batch of ``k * m`` examples."""
+  def microbatches(self, i, k: int = 1, valid=None):
+    """Microbatches ``i .. i + k - 1`` of this device, run as one batch of ``k * m`` examples (``valid``: whether
+    they count, where a layer scan's gradients are reduce-scattered inside it: :attr:`presplit`)."""
     prog, m = self.ctx.prog, self.ctx.layout.microbatch
     size = k * m
     targets = {self.ctx.cut_outs[k_].index: k_ for k_ in self.mine}
@@ -165,18 +166,10 @@ class _DeviceLoop:
     offset = self.ctx.start + i * m
     partial: dict[int, list] = {}
     for index in prog.loop_eqns[self.s]:
-      eqn = prog.eqns[index]
-      gathered = () if shards is None else shards.read_by(eqn)
-      scanned = {} if shards is None else shards.scanned_by(eqn)
-      if gathered:  # a split parameter's reader: its own copy, gathered while the reader before it runs
-        env.update({v: shards.whole(v, self.outer, after) for v in gathered})
-      env.update({v: shards.part_of(v, self.outer) for v in scanned.values()})  # a layer scan gathers its slices
-      if gathered or scanned:
-        after = tuple(env[v] for v in eqn.invars if not jx.is_literal(v) and v not in shards.made and v in env) or after
-      slices = {j: functools.partial(shards.gathered_slice, v) for j, v in scanned.items()}
-      ran = run_equation(prog, index, env, offset, size, slices)
-      for v in (*gathered, *scanned.values()):
-        del env[v]
+      if shards is None:
+        ran = run_equation(prog, index, env, offset, size)
+      else:
+        ran, after = self._run_sharded(index, env, after, offset, size, valid)
       if ran is None:  # example-free work on a local statistic
         continue
       eqn, cut, out, summed = prog.eqns[index], prog.cuts.get(index), *ran
@@ -194,17 +187,68 @@ class _DeviceLoop:
     outs = [env[v] if k == 1 else split_fused(env[v], prog.analysis.axes[v].dim, k) for v in self.pe_outs]
     return [partial[k_] for k_ in self.mine] + averaged, outs
 
+  def _run_sharded(self, index: int, env: dict, after: tuple, offset, size: int, valid):
+    """Equation ``index`` in a group that shards its parameters: each split value it reads gathered for it (after
+    ``after``, the reader before it's inputs), a layer scan's a slice per iteration, and its gradients' slices
+    reduce-scattered inside it (:attr:`presplit`); :func:`run_equation`'s result and the next reader's ``after``."""
+    prog, shards = self.ctx.prog, self.ctx.shards
+    eqn = prog.eqns[index]
+    gathered, scanned = shards.read_by(eqn), shards.scanned_by(eqn)
+    env.update({v: shards.whole(v, self.outer, after) for v in gathered})
+    env.update({v: shards.part_of(v, self.outer) for v in scanned.values()})
+    if gathered or scanned:
+      after = tuple(env[v] for v in eqn.invars if not jx.is_literal(v) and v not in shards.made and v in env) or after
+    slices = {j: functools.partial(shards.gathered_slice, v) for j, v in scanned.items()}
+    ys = {j: functools.partial(shards.scattered_slice, axis - 1, valid) for j, axis in self._ys_split.get(index, {}).items()}
+    ran = run_equation(prog, index, env, offset, size, ScanHooks(slices, ys))
+    for v in (*gathered, *scanned.values()):
+      del env[v]
+    return ran, after
+
+  @functools.cached_property
+  def presplit(self) -> dict:
+    """``{(partial position, value position): (axis, whole shape)}`` of the partial values a sharded group's layer
+    scan reduce-scatters inside itself, a slice per iteration (its stacked gradients: never whole on a device)."""
+    shards, prog = self.ctx.shards, self.ctx.prog
+    if shards is None:
+      return {}
+    out = {}
+    for p, k_ in enumerate(self.mine):
+      cut = self.ctx.cut_outs[k_]
+      eqn, decision = prog.eqns[cut.index], prog.analysis.decisions[cut.index]
+      if cut.reduce != "sum" or jx.primitive_name(eqn) != "scan" or decision.body is None:
+        continue
+      carry = jx.scan_parts(eqn).num_carry
+      for q, j in enumerate(sum_outputs(decision)):
+        shape = jx.aval_shape(eqn.outvars[j])
+        axis = shards.slice_axis(shape, jx.aval_dtype(eqn.outvars[j])) if j >= carry else None
+        if axis is not None:
+          out[(p, q)] = (axis, shape)
+    return out
+
+  @functools.cached_property
+  def _ys_split(self) -> dict:
+    """``{equation index: {ys position: axis}}`` of :attr:`presplit`."""
+    prog, out = self.ctx.prog, {}
+    for (p, q), (axis, _) in self.presplit.items():
+      cut = self.ctx.cut_outs[self.mine[p]]
+      eqn = prog.eqns[cut.index]
+      j = sum_outputs(prog.analysis.decisions[cut.index])[q]
+      out.setdefault(cut.index, {})[j - jx.scan_parts(eqn).num_carry] = axis
+    return out
+
   def step(self, i, carry, masked: bool, k: int = 1, limit=None):
     """Adds microbatches ``i .. i + k - 1`` to ``carry``; ``masked``: slots from ``limit`` (default: the count)
     on are padding and add nothing."""
     acc, pe = carry
-    part, outs = self.microbatches(i, k)
-    kinds = self.kinds
+    valid = i < (self.ctx.count if limit is None else limit) if masked else None
+    part, outs = self.microbatches(i, k, valid)
+    kinds, presplit = self.kinds, self.presplit
     if masked:
-      valid = i < (self.ctx.count if limit is None else limit)
-      part = [[jnp.where(valid, x, identity(r, x.shape, x.dtype)) for x in p] for r, p in zip(kinds, part)]
+      part = [[x if (p, q) in presplit else jnp.where(valid, x, identity(r, x.shape, x.dtype))
+               for q, x in enumerate(xs)] for p, (r, xs) in enumerate(zip(kinds, part))]
     if self.ctx.shards is not None:  # after the mask: a padding slot adds nothing to another device's part
-      part = self.ctx.shards.scattered(part, kinds)
+      part = self.ctx.shards.scattered(part, kinds, presplit)
     acc = [[combiner(r)(a, x) for a, x in zip(aa, xx)] for r, aa, xx in zip(kinds, acc, part)]
     if k == 1:
       pe = [jax.lax.dynamic_update_index_in_dim(b, x, i, 0) for b, x in zip(pe, outs)]
@@ -216,15 +260,18 @@ class _DeviceLoop:
     """The empty carry: every sum's identity, every per-example output's slots zero."""
     shapes = self.shapes
     shards = self.ctx.shards
-    zeros = [[identity(r, x.shape if shards is None else shards.part_shape(r, x), x.dtype) for x in part]
-             for r, part in zip(self.kinds, shapes[0])]
+    presplit = self.presplit
+    zeros = [[identity(r, x.shape if shards is None or (p, q) in presplit else shards.part_shape(r, x), x.dtype)
+              for q, x in enumerate(part)] for p, (r, part) in enumerate(zip(self.kinds, shapes[0]))]
     return zeros, [jnp.zeros((self.ctx.layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
 
   def run(self):
     """The schedule's partial values and per-example outputs; a sharded group's parts made rows."""
     acc, pe = self.schedule()
     if self.ctx.shards is not None:
-      acc = self.ctx.shards.rows(acc, self.kinds, self.shapes[0])
+      wholes = [[jax.ShapeDtypeStruct(self.presplit[(p, q)][1], x.dtype) if (p, q) in self.presplit else x
+                 for q, x in enumerate(xs)] for p, xs in enumerate(self.shapes[0])]
+      acc = self.ctx.shards.rows(acc, self.kinds, wholes, self.presplit)
     return acc, pe
 
   def schedule(self):
@@ -272,35 +319,48 @@ def split_fused(x, dim: int, k: int):
   return jnp.moveaxis(x.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]), dim, 0)
 
 
-def run_equation(prog, index: int, env: dict, offset, m: int, slices: dict | None = None
+@dataclasses.dataclass(frozen=True)
+class ScanHooks:
+  """What a scan does to each iteration's values besides its body: ``slices`` (``{input position: f(slice,
+  carry)}``) made of an input's slice before the body reads it, ``ys`` (``{output position among the stacked
+  outputs: f(slice)}``) made of an output's slice before it is stacked."""
+
+  slices: dict = dataclasses.field(default_factory=dict)
+  ys: dict = dataclasses.field(default_factory=dict)
+
+  def __bool__(self) -> bool:
+    return bool(self.slices or self.ys)
+
+
+def run_equation(prog, index: int, env: dict, offset, m: int, hooks: ScanHooks | None = None
                  ) -> tuple[list[Any], list[int]] | None:
   """Equation ``index`` on one microbatch of ``m`` examples from ``offset``: its outputs put in ``env`` but the
   sums over the examples, returned with their positions; ``None`` for example-free work, evaluated as it is.
-  ``slices``: for a scan, ``{input position: f(slice, carry)}`` made of each iteration's slice of that input
-  before the body reads it (a sharded group's layer scan gathers its parameters' slices:
-  :meth:`hetspmd.lowering.transfers.ParamShards.gathered_slice`)."""
+  ``hooks``: for a scan, what each iteration does besides its body (a sharded group's layer scan gathers its
+  parameters' slices and reduce-scatters its gradients' slices: :class:`ScanHooks`)."""
   eqn, decision = prog.eqns[index], prog.analysis.decisions[index]
   if decision is None:
-    if slices:
+    if hooks:
       raise HetSpmdError("a sharded group's layer scan must read the microbatch's examples")
     jx.eval_equations([eqn], env)
     return None
   cut = prog.cuts.get(index)
   out = apply(prog, eqn, decision, env, offset, m, zero_base=cut is not None and cut.base is not None,
-              slices=slices)
+              hooks=hooks)
   summed = sum_outputs(decision)
   env.update((eqn.outvars[j], x) for j, x in enumerate(out) if j not in summed)
   return out, summed
 
 
-def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False, slices: dict | None = None) -> list[Any]:
-  """One per-example or cut equation on one microbatch: its outputs (``slices``: :func:`run_equation`'s)."""
+def apply(prog, eqn, decision, env, offset, m, *, zero_base: bool = False, hooks: ScanHooks | None = None
+          ) -> list[Any]:
+  """One per-example or cut equation on one microbatch: its outputs (``hooks``: :func:`run_equation`'s)."""
   invals = [operands.operand(prog, env, v, a, offset, m) for v, a in zip(eqn.invars, decision.inputs)]
   if zero_base:
     invals[decision.base] = jnp.zeros_like(invals[decision.base])
   if decision.body is not None:
-    return _apply_body(eqn, decision, invals, offset, m, slices or {})
-  if slices:
+    return _apply_body(eqn, decision, invals, offset, m, hooks or ScanHooks())
+  if hooks:
     raise HetSpmdError(f"a sharded group's parameters are sliced by {jx.primitive_name(eqn)}, which is not a scan")
   if jx.primitive_name(eqn) in _PLACEMENT:  # a sharding constraint: the loop's data axis is manual, XLA places it
     return list(invals)
@@ -340,7 +400,7 @@ class Body:
     return [jx.read(env, v) for v in self.outvars]
 
 
-def _apply_body(eqn, decision, invals, offset, m, slices: dict) -> list[Any]:
+def _apply_body(eqn, decision, invals, offset, m, hooks: ScanHooks) -> list[Any]:
   body = Body(decision.body)
   name = jx.primitive_name(eqn)
   if name in ("remat2", "checkpoint"):
@@ -354,9 +414,10 @@ def _apply_body(eqn, decision, invals, offset, m, slices: dict) -> list[Any]:
   first = nc + nk
 
   def step(carry, x):
-    x = [slices[first + j](v, carry[0] if carry else None) if first + j in slices else v for j, v in enumerate(x)]
+    x = [hooks.slices[first + j](v, carry[0] if carry else None) if first + j in hooks.slices else v
+         for j, v in enumerate(x)]
     out = body.run(list(consts) + list(carry) + x, offset, m)
-    return out[:nk], out[nk:]
+    return out[:nk], [hooks.ys[j](y) if j in hooks.ys else y for j, y in enumerate(out[nk:])]
 
   length = 1 if decision.body.chunked else parts.length  # an accumulation loop: the microbatch is one chunk
   carry, ys = jax.lax.scan(step, init, xs, length=length, reverse=eqn.params["reverse"],

@@ -214,11 +214,32 @@ class ParamShards:
       return None
     return shard_axis(x.shape, self.n)
 
-  def scattered(self, parts: list, kinds: list) -> list:
-    """One microbatch's partial values, each floating sum reduce-scattered over the group onto its parts."""
-    return [[x if (a := self.axis_of(r, x)) is None else
-             jax.lax.psum_scatter(_pad_to(x, a, padded_length(x.shape[a], self.n)), self.axis_name,
-                                  scatter_dimension=a, tiled=True) for x in p] for r, p in zip(kinds, parts)]
+  def scattered(self, parts: list, kinds: list, presplit: dict | None = None) -> list:
+    """One microbatch's partial values, each floating sum reduce-scattered over the group onto its parts (not those
+    at ``presplit``'s ``(partial, value)`` positions: a layer scan scattered them a slice at a time)."""
+    presplit = presplit or {}
+    return [[x if (p, q) in presplit or (a := self.axis_of(r, x)) is None else self._scatter(x, a)
+             for q, x in enumerate(xs)] for p, (r, xs) in enumerate(zip(kinds, parts))]
+
+  def _scatter(self, x: Any, a: int) -> Any:
+    return jax.lax.psum_scatter(_pad_to(x, a, padded_length(x.shape[a], self.n)), self.axis_name,
+                                scatter_dimension=a, tiled=True)
+
+  def slice_axis(self, shape: tuple, dtype: Any) -> int | None:
+    """The axis (of the stacked value) a layer scan's stacked gradient sum is reduce-scattered along a slice at a
+    time, or None: floating, and a slice that splits (:func:`hetspmd.plan.groups.shard_axis`)."""
+    if not jnp.issubdtype(dtype, jnp.floating) or len(shape) < 2:
+      return None
+    inner = shard_axis(shape[1:], self.n)
+    return None if inner is None else inner + 1
+
+  def scattered_slice(self, axis: int, valid: Any, y: Any) -> Any:
+    """One iteration's slice of a stacked gradient sum, widened, masked (``valid``: None where every microbatch
+    counts) and reduce-scattered along ``axis`` (of the slice) onto this device's part."""
+    y = y.astype(jnp.float32) if jnp.finfo(y.dtype).bits < 32 else y
+    if valid is not None:
+      y = jnp.where(valid, y, jnp.zeros_like(y))
+    return self._scatter(y, axis)
 
   def part_shape(self, reduce: str, x: Any) -> tuple:
     """The shape of a partial value's accumulator: a part's where it is reduce-scattered."""
@@ -227,11 +248,14 @@ class ParamShards:
       shape[a] = padded_length(shape[a], self.n) // self.n
     return tuple(shape)
 
-  def rows(self, acc: list, kinds: list, shapes: list) -> list:
+  def rows(self, acc: list, kinds: list, shapes: list, presplit: dict | None = None) -> list:
     """The accumulated parts as this device's rows, each the whole value's shape (``shapes``): its part in place,
-    zeros elsewhere (the padding cut off)."""
-    def row(x, reduce, like):
-      a = self.axis_of(reduce, like)
+    zeros elsewhere (the padding cut off). ``presplit``: ``{(partial, value): (axis, shape)}`` of the parts a
+    layer scan scattered along ``axis``."""
+    presplit = presplit or {}
+
+    def row(x, reduce, like, at_):
+      a = presplit[at_][0] if at_ in presplit else self.axis_of(reduce, like)
       if a is None:
         return x
       size = like.shape[a]
@@ -239,7 +263,8 @@ class ParamShards:
       at = jax.lax.axis_index(self.axis_name) * x.shape[a]
       return jax.lax.slice_in_dim(jax.lax.dynamic_update_slice_in_dim(whole, x, at, a), 0, size, axis=a)
 
-    return [[row(x, r, s) for x, s in zip(p, ss)] for r, p, ss in zip(kinds, acc, shapes)]
+    return [[row(x, r, like, (p, q)) for q, (x, like) in enumerate(zip(xs, ss))]
+            for p, (r, xs, ss) in enumerate(zip(kinds, acc, shapes))]
 
 
 def _zero_after(x: Any) -> Any:
