@@ -92,8 +92,12 @@ def _sharded_rows(layers: int, width: int) -> None:
   same plan with neither sharded: a ``layers``-deep residual MLP of ``width``, once unrolled and once as a layer
   scan (``nn.scan``), Adam, float32, microbatches of 2. Per program of group 0 (the one that shards): its
   arguments against the parameters' bytes, its temporaries less its accumulator (its part of the gradients: the
-  loop's carry) against one layer's parameter bytes, and the bytes every live array holds on device 0 between
-  steps."""
+  loop's carry) against one layer's parameter bytes, and the most bytes live arrays hold on one of the group's
+  devices between steps. Then the sharded group again under ZeRO-3 with the state in even shares over the 8
+  devices (``Z3``): between steps each device holds its share of the parameters and Adam's moments, whole
+  leaves each on one device (a layer scan's stacked leaves are few and large, so its shares are lumpy).
+  A layer scan's temporaries also hold its stacked part of the gradients (a quarter of the parameters) as
+  the scan makes them, before they are added to the accumulator."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -137,14 +141,14 @@ def _sharded_rows(layers: int, width: int) -> None:
   print(f"\n=== a sharded group of 4 beside an unsharded group of 4: {layers} layers of {width}, "
         f"one layer {layer / 1e3:.0f} KB ===")
   print(f"{'model':>9} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
-        f"{'rest/layer':>10} {'live dev0':>10} {'loss':>10}")
+        f"{'rest/layer':>10} {'live max':>10} {'loss':>10}")
   for scanned in (False, True):
     model = Layers(scanned)
     params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, width)))["params"])
     whole = sum(x.nbytes for x in jax.tree.leaves(params))
-    for sharded in (False, True):
+    for sharded, zero in ((False, None), (True, None), (True, 3)):
       plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), shard_params=sharded), ((4, 5, 6, 7), 2, (2, 2, 2, 2))],
-                        32)
+                        32, zero_stage=zero, state_shares=(1 / 8,) * 8 if zero else ())
       runner = run_groups(step, plan)
       state = runner.shard_state(train_state.TrainState.create(apply_fn=model.apply, params=params,
                                                                tx=optax.adam(1e-3)))
@@ -154,13 +158,16 @@ def _sharded_rows(layers: int, width: int) -> None:
       loop = runner.memory_analysis()["group 0"]
       accumulator = whole / 4 if sharded else 0  # the loop's carry: its part of every gradient (whole: an output)
       rest = loop.temp_size_in_bytes - accumulator
-      live = sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device.id == 0)
-      print(f"{'scan' if scanned else 'unrolled':>9} {'sharded' if sharded else 'whole':>10} "
+      live = max(sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device.id == d)
+                 for d in (0, 1, 2, 3))
+      print(f"{'scan' if scanned else 'unrolled':>9} {('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
             f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f}")
       del state, metrics, runner
-  print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer")
+  print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
+        "(a layer scan: beside its stacked part of the gradients too); between steps, under ZeRO-3 shares, each "
+        "device its share")
 
 
 def _report(runner, fresh, batch, memory) -> dict:

@@ -172,3 +172,25 @@ def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned):
     ref.check_metrics(metrics, i)
   ref.check(trained.params, lambda s: s.params)
   ref.check(trained.opt_state, lambda s: s.opt_state)
+
+
+@pytest.mark.timeout(240)
+def test_explain_gives_the_bytes_held_and_gathered_per_device():
+  require_devices(8)
+  model = _Layers(depth=6)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 1))], 16)
+  step = run_groups(_layers_step, plan)
+  step(step.shard_state(state), _batches(16)[0])
+  sizes = step._latest.shard_bytes[0]
+  leaves = jax.tree.leaves(params)
+  whole = sum(x.nbytes for x in leaves)
+  padding = sum(x.nbytes // min(x.shape) for x in leaves)  # at most one slice along the split axis per leaf
+  assert sizes.whole == whole and whole / 4 <= sizes.held <= whole / 4 + padding
+  # two readers' copies at most: the largest two leaves, never the model (six blocks and two projections)
+  largest = sorted(x.nbytes for x in leaves)[-2:]
+  assert sizes.reader <= largest[-1] and sizes.gathered <= sum(largest) < whole / 3
+  text = step.explain()
+  assert f"{sizes.held / 1e6:.3f} MB of the parameters held in its loop (of {whole / 1e6:.3f} MB whole)" in text
+  assert f"--xla_gpu_all_gather_combine_threshold_bytes={sizes.reader}" in text

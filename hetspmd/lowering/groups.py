@@ -382,6 +382,15 @@ class ShardBytes:
   held: int
   whole: int
   gathered: int
+  reader: int = 0  # the most one reader gathers (one layer's parameters, or one iteration's slice, and the next's)
+
+  def xla_gpu_flags(self) -> str:
+    """The XLA flags that let a GPU overlap these gathers and reduce-scatters with compute (JAX's GPU performance
+    tips): the latency-hiding scheduler, and combine thresholds of one reader's bytes, so one layer's collectives
+    go together and no more."""
+    size = max(self.reader, 1)
+    return (f"--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_gather_combine_threshold_bytes={size} "
+            f"--xla_gpu_reduce_scatter_combine_threshold_bytes={size}")
 
 
 def shard_bytes(prog: Program, shards: dict, n: int) -> ShardBytes:
@@ -397,7 +406,7 @@ def shard_bytes(prog: Program, shards: dict, n: int) -> ShardBytes:
     if scanned or ps.read_by(eqn):
       reads.append(sum(size(v) for v in ps.read_by(eqn)) + 2 * sliced)  # a scan: this iteration's and the next's
   pairs = [a + b for a, b in zip(reads, reads[1:])] or reads
-  return ShardBytes(held, sum(size(v) for v, _, _ in ps.params), max(pairs, default=0))
+  return ShardBytes(held, sum(size(v) for v, _, _ in ps.params), max(pairs, default=0), max(reads, default=0))
 
 
 def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:

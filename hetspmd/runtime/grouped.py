@@ -327,6 +327,7 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
                    f"whole), at most {_mb(sizes.gathered)} gathered at once (two readers' copies in a row), "
                    f"its part of the gradient sums; activations as one microbatch of {group.microbatch} makes them "
                    "(memory_analysis() measures each program)")
+      lines.append(f"    on GPUs, to overlap them with compute, start JAX with XLA_FLAGS=\"{sizes.xla_gpu_flags()}\"")
   return lines
 
 
