@@ -152,18 +152,25 @@ def _sharded_rows(layers: int, width: int) -> None:
       runner = run_groups(step, plan)
       state = runner.shard_state(train_state.TrainState.create(apply_fn=model.apply, params=params,
                                                                tx=optax.adam(1e-3)))
-      for _ in range(2):
+      for _ in range(3):  # the first call finds the state replicated (as shard_state places it), later ones held
         state, metrics = runner(state, batch)
       jax.block_until_ready((state, metrics))
+      on_device = {d: 0 for d in range(8)}  # one snapshot (a shard's .data is an array of its own)
+      for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+          on_device[shard.device.id] += shard.data.nbytes
+      live = max(on_device[d] for d in (0, 1, 2, 3))
       loop = runner.memory_analysis()["group 0"]
       accumulator = whole / 4 if sharded else 0  # the loop's carry: its part of every gradient (whole: an output)
       rest = loop.temp_size_in_bytes - accumulator
-      live = max(sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device.id == d)
-                 for d in (0, 1, 2, 3))
       print(f"{'scan' if scanned else 'unrolled':>9} {('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
             f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f}")
+      if zero:
+        print(f"{'':>9} ZeRO-3: {len(runner._latest.parted)} of {len(jax.tree.leaves(params))} parameter leaves reach "
+              f"the sharded group as its parts only; the exchange program takes "
+              f"{runner.memory_analysis()['exchange'].argument_size_in_bytes} bytes of arguments")
       del state, metrics, runner
   print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
         "(a layer scan: beside its stacked part of the gradients too); between steps, under ZeRO-3 shares, each "

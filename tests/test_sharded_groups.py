@@ -194,3 +194,37 @@ def test_explain_gives_the_bytes_held_and_gathered_per_device():
   text = step.explain()
   assert f"{sizes.held / 1e6:.3f} MB of the parameters held in its loop (of {whole / 1e6:.3f} MB whole)" in text
   assert f"--xla_gpu_all_gather_combine_threshold_bytes={sizes.reader}" in text
+
+
+@pytest.mark.timeout(240)
+def test_under_zero_3_a_sharded_group_receives_only_its_parts(monkeypatch):
+  require_devices(8)
+  from hetspmd.lowering import transfers
+  # ZeRO-3 in even shares: every parameter lives on one device between steps; the sharded group's devices take
+  # their parts of it, the unsharded group's devices take it whole, and the exchange program takes none
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1))], 18,
+                    zero_stage=3, state_shares=(1 / 8,) * 8)
+  placed = []
+  real_on = transfers.on
+  monkeypatch.setattr(transfers, "on", lambda mesh, x: placed.append(
+      ({d.id for d in mesh.devices.flat}, tuple(np.shape(x)))) or real_on(mesh, x))
+  model = _Layers()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  batches = _batches(plan.global_batch) + _batches(plan.global_batch, seed=1)
+  ref = Reference(_layers_step, state()).run(batches)
+  step = run_groups(_layers_step, plan)
+  trained = step.shard_state(state())
+  for i, batch in enumerate(batches):
+    if i == 1:  # the first call finds the parameters replicated (as shard_state placed them); later ones held
+      placed.clear()
+    trained, metrics = step(trained, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(trained.params, lambda s: s.params)
+  ref.check(trained.opt_state, lambda s: s.opt_state)
+  shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.size > 1}
+  assert len(step._latest.parted) == len(jax.tree.leaves(params))
+  whole_on_group_0 = [(on, shape) for on, shape in placed if on & {0, 1, 2, 3} and shape in shapes]
+  assert not whole_on_group_0, whole_on_group_0
+  assert any(on == {4, 5, 6, 7} and shape in shapes for on, shape in placed)  # the unsharded group's whole copies
+  assert step.memory_analysis()["exchange"].argument_size_in_bytes < min(x.nbytes for x in jax.tree.leaves(params))

@@ -101,6 +101,10 @@ class GroupPrograms:
   shards: tuple = ()
   # per group: None, or the bytes its devices hold and gather of the parameters it splits (groups.ShardBytes)
   shard_bytes: tuple = ()
+  # ZeRO-3: {state index: {group: axis}} of the parameters held on one device that reach the groups which shard
+  # them as parts only (whole to the other groups' devices); neither the exchange nor another owner's update
+  # takes them (:func:`_parted`)
+  parted: dict = dataclasses.field(default_factory=dict)
 
   @property
   def stages(self) -> tuple[str, ...]:
@@ -167,10 +171,11 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages, shards, shard_bytes = [], [], [], []
+  loops, stages, shards, shard_bytes, splits = [], [], [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh in zip(plan.groups, meshes.groups):
     split = _shards(progs[group.remat], group, state, held_inputs, wide)
+    splits.append(split)
     programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
     loops.append(programs)
     stages.append(names)
@@ -179,25 +184,43 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
     shard_bytes.append(group_lowering.shard_bytes(progs[group.remat], split, len(group.devices)) if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
+  parted = _parted(prog, plan, units, held, splits)
   # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
   # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
   to_owner = units is not None and not plan.tail_count and jax.process_count() == 1
   exchange = _exchange(prog, plan, meshes, units, owner, wide, n_state=step.n_state, donated=donated,
-                       to_owner=to_owner)
-  updates = (_updates(prog, meshes, units, held, wide, n_state=step.n_state, donated=donated, to_owner=to_owner)
-             if units else {})
+                       to_owner=to_owner, parted=parted)
+  updates = (_updates(prog, meshes, units, held, wide, n_state=step.n_state, donated=donated, to_owner=to_owner,
+                      parted=parted) if units else {})
   readers = group_lowering.partial_readers(prog) if to_owner else ()
   needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
   relay = _relayed_sums(prog, needs, len(meshes.devices)) if to_owner and relays(plan.state_shares) else {}
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
-                       shard_bytes=tuple(shard_bytes),
+                       shard_bytes=tuple(shard_bytes), parted=parted,
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
+def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: list) -> dict[int, dict[int, int]]:
+  """ZeRO-3 in one process, one loop and no tail: ``{state index: {group: axis}}`` of the parameters held on one
+  device (not sent as casts) that groups sharding their parameters take split (``splits``: each group's
+  ``{state index: axis}``), and that neither the exchange program's outputs nor any update but their maker's
+  read: those reach each such group as its parts alone, and the other groups' devices whole."""
+  if plan.zero_stage != 3 or plan.tail_count or units is None or jax.process_count() > 1 or prog.analysis.loops > 1:
+    return {}
+  maker = {h.index: h.output for h in held if h.role == "param" and h.cast is None}
+  wanted = [i for i in maker if any(i in split for split in splits)]
+  if not wanted:
+    return {}
+  read = group_lowering.inputs_read(prog, wanted, units.common)
+  for _, outs in units.units:  # an update reads its own parameters; another's must not
+    read |= {i for i in group_lowering.inputs_read(prog, wanted, outs) if maker[i] not in outs}
+  return {i: {g: split[i] for g, split in enumerate(splits) if i in split} for i in wanted if i not in read}
+
+
 def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, owner: dict, wide: dict, *,
-              n_state: int, donated: frozenset, to_owner: bool) -> Any:
+              n_state: int, donated: frozenset, to_owner: bool, parted: dict) -> Any:
   """The uniform program over every device: the last loop's sums reduced (unless each owner reduces its own),
   the tail's loop, and the step's outputs that read no held leaf (every output without shares); it reads the
   replicated state's leaves, whose buffers it may take where it makes the whole new state."""
@@ -211,12 +234,12 @@ def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, o
   free = [i for i in range(n_state) if i not in owner]
   at = [k for k, i in enumerate(free) if i in donated and units is None]
   run, _ = chain(run, ("widen", functools.partial(widened, wide)),
-                 ("hold", functools.partial(less_held, prog, tuple(sorted(owner)))))
+                 ("hold", functools.partial(less_held, prog, tuple(sorted({*owner, *parted})))))
   return donating(run, at, out_shardings=NamedSharding(meshes.mesh, P()))
 
 
 def _updates(prog: Program, meshes: GroupMeshes, units: Any, held: tuple, wide: dict, *, n_state: int,
-             donated: frozenset, to_owner: bool) -> dict:
+             donated: frozenset, to_owner: bool, parted: dict) -> dict:
   """``{device: (outputs, program)}``: each device's program that updates the units it holds (reducing their sums
   itself where ``to_owner``), donating the held leaves (and parameters read as held) whose new values it makes."""
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
@@ -230,8 +253,9 @@ def _updates(prog: Program, meshes: GroupMeshes, units: Any, held: tuple, wide: 
     mine = {i for i in owner if owner[i] == device}
     update = (group_lowering.owner_update_program(prog, outs, len(meshes.devices)) if to_owner else
               group_lowering.update_program(prog, outs))
-    reads = [i for i in range(n_state) if owner.get(i, device) == device]  # its inputs' state leaves
-    others = tuple(i for i in sorted(owner) if i not in mine)
+    # not its inputs: others' held leaves, and the parameters others make that reach groups as parts
+    others = tuple(sorted({i for i in owner if i not in mine} | {i for i in parted if maker[i] != device}))
+    reads = [i for i in range(n_state) if i not in others]  # its inputs' state leaves
     made = {i for i in casts if maker[i] == device}  # read as held (not as cast): its new value's buffer
     at = [k for k, i in enumerate(reads) if i in mine | made and i in donated]
     update, _ = chain(update, ("widen", functools.partial(widened, wide)),

@@ -409,6 +409,15 @@ def shard_bytes(prog: Program, shards: dict, n: int) -> ShardBytes:
   return ShardBytes(held, sum(size(v) for v, _, _ in ps.params), max(pairs, default=0), max(reads, default=0))
 
 
+def inputs_read(prog: Program, inputs: Sequence[int], outputs: Sequence[int]) -> set[int]:
+  """Of the flat ``inputs``, those the flat ``outputs`` read through the example-free work outside the loops (a
+  program that takes the loops' sums, not their work: the exchange, an owner's update)."""
+  seeds = {prog.invars[i]: frozenset([i]) for i in inputs}
+  labels = labels_forward(prog.eqns, seeds, sorted({*prog.pre, *prog.post, *(k for m in prog.middle for k in m)}))
+  wanted = set(outputs)
+  return {i for o, mine in enumerate(prog.flow.outputs_of(labels, len(prog.outvars))) if o in wanted for i in mine}
+
+
 def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
   """``{flat input: axis}`` of the parameters (``floats``: the step's floating state inputs) a group of ``n``
   devices can hold split during its loops (:attr:`hetspmd.plan.groups.Group.shard_params`), each along

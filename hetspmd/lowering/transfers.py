@@ -299,6 +299,27 @@ def on(mesh: Mesh, x: Any) -> Any:
   return jax.make_array_from_single_device_arrays(np.shape(x), sharding, pieces)
 
 
+def parts_on(x: Any, mesh: Mesh, axis: int) -> Any:
+  """``x`` (whole on one device) zero-padded along ``axis`` to a multiple of ``mesh``'s size and split evenly over
+  its one axis: cut into parts where ``x`` is, each part copied to its device (no device but ``x``'s own holds
+  more than its part)."""
+  n = mesh.size
+  length = padded_length(np.shape(x)[axis], n)
+  pieces = _cut(axis, length, n)(x)
+  parts = [jax.device_put(p, d) for p, d in zip(pieces, mesh.devices.flat)]
+  shape = tuple(length if a == axis else s for a, s in enumerate(np.shape(x)))
+  return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])),
+                                                  parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _cut(axis: int, length: int, n: int) -> Callable[[Any], list]:
+  """A program that zero-pads its argument along ``axis`` to ``length`` and cuts it into ``n`` parts there."""
+  step = length // n
+  return jax.jit(lambda x: [jax.lax.slice_in_dim(_pad_to(x, axis, length), k * step, (k + 1) * step, axis=axis)
+                            for k in range(n)])
+
+
 def elsewhere(aval: Any, device: Any) -> Any:
   """This process's handle on an array that lives whole on ``device`` of another process."""
   return jax.make_array_from_single_device_arrays(tuple(aval.shape), jax.sharding.SingleDeviceSharding(device), [],

@@ -9,6 +9,7 @@ groups' programs run at the same time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -20,6 +21,16 @@ from hetspmd._dtypes import traced_dtype
 from hetspmd.lowering import transfers
 from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms
 from hetspmd.lowering.group_stages import Donating
+
+
+@dataclasses.dataclass(frozen=True)
+class PerGroup:
+  """A parameter held on one device (``held``, its owner's array) as each group's program takes it (``groups``:
+  ``{group: array on its mesh}``): its parts where the group shards it, whole elsewhere
+  (:attr:`hetspmd.lowering.group_build.GroupPrograms.parted`)."""
+
+  held: Any
+  groups: dict
 
 
 def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Callable[..., Any], *,
@@ -35,8 +46,9 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
   for g, (mesh, placed) in enumerate(zip(meshes.groups, counts)):
     if placed is not None:
       on = functools.partial(transfers.on, mesh)
-      inputs = [on(x) for x in state] + buffers[g] + [on(x) for x in others]
-      if built.shards and built.shards[g] is not None:  # its parameters split over its devices (FSDP)
+      inputs = [x.groups[g] if isinstance(x, PerGroup) else on(x) for x in state] + buffers[g] + [on(x) for x in others]
+      at = built.shards[g][0] if built.shards and built.shards[g] is not None else ()
+      if any(not isinstance(state[k], PerGroup) for k in at):  # its parameters split over its devices (FSDP)
         inputs = _split(inputs, *built.shards[g], functools.partial(call, f"shard group {g}"))
       given[g] = inputs
   for s in range(loops):
@@ -81,8 +93,9 @@ def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, ma
       continue
     mine = functools.partial(transfers.shard_on, device=device)
     made_here = {i for i, (maker, _) in built.params.items() if maker == device and i in masters}
-    given = [x if i in built.owner else mine(masters[i] if i in made_here else x)
-             for i, x in enumerate(inputs) if built.owner.get(i, device) == device]
+    given = [x if i in built.owner else mine(masters[i] if i in made_here else x.held if isinstance(x, PerGroup) else x)
+             for i, x in enumerate(inputs)
+             if built.owner.get(i, device) == device and not (i in built.parted and built.params[i][0] != device)]
     if built.needs is None:  # the reduced sums: this device's copies
       extra = (jax.tree.map(mine, sums),)
     else:  # every device's rows of the sums its units read, and the earlier loops' totals
@@ -105,11 +118,13 @@ def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, ma
   for o in sent:
     outputs[o] = sent[o]
 
-def gather_params(built: GroupPrograms, state_leaves: list, mesh: Mesh, shares: tuple,
+def gather_params(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes, shares: tuple,
                   call: Callable[..., Any]) -> list:
   """``state_leaves`` with each parameter ZeRO-3 holds on one device (between steps) on every device, for the
   step's programs: cast first, on its device, where the programs take its cast (``built.casts``); a parameter
-  already replicated (a first call) stays where it is, cast there."""
+  already replicated (a first call) stays where it is, cast there. A parameter groups take as parts
+  (``built.parted``) reaches each group's devices as that group takes it (:class:`PerGroup`)."""
+  mesh = meshes.mesh
   casts = built.casts
   held = {i: device for i, (device, _) in built.params.items()
           if isinstance(state_leaves[i], jax.Array) and state_leaves[i].sharding.device_set == {device}}
@@ -117,6 +132,18 @@ def gather_params(built: GroupPrograms, state_leaves: list, mesh: Mesh, shares: 
                                      if device.process_index == jax.process_index()}, casts)
   avals = {i: jax.ShapeDtypeStruct(np.shape(state_leaves[i]), casts.get(i, traced_dtype(state_leaves[i])))
            for i in held}
-  sent = transfers.broadcast(held, local, avals, mesh, shares, functools.partial(call, "gather"))
+  parted = {i: device for i, device in held.items() if i in built.parted}
+  sent = transfers.broadcast({i: d for i, d in held.items() if i not in parted},
+                             {i: x for i, x in local.items() if i not in parted}, avals, mesh, shares,
+                             functools.partial(call, "gather"))
+  sent.update({i: PerGroup(state_leaves[i], _per_group(state_leaves[i], built.parted[i], meshes))
+               for i in parted})
   return [sent[i] if i in sent else transfers.cast_value(x, casts[i]) if i in casts else x
           for i, x in enumerate(state_leaves)]
+
+
+def _per_group(x: Any, axes: dict, meshes: GroupMeshes) -> dict:
+  """``{group: array}`` of ``x`` (whole on one device) for each group's program: split along ``axes[group]`` where
+  the group shards it (only each part crosses to its device), else whole on every device of the group."""
+  return {g: transfers.parts_on(x, mesh, axes[g]) if g in axes else transfers.on(mesh, x)
+          for g, mesh in enumerate(meshes.groups)}

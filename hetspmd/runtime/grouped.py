@@ -238,7 +238,7 @@ class GroupedStep:
     state_leaves = [self._placed(built, i, x) for i, x in enumerate(given)]
     masters = {i: state_leaves[i] for i in built.casts}  # the parameters the programs take as casts, as held
     if built.params:
-      state_leaves = calls.gather_params(built, state_leaves, self.mesh, self.plan.state_shares, self._call)
+      state_leaves = calls.gather_params(built, state_leaves, self._meshes, self.plan.state_shares, self._call)
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), leaves[n_state:n_state + n_batch]))
@@ -246,7 +246,7 @@ class GroupedStep:
                                                 state=[state_leaves[i] for i in free], buffers=placed.groups,
                                                 others=others)
     everywhere = [transfers.on(self.mesh, x) for x in others]  # the rest, on every device of the plan
-    common = [transfers.on(self.mesh, state_leaves[i]) for i in free] + placed.tail + everywhere
+    common = [transfers.on(self.mesh, state_leaves[i]) for i in free if i not in built.parted] + placed.tail + everywhere
     results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier, examples)
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, results)
