@@ -165,7 +165,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
   if zero == 3 and any(tp.m > 1 for tp in tps.values()):
     return None
-  if sharded and (count or zero == 3 or any(tps[k].m > 1 or kinds.count(k) < 2 for k in sharded)):
+  if sharded and (count or zero == 3 or any(tps[k].m > 1 or layout.kind_counts[k] < 2 for k in sharded)):
     return None
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
@@ -174,14 +174,14 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
-  memory = {k: _kind_peak(costing, kinds, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
+  memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
                           rows=split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner
                           else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) if k not in sharded
            else sharding.sharded_kind_cost(costing, k, _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)),
-                                           _sharded_comm(costing, layout, k, dtype), kinds.count(k)) for k in order}
+                                           _sharded_comm(costing, layout, k, dtype), layout.kind_counts[k]) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
@@ -190,7 +190,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if counts is None:
     return None
   # loop, then tail, on every device
-  per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked.kinds, sharded)
+  per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
@@ -213,7 +213,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
       tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
       group_models=each(tps) if blocked is not layout else (),
-      shard_params=tuple(k in sharded for k in on) if sharded else ())
+      shard_params=tuple(map(sharded.__contains__, on)) if sharded else ())
 
 
 def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, int], *, dtype: str,
@@ -228,20 +228,25 @@ def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, in
       f", parameters sharded (FSDP) on {k}" for k in remats if k in sharded)
 
 
-def _lockstep(per_position: tuple[float, ...], kinds: Sequence[str], sharded: frozenset[str]) -> tuple[float, ...]:
+def _lockstep(per_position: tuple[float, ...], layout: DeviceGroups, sharded: frozenset[str]) -> tuple[float, ...]:
   """Each position's seconds, those of a sharded group's devices each the group's longest: they run in lockstep,
   every device the group's most microbatches (those it lacks masked)."""
   if not sharded:
     return per_position
-  slowest = {k: max(t for t, kind in zip(per_position, kinds) if kind == k) for k in sharded}
-  return tuple(slowest.get(kind, t) for t, kind in zip(per_position, kinds))
+  seconds, index = np.array(per_position), layout.kind_index
+  for i, k in enumerate(layout.order):
+    if k in sharded:
+      mine = index == i
+      seconds[mine] = seconds[mine].max()
+  return tuple(seconds.tolist())
 
 
 def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str) -> float:
   """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search)."""
   key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype)
   if key not in costing.sharded_comm:
-    devices = [i for i in layout.devices if costing.cluster.devices[i].spec.name == kind]
+    every = costing.cluster.devices
+    devices = [i for i in layout.devices if every[i].spec.name == kind]
     costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype)
   return costing.sharded_comm[key]
 
@@ -334,28 +339,28 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
   """Each kind's per-device share of the optimizer state (``zero=3``: and of the parameters), in proportion to
   what the rest of the step leaves free on it (``owner``: no reduced gradient after the loop); empty when the
   free memory of every device together cannot hold the state."""
-  n, profile = len(kinds), costing.profile
+  profile, counts = costing.profile, {k: kinds.count(k) for k in dict.fromkeys(kinds)}
   last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
-  for k in dict.fromkeys(kinds):
-    used = _kind_peak(costing, kinds, k, (sizes[k], remats[k]), (tail[0], last), share=0.0, rows=0.0 if owner else None,
-                      tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow, sharded=sharded, dtype=dtype)
+  for k in counts:
+    used = _kind_peak(costing, counts, k, (sizes[k], remats[k]), (tail[0], last), share=0.0,
+                      rows=0.0 if owner else None, tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow, sharded=sharded, dtype=dtype)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
-  total = sum(free[k] * kinds.count(k) for k in free)  # whole bytes: the sum over devices, exactly
+  total = sum(free[k] * counts[k] for k in free)  # whole bytes: the sum over devices, exactly
   shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
   if total <= 0 or total < shared * WORKSPACE:
     return {}
   return {k: free[k] / total for k in free}
 
 
-def _kind_peak(costing: Costing, kinds: Sequence[str], kind: str, loop: tuple[int, str], tail: tuple[int, str], *,
+def _kind_peak(costing: Costing, counts: dict[str, int], kind: str, loop: tuple[int, str], tail: tuple[int, str], *,
                share: float | None, rows: float | None, tp: TensorParallel, zero: int, narrow: bool,
                sharded: frozenset[str], dtype: str) -> int:
-  """A device of ``kind``'s bytes (one device per position of ``kinds``): :func:`_peak`, or in a group sharding
-  its parameters (``kind`` in ``sharded``) :func:`hetspmd.planner.sharding.sharded_peak`."""
+  """A device of ``kind``'s bytes (``counts``: each kind's positions, one device each): :func:`_peak`, or in a
+  group sharding its parameters (``kind`` in ``sharded``) :func:`hetspmd.planner.sharding.sharded_peak`."""
   if kind in sharded:
-    return sharding.sharded_peak(costing.profile, kinds.count(kind), loop, share, rows, dtype)
-  return _peak(costing, len(kinds), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
+    return sharding.sharded_peak(costing.profile, counts[kind], loop, share, rows, dtype)
+  return _peak(costing, sum(counts.values()), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
 
 
 def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
@@ -474,9 +479,7 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   model axis nor a sharded group."""
   order = list(dict.fromkeys(layout.kinds))
   n = len(layout.groups)
-  plain, models, shardable = _kind_fits(costing, layout, sizes, remat_policies, one_loop)
-  if only_sharded:
-    plain, models = {k: [] for k in order}, {}
+  plain, models, shardable = _kind_fits(costing, layout, sizes, remat_policies, one_loop, only_sharded=only_sharded)
   fits = {k: [m for m in sizes if m in plain[k] or m in shardable[k]] for k in order}
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch
                        and all(m in plain[k] and k not in models for k in order)] if one_loop else [])
@@ -502,23 +505,37 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
 
 
 def _kind_fits(costing: Costing, layout: DeviceGroups, sizes: Sequence[int], policies: Sequence[str],
-               one_loop: bool) -> tuple[dict, dict, dict]:
+               one_loop: bool, *, only_sharded: bool = False) -> tuple[dict, dict, dict]:
   """Per kind: the microbatches that may fit its group unsharded (data-only, or on the model axis
   :func:`_model_axis` gives a kind none of whose microbatches fits data-only), those model axes, and the
-  microbatches that may fit its group sharded (:func:`_may_fit_sharded`; none for a kind of one device)."""
+  microbatches worth trying sharded (:func:`_sharding_helps`; none for a kind of one device). ``only_sharded``:
+  none unsharded."""
   order = list(dict.fromkeys(layout.kinds))
   n = len(layout.groups)
-  plain = {k: [m for m in sizes if _may_fit(costing, k, m, n, policies)] for k in order}
+  plain = {k: [m for m in sizes if not only_sharded and _may_fit(costing, k, m, n, policies)] for k in order}
   models = {}
   for k in order:
-    if not plain[k] and one_loop:
+    if not plain[k] and one_loop and not only_sharded:
       found = _model_axis(costing, layout, k, sizes, policies)
       if found is not None:
         models[k], plain[k] = found
-  g = {k: layout.kinds.count(k) for k in order}
-  shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _may_fit_sharded(costing, k, m, g[k], policies)]
-               for k in order}
+  g = layout.kind_counts
+  shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _sharding_helps(
+      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0)] for k in order}
   return plain, models, shardable
+
+
+def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int) -> bool:
+  """Whether to try a microbatch on ``kind``'s group sharded over its ``g`` devices: where it may fit so
+  (:func:`_may_fit_sharded`) and the group unsharded (``n`` positions in all; 0: it does not fit data-only) cannot
+  run it under the policy that recomputes least with the whole optimizer state on every device (a sharded group
+  pays collectives every microbatch; where the group fits so unsharded, sharding it saves neither recomputation
+  nor state shares, and is not priced, which keeps the search's time)."""
+  if not _may_fit_sharded(costing, kind, microbatch, g, policies):
+    return False
+  lightest = min(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
+  return not n or (_peak(costing, n, (microbatch, lightest), (0, lightest), None, None)
+                   > costing.cluster.spec_of(kind).memory_bytes)
 
 
 def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chosen: dict[str, int], *,
@@ -531,7 +548,7 @@ def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chos
   choices = [dict.fromkeys(order, r) for r in policies]
   if one_loop and len(policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
     least = {k: _least_recompute(costing, k, chosen[k], n, policies, models.get(k, NO_TENSOR_PARALLEL),
-                                 shard=layout.kinds.count(k) if k in sharded else 0) for k in order}
+                                 shard=layout.kind_counts[k] if k in sharded else 0) for k in order}
     choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
   out = []
   for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):

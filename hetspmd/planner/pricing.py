@@ -131,6 +131,11 @@ class DeviceGroups:
     return tuple(dict.fromkeys(self.kinds))
 
   @functools.cached_property
+  def kind_counts(self) -> dict[str, int]:
+    """Each kind's positions."""
+    return {k: self.kinds.count(k) for k in self.order}
+
+  @functools.cached_property
   def kind_index(self) -> np.ndarray:
     """Each position's kind as its index in :attr:`order`."""
     at = {k: i for i, k in enumerate(self.order)}

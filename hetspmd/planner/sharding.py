@@ -33,14 +33,17 @@ WHOLE_PARAMS_HELD = True
 # After its loop a sharded group hands the exchange one row per device the whole gradients' size (its part in
 # place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its part.
 WHOLE_ROWS = True
-# Gathered parameters live at once: the layer being computed and the next one being gathered (the team's
-# per-layer gathers, forward and backward; MaxText's scan keeps about two). The runtime today gathers every
-# parameter at the start of each microbatch (ParamShards.gathered): 0 here would mean "all of them".
+# Gathered parameters live at once: the layer being computed and the next one being gathered, as per-layer
+# gathers (forward, and again backward) keep them (MaxText's layer scan keeps about two). The runtime today
+# gathers every parameter at the start of each microbatch (ParamShards.gathered): 0 here prices all of them.
 LIVE_GATHERED_LAYERS = 2
 # The parameters are gathered in the dtype the step reads them in (a bfloat16 cast as the cast, half the bytes),
-# as the issue's design asks. The runtime today gathers the float32 parts and casts after the gather
+# as per-layer gathers are to do. The runtime today gathers the float32 parts and casts after the gather
 # (ParamShards.gathered redoes the casts): False prices that.
 GATHERS_READ_DTYPE = True
+# Each microbatch's gradient sums are reduce-scattered in the plan's reduce dtype where it is narrower than float32.
+# The runtime today reduce-scatters them in their own dtype, float32 (ParamShards.scattered): False prices that.
+SCATTERS_REDUCE_DTYPE = True
 
 _INDEX = re.compile(r"/(\d+)(/|$)")
 
@@ -120,13 +123,14 @@ def overlaps(kind: str) -> bool:
 def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: StepProfile, dtype: str) -> float:
   """One microbatch's collectives in a group of ``devices`` sharding its parameters, on the links between them
   (a ring in a host, hierarchical across hosts): two all-gathers of the parameters (forward, then backward:
-  :func:`gathered_bytes`) and one reduce-scatter of the gradients (float32, or ``dtype`` where narrower), each
+  :func:`gathered_bytes`) and one reduce-scatter of the gradients (float32, or ``dtype`` where narrower:
+  :data:`SCATTERS_REDUCE_DTYPE`), each
   moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's), one collective per layer
   (:func:`layer_shape`; the leaves of a layer combined, as XLA's combine thresholds sized to a layer do)."""
   _, count = layer_shape(profile)
   gathers = allreduce_seconds(cluster, devices, gathered_bytes(profile), 1, count) / 2
-  scatter = allreduce_seconds(cluster, devices, profile.param_count * min(GRAD_BYTES, REDUCE_BYTES[dtype]), 1,
-                              count) / 2
+  wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
+  scatter = allreduce_seconds(cluster, devices, profile.param_count * wire, 1, count) / 2
   return 2 * gathers + scatter
 
 
@@ -155,24 +159,22 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
   reduce-scatter per microbatch (:func:`microbatch_comm_seconds` over every device), every device running the
   most microbatches any runs (lockstep), the update on each device's part; the fastest over ``sizes``,
   ``remat_policies`` and ``dtypes`` that fits every device, or None."""
-  cluster, profile = costing.cluster, costing.profile
-  devices = tuple(d.id for d in cluster.devices)
+  cluster, profile, every = costing.cluster, costing.profile, costing.cluster.devices
+  devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
   n, kinds = len(devices), cluster.kinds
+  comm = {d: microbatch_comm_seconds(cluster, devices, profile, d) for d in dtypes}
   best = None
   for microbatch, remat, dtype in ((m, r, d) for m in sizes for r in remat_policies for d in dtypes):
-    if global_batch % microbatch:
+    memory = sharded_peak(profile, n, (microbatch, remat), None, None, dtype, state_sharded=True)
+    if global_batch % microbatch or any(memory > costing.specs[k].memory_bytes for k in kinds):
       continue
-    memory = {k: sharded_peak(profile, n, (microbatch, remat), None, None, dtype, state_sharded=True) for k in kinds}
-    if any(memory[k] > cluster.spec_of(k).memory_bytes for k in kinds):
-      continue
-    counts = even_counts(n, global_batch // microbatch)
-    comm = microbatch_comm_seconds(cluster, devices, profile, dtype)
-    slowest = max(sharded_kind_cost(costing, k, costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n), comm, n,
-                                    True).at(max(counts)) for k in kinds)
-    e = Evaluated(name="fsdp", device_positions=devices, kinds=tuple(d.spec.name for d in cluster.devices),
-                  microbatch=microbatch, counts=tuple(counts), zero_stage=3, remat=remat, compute_seconds=slowest,
-                  comm_seconds=0.0, memory_bytes=tuple(memory[d.spec.name] for d in cluster.devices),
-                  global_batch=global_batch, grad_reduce_dtype=dtype)
+    most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
+    slowest = max(sharded_kind_cost(costing, k, costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n),
+                                    comm[dtype], n, True).at(most) for k in kinds)
+    e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
+                  counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
+                  compute_seconds=slowest, comm_seconds=0.0, memory_bytes=(memory,) * n, global_batch=global_batch,
+                  grad_reduce_dtype=dtype)
     if best is None or e.step_seconds < best.step_seconds:
       best = e
   return best
