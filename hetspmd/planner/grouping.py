@@ -10,7 +10,9 @@ group per device kind, one remat policy for all or per kind the one that
 recomputes least of those that fit, and the optimizer state replicated or
 held in shares by free memory (each device updating its share, then sending
 the parameters it made to every device), and the gradients crossing devices in
-each dtype the search allows (float32, bfloat16). For each kind a microbatch size that fits its memory, for
+each dtype the search allows (float32, bfloat16), and each kind's group holding its parameters whole or, where
+that saves recomputation or lets the kind join, sharded over its devices (:mod:`hetspmd.planner.sharding`; a
+pool of one kind has only that one sharded group: plain FSDP). For each kind a microbatch size that fits its memory, for
 the global batch each device's count: the smallest makespan whose capacity
 covers the batch, found by bisection, then trimmed to the batch exactly
 (the largest microbatches first). Optionally a uniform tail: one microbatch
