@@ -17,7 +17,7 @@ from hetspmd.hardware.devices import DEVICE_PRESETS
 from hetspmd.passes.costing import step_cost as cost
 from hetspmd.plan.counts import KindCost
 from hetspmd.errors import PlanDoesNotFitError
-from hetspmd.planner.ranking import BASELINES, microbatch_sizes, search
+from hetspmd.planner.ranking import SINGLE_PROGRAM_BASELINES, microbatch_sizes, search
 from hetspmd.plan.counts import balanced_counts, divisors, even_counts, prime_factors
 from hetspmd.passes.profile import profile_step
 from hetspmd.planner.pricing import evaluate
@@ -198,9 +198,10 @@ def test_allreduce_is_bounded_by_the_slowest_link():
 def test_best_plan_never_loses_to_a_baseline(gpt_profile, preset):
   result = search(Cluster.preset(preset), gpt_profile, global_batch=64)
   best = result.plans[0]
-  assert set(result.baselines) == set(BASELINES)
+  assert set(result.baselines) - {"fsdp"} == set(SINGLE_PROGRAM_BASELINES)
   for name, baseline in result.baselines.items():
-    assert best.step_seconds <= baseline.step_seconds * (1 + 1e-9), name
+    if name in SINGLE_PROGRAM_BASELINES:  # fsdp is no single program: the ranked plans may fall below it
+      assert best.step_seconds <= baseline.step_seconds * (1 + 1e-9), name
   assert 0 < best.throughput <= result.ideal_throughput * (1 + 1e-9)
   assert sum(best.counts) * best.microbatch == 64
 
@@ -263,7 +264,7 @@ def test_search_cli_json(capsys, tmp_path):
   for plan in report["plans"]:
     for key in ("throughput", "predicted_step_seconds", "efficiency", "mesh", "microbatch_counts", "memory_bytes"):
       assert key in plan
-  assert set(report["baselines"]) == set(BASELINES)
+  assert set(report["baselines"]) - {"fsdp"} == set(SINGLE_PROGRAM_BASELINES)
   assert all("throughput" in b for b in report["baselines"].values())
   best, same = report["plans"][0], report["homogeneous_equivalent"]
   assert report["throughput_vs_homogeneous"] == pytest.approx(best["throughput"] / same["throughput"], rel=1e-9)
@@ -271,7 +272,8 @@ def test_search_cli_json(capsys, tmp_path):
   assert own > 0
   assert report["heterogeneity_tax"] == pytest.approx(
       1 - (best["throughput"] / report["ideal_throughput"]) / (same["throughput"] / own), rel=1e-9)
-  assert all(best["throughput"] >= b["throughput"] * (1 - 1e-12) for b in report["baselines"].values())
+  assert all(best["throughput"] >= b["throughput"] * (1 - 1e-12) for name, b in report["baselines"].items()
+             if name in SINGLE_PROGRAM_BASELINES)
   assert hs.Plan.load(out).global_batch == 32
   assert main(["explain", str(out)]) == 0
   assert "microbatches" in capsys.readouterr().out

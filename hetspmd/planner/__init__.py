@@ -7,7 +7,8 @@ candidates, keeps those that fit and ranks them against the baselines;
 candidate (or given choices) into a runnable :class:`~hetspmd.plan.Plan`;
 ``grouping`` prices group plans (one program per group of one device kind,
 joined by exchange programs) and makes the best a
-:class:`~hetspmd.plan.GroupPlan`.
+:class:`~hetspmd.plan.GroupPlan`; ``sharding`` prices a group that shards its
+parameters over its devices (FSDP inside the group) and the ``fsdp`` baseline.
 """
 
 from hetspmd.planner.building import plan_for as plan_for

@@ -10,7 +10,9 @@ group per device kind, one remat policy for all or per kind the one that
 recomputes least of those that fit, and the optimizer state replicated or
 held in shares by free memory (each device updating its share, then sending
 the parameters it made to every device), and the gradients crossing devices in
-each dtype the search allows (float32, bfloat16). For each kind a microbatch size that fits its memory, for
+each dtype the search allows (float32, bfloat16), and each kind's group holding its parameters whole or, where
+that saves recomputation or lets the kind join, sharded over its devices (:mod:`hetspmd.planner.sharding`; a
+pool of one kind has only that one sharded group: plain FSDP). For each kind a microbatch size that fits its memory, for
 the global batch each device's count: the smallest makespan whose capacity
 covers the batch, found by bisection, then trimmed to the batch exactly
 (the largest microbatches first). Optionally a uniform tail: one microbatch
@@ -43,6 +45,7 @@ from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, microbatch_bytes,
                                        whole_gather_seconds)
+from hetspmd.planner import sharding
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
@@ -135,7 +138,8 @@ def _trimmed(kinds: Sequence[str], base: dict[str, int], sizes: dict[str, int], 
 
 def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], remat: str | dict[str, str],
                  global_batch: int, *, tail: tuple[int, int] = (0, 0), zero: int = 0,
-                 dtype: str = "float32", models: dict[str, TensorParallel] | None = None) -> Evaluated | None:
+                 dtype: str = "float32", models: dict[str, TensorParallel] | None = None,
+                 sharded: frozenset[str] = frozenset()) -> Evaluated | None:
   """The group plan with microbatch ``sizes[kind]`` and remat policy ``remat`` (one, or one per kind) per kind on
   ``layout`` (every device on data), or None if a kind's microbatch does not fit its memory or the sizes cannot
   make the batch. ``tail``: ``(microbatch, count)`` every device runs in the uniform program after its group's
@@ -149,7 +153,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   holds those rows or its part and its sums after the loop instead of the whole reduced gradient. The
   gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
   ``models``: a kind's tensor-parallel choice, its devices that many at a time in one host running each
-  microbatch together (its group's model axis; see :func:`_peak` for what they hold)."""
+  microbatch together (its group's model axis; see :func:`_peak` for what they hold). ``sharded``: the kinds whose
+  group shards its parameters (:mod:`hetspmd.planner.sharding`; data-only, no tail, not ZeRO-3)."""
   n, kinds = len(layout.groups), layout.kinds
   tps = {k: (models or {}).get(k, NO_TENSOR_PARALLEL) for k in dict.fromkeys(kinds)}
   blocked = _blocked(costing.cluster, layout, {k: tp.m for k, tp in tps.items()})
@@ -162,19 +167,23 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
   if zero == 3 and any(tp.m > 1 for tp in tps.values()):
     return None
+  if sharded and (count or zero == 3 or any(tps[k].m > 1 or layout.kind_counts[k] < 2 for k in sharded)):
+    return None
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
-  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow) if zero else {}
+  shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
+                         sharded=sharded, dtype=dtype) if zero else {}
   if zero and not shares:
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
-  memory = {k: _peak(costing, n, (sizes[k], remats[k]), (size, last), shares.get(k),
-                     split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner else None,
-                     tp=tps[k],
-                     zero=zero, narrow=narrow) for k in order}
+  memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
+                          rows=split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner
+                          else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) for k in order}
+  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) if k not in sharded
+           else sharding.sharded_kind_cost(costing, k, _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)),
+                                           _sharded_comm(costing, layout, k, dtype), layout.kind_counts[k]) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
@@ -182,7 +191,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
-  per_position = position_seconds(costing, blocked, with_tail, counts, False)  # loop, then tail, on every device
+  # loop, then tail, on every device
+  per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   if owner:
@@ -194,21 +204,53 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
     hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
-  name = layout.name + ("", ", optimizer state in memory shares", "", ", parameters and optimizer state in memory "
-                        "shares")[zero] + (
-      ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
-      f", {dtype} gradients" if dtype != "float32" else "") + "".join(
-      f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1)
   on = blocked.kinds  # per position
   each = lambda values: tuple(map(values.__getitem__, on))  # a value per kind, per position
   per_device = each(memory) if blocked is layout else tuple(memory[k] for k in on for _ in range(tps[k].m))
   return Evaluated(
-      name=name, device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
+      name=_plan_name(layout.name, zero, remats, tail, dtype=dtype, tps=tps, sharded=sharded),
+      device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=per_device, global_batch=global_batch, position_seconds=per_position,
       grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
       tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
-      group_models=each(tps) if blocked is not layout else ())
+      group_models=each(tps) if blocked is not layout else (),
+      shard_params=tuple(map(sharded.__contains__, on)) if sharded else ())
+
+
+def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, int], *, dtype: str,
+               tps: dict[str, TensorParallel], sharded: frozenset[str]) -> str:
+  """A priced group plan's name: its device set's, then the mechanisms it uses."""
+  size, count = tail
+  return name + ("", ", optimizer state in memory shares", "", ", parameters and optimizer state in memory "
+                 "shares")[zero] + (
+      ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
+      f", {dtype} gradients" if dtype != "float32" else "") + "".join(
+      f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1) + "".join(
+      f", parameters sharded (FSDP) on {k}" for k in remats if k in sharded)
+
+
+def _lockstep(per_position: tuple[float, ...], layout: DeviceGroups, sharded: frozenset[str]) -> tuple[float, ...]:
+  """Each position's seconds, those of a sharded group's devices each the group's longest: they run in lockstep,
+  every device the group's most microbatches (those it lacks masked)."""
+  if not sharded:
+    return per_position
+  seconds, index = np.array(per_position), layout.kind_index
+  for i, k in enumerate(layout.order):
+    if k in sharded:
+      mine = index == i
+      seconds[mine] = seconds[mine].max()
+  return tuple(seconds.tolist())
+
+
+def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str) -> float:
+  """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search)."""
+  key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype)
+  if key not in costing.sharded_comm:
+    every = costing.cluster.devices
+    devices = [i for i in layout.devices if every[i].spec.name == kind]
+    costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype)
+  return costing.sharded_comm[key]
 
 
 def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
@@ -294,22 +336,33 @@ def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float, float]
 
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
                   remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None,
-                  zero: int = 1, narrow: bool = False) -> dict[str, float]:
+                  zero: int = 1, narrow: bool = False, sharded: frozenset[str] = frozenset(),
+                  dtype: str = "float32") -> dict[str, float]:
   """Each kind's per-device share of the optimizer state (``zero=3``: and of the parameters), in proportion to
   what the rest of the step leaves free on it (``owner``: no reduced gradient after the loop); empty when the
   free memory of every device together cannot hold the state."""
-  n, profile = len(kinds), costing.profile
+  profile, counts = costing.profile, {k: kinds.count(k) for k in dict.fromkeys(kinds)}
   last = max(remats.values(), key=REMAT_POLICIES.index)
   free = {}
-  for k in dict.fromkeys(kinds):
-    used = _peak(costing, n, (sizes[k], remats[k]), (tail[0], last), 0.0, 0.0 if owner else None,
-                 tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow)
+  for k in counts:
+    used = _kind_peak(costing, counts, k, (sizes[k], remats[k]), (tail[0], last), share=0.0,
+                      rows=0.0 if owner else None, tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow, sharded=sharded, dtype=dtype)
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
-  total = sum(free[k] * kinds.count(k) for k in free)  # whole bytes: the sum over devices, exactly
+  total = sum(free[k] * counts[k] for k in free)  # whole bytes: the sum over devices, exactly
   shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
   if total <= 0 or total < shared * WORKSPACE:
     return {}
   return {k: free[k] / total for k in free}
+
+
+def _kind_peak(costing: Costing, counts: dict[str, int], kind: str, loop: tuple[int, str], tail: tuple[int, str], *,
+               share: float | None, rows: float | None, tp: TensorParallel, zero: int, narrow: bool,
+               sharded: frozenset[str], dtype: str) -> int:
+  """A device of ``kind``'s bytes (``counts``: each kind's positions, one device each): :func:`_peak`, or in a
+  group sharding its parameters (``kind`` in ``sharded``) :func:`hetspmd.planner.sharding.sharded_peak`."""
+  if kind in sharded:
+    return sharding.sharded_peak(costing.profile, counts[kind], loop, share, rows, dtype)
+  return _peak(costing, sum(counts.values()), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
 
 
 def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str], share: float | None,
@@ -390,23 +443,22 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
                   progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
-  ``grad_reduce_dtypes``; None if none fits or the pool has one kind (a group plan is then one program). Of the
+  ``grad_reduce_dtypes``; None if none fits. A pool of one kind has only its sharded group plans (one group
+  holding its parameters split over every device: plain FSDP; unsharded, it would be one program). Of the
   plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
   prefers. ``progress``: called with a line of text every eighth of each device set's microbatch
   combinations."""
   kinds = cluster.kinds
-  if len(kinds) < 2:
-    return None
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   speed = {k: profile.microbatch_seconds(cluster.spec_of(k), sizes[0]) for k in kinds}
   by_speed = sorted(kinds, key=lambda k: speed[k])
   near: list[Evaluated] = []
-  for n in range(len(kinds), 1, -1):
+  for n in range(len(kinds), 1 if len(kinds) > 1 else 0, -1):
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
-                                 dtypes=tuple(grad_reduce_dtypes), progress=progress))
+                                 dtypes=tuple(grad_reduce_dtypes), progress=progress, only_sharded=len(kinds) == 1))
   return min(near, key=_fewest_microbatches) if near else None
 
 
@@ -418,23 +470,21 @@ def _near(plans: list[Evaluated]) -> list[Evaluated]:
 
 def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: Sequence[int],
              remat_policies: Sequence[str], *, one_loop: bool = True, dtypes: Sequence[str] = ("float32",),
-             progress: Callable[[str], None] | None = None) -> list[Evaluated]:
+             progress: Callable[[str], None] | None = None, only_sharded: bool = False) -> list[Evaluated]:
   """The group plans on ``layout``'s devices priced within ``TIE`` of the fastest, over per-kind microbatches,
   tails, the optimizer state replicated or in shares, the gradients' reduce dtypes, and remat: one policy for
   every group, or per kind the one that recomputes least of those that fit its microbatch. A kind none of whose
-  microbatches fits data-only gets a model axis (:func:`_model_axis`). Without ``one_loop`` (a step whose exact
-  batch statistics take loops of their own) neither a tail, a policy per kind nor a model axis."""
+  microbatches fits data-only gets a model axis (:func:`_model_axis`). A kind of two devices or more is tried
+  with its parameters sharded over its group too (:mod:`hetspmd.planner.sharding`), where its microbatch fits so
+  (``only_sharded``: only so, for a pool of one kind, whose unsharded group is the single program). Without
+  ``one_loop`` (a step whose exact batch statistics take loops of their own) neither a tail, a policy per kind, a
+  model axis nor a sharded group."""
   order = list(dict.fromkeys(layout.kinds))
   n = len(layout.groups)
-  fits = {k: [m for m in sizes if _may_fit(costing, k, m, n, remat_policies)] for k in order}
-  models = {}
-  for k in order:
-    if not fits[k] and one_loop:
-      found = _model_axis(costing, layout, k, sizes, remat_policies)
-      if found is not None:
-        models[k], fits[k] = found
+  plain, models, shardable = _kind_fits(costing, layout, sizes, remat_policies, one_loop, only_sharded=only_sharded)
+  fits = {k: [m for m in sizes if m in plain[k] or m in shardable[k]] for k in order}
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch
-                       and all(m in fits[k] and k not in models for k in order)] if one_loop else [])
+                       and all(m in plain[k] and k not in models for k in order)] if one_loop else [])
   # ZeRO-3 lowers a step's peak only where the programs take parameters as narrower casts
   zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
   near: list[Evaluated] = []
@@ -443,19 +493,72 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   priced = 0
   for done, combo in enumerate(itertools.islice(itertools.product(*(fits[k] for k in order)), MAX_COMBINATIONS), 1):
     chosen = dict(zip(order, combo))
-    choices = [dict.fromkeys(order, r) for r in remat_policies]
-    if one_loop and len(remat_policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
-      least = {k: _least_recompute(costing, k, chosen[k], n, remat_policies, models.get(k, NO_TENSOR_PARALLEL))
-               for k in order}
-      choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
-    for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
-      e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
-                       models=models)
-      if e is not None:
+    ways = [[False] * (m in plain[k]) + [True] * (m in shardable[k]) for k, m in chosen.items()]
+    for shard in itertools.product(*ways):
+      sharded = frozenset(k for k, s in zip(order, shard) if s)
+      for e in _combination(costing, layout, global_batch, chosen, policies=remat_policies, one_loop=one_loop,
+                            models={k: tp for k, tp in models.items() if k not in sharded}, sharded=sharded,
+                            tails=tails if not sharded else [(0, 0)],
+                            zeros=[z for z in zeros if not (sharded and z == 3)], dtypes=dtypes):
         near, priced = _near(near + [e]), priced + 1
     if done in report:
       progress(f"group plans on {layout.name}: {done}/{total} microbatch combinations, {priced} plans priced")
   return near
+
+
+def _kind_fits(costing: Costing, layout: DeviceGroups, sizes: Sequence[int], policies: Sequence[str],
+               one_loop: bool, *, only_sharded: bool = False) -> tuple[dict, dict, dict]:
+  """Per kind: the microbatches that may fit its group unsharded (data-only, or on the model axis
+  :func:`_model_axis` gives a kind none of whose microbatches fits data-only), those model axes, and the
+  microbatches worth trying sharded (:func:`_sharding_helps`; none for a kind of one device). ``only_sharded``:
+  none unsharded."""
+  order = list(dict.fromkeys(layout.kinds))
+  n = len(layout.groups)
+  plain = {k: [m for m in sizes if not only_sharded and _may_fit(costing, k, m, n, policies)] for k in order}
+  models = {}
+  for k in order:
+    if not plain[k] and one_loop and not only_sharded:
+      found = _model_axis(costing, layout, k, sizes, policies)
+      if found is not None:
+        models[k], plain[k] = found
+  g = layout.kind_counts
+  shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _sharding_helps(
+      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0)] for k in order}
+  return plain, models, shardable
+
+
+def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int) -> bool:
+  """Whether to try a microbatch on ``kind``'s group sharded over its ``g`` devices: where it may fit so
+  (:func:`_may_fit_sharded`) and the group unsharded (``n`` positions in all; 0: it does not fit data-only) cannot
+  run it under the policy that recomputes least with the whole optimizer state on every device (a sharded group
+  pays collectives every microbatch; where the group fits so unsharded, sharding it saves neither recomputation
+  nor state shares, and is not priced, which keeps the search's time)."""
+  if not _may_fit_sharded(costing, kind, microbatch, g, policies):
+    return False
+  lightest = min(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
+  return not n or (_peak(costing, n, (microbatch, lightest), (0, lightest), None, None)
+                   > costing.cluster.spec_of(kind).memory_bytes)
+
+
+def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chosen: dict[str, int], *,
+                 policies: Sequence[str], one_loop: bool, models: dict[str, TensorParallel], sharded: frozenset[str],
+                 tails: Sequence[tuple[int, int]], zeros: Sequence[int], dtypes: Sequence[str]) -> list[Evaluated]:
+  """The group plans priced of one choice of per-kind microbatches (``chosen``) and sharded kinds, over remat,
+  tails, ZeRO stages and reduce dtypes: those that fit."""
+  order = list(dict.fromkeys(layout.kinds))
+  n = len(layout.groups)
+  choices = [dict.fromkeys(order, r) for r in policies]
+  if one_loop and len(policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
+    least = {k: _least_recompute(costing, k, chosen[k], n, policies, models.get(k, NO_TENSOR_PARALLEL),
+                                 shard=layout.kind_counts[k] if k in sharded else 0) for k in order}
+    choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
+  out = []
+  for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
+    e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
+                     models=models, sharded=sharded)
+    if e is not None:
+      out.append(e)
+  return out
 
 
 # model axes a kind's group may take (devices of a kind in one host, a power of two as the single program's)
@@ -499,24 +602,36 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
              for r in policies)
 
 
+def _may_fit_sharded(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str]) -> bool:
+  """Whether a microbatch may fit a device of ``kind`` in a sharded group of ``g`` under one of ``policies``, with
+  none of the optimizer state and none of the reduced gradients (:func:`price_groups` checks the rest)."""
+  spec = costing.cluster.spec_of(kind)
+  return any(sharding.sharded_peak(costing.profile, g, (microbatch, r), 0.0, 0.0, "bfloat16") <= spec.memory_bytes
+             for r in policies)
+
+
 def _fewest_microbatches(e: Evaluated) -> tuple:
   """Of plans priced alike: the fewest microbatches on the busiest device, then on all devices together, then
-  the fewest programs (no state shares), then float32 gradients (exact), then the price. A linear cost model
+  the fewest programs (no state shares), then no sharded group (fewer collectives), then float32 gradients
+  (exact), then the price. A linear cost model
   prices a microbatch of 2m as two of m; on a device the larger one runs larger kernels and fewer loop steps,
   and each extra program adds a round of transfers."""
   tail = e.tail[1] if e.tail else 0
   counts = [c + tail for c in e.counts]
-  return (max(counts), sum(counts), bool(e.zero_stage), e.grad_reduce_dtype != "float32", e.step_seconds)
+  return (max(counts), sum(counts), bool(e.zero_stage), any(e.shard_params), e.grad_reduce_dtype != "float32",
+          e.step_seconds)
 
 
 def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str],
-                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> str:
+                     tp: TensorParallel = NO_TENSOR_PARALLEL, *, shard: int = 0) -> str:
   """Of ``policies``, the one recomputing least whose microbatch fits a device of ``kind`` with the optimizer
-  state held elsewhere (the most recomputing one when none fits)."""
+  state held elsewhere (the most recomputing one when none fits); ``shard``: in a sharded group of that many."""
   spec = costing.cluster.spec_of(kind)
   ranked = sorted(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   for r in ranked:
-    if _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp=tp) <= spec.memory_bytes:
+    peak = (sharding.sharded_peak(costing.profile, shard, (microbatch, r), 0.0, None) if shard else
+            _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp=tp))
+    if peak <= spec.memory_bytes:
       return r
   return max(policies, key=REMAT_POLICIES.index)
 
@@ -536,7 +651,8 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
     each = [i for i in mine for _ in range(tp.m)]  # each of the group's devices' position
     ours = [d for i in mine for d in on(i)]
     groups.append(([ids[d] for d in ours], e.microbatches[mine[0]], [e.counts[i] for i in each],
-                   e.remats[mine[0]] if e.remats else e.remat, tp.m, tp.model_dims))
+                   e.remats[mine[0]] if e.remats else e.remat, tp.m, tp.model_dims,
+                   bool(e.shard_params and e.shard_params[mine[0]])))
     shares += [e.state_shares[i] for i in each] if e.state_shares else []
     order += each
     devices += ours

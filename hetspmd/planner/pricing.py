@@ -58,6 +58,7 @@ class Evaluated:
   state_shares: tuple[float, ...] = ()  # a group plan: each position's share of the optimizer state (ZeRO-1)
   remats: tuple[str, ...] = ()        # a group plan: each position's remat policy (``remat``: the tail's)
   group_models: tuple[TensorParallel, ...] = ()  # a group plan: each position's model axis (none: one device each)
+  shard_params: tuple[bool, ...] = ()  # a group plan: whether each position's group shards its parameters (FSDP)
 
   @property
   def examples(self) -> tuple[int, ...]:
@@ -102,6 +103,7 @@ class Evaluated:
         **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
             "state_shares": list(self.state_shares), "remats": list(self.remats)} if self.microbatches else {}),
         **({"group_models": [tp.m for tp in self.group_models]} if self.group_models else {}),
+        **({"shard_params": list(self.shard_params)} if self.shard_params else {}),
     }
 
 
@@ -127,6 +129,11 @@ class DeviceGroups:
   def order(self) -> tuple[str, ...]:
     """The kinds in order of first appearance."""
     return tuple(dict.fromkeys(self.kinds))
+
+  @functools.cached_property
+  def kind_counts(self) -> dict[str, int]:
+    """Each kind's positions."""
+    return {k: self.kinds.count(k) for k in self.order}
 
   @functools.cached_property
   def kind_index(self) -> np.ndarray:
@@ -199,6 +206,7 @@ class Costing:
     self._backward: dict[tuple[str, int], float] = {}
     self._kind_costs: dict[tuple, KindCost] = {}
     self._memory: dict[tuple, int] = {}
+    self.sharded_comm: dict[tuple, float] = {}  # hetspmd.planner.grouping._sharded_comm's
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:

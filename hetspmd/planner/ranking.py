@@ -56,7 +56,10 @@ microbatch's activations less their sharded share.
 Baselines are the same evaluation with choices pinned: ``dp_even`` (every
 device on ``data``, equal counts), ``dp_proportional`` (counts by peak
 FLOP/s), ``fastest_only`` and ``best_homogeneous`` (one kind, equal counts,
-any layout).
+any layout); and ``fsdp``, priced apart as it is no single program of this
+search (:func:`hetspmd.planner.sharding.fsdp_baseline`: every device, equal
+counts, the parameters, gradients and optimizer state sharded over all of
+them, gathered per layer), which the ranked plans may fall below.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ import numpy as np
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES
 from hetspmd.planner.grouping import search_groups
+from hetspmd.planner.sharding import fsdp_baseline
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
@@ -331,10 +335,14 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
                             recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
+  baselines = dict(tally.best)
+  fsdp = fsdp_baseline(costing, global_batch, sizes, space.remat_policies, space.grad_reduce_dtypes)
+  if fsdp is not None:  # priced apart: not a single program, so not among the ranked plans
+    baselines["fsdp"] = fsdp
   ideal = ideal_throughput(cluster, profile, global_batch)
   homogeneous_ideal = None if not homogeneous else ideal if cluster.is_homogeneous else ideal_throughput(
       cluster.homogeneous_equivalent(), profile, global_batch)
-  return SearchResult(ranked, tally.best, ideal, time.perf_counter() - start, tally.candidates, equivalent, grouped,
+  return SearchResult(ranked, baselines, ideal, time.perf_counter() - start, tally.candidates, equivalent, grouped,
                       homogeneous_ideal)
 
 
@@ -442,7 +450,11 @@ def _overflow_message(cluster: Cluster, overflow: Sequence[Evaluated]) -> str:
           "a smaller global batch or sequence, or devices with more memory.")
 
 
-BASELINES = ("dp_even", "dp_proportional", "fastest_only", "best_homogeneous")
+# the baselines that are single programs (candidates of the search: the best plan is never below one)
+SINGLE_PROGRAM_BASELINES = ("dp_even", "dp_proportional", "fastest_only", "best_homogeneous")
+# and fsdp (hetspmd.planner.sharding.fsdp_baseline: every device, an even batch, the parameters and optimizer state
+# sharded over all of them, gathered per layer), where it fits
+BASELINES = SINGLE_PROGRAM_BASELINES + ("fsdp",)
 
 
 # --- from a step function --------------------------------------------------------------

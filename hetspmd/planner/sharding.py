@@ -1,0 +1,180 @@
+"""Pricing sharded groups: a group that holds its parameters split over its own devices (FSDP inside the group).
+
+A group with :attr:`hetspmd.plan.groups.Group.shard_params` holds each floating parameter and its gradient
+accumulator split evenly over its ``g`` devices, gathers the parameters inside every microbatch (for the forward
+pass and again for the backward pass) and reduce-scatters each microbatch's gradient sums onto its parts, its
+devices in lockstep. This module prices one such group for :mod:`hetspmd.planner.grouping` (memory per device,
+the collectives per microbatch and what of them the backend hides behind compute), and the ``fsdp`` baseline of
+:func:`hetspmd.planner.ranking.search`: every device one program, an even batch, the parameters, the
+accumulator and the optimizer state sharded over all of them, as a MaxText or Levanter user runs FSDP.
+
+What the pricing assumes of the runtime is named by the constants below, each one line to change when the
+runtime changes (:mod:`hetspmd.lowering.groups`, :class:`hetspmd.lowering.transfers.ParamShards`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Sequence
+
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.plan.counts import KindCost, even_counts
+from hetspmd.planner.data_axis import (GRAD_BYTES, NO_TENSOR_PARALLEL, REDUCE_BYTES, WORKSPACE, allreduce_seconds,
+                                       microbatch_bytes)
+from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated
+
+# Between steps the runtime keeps the parameters whole on every device (the state is replicated; a group's parts
+# are made from it at each call: hetspmd.lowering.transfers.shard_program), so a sharded group's devices hold
+# them whole beside their parts through the step. False once the runtime keeps only the parts between steps.
+WHOLE_PARAMS_HELD = True
+# After its loop a sharded group hands the exchange one row per device the whole gradients' size (its part in
+# place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its part.
+WHOLE_ROWS = True
+# Gathered parameters live at once: the layer being computed and the next one being gathered, as per-layer
+# gathers (forward, and again backward) keep them (MaxText's layer scan keeps about two). The runtime today
+# gathers every parameter at the start of each microbatch (ParamShards.gathered): 0 here prices all of them.
+LIVE_GATHERED_LAYERS = 2
+# The parameters are gathered in the dtype the step reads them in (a bfloat16 cast as the cast, half the bytes),
+# as per-layer gathers are to do. The runtime today gathers the float32 parts and casts after the gather
+# (ParamShards.gathered redoes the casts): False prices that.
+GATHERS_READ_DTYPE = True
+# Each microbatch's gradient sums are reduce-scattered in the plan's reduce dtype where it is narrower than float32.
+# The runtime today reduce-scatters them in their own dtype, float32 (ParamShards.scattered): False prices that.
+SCATTERS_REDUCE_DTYPE = True
+
+_INDEX = re.compile(r"/(\d+)(/|$)")
+
+
+@functools.lru_cache(maxsize=64)
+def _layers(paths: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, int]:
+  """(parameter elements of the largest layer, the number of gathers a pass issues) from the leaves' paths.
+
+  A layer is the leaves under one numbered path component (``params/h/7/...``: an unrolled model's block). A leaf
+  under none (an embedding, a final norm, a scanned stack) counts as a layer of its own. Approximation: a layer
+  scan's stacked leaf (its layers along a leading axis) is priced whole, as one layer, which overstates the live
+  gathered bytes of a ``-scan`` model (the profile does not say which axis stacks layers)."""
+  layers: dict[str, int] = {}
+  for i, (path, size) in enumerate(zip(paths, sizes)):
+    found = _INDEX.search(path)
+    key = path[:found.end(1)] if found else f"#{i}"
+    layers[key] = layers.get(key, 0) + size
+  return (max(layers.values(), default=0), max(1, len(layers)))
+
+
+def layer_shape(profile: StepProfile) -> tuple[int, int]:
+  """:func:`_layers` of the profile (the largest leaf and one gather where it has no leaf paths)."""
+  if not profile.param_leaf_paths:
+    return (max(profile.param_leaf_sizes, default=profile.param_count), 1)
+  return _layers(tuple(profile.param_leaf_paths), tuple(profile.param_leaf_sizes))
+
+
+def gathered_bytes(profile: StepProfile) -> float:
+  """The parameters' bytes as a group gathers them (:data:`GATHERS_READ_DTYPE`): the casts of those the step reads
+  only through casts to a narrower dtype, the others whole."""
+  if not GATHERS_READ_DTYPE:
+    return float(profile.param_bytes)
+  return float(profile.param_bytes - profile.castable_param_bytes + profile.cast_param_bytes)
+
+
+def live_gathered_bytes(profile: StepProfile) -> float:
+  """Gathered parameters live at once: :data:`LIVE_GATHERED_LAYERS` of the largest layer, in the gathered dtype
+  (all of them where the constant is 0)."""
+  largest, _ = layer_shape(profile)
+  per_element = gathered_bytes(profile) / max(profile.param_count, 1)
+  if LIVE_GATHERED_LAYERS == 0:
+    return gathered_bytes(profile)
+  return min(LIVE_GATHERED_LAYERS * largest, profile.param_count) * per_element
+
+
+def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: float | None, rows: float | None,
+                 dtype: str = "float32", *, state_sharded: bool = False) -> int:
+  """A device's peak bytes in a group of ``g`` devices sharding its parameters: ``loop`` ``(microbatch, remat)``.
+
+  Held through the step: the whole float32 parameters (:data:`WHOLE_PARAMS_HELD`) and ``share`` of the optimizer
+  state (all of it where None: the plan's state shares decide it, as for an unsharded group). In the loop: its
+  ``1/g`` of the parameters and of the float32 accumulator, the live gathered layers (:func:`live_gathered_bytes`)
+  and one microbatch's activations (:func:`hetspmd.planner.data_axis.microbatch_bytes`). After the loop: the row it
+  hands the exchange, whole-sized (:data:`WHOLE_ROWS`) in ``dtype``, beside ``rows`` (the reduced or received
+  gradients, a fraction of one whole copy; one where None). ``state_sharded`` (the ``fsdp`` baseline): the
+  parameters and optimizer state held only as ``1/g`` parts and no exchange after the loop."""
+  p = profile
+  part = (p.param_bytes + p.param_count * GRAD_BYTES) / g
+  working = part + live_gathered_bytes(p) + microbatch_bytes(p, loop[0], loop[1])
+  if state_sharded:
+    return int((p.opt_state_bytes / g + working) * WORKSPACE)
+  held = (p.param_bytes if WHOLE_PARAMS_HELD else 0.0) + p.opt_state_bytes * (1.0 if share is None else share)
+  wire = REDUCE_BYTES[dtype]
+  row = p.param_count * wire * (1.0 if WHOLE_ROWS else 1.0 / g)
+  after = row + p.param_count * wire * (1.0 if rows is None else rows)
+  if not WHOLE_PARAMS_HELD:  # the update reads whole parameters: gathered from the parts after the loop
+    after += p.param_bytes
+  return int((held + max(working, after)) * WORKSPACE)
+
+
+def overlaps(kind: str) -> bool:
+  """Whether a backend runs a group's collectives beside its compute: GPUs and TPUs (XLA's latency-hiding
+  scheduler, asynchronous collectives) do; CPU devices run them in line."""
+  return not kind.lower().startswith("cpu")
+
+
+def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: StepProfile, dtype: str) -> float:
+  """One microbatch's collectives in a group of ``devices`` sharding its parameters, on the links between them
+  (a ring in a host, hierarchical across hosts): two all-gathers of the parameters (forward, then backward:
+  :func:`gathered_bytes`) and one reduce-scatter of the gradients (float32, or ``dtype`` where narrower:
+  :data:`SCATTERS_REDUCE_DTYPE`), each
+  moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's), one collective per layer
+  (:func:`layer_shape`; the leaves of a layer combined, as XLA's combine thresholds sized to a layer do)."""
+  _, count = layer_shape(profile)
+  gathers = allreduce_seconds(cluster, devices, gathered_bytes(profile), 1, count) / 2
+  wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
+  scatter = allreduce_seconds(cluster, devices, profile.param_count * wire, 1, count) / 2
+  return 2 * gathers + scatter
+
+
+def exposed_seconds(kind: str, comm: float, compute: float) -> float:
+  """What a microbatch's collectives add to its ``compute`` seconds: on a backend that overlaps them
+  (:func:`overlaps`), what :data:`hetspmd.planner.pricing.OVERLAP_EFFICIENCY` of the compute cannot hide (the
+  collectives' kernels share the device with it), else all of it."""
+  return max(0.0, comm - OVERLAP_EFFICIENCY * compute) if overlaps(kind) else comm
+
+
+def sharded_kind_cost(costing: Costing, kind: str, cost: KindCost, comm: float, g: int,
+                      state_sharded: bool = False) -> KindCost:
+  """``cost`` (an unsharded device's microbatch costs) for a device of a sharded group of ``g``: each microbatch
+  adds its collectives' exposed seconds (``comm``: :func:`microbatch_comm_seconds`) and adds into a ``1/g``
+  accumulator; the per-step update runs on ``1/g`` of the state where it is sharded (``state_sharded``)."""
+  accumulate = costing.profile.accumulate_seconds(costing.specs[kind])
+  micro = cost.micro - accumulate * (1 - 1 / g) + exposed_seconds(kind, comm, cost.micro)
+  fixed = cost.fixed / g if state_sharded else cost.fixed
+  return dataclasses.replace(cost, micro=micro, fixed=fixed)
+
+
+def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], remat_policies: Sequence[str],
+                  dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
+  """The ``fsdp`` baseline: one program over every device, an even batch, the parameters, the accumulator and the
+  optimizer state sharded over all of them (:func:`sharded_peak` with ``state_sharded``), gathers per layer and a
+  reduce-scatter per microbatch (:func:`microbatch_comm_seconds` over every device), every device running the
+  most microbatches any runs (lockstep), the update on each device's part; the fastest over ``sizes``,
+  ``remat_policies`` and ``dtypes`` that fits every device, or None."""
+  cluster, profile, every = costing.cluster, costing.profile, costing.cluster.devices
+  devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
+  n, kinds = len(devices), cluster.kinds
+  comm = {d: microbatch_comm_seconds(cluster, devices, profile, d) for d in dtypes}
+  best = None
+  for microbatch, remat, dtype in ((m, r, d) for m in sizes for r in remat_policies for d in dtypes):
+    memory = sharded_peak(profile, n, (microbatch, remat), None, None, dtype, state_sharded=True)
+    if global_batch % microbatch or any(memory > costing.specs[k].memory_bytes for k in kinds):
+      continue
+    most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
+    slowest = max(sharded_kind_cost(costing, k, costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n),
+                                    comm[dtype], n, True).at(most) for k in kinds)
+    e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
+                  counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
+                  compute_seconds=slowest, comm_seconds=0.0, memory_bytes=(memory,) * n, global_batch=global_batch,
+                  grad_reduce_dtype=dtype)
+    if best is None or e.step_seconds < best.step_seconds:
+      best = e
+  return best

@@ -1,0 +1,105 @@
+"""Pricing and searching sharded groups (FSDP inside a group of one device kind) and the fsdp baseline."""
+
+import dataclasses
+import json
+
+import pytest
+
+import hetspmd as hs
+from hetspmd import models
+from hetspmd.cli import main
+from hetspmd.models.gpt2 import GPT2Config
+from hetspmd.passes.profile import profile_step
+from hetspmd.plan.groups import GroupPlan
+from hetspmd.planner import sharding
+from hetspmd.planner.grouping import _may_fit, _may_fit_sharded, _peak, search_groups, to_group_plan
+from hetspmd.planner.pricing import Costing
+from hetspmd.planner.ranking import SEARCHED_REMAT, microbatch_sizes, search
+
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def deep_profile():
+  """A small GPT-2 of 16 blocks: its largest layer a small part of its parameters, as in the models FSDP is for."""
+  w = dataclasses.replace(models.get("gpt2-tiny"), name="gpt2-deep",
+                          config=GPT2Config(n_layer=16, n_head=4, d_model=64, vocab_size=512, n_ctx=128))
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2, 64))
+
+
+def _least(costing, kind_devices, sharded):
+  """The least bytes a device needs at microbatch 1 under any searched policy, unsharded or in a sharded group of
+  ``kind_devices``, with none of the optimizer state and none of the reduced gradients."""
+  if sharded:
+    return min(sharding.sharded_peak(costing.profile, kind_devices, (1, r), 0.0, 0.0, "bfloat16")
+               for r in SEARCHED_REMAT)
+  return min(_peak(costing, 6, (1, r), (0, r), 0.0, 0.0) for r in SEARCHED_REMAT)
+
+
+def _pool(profile, memory):
+  """Two roomy devices and four of the same speed with ``memory`` bytes each, in two hosts."""
+  fast = dict(fp32_flops=2e12, bf16_flops=4e12, memory_bandwidth=4e11)
+  specs = {"Roomy": hs.DeviceSpec("Roomy", memory_bytes=2**32, **fast),
+           "Tight": hs.DeviceSpec("Tight", memory_bytes=int(memory), **fast)}
+  return hs.Cluster.parse("1x2xRoomy+1x4xTight;inter=100Gbps", devices=specs)
+
+
+def test_sharded_memory_falls_with_the_group(deep_profile):
+  peaks = [sharding.sharded_peak(deep_profile, g, (1, "none"), None, None) for g in (2, 4, 8, 16)]
+  assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+  costing = Costing(hs.Cluster.parse("1x8xV100-32GB"), deep_profile, 1)
+  assert peaks[2] < _peak(costing, 8, (1, "none"), (0, "none"), None, None)  # below the unsharded group's
+  # the saving is the accumulator and parameters' parts: (params + grads) * (1/4 - 1/8) between 4 and 8
+  saved = (deep_profile.param_bytes + deep_profile.param_count * 4) * (1 / 4 - 1 / 8) * 1.1
+  assert peaks[1] - peaks[2] == pytest.approx(saved, rel=1e-3)
+
+
+def test_a_kind_that_cannot_join_joins_sharded(deep_profile):
+  """A kind none of whose microbatches fits its devices whole, and that cannot take a model axis (the profile has
+  no graph to split), joins the group plan as a sharded group."""
+  deep_profile = dataclasses.replace(deep_profile, traces=(), strategy_spaces={})
+  costing = Costing(_pool(deep_profile, 2**32), deep_profile, 1)
+  plain, sharded = _least(costing, 4, False), _least(costing, 4, True)
+  assert sharded < plain
+  cluster = _pool(deep_profile, (plain + sharded) / 2)
+  costing = Costing(cluster, deep_profile, 1)
+  sizes = microbatch_sizes(BATCH)
+  assert not any(_may_fit(costing, "Tight", m, 6, SEARCHED_REMAT) for m in sizes)  # unsharded it cannot join
+  assert any(_may_fit_sharded(costing, "Tight", m, 4, SEARCHED_REMAT) for m in sizes)
+  e = search_groups(cluster, deep_profile, BATCH, sizes, remat_policies=SEARCHED_REMAT,
+                    grad_reduce_dtypes=("float32", "bfloat16"))
+  tight = [i for i, k in enumerate(e.kinds) if k == "Tight"]
+  assert len(tight) == 4 and all(e.shard_params[i] for i in tight)
+  assert "parameters sharded (FSDP) on Tight" in e.name
+  assert all(m <= cluster.devices[d].spec.memory_bytes for d, m in zip(e.device_positions, e.memory_bytes))
+  assert sum(e.counts[i] for i in tight) > 0  # the Tight devices take part of the batch
+  plan = to_group_plan(cluster, e)
+  group = next(g for g in plan.groups if set(g.devices) == {cluster.devices[e.device_positions[i]].id for i in tight})
+  assert group.shard_params and group.model == 1
+  again = GroupPlan.from_json(json.loads(plan.dumps()))
+  assert again == plan and [g.shard_params for g in again.groups] == [g.shard_params for g in plan.groups]
+
+
+def test_one_kind_pool_has_a_sharded_group_plan_and_the_fsdp_baseline(deep_profile):
+  cluster = hs.Cluster.parse("1x4xV100-32GB")
+  e = search_groups(cluster, deep_profile, BATCH, microbatch_sizes(BATCH), remat_policies=SEARCHED_REMAT)
+  assert e is not None and e.shard_params == (True,) * 4  # unsharded, one group would be the single program
+  plan = to_group_plan(cluster, e)
+  assert len(plan.groups) == 1 and plan.groups[0].shard_params
+  result = search(cluster, deep_profile, BATCH)
+  fsdp = result.baselines["fsdp"]
+  assert fsdp.name == "fsdp" and sum(fsdp.counts) * fsdp.microbatch == BATCH
+  assert max(fsdp.counts) - min(fsdp.counts) <= 1  # an even batch
+  # the parameters, gradients and optimizer state held in quarters: below ZeRO-1's single program at its microbatch
+  held = sharding.sharded_peak(deep_profile, 4, (fsdp.microbatch, fsdp.remat), None, None, fsdp.grad_reduce_dtype,
+                               state_sharded=True)
+  assert fsdp.memory_bytes == (held,) * 4
+  assert held < Costing(cluster, deep_profile, 1).memory(4, fsdp.microbatch, 1, fsdp.remat)
+
+
+def test_search_json_reports_the_fsdp_baseline(capsys):
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", "1x4xV100-32GB", "--global-batch", "32", "--seq", "64",
+               "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  fsdp = report["baselines"]["fsdp"]
+  assert fsdp["name"] == "fsdp" and fsdp["throughput"] > 0 and fsdp["mesh"]["data"] == 4
