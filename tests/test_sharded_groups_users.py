@@ -248,13 +248,13 @@ class HalfPrecision(nn.Module):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shares,zero,split,casts", [((), None, 6, 0), ((1 / 8,) * 8, 3, 2, 4)],
+@pytest.mark.parametrize("shares,zero,split,casts", [((), None, 6, 0), ((1 / 8,) * 8, 3, 6, 4)],
                          ids=["replicated", "zero-3"])
 def test_a_bfloat16_step_under_a_sharded_group_matches_one_device(shares, zero, split, casts):
   """Adam's ``eps`` above the gradients' rounding noise and the float64 reference widening the bfloat16 work too,
-  as tests/exactness.py derives the half-precision bound. Replicated, the group splits all 6 float32 parameters;
-  under ZeRO-3 the Dense layers' 4 parameters come as the bfloat16 casts their holders send, and the group splits
-  the LayerNorm's 2 (its statistics read them in float32)."""
+  as tests/exactness.py derives the half-precision bound. The group splits all 6 float32 parameters; under ZeRO-3
+  the Dense layers' 4 come as the bfloat16 casts their holders send, split as the casts (the LayerNorm's 2 as
+  float32: its statistics read them so)."""
   require_devices(8)
   plan = sharded_beside_unsharded(state_shares=shares, zero_stage=zero)
   runner, state = trained(linen_step, lambda: linen_state(HalfPrecision(), eps=1e-3), plan,

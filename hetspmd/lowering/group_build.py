@@ -204,12 +204,12 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
 
 def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: list) -> dict[int, dict[int, int]]:
   """ZeRO-3 in one process, one loop and no tail: ``{state index: {group: axis}}`` of the parameters held on one
-  device (not sent as casts) that groups sharding their parameters take split (``splits``: each group's
+  device (or their casts, where the programs take those) that groups sharding their parameters take split (``splits``: each group's
   ``{state index: axis}``), and that neither the exchange program's outputs nor any update but their maker's
   read: those reach each such group as its parts alone, and the other groups' devices whole."""
   if plan.zero_stage != 3 or plan.tail_count or units is None or jax.process_count() > 1 or prog.analysis.loops > 1:
     return {}
-  maker = {h.index: h.output for h in held if h.role == "param" and h.cast is None}
+  maker = {h.index: h.output for h in held if h.role == "param"}
   wanted = [i for i in maker if any(i in split for split in splits)]
   if not wanted:
     return {}
@@ -266,12 +266,13 @@ def _updates(prog: Program, meshes: GroupMeshes, units: Any, held: tuple, wide: 
 
 def _shards(own: Program, group: Any, state: Any, held: tuple[int, ...], wide: dict) -> dict[int, int]:
   """``{flat state input: axis}`` of the parameters a group with ``shard_params`` takes split over its devices
-  (:func:`hetspmd.lowering.groups.shardable`; not held leaves nor parameters taken as their casts); none for a
+  (:func:`hetspmd.lowering.groups.shardable`; not held optimizer-state leaves; a parameter taken as its cast is
+  split as the cast); none for a
   group without."""
   if not group.shard_params:
     return {}
   floats = [i for i, x in enumerate(jax.tree.leaves(state))
-            if jnp.issubdtype(traced_dtype(x), jnp.floating) and i not in held and i not in wide]
+            if jnp.issubdtype(traced_dtype(x), jnp.floating) and i not in held]
   return group_lowering.shardable(own, floats, len(group.devices))
 
 

@@ -136,8 +136,8 @@ def gather_params(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes,
   sent = transfers.broadcast({i: d for i, d in held.items() if i not in parted},
                              {i: x for i, x in local.items() if i not in parted}, avals, mesh, shares,
                              functools.partial(call, "gather"))
-  sent.update({i: PerGroup(state_leaves[i], _per_group(state_leaves[i], built.parted[i], meshes))
-               for i in parted})
+  sent.update({i: PerGroup(state_leaves[i], _per_group(local[i], built.parted[i], meshes))  # cast, where cast
+               for i in parted if i in local})
   return [sent[i] if i in sent else transfers.cast_value(x, casts[i]) if i in casts else x
           for i, x in enumerate(state_leaves)]
 
