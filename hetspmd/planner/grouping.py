@@ -167,7 +167,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
   if zero == 3 and any(tp.m > 1 for tp in tps.values()):
     return None
-  if sharded and (count or zero == 3 or any(tps[k].m > 1 or layout.kind_counts[k] < 2 for k in sharded)):
+  if sharded and (count or (zero == 3 and not _one_process(costing, layout))  # ZeRO-3 parts: one process
+                  or any(tps[k].m > 1 or layout.kind_counts[k] < 2 for k in sharded)):
     return None
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
@@ -181,9 +182,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
                           else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
-  costs = {k: _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k), tp=tps[k], zero=zero) if k not in sharded
-           else sharding.sharded_kind_cost(costing, k, _kind_cost(costing, k, sizes[k], remats[k], n, shares.get(k)),
-                                           _sharded_comm(costing, layout, k, dtype), layout.kind_counts[k]) for k in order}
+  costs = {k: _group_cost(costing, layout, k, sizes[k], remats[k], shares.get(k), tp=tps[k], zero=zero,
+                          sharded=k in sharded, dtype=dtype) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
@@ -241,6 +241,18 @@ def _lockstep(per_position: tuple[float, ...], layout: DeviceGroups, sharded: fr
       mine = index == i
       seconds[mine] = seconds[mine].max()
   return tuple(seconds.tolist())
+
+
+def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: int, remat: str,
+                share: float | None, *, tp: TensorParallel, zero: int, sharded: bool, dtype: str) -> KindCost:
+  """A device of ``kind``'s costs in its group: :func:`_kind_cost`, with a sharded group's collectives and part-sized
+  accumulation (:func:`hetspmd.planner.sharding.sharded_kind_cost`) where it shards its parameters."""
+  n = len(layout.groups)
+  if not sharded:
+    return _kind_cost(costing, kind, microbatch, remat, n, share, tp=tp, zero=zero)
+  cost = _kind_cost(costing, kind, microbatch, remat, n, share, zero=zero or 1)
+  return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype),
+                                    layout.kind_counts[kind])
 
 
 def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str) -> float:
@@ -361,7 +373,7 @@ def _kind_peak(costing: Costing, counts: dict[str, int], kind: str, loop: tuple[
   """A device of ``kind``'s bytes (``counts``: each kind's positions, one device each): :func:`_peak`, or in a
   group sharding its parameters (``kind`` in ``sharded``) :func:`hetspmd.planner.sharding.sharded_peak`."""
   if kind in sharded:
-    return sharding.sharded_peak(costing.profile, counts[kind], loop, share, rows, dtype)
+    return sharding.sharded_peak(costing.profile, counts[kind], loop, share, rows, dtype, zero=zero)
   return _peak(costing, sum(counts.values()), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
 
 
@@ -487,6 +499,9 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
                        and all(m in plain[k] and k not in models for k in order)] if one_loop else [])
   # ZeRO-3 lowers a step's peak only where the programs take parameters as narrower casts
   zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
+  # beside a sharded group ZeRO-3 also keeps whole parameters off its devices (in one process: they reach it as
+  # parts only, hetspmd.lowering.group_build.GroupPrograms.parted)
+  sharded_zeros = (0, 1, 3) if costing.profile.opt_state_bytes > 0 and _one_process(costing, layout) else zeros
   near: list[Evaluated] = []
   total = min(math.prod(len(fits[k]) for k in order), MAX_COMBINATIONS)
   report = {max(1, total * i // 8) for i in range(1, 9)} if progress else set()  # every eighth, and the last
@@ -499,7 +514,7 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
       for e in _combination(costing, layout, global_batch, chosen, policies=remat_policies, one_loop=one_loop,
                             models={k: tp for k, tp in models.items() if k not in sharded}, sharded=sharded,
                             tails=tails if not sharded else [(0, 0)],
-                            zeros=[z for z in zeros if not (sharded and z == 3)], dtypes=dtypes):
+                            zeros=sharded_zeros if sharded else zeros, dtypes=dtypes):
         near, priced = _near(near + [e]), priced + 1
     if done in report:
       progress(f"group plans on {layout.name}: {done}/{total} microbatch combinations, {priced} plans priced")

@@ -26,24 +26,25 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, NO_TENSOR_PARALLEL, REDUCE_BY
                                        microbatch_bytes)
 from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated
 
-# Between steps the runtime keeps the parameters whole on every device (the state is replicated; a group's parts
-# are made from it at each call: hetspmd.lowering.transfers.shard_program), so a sharded group's devices hold
-# them whole beside their parts through the step. False once the runtime keeps only the parts between steps.
+# Without ZeRO-3 the runtime keeps the parameters whole on every device between steps (the state is replicated; a
+# group's parts are made from it at each call: hetspmd.lowering.transfers.shard_program), so a sharded group's
+# devices hold them whole beside their parts through the step. Under ZeRO-3 in one process each device holds its
+# share, and a sharded group receives its parts only (hetspmd.lowering.group_build.GroupPrograms.parted).
 WHOLE_PARAMS_HELD = True
 # After its loop a sharded group hands the exchange one row per device the whole gradients' size (its part in
 # place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its part.
 WHOLE_ROWS = True
-# Gathered parameters live at once: the layer being computed and the next one being gathered, as per-layer
-# gathers (forward, and again backward) keep them (MaxText's layer scan keeps about two). The runtime today
-# gathers every parameter at the start of each microbatch (ParamShards.gathered): 0 here prices all of them.
+# Gathered parameters live at once: the runtime gathers each parameter for each reader (forward, and again
+# backward), a layer scan a slice per iteration, each copy after the reader before it (ParamShards.whole), so the
+# layer being computed and the next one (benchmarks/group_memory.py: 2.9 layers' bytes beside the accumulator,
+# the gradient being scattered included). 0 prices every parameter gathered at once.
 LIVE_GATHERED_LAYERS = 2
-# The parameters are gathered in the dtype the step reads them in (a bfloat16 cast as the cast, half the bytes),
-# as per-layer gathers are to do. The runtime today gathers the float32 parts and casts after the gather
-# (ParamShards.gathered redoes the casts): False prices that.
+# The parameters are gathered in the dtype the step reads them in: a bfloat16 cast as the cast, half the bytes
+# (ParamShards gathers a cast's part cast). False prices float32 gathers.
 GATHERS_READ_DTYPE = True
-# Each microbatch's gradient sums are reduce-scattered in the plan's reduce dtype where it is narrower than float32.
-# The runtime today reduce-scatters them in their own dtype, float32 (ParamShards.scattered): False prices that.
-SCATTERS_REDUCE_DTYPE = True
+# Each microbatch's gradient sums are reduce-scattered in float32 (ParamShards.scattered widens them first): True
+# would price them in the plan's reduce dtype where it is narrower.
+SCATTERS_REDUCE_DTYPE = False
 
 _INDEX = re.compile(r"/(\d+)(/|$)")
 
@@ -90,7 +91,7 @@ def live_gathered_bytes(profile: StepProfile) -> float:
 
 
 def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: float | None, rows: float | None,
-                 dtype: str = "float32", *, state_sharded: bool = False) -> int:
+                 dtype: str = "float32", *, state_sharded: bool = False, zero: int = 0) -> int:
   """A device's peak bytes in a group of ``g`` devices sharding its parameters: ``loop`` ``(microbatch, remat)``.
 
   Held through the step: the whole float32 parameters (:data:`WHOLE_PARAMS_HELD`) and ``share`` of the optimizer
@@ -99,12 +100,18 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   and one microbatch's activations (:func:`hetspmd.planner.data_axis.microbatch_bytes`). After the loop: the row it
   hands the exchange, whole-sized (:data:`WHOLE_ROWS`) in ``dtype``, beside ``rows`` (the reduced or received
   gradients, a fraction of one whole copy; one where None). ``state_sharded`` (the ``fsdp`` baseline): the
-  parameters and optimizer state held only as ``1/g`` parts and no exchange after the loop."""
+  parameters and optimizer state held only as ``1/g`` parts and no exchange after the loop. ``zero=3``: ``share``
+  is of the parameters and the optimizer state together, and no whole parameters are held."""
   p = profile
   part = (p.param_bytes + p.param_count * GRAD_BYTES) / g
   working = part + live_gathered_bytes(p) + microbatch_bytes(p, loop[0], loop[1])
   if state_sharded:
     return int((p.opt_state_bytes / g + working) * WORKSPACE)
+  if zero == 3:  # its share of the parameters and the optimizer state; the parameters reach its loop as parts
+    held = (p.param_bytes + p.opt_state_bytes) * (1.0 if share is None else share)
+    wire = REDUCE_BYTES[dtype]
+    after = p.param_count * wire * ((1.0 if WHOLE_ROWS else 1.0 / g) + (1.0 if rows is None else rows))
+    return int((held + max(working, after)) * WORKSPACE)
   held = (p.param_bytes if WHOLE_PARAMS_HELD else 0.0) + p.opt_state_bytes * (1.0 if share is None else share)
   wire = REDUCE_BYTES[dtype]
   row = p.param_count * wire * (1.0 if WHOLE_ROWS else 1.0 / g)
