@@ -228,3 +228,28 @@ def test_under_zero_3_a_sharded_group_receives_only_its_parts(monkeypatch):
   assert not whole_on_group_0, whole_on_group_0
   assert any(on == {4, 5, 6, 7} and shape in shapes for on, shape in placed)  # the unsharded group's whole copies
   assert step.memory_analysis()["exchange"].argument_size_in_bytes < min(x.nbytes for x in jax.tree.leaves(params))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [0, 3], ids=["replicated", "zero-3-shares"])
+def test_a_priced_sharded_group_plan_runs_as_priced(zero):
+  """The pricing's sharded group (each kind its microbatch, the sharded kind's devices in lockstep), made a plan by
+  ``to_group_plan`` and run: exact against one device, with the priced counts and the group that shards."""
+  require_devices(8)
+  import hetspmd as hs
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.grouping import price_groups, to_group_plan
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+  batches = _batches(24)
+  profile = profile_step(dropout_step, _state(), {k: v[:2] for k, v in batches[0].items()})
+  layout = device_groups(pool, "group programs by kind", tuple(range(8)), 1)
+  priced = price_groups(Costing(pool, profile, 2), layout, {"V100-32GB": 2, "P100-16GB": 1}, "none", 24, zero=zero,
+                        sharded=frozenset({"P100-16GB"}))
+  plan = to_group_plan(pool, priced)
+  by_kind = {g.devices[0] < 4: g for g in plan.groups}
+  assert by_kind[False].shard_params and not by_kind[True].shard_params
+  assert bool(plan.state_shares) == (zero == 3)
+  step, _ = _trained(plan, _state)
+  assert "shards its parameters over its 4 devices" in step.explain()
