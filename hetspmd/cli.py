@@ -93,11 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
       "plans over (data, model) layouts: per-operation tensor-parallel splits along model (an ILP), microbatch "
       "counts per data position weighted by device speed (balanced to the slowest position), microbatch size, "
       "ZeRO stage, remat, and which device kinds take part; against the baselines dp_even, dp_proportional, "
-      "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), and "
+      "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), fsdp (every "
+      "device, an even batch, parameters and optimizer state sharded over all of them, gathered per layer; priced "
+      "beside them, not a candidate), and "
       "homogeneous_equivalent: the best plan of the same pool with every device its mean; the heterogeneity tax is "
       "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
       "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
-      "device kind, each its own microbatch). For a model that scans its layers (the zoo's -scan models), pipeline "
+      "device kind, each its own microbatch, a kind's parameters sharded over its devices where that lets it join or "
+      "recompute less). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
