@@ -183,7 +183,7 @@ def test_explain_gives_the_bytes_held_and_gathered_per_device():
   plan = group_plan([_sharded((0, 1, 2, 3), 2, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 1))], 16)
   step = run_groups(_layers_step, plan)
   step(step.shard_state(state), _batches(16)[0])
-  sizes = step._latest.shard_bytes[0]
+  sizes = step._latest.shards[0].sizes
   leaves = jax.tree.leaves(params)
   whole = sum(x.nbytes for x in leaves)
   padding = sum(x.nbytes // min(x.shape) for x in leaves)  # at most one slice along the split axis per leaf

@@ -65,7 +65,7 @@ def split_leaves(runner) -> int:
   split comes into the group whole, which is exact too, so the tests count them."""
   runner = getattr(runner, "_grouped", runner)  # parallelize's step holds its group programs' runner
   (built,) = runner._built.values()
-  return len(built.shards[0][0]) if built.shards and built.shards[0] else 0
+  return len(built.shards[0].at) if built.shards and built.shards[0] else 0
 
 
 def trained(step_fn, make_state, plan, data, *, half=False, runner=None):

@@ -96,11 +96,8 @@ class GroupPrograms:
   relay: dict = dataclasses.field(default_factory=dict)  # {partial value: (axis, size)} reduce-scattered, then sent
   scatter: Any = None  # the reduce-scatter program of the values ``relay`` names (in index order)
   group_stages: tuple = ()  # per group: its last loop's stage names, innermost first
-  # per group: None, or (positions among its program's inputs, its shard program) of the parameters it takes split
-  # over its devices (Group.shard_params; transfers.shard_program makes them from the replicated state)
+  # per group: None, or the parameters it takes split over its devices (Group.shard_params): SplitParams
   shards: tuple = ()
-  # per group: None, or the bytes its devices hold and gather of the parameters it splits (groups.ShardBytes)
-  shard_bytes: tuple = ()
   # ZeRO-3: {state index: {group: axis}} of the parameters held on one device that reach the groups which shard
   # them as parts only (whole to the other groups' devices); neither the exchange nor another owner's update
   # takes them (:func:`_parted`)
@@ -143,6 +140,17 @@ class GroupPrograms:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitParams:
+  """The parameters a group takes split over its devices (:attr:`hetspmd.plan.groups.Group.shard_params`): their
+  positions among its program's inputs, the program that splits them from whole copies
+  (:func:`hetspmd.lowering.transfers.shard_program`), and the bytes a device holds and gathers of them."""
+
+  at: tuple[int, ...]
+  program: Any
+  sizes: Any  # hetspmd.lowering.groups.ShardBytes
+
+
+@dataclasses.dataclass(frozen=True)
 class _Step:
   """What :func:`build` reads of the step and its arguments."""
 
@@ -171,7 +179,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages, shards, shard_bytes, splits = [], [], [], [], []
+  loops, stages, shards, splits = [], [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh in zip(plan.groups, meshes.groups):
     split = _shards(progs[group.remat], group, state, held_inputs, wide)
@@ -179,9 +187,9 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
     programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
     loops.append(programs)
     stages.append(names)
-    shards.append((tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())))
+    shards.append(SplitParams(tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())),
+                              group_lowering.shard_bytes(progs[group.remat], split, len(group.devices)))
                   if split else None)
-    shard_bytes.append(group_lowering.shard_bytes(progs[group.remat], split, len(group.devices)) if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
   parted = _parted(prog, plan, units, held, splits)
@@ -198,7 +206,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
-                       shard_bytes=tuple(shard_bytes), parted=parted,
+                       parted=parted,
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 

@@ -47,9 +47,9 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
     if placed is not None:
       on = functools.partial(transfers.on, mesh)
       inputs = [x.groups[g] if isinstance(x, PerGroup) else on(x) for x in state] + buffers[g] + [on(x) for x in others]
-      at = built.shards[g][0] if built.shards and built.shards[g] is not None else ()
-      if any(not isinstance(state[k], PerGroup) for k in at):  # its parameters split over its devices (FSDP)
-        inputs = _split(inputs, *built.shards[g], functools.partial(call, f"shard group {g}"))
+      split = built.shards[g] if built.shards else None
+      if split is not None and any(not isinstance(state[k], PerGroup) for k in split.at):  # split over its devices
+        inputs = _split(inputs, split.at, split.program, functools.partial(call, f"shard group {g}"))
       given[g] = inputs
   for s in range(loops):
     partials, examples = [], []

@@ -314,14 +314,14 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
     if not group.shard_params:
       continue
     split = built.shards[g] if built is not None and built.shards else None
-    what = (f"{len(split[0])} parameter leaves" if split else "no parameter (none read only by its loop)"
+    what = (f"{len(split.at)} parameter leaves" if split else "no parameter (none read only by its loop)"
             if built is not None else "the parameters its loop reads (known once traced)")
     lines.append(f"  group {g} shards its parameters over its {len(group.devices)} devices (FSDP): {what} split "
                  f"evenly (zero-padded along one axis), each gathered for each equation that reads it (forward and "
                  f"backward apart; a layer scan's a slice per iteration), each microbatch's gradient sums "
                  f"reduce-scattered into parts; its devices run {group.max_count} microbatch(es) in lockstep (the "
                  "ones a device lacks masked); each device's row is its part in place, zeros elsewhere")
-    sizes = built.shard_bytes[g] if built is not None and built.shard_bytes else None
+    sizes = split.sizes if split is not None else None
     if sizes is not None:
       lines.append(f"    per device: {_mb(sizes.held)} of the parameters held in its loop (of {_mb(sizes.whole)} "
                    f"whole), at most {_mb(sizes.gathered)} gathered at once (two readers' copies in a row), "
