@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax.training import train_state
 
+import hetspmd as hs
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.groups import Group, GroupPlan, group_plan, shard_axis
 from hetspmd.runtime.grouped import run_groups
@@ -154,18 +155,31 @@ def _layers_step(state, batch):
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+def _layers_step_rematted(state, batch):
+  """``_layers_step`` through ``hs.value_and_grad``: the plan's remat policy checkpoints the loss."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = hs.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "layer-scan"])
-def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned):
+@pytest.mark.parametrize("scanned,remat", [(False, "none"), (True, "none"), (False, "dots"), (True, "dots")],
+                         ids=["unrolled", "layer-scan", "unrolled-dots", "layer-scan-dots"])
+def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned, remat):
   require_devices(8)
   model = _Layers(scanned=scanned)
   params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
   state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
-  # a layer scan's stacked parameters split after the layers' axis: (4, 16, 16) along 1, (4, 16) along 1
-  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (1, 1, 2, 2))], 18)
+  # a layer scan's stacked parameters split after the layers' axis: (4, 16, 16) along 1, (4, 16) along 1; under a
+  # remat policy the loss is one checkpointed call, inside which each reader gathers its copy
+  fn = _layers_step if remat == "none" else _layers_step_rematted
+  plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 1, 1), remat, shard_params=True),
+                     ((4, 5, 6, 7), 1, (1, 1, 2, 2), remat)], 18)
   batches = _batches(plan.global_batch)
-  ref = Reference(_layers_step, state()).run(batches)
-  step = run_groups(_layers_step, plan)
+  ref = Reference(fn, state()).run(batches)
+  step = run_groups(fn, plan)
   trained = step.shard_state(state())
   for i, batch in enumerate(batches):
     trained, metrics = step(trained, batch)

@@ -193,22 +193,29 @@ class _DeviceLoop:
     reduce-scattered inside it (:attr:`presplit`); :func:`run_equation`'s result and the next reader's ``after``."""
     prog, shards = self.ctx.prog, self.ctx.shards
     eqn = prog.eqns[index]
-    gathered, scanned = shards.read_by(eqn), shards.scanned_by(eqn)
-    env.update({v: shards.whole(v, self.outer, after) for v in gathered})
-    env.update({v: shards.part_of(v, self.outer) for v in scanned.values()})
-    if gathered or scanned:
-      after = tuple(env[v] for v in eqn.invars if not jx.is_literal(v) and v not in shards.made and v in env) or after
-    slices = {j: functools.partial(shards.gathered_slice, v) for j, v in scanned.items()}
-    ys = {j: functools.partial(shards.scattered_slice, axis - 1, valid) for j, axis in self._ys_split.get(index, {}).items()}
-    ran = run_equation(prog, index, env, offset, size, ScanHooks(slices, ys))
-    for v in (*gathered, *scanned.values()):
+    example_free = prog.analysis.decisions[index] is None
+    read, hooks, after = gather_reads(shards, eqn, env, self.outer, after, example_free=example_free)
+    ys = {path: {j: functools.partial(shards.scattered_slice, axis - 1, valid) for j, axis in at.items()}
+          for path, at in self._ys_split.get(index, {}).items()}
+    hooks = dataclasses.replace(hooks, ys=ys.get((), {}), nested={k: v for (k,), v in
+                                                                   (i for i in ys.items() if i[0])})
+    ran = run_equation(prog, index, env, offset, size, hooks)
+    for v in read:
       del env[v]
     return ran, after
 
   @functools.cached_property
   def presplit(self) -> dict:
     """``{(partial position, value position): (axis, whole shape)}`` of the partial values a sharded group's layer
-    scan reduce-scatters inside itself, a slice per iteration (its stacked gradients: never whole on a device)."""
+    scan reduce-scatters inside itself, a slice per iteration (its stacked gradients: never whole on a device);
+    the scan may sit in a checkpointed call (a remat policy's)."""
+    return {at: (axis, shape) for at, (_, _, axis, shape) in self._stacked.items()}
+
+  @functools.cached_property
+  def _stacked(self) -> dict:
+    """``{(partial position, value position): (path, ys position, axis, whole shape)}``: where each of
+    :attr:`presplit`'s values is stacked (``path``: ``()`` for the cut's own scan, ``(k,)`` for equation ``k`` of
+    its checkpointed body)."""
     shards, prog = self.ctx.shards, self.ctx.prog
     if shards is None:
       return {}
@@ -216,25 +223,22 @@ class _DeviceLoop:
     for p, k_ in enumerate(self.mine):
       cut = self.ctx.cut_outs[k_]
       eqn, decision = prog.eqns[cut.index], prog.analysis.decisions[cut.index]
-      if cut.reduce != "sum" or jx.primitive_name(eqn) != "scan" or decision.body is None:
+      if cut.reduce != "sum" or decision is None or decision.body is None:
         continue
-      carry = jx.scan_parts(eqn).num_carry
       for q, j in enumerate(sum_outputs(decision)):
         shape = jx.aval_shape(eqn.outvars[j])
-        axis = shards.slice_axis(shape, jx.aval_dtype(eqn.outvars[j])) if j >= carry else None
+        where = _stacked_output(eqn, decision, j)
+        axis = shards.slice_axis(shape, jx.aval_dtype(eqn.outvars[j])) if where is not None else None
         if axis is not None:
-          out[(p, q)] = (axis, shape)
+          out[(p, q)] = (*where, axis, shape)
     return out
 
   @functools.cached_property
   def _ys_split(self) -> dict:
-    """``{equation index: {ys position: axis}}`` of :attr:`presplit`."""
-    prog, out = self.ctx.prog, {}
-    for (p, q), (axis, _) in self.presplit.items():
-      cut = self.ctx.cut_outs[self.mine[p]]
-      eqn = prog.eqns[cut.index]
-      j = sum_outputs(prog.analysis.decisions[cut.index])[q]
-      out.setdefault(cut.index, {})[j - jx.scan_parts(eqn).num_carry] = axis
+    """``{equation index: {path: {ys position: axis}}}`` of :attr:`presplit`."""
+    out: dict = {}
+    for (p, _), (path, ys, axis, _) in self._stacked.items():
+      out.setdefault(self.ctx.cut_outs[self.mine[p]].index, {}).setdefault(path, {})[ys] = axis
     return out
 
   def step(self, i, carry, masked: bool, k: int = 1, limit=None):
@@ -313,6 +317,23 @@ class _DeviceLoop:
     return step(first, carry, False, k)
 
 
+def _stacked_output(eqn, decision, j: int) -> tuple | None:
+  """``(path, ys position)`` where output ``j`` of a cut with a body is made as a scan's stacked output: the cut's
+  own scan (``path`` ``()``), or a scan of its checkpointed body whose output it is (``(k,)``); else None."""
+  if jx.primitive_name(eqn) == "scan":
+    carry = jx.scan_parts(eqn).num_carry
+    return ((), j - carry) if j >= carry else None
+  if jx.primitive_name(eqn) not in ("remat2", "checkpoint"):
+    return None
+  jaxpr = decision.body.propagation.jaxpr
+  out = jx.outvars(jaxpr)[j]
+  for k, inner in enumerate(jx.equations(jaxpr)):
+    if jx.primitive_name(inner) == "scan" and out in inner.outvars:
+      position, carry = inner.outvars.index(out), jx.scan_parts(inner).num_carry
+      return ((k,), position - carry) if position >= carry else None
+  return None
+
+
 def split_fused(x, dim: int, k: int):
   """A per-example output of ``k`` microbatches run as one, its examples along ``dim`` → ``[k, *one's shape]``."""
   shape = x.shape
@@ -321,15 +342,38 @@ def split_fused(x, dim: int, k: int):
 
 @dataclasses.dataclass(frozen=True)
 class ScanHooks:
-  """What a scan does to each iteration's values besides its body: ``slices`` (``{input position: f(slice,
-  carry)}``) made of an input's slice before the body reads it, ``ys`` (``{output position among the stacked
-  outputs: f(slice)}``) made of an output's slice before it is stacked."""
+  """What a nested body does besides its equations, for a group that shards its parameters: a scan's ``slices``
+  (``{input position: f(slice, carry)}``) made of an input's slice before the body reads it, and ``ys``
+  (``{output position among the stacked outputs: f(slice)}``) made of an output's slice before it is stacked; a
+  checkpointed call's ``inner`` (``(shards, {input position: value})``): the parts it takes, gathered for each
+  reader inside it (:meth:`hetspmd.lowering.transfers.ParamShards.inner`), and ``nested``: the ``ys`` of the
+  scans in its body, by equation index."""
 
   slices: dict = dataclasses.field(default_factory=dict)
   ys: dict = dataclasses.field(default_factory=dict)
+  inner: tuple | None = None
+  nested: dict = dataclasses.field(default_factory=dict)  # a checkpointed body's: {equation index: its ys}
 
   def __bool__(self) -> bool:
-    return bool(self.slices or self.ys)
+    return bool(self.slices or self.ys or self.inner or self.nested)
+
+
+def gather_reads(shards, eqn, env: dict, parts: dict, after: tuple, *, example_free: bool = False):
+  """Puts in ``env`` what ``eqn`` reads of a group's split parameters (``parts``: their parts, by variable): each
+  gathered whole for it alone, after ``after`` (the reader before it's inputs); a layer scan's stacked parts and a
+  checkpointed call's parts as they are, gathered inside (a slice per iteration; per reader). The values put,
+  the :class:`ScanHooks` that gather inside, and the next reader's ``after``."""
+  scanned = {} if example_free else shards.scanned_by(eqn)
+  passed = {} if example_free else shards.passed_by(eqn)
+  inside = {*scanned.values(), *passed.values()}
+  gathered = tuple(v for v in shards.read_by(eqn) if v not in inside)
+  env.update({v: shards.whole(v, parts, after) for v in gathered})
+  env.update({v: shards.part_of(v, parts) for v in inside})
+  if gathered or inside:
+    after = tuple(env[v] for v in eqn.invars if not jx.is_literal(v) and v not in shards.made and v in env) or after
+  hooks = ScanHooks({j: functools.partial(shards.gathered_slice, v) for j, v in scanned.items()},
+                    inner=(shards, passed) if passed else None)
+  return (*gathered, *inside), hooks, after
 
 
 def run_equation(prog, index: int, env: dict, offset, m: int, hooks: ScanHooks | None = None
@@ -389,14 +433,26 @@ class Body:
   def rebuilt(self, var, axis):
     return operands.rebuilt(self, var, axis)
 
-  def run(self, inputs, offset, m) -> list[Any]:
+  def run(self, inputs, offset, m, shards=None, nested: dict | None = None) -> list[Any]:
+    """The body's outputs; ``shards`` (a :class:`hetspmd.lowering.transfers.ParamShards` of its inputs): the
+    inputs that are split parameters' parts, gathered for each reader; ``nested``: ``{equation index: ys}`` of
+    its scans (:class:`ScanHooks`)."""
     env = dict(zip(self.constvars, self.consts))
     env.update(zip(self.invars, inputs))
-    for eqn, decision in zip(self.eqns, self.prop.decisions):
+    parts = {v: env.pop(v) for v in self.invars if v in shards.made} if shards is not None else {}
+    after = tuple(x for v, x in env.items() if v in set(self.invars))[:1]
+    for k, (eqn, decision) in enumerate(zip(self.eqns, self.prop.decisions)):
+      read, hooks = (), None
+      if shards is not None:
+        read, hooks, after = gather_reads(shards, eqn, env, parts, after, example_free=decision is None)
+      if nested and k in nested:
+        hooks = dataclasses.replace(hooks or ScanHooks(), ys=nested[k])
       if decision is None:
         jx.eval_equations([eqn], env)
       else:
-        env.update(zip(eqn.outvars, apply(self, eqn, decision, env, offset, m)))
+        env.update(zip(eqn.outvars, apply(self, eqn, decision, env, offset, m, hooks=hooks)))
+      for v in read:
+        del env[v]
     return [jx.read(env, v) for v in self.outvars]
 
 
@@ -404,7 +460,11 @@ def _apply_body(eqn, decision, invals, offset, m, hooks: ScanHooks) -> list[Any]
   body = Body(decision.body)
   name = jx.primitive_name(eqn)
   if name in ("remat2", "checkpoint"):
-    return jx.checkpoint_call(eqn, lambda *xs: body.run(xs, offset, m), invals)
+    inner = None
+    if hooks.inner is not None:  # the parts it takes, each gathered for each reader inside
+      shards, passed = hooks.inner
+      inner = shards.inner({body.invars[j]: v for j, v in passed.items()})
+    return jx.checkpoint_call(eqn, lambda *xs: body.run(xs, offset, m, inner, hooks.nested), invals)
   parts = jx.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
   consts, init, xs = invals[:nc], list(invals[nc:nc + nk]), invals[nc + nk:]

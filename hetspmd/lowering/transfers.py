@@ -155,11 +155,19 @@ class ParamShards:
     return {v: e for e in self.derived for v in e.outvars}
 
   def read_by(self, eqn: Any) -> tuple:
-    """The values of :attr:`made` that ``eqn`` reads whole (gathered for it alone); not those a layer scan reads
-    sliced (:meth:`scanned_by`)."""
-    scanned = set(self.scanned_by(eqn).values())
-    return tuple(dict.fromkeys(v for v in eqn.invars
-                               if not jx.is_literal(v) and v in self.made and v not in scanned))
+    """The values of :attr:`made` that ``eqn`` reads."""
+    return tuple(dict.fromkeys(v for v in eqn.invars if not jx.is_literal(v) and v in self.made))
+
+  def passed_by(self, eqn: Any) -> dict:
+    """``{input position: value}`` of the parts a checkpointed call (``jax.checkpoint``, a remat policy's) takes
+    as they are: each reader inside it gathers its own copy (:meth:`inner`)."""
+    if jx.primitive_name(eqn) not in ("remat2", "checkpoint"):
+      return {}
+    return {j: v for j, v in enumerate(eqn.invars) if not jx.is_literal(v) and v in self._split}
+
+  def inner(self, passed: dict) -> "ParamShards":
+    """These shards as a nested body sees them: ``passed`` (``{body input: value}``) its inputs that are parts."""
+    return ParamShards(self.axis_name, self.n, tuple((b, *self._split[v]) for b, v in passed.items()))
 
   def scanned_by(self, eqn: Any) -> dict:
     """``{input position: value}`` of the parts a scan takes as sliced inputs (a layer scan's stacked
@@ -187,8 +195,9 @@ class ParamShards:
     return self._gather(part, a - 1, size, (after,) if after is not None else ())
 
   def _gather(self, part: Any, a: int, size: int, after: tuple) -> Any:
-    if after:
-      part = part + _zero_after(after[0]).astype(part.dtype)
+    tie = next((x for x in after if _numeric(x)), None)
+    if tie is not None:
+      part = part + _zero_after(tie).astype(part.dtype)
     gathered = jax.lax.all_gather(part, self.axis_name, axis=a, tiled=True)
     return jax.lax.slice_in_dim(gathered, 0, size, axis=a)
 
@@ -265,6 +274,12 @@ class ParamShards:
 
     return [[row(x, r, like, (p, q)) for q, (x, like) in enumerate(zip(xs, ss))]
             for p, (r, xs, ss) in enumerate(zip(kinds, acc, shapes))]
+
+
+def _numeric(x: Any) -> bool:
+  """Whether ``x`` is a non-empty array of numbers (not a PRNG key): one a zero can be made of."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.size(x) > 0
 
 
 def _zero_after(x: Any) -> Any:
