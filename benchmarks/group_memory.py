@@ -90,7 +90,9 @@ def main() -> None:
 def _sharded_rows(layers: int, width: int) -> None:
   """A group of 4 devices sharding its parameters (FSDP inside the group) beside 4 unsharded ones, against the
   same plan with neither sharded: a ``layers``-deep residual MLP of ``width``, once unrolled and once as a layer
-  scan (``nn.scan``), Adam, float32, microbatches of 2. Per program of group 0 (the one that shards): its
+  scan (``nn.scan``), each without remat and under the ``dots`` policy (the step's ``hs.value_and_grad``
+  checkpoints the loss: the parts go into the checkpointed call, each reader inside gathers its copy), Adam,
+  float32, microbatches of 2. Per program of group 0 (the one that shards): its
   arguments against the parameters' bytes, its temporaries less its accumulator (its part of the gradients: the
   loop's carry) against one layer's parameter bytes, and the most bytes live arrays hold on one of the group's
   devices between steps. Then the sharded group again under ZeRO-3 with the state in even shares over the 8
@@ -105,6 +107,7 @@ def _sharded_rows(layers: int, width: int) -> None:
   import optax
   from flax.training import train_state
 
+  import hetspmd as hs
   from hetspmd.plan.groups import Group, group_plan
   from hetspmd.runtime.grouped import run_groups
 
@@ -132,7 +135,7 @@ def _sharded_rows(layers: int, width: int) -> None:
     def loss_fn(params):
       logits = state.apply_fn({"params": params}, batch["x"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    loss, grads = hs.value_and_grad(loss_fn)(state.params)  # the plan's remat policy checkpoints the loss
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   rs = np.random.RandomState(0)
@@ -140,15 +143,16 @@ def _sharded_rows(layers: int, width: int) -> None:
   layer = (width * width + 4 * width) * 4  # one block's parameters: kernel, bias, LayerNorm scale and bias
   print(f"\n=== a sharded group of 4 beside an unsharded group of 4: {layers} layers of {width}, "
         f"one layer {layer / 1e3:.0f} KB ===")
-  print(f"{'model':>9} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
+  print(f"{'model':>14} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
         f"{'rest/layer':>10} {'live max':>10} {'loss':>10}")
-  for scanned in (False, True):
+  for scanned, remat in ((False, "none"), (True, "none"), (False, "dots"), (True, "dots")):
     model = Layers(scanned)
     params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, width)))["params"])
     whole = sum(x.nbytes for x in jax.tree.leaves(params))
-    for sharded, zero in ((False, None), (True, None), (True, 3)):
-      plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), shard_params=sharded), ((4, 5, 6, 7), 2, (2, 2, 2, 2))],
-                        32, zero_stage=zero, state_shares=(1 / 8,) * 8 if zero else ())
+    for sharded, zero in ((False, None), (True, None)) + (((True, 3),) if remat == "none" else ()):
+      plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), remat, shard_params=sharded),
+                         ((4, 5, 6, 7), 2, (2, 2, 2, 2), remat)], 32, zero_stage=zero,
+                        state_shares=(1 / 8,) * 8 if zero else ())
       runner = run_groups(step, plan)
       state = runner.shard_state(train_state.TrainState.create(apply_fn=model.apply, params=params,
                                                                tx=optax.adam(1e-3)))
@@ -163,12 +167,13 @@ def _sharded_rows(layers: int, width: int) -> None:
       loop = runner.memory_analysis()["group 0"]
       accumulator = whole / 4 if sharded else 0  # the loop's carry: its part of every gradient (whole: an output)
       rest = loop.temp_size_in_bytes - accumulator
-      print(f"{'scan' if scanned else 'unrolled':>9} {('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
+      print(f"{('scan' if scanned else 'unrolled') + ('' if remat == 'none' else ' ' + remat):>14} "
+            f"{('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
             f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f}")
       if zero:
-        print(f"{'':>9} ZeRO-3: {len(runner._latest.parted)} of {len(jax.tree.leaves(params))} parameter leaves reach "
+        print(f"{'':>14} ZeRO-3: {len(runner._latest.parted)} of {len(jax.tree.leaves(params))} parameter leaves reach "
               f"the sharded group as its parts only; the exchange program takes "
               f"{runner.memory_analysis()['exchange'].argument_size_in_bytes} bytes of arguments")
       del state, metrics, runner
