@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -99,7 +101,9 @@ def _sharded_rows(layers: int, width: int) -> None:
   devices (``Z3``): between steps each device holds its share of the parameters and Adam's moments, whole
   leaves each on one device (a layer scan's stacked leaves are few and large, so its shares are lumpy).
   A layer scan's temporaries also hold its stacked part of the gradients (a quarter of the parameters) as
-  the scan makes them, before they are added to the accumulator."""
+  the scan makes them, before they are added to the accumulator. Each row's step time is the median of 5 calls;
+  the sharded group's over the unsharded one's, in one run, is what its gathers and reduce-scatters cost on CPU
+  devices, where XLA runs collectives in line."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -144,7 +148,8 @@ def _sharded_rows(layers: int, width: int) -> None:
   print(f"\n=== a sharded group of 4 beside an unsharded group of 4: {layers} layers of {width}, "
         f"one layer {layer / 1e3:.0f} KB ===")
   print(f"{'model':>14} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
-        f"{'rest/layer':>10} {'live max':>10} {'loss':>10}")
+        f"{'rest/layer':>10} {'live max':>10} {'loss':>10} {'step ms':>8}")
+  seconds = {}
   for scanned, remat in ((False, "none"), (True, "none"), (False, "dots"), (True, "dots")):
     model = Layers(scanned)
     params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, width)))["params"])
@@ -159,6 +164,13 @@ def _sharded_rows(layers: int, width: int) -> None:
       for _ in range(3):  # the first call finds the state replicated (as shard_state places it), later ones held
         state, metrics = runner(state, batch)
       jax.block_until_ready((state, metrics))
+      times = []
+      for _ in range(5):
+        start = time.perf_counter()
+        state, metrics = runner(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+      seconds[(scanned, remat, sharded, zero)] = statistics.median(times)
       on_device = {d: 0 for d in range(8)}  # one snapshot (a shard's .data is an array of its own)
       for x in jax.live_arrays():
         for shard in x.addressable_shards:
@@ -171,12 +183,15 @@ def _sharded_rows(layers: int, width: int) -> None:
             f"{('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
-            f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f}")
+            f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f} {seconds[(scanned, remat, sharded, zero)] * 1e3:>8.1f}")
       if zero:
         print(f"{'':>14} ZeRO-3: {len(runner._latest.parted)} of {len(jax.tree.leaves(params))} parameter leaves reach "
               f"the sharded group as its parts only; the exchange program takes "
               f"{runner.memory_analysis()['exchange'].argument_size_in_bytes} bytes of arguments")
       del state, metrics, runner
+  ratios = [seconds[(sc, r, True, None)] / seconds[(sc, r, False, None)] for sc, r, sh, z in seconds if sh and z is None]
+  print(f"sharded / whole step time (median of 5 each, one run; on CPU the collectives run in line, nothing hides "
+        f"them): {', '.join(f'{x:.2f}' for x in ratios)}")
   print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
         "(a layer scan: beside its stacked part of the gradients too); between steps, under ZeRO-3 shares, each "
         "device its share")

@@ -13,7 +13,7 @@ import pytest
 from hetspmd import Cluster, models
 from hetspmd.hardware.devices import DEVICE_PRESETS, mean_spec
 from hetspmd.passes.profile import profile_step
-from hetspmd.planner.ranking import BASELINES, search
+from hetspmd.planner.ranking import BASELINES, SINGLE_PROGRAM_BASELINES, search
 
 MODELS = ("mlp-tiny", "gpt2-tiny", "bert-tiny", "gpt2-medium")
 KINDS = ("P100-16GB", "V100-16GB", "V100-32GB", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100-80GB")
@@ -56,7 +56,10 @@ def test_best_plan_is_at_least_every_baseline_and_fits(pool, model, batch):
   best = result.plans[0]
   assert set(result.baselines) <= set(BASELINES)
   for name, baseline in result.baselines.items():
-    assert best.throughput >= baseline.throughput * (1 - 1e-12), (name, baseline.name, best.name)
+    if name in SINGLE_PROGRAM_BASELINES:  # fsdp is no single program: the ranked plans may fall below it
+      assert best.throughput >= baseline.throughput * (1 - 1e-12), (name, baseline.name, best.name)
+    for position, used in zip(baseline.device_positions, baseline.memory_bytes):
+      assert used <= cluster.devices[position].spec.memory_bytes, (name, position, used)
   devices = cluster.devices
   for position, used in zip(best.device_positions, best.memory_bytes):
     assert used <= devices[position].spec.memory_bytes, (position, used)
