@@ -440,7 +440,7 @@ class Body:
     env = dict(zip(self.constvars, self.consts))
     env.update(zip(self.invars, inputs))
     parts = {v: env.pop(v) for v in self.invars if v in shards.made} if shards is not None else {}
-    after = tuple(x for v, x in env.items() if v in set(self.invars))[:1]
+    after = tuple(env[v] for v in self.invars if v in env)  # the first gather waits for the body's inputs
     for k, (eqn, decision) in enumerate(zip(self.eqns, self.prop.decisions)):
       read, hooks = (), None
       if shards is not None:
