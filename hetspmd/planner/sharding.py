@@ -176,12 +176,14 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
     if global_batch % microbatch or any(memory > costing.specs[k].memory_bytes for k in kinds):
       continue
     most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
-    slowest = max(sharded_kind_cost(costing, k, costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n),
-                                    comm[dtype], n, True).at(most) for k in kinds)
+    plain = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n) for k in kinds}
+    slowest = max(kinds, key=lambda k: sharded_kind_cost(costing, k, plain[k], comm[dtype], n, True).at(most))
+    seconds = sharded_kind_cost(costing, slowest, plain[slowest], comm[dtype], n, True).at(most)
+    exposed = most * exposed_seconds(slowest, comm[dtype], plain[slowest].micro)  # the collectives compute leaves
     e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
                   counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
-                  compute_seconds=slowest, comm_seconds=0.0, memory_bytes=(memory,) * n, global_batch=global_batch,
-                  grad_reduce_dtype=dtype)
+                  compute_seconds=seconds - exposed, comm_seconds=exposed, memory_bytes=(memory,) * n,
+                  global_batch=global_batch, grad_reduce_dtype=dtype)
     if best is None or e.step_seconds < best.step_seconds:
       best = e
   return best
