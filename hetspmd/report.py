@@ -145,7 +145,7 @@ def group_devices(plan: GroupPlan) -> list[dict]:
       at = plan.devices.index(device)
       row = {"device": device, "group": g, "microbatch": group.microbatch, "microbatches": count,
              "examples": (count * group.microbatch) // group.model + plan.tail_count * plan.tail_microbatch,
-             "remat": group.remat, "model": group.model}
+             "remat": group.remat, "model": group.model, "shard_params": group.shard_params}
       if device in shares:
         row["state_share"] = shares[device]
       row.update({key: values[at] for key, values in per.items()})
@@ -179,7 +179,10 @@ def explain_group_text(plan: GroupPlan) -> str:
   for g, group in enumerate(plan.groups):
     lines.append(f"  group {g}: devices {list(group.devices)}, {sum(group.positions)} microbatches of "
                  f"{group.microbatch} ({group.examples} examples), remat {group.remat}"
-                 + (f", model axis {group.model}" if group.model > 1 else ""))
+                 + (f", model axis {group.model}" if group.model > 1 else "")
+                 + (f", parameters sharded over its devices (FSDP: gathered per reader, gradients reduce-scattered;"
+                    f" every device runs {group.max_count} microbatch(es) in lockstep, the ones it lacks masked)"
+                    if group.shard_params else ""))
   predicted = dict(plan.predicted)
   if predicted:
     names = {"step_seconds": "step", "throughput": "", "compute_seconds": "compute",

@@ -13,6 +13,11 @@ from flax.training import train_state
 
 import hetspmd as hs
 from hetspmd.errors import InvalidValueError
+from hetspmd.lowering import transfers
+from hetspmd.passes.profile import profile_step
+from hetspmd.planner.grouping import price_groups, to_group_plan
+from hetspmd.planner.pricing import Costing, device_groups
+from hetspmd.report import explain_group_text, group_devices
 from hetspmd.plan.groups import Group, GroupPlan, group_plan, shard_axis
 from hetspmd.runtime.grouped import run_groups
 
@@ -110,6 +115,9 @@ def test_shard_params_round_trips_through_json_and_needs_a_data_only_group():
   again = GroupPlan.from_json(json.loads(plan.dumps()))
   assert again == plan and again.groups[0].shard_params and not again.groups[1].shard_params
   assert "parameters sharded over its devices" in plan.summary()
+  text = explain_group_text(plan).splitlines()  # what `hetspmd explain groups.json` prints
+  assert "parameters sharded over its devices" in text[1] and "sharded" not in text[2]
+  assert [r["shard_params"] for r in group_devices(plan)] == [True, True, False]
   older = json.loads(plan.dumps())  # version 5, before shard_params: every group unsharded
   older["version"] = 5
   for g in older["groups"]:
@@ -213,7 +221,6 @@ def test_explain_gives_the_bytes_held_and_gathered_per_device():
 @pytest.mark.timeout(240)
 def test_under_zero_3_a_sharded_group_receives_only_its_parts(monkeypatch):
   require_devices(8)
-  from hetspmd.lowering import transfers
   # ZeRO-3 in even shares: every parameter lives on one device between steps; the sharded group's devices take
   # their parts of it, the unsharded group's devices take it whole, and the exchange program takes none
   plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1))], 18,
@@ -250,11 +257,6 @@ def test_a_priced_sharded_group_plan_runs_as_priced(zero):
   """The pricing's sharded group (each kind its microbatch, the sharded kind's devices in lockstep), made a plan by
   ``to_group_plan`` and run: exact against one device, with the priced counts and the group that shards."""
   require_devices(8)
-  import hetspmd as hs
-  from hetspmd.passes.profile import profile_step
-  from hetspmd.planner.grouping import price_groups, to_group_plan
-  from hetspmd.planner.pricing import Costing, device_groups
-
   pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
   batches = _batches(24)
   profile = profile_step(dropout_step, _state(), {k: v[:2] for k, v in batches[0].items()})
