@@ -329,7 +329,8 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
 
   ``shards`` (``{flat input: axis}``, :func:`shardable`'s) runs the loop FSDP-style: each of those inputs is
   given as its zero-padded value split along ``axis`` over the group (:func:`hetspmd.lowering.transfers.shard_program`),
-  gathered whole inside every microbatch, the gradients' sums reduce-scattered onto parts as they accumulate,
+  gathered for each reader inside every microbatch, the gradients' sums reduce-scattered onto parts as they
+  accumulate,
   each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.transfers.ParamShards`).
   The layout must be in lockstep."""
   axis = layout.data_axis

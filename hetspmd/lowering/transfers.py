@@ -11,8 +11,9 @@ that are the value on its device and zeros elsewhere (:func:`broadcast`).
 Every device's row of a value becomes one global array without a copy
 (:func:`global_rows`). Inside a group that shards its parameters
 (:class:`ParamShards`), each parameter arrives split evenly over the group's
-devices (:func:`shard_program`), is gathered whole inside every microbatch and
-its gradient's sum is reduce-scattered back onto the parts.
+devices (:func:`shard_program`; under ZeRO-3 as its parts alone, :func:`parts_on`),
+is gathered for each reader inside every microbatch and its gradient's sum is
+reduce-scattered back onto the parts.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class ParamShards:
 
   ``params``: ``(jaxpr variable, axis, size)`` of each parameter the loop reads as this device's part (the
   variable's whole value, zero-padded along ``axis`` to a multiple of ``n``, split over the mesh axis ``axis_name``
-  of ``n`` devices). Inside the loop (:class:`hetspmd.lowering.loop.LoopContext`), every microbatch gathers them
-  whole (:meth:`gathered`) and reduce-scatters its gradient sums (:meth:`scattered`: every floating sum that is
+  of ``n`` devices). Inside the loop (:class:`hetspmd.lowering.loop.LoopContext`), every microbatch gathers each
+  for each equation that reads it (:meth:`whole`; a layer scan a slice per iteration, :meth:`gathered_slice`; a
+  checkpointed call inside it, :meth:`inner`) and reduce-scatters its gradient sums (:meth:`scattered`: every floating sum that is
   not a scalar, split along :func:`hetspmd.plan.groups.shard_axis`) into an accumulator of parts. Collectives
   inside the loop need every device to run the same trip count: the group's layout is in lockstep. After the
   loop, each device's row of a split sum is its part in place and zeros elsewhere (:meth:`rows`), so the rows

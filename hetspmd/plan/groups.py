@@ -56,9 +56,9 @@ class Group:
   device has its entry in ``counts``, equal within a position) and hold the whole parameters between steps.
 
   ``shard_params`` runs the group's loop FSDP-style: each floating parameter its loop reads is split evenly over
-  the group's devices (zero-padded along one axis where the group's size does not divide it), gathered whole
-  inside each microbatch, and each microbatch's gradient sums are reduce-scattered into an accumulator split the
-  same way. Its devices then run the group's longest count in lockstep, masking the microbatches they do not
+  the group's devices (zero-padded along one axis where the group's size does not divide it), gathered for each
+  equation that reads it inside each microbatch (a layer scan's a slice per iteration), and each microbatch's
+  gradient sums are reduce-scattered into an accumulator of parts. Its devices then run the group's longest count in lockstep, masking the microbatches they do not
   have. Needs ``model`` == 1."""
 
   devices: tuple[int, ...]
