@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import hetspmd as hs
+from hetspmd import models
 from hetspmd.errors import InvalidValueError
 from hetspmd.lowering import transfers
 from hetspmd.passes.profile import profile_step
@@ -23,7 +24,7 @@ from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
 from exactness import Reference
-from test_group_programs import _state, dropout_step
+from test_group_programs import _state, _trained as group_trained, dropout_step, token_batches
 
 STEPS = 2
 
@@ -197,13 +198,16 @@ def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned, remat):
 
 
 @pytest.mark.timeout(240)
-def test_explain_gives_the_bytes_held_and_gathered_per_device():
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_explain_gives_the_bytes_held_and_gathered_per_device(remat):
   require_devices(8)
   model = _Layers(depth=6)
   params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
-  plan = group_plan([_sharded((0, 1, 2, 3), 2, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 1))], 16)
-  step = run_groups(_layers_step, plan)
+  # under a remat policy the loss is one checkpointed call: its readers inside it each gather their own copy
+  plan = group_plan([Group((0, 1, 2, 3), 2, (1, 1, 1, 1), remat, shard_params=True),
+                     ((4, 5, 6, 7), 2, (1, 1, 1, 1), remat)], 16)
+  step = run_groups(_layers_step if remat == "none" else _layers_step_rematted, plan)
   step(step.shard_state(state), _batches(16)[0])
   sizes = step._latest.shards[0].sizes
   leaves = jax.tree.leaves(params)
@@ -269,3 +273,17 @@ def test_a_priced_sharded_group_plan_runs_as_priced(zero):
   assert bool(plan.state_shares) == (zero == 3)
   step, _ = _trained(plan, _state)
   assert "shards its parameters over its 4 devices" in step.explain()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("remat,zero", [("none", None), ("dots", 3)], ids=["none", "dots-zero-3"])
+def test_the_zoo_language_model_in_a_sharded_group_matches_one_device(remat, zero):
+  """The zoo's GPT-2 (a tied embedding read by a gather and by the logits' matmul, attention, LayerNorms) through
+  ``hs.value_and_grad``, its parameters sharded over four devices beside an unsharded group."""
+  require_devices(8)
+  w = models.get("gpt2-tiny")
+  plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 1, 1), remat, shard_params=True), ((4, 5, 6, 7), 1, (2, 1, 1, 1), remat)],
+                    17, zero_stage=zero, state_shares=(1 / 8,) * 8 if zero else ())
+  state, ref = group_trained(w.make_train_step(hs.value_and_grad), plan, w.init_state,
+                             token_batches(w, plan.global_batch))
+  ref.check(state)

@@ -399,15 +399,30 @@ def shard_bytes(prog: Program, shards: dict, n: int) -> ShardBytes:
   ps = _param_shards(prog, shards, "", n)
   size = lambda v: math.prod(jx.aval_shape(v)) * np.dtype(jx.aval_dtype(v)).itemsize
   held = sum(size(v) // length * padded_length(length, n) // n for v, _, length in ps.params)
-  reads = []
-  for k in (k for eqns in prog.loop_eqns for k in eqns):
-    eqn = prog.eqns[k]
-    scanned = ps.scanned_by(eqn)
-    sliced = sum(size(v) // max(jx.aval_shape(v)[0], 1) for v in scanned.values())
-    if scanned or ps.read_by(eqn):
-      reads.append(sum(size(v) for v in ps.read_by(eqn)) + 2 * sliced)  # a scan: this iteration's and the next's
+  loop = [(prog.eqns[k], prog.analysis.decisions[k]) for eqns in prog.loop_eqns for k in eqns]
+  reads = _gathered_reads(ps, loop, size)
   pairs = [a + b for a, b in zip(reads, reads[1:])] or reads
   return ShardBytes(held, sum(size(v) for v, _, _ in ps.params), max(pairs, default=0), max(reads, default=0))
+
+
+def _gathered_reads(ps: ParamShards, eqns: Sequence[tuple], size) -> list[int]:
+  """The bytes each reader of ``eqns`` (``(equation, decision)`` pairs, in order) gathers, as the loop gathers them
+  (:func:`hetspmd.lowering.loop.gather_reads`): a layer scan's slice (this iteration's and the next's), a
+  checkpointed call's readers inside it, the rest whole."""
+  reads = []
+  for eqn, decision in eqns:
+    example_free = decision is None
+    scanned = {} if example_free else ps.scanned_by(eqn)
+    passed = {} if example_free else ps.passed_by(eqn)
+    whole = [v for v in ps.read_by(eqn) if v not in {*scanned.values(), *passed.values()}]
+    if passed and decision.body is not None:  # its body's readers, each gathering its own copy
+      body = decision.body.propagation
+      inner = ps.inner({jx.invars(body.jaxpr)[j]: v for j, v in passed.items()})
+      reads += _gathered_reads(inner, list(zip(jx.equations(body.jaxpr), body.decisions)), size)
+    sliced = sum(size(v) // max(jx.aval_shape(v)[0], 1) for v in scanned.values())
+    if scanned or whole:
+      reads.append(sum(size(v) for v in whole) + 2 * sliced)
+  return reads
 
 
 def inputs_read(prog: Program, inputs: Sequence[int], outputs: Sequence[int]) -> set[int]:
