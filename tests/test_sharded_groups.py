@@ -24,7 +24,8 @@ from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
 from exactness import Reference
-from test_group_programs import _state, _trained as group_trained, dropout_step, token_batches
+from test_group_programs import (_normed_state, _state, _trained as group_trained, dropout_step, normed_step,
+                                 token_batches)
 
 STEPS = 2
 
@@ -287,3 +288,19 @@ def test_the_zoo_language_model_in_a_sharded_group_matches_one_device(remat, zer
   state, ref = group_trained(w.make_train_step(hs.value_and_grad), plan, w.init_state,
                              token_batches(w, plan.global_batch))
   ref.check(state)
+
+
+@pytest.mark.timeout(240)
+def test_batchnorm_over_the_global_batch_in_a_sharded_group_matches_one_device():
+  """Two loops (BatchNorm's statistics over every group's examples first, then the gradients): the sharded group
+  gathers its parameters in both, in lockstep."""
+  require_devices(8)
+  plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 1, 1), shard_params=True), ((4, 5, 6, 7), 1, (2, 1, 1, 2))], 18)
+  state, ref = group_trained(normed_step, plan, _normed_state, _batches(18))
+  ref.check(state)
+  step = run_groups(normed_step, plan)
+  step(_normed_state(), _batches(18)[0])
+  # all but BatchNorm's scale, which the work between the loops reads (its product with 1/sqrt(var + eps))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_normed_state())[0]]
+  split = {paths[i] for i in step._latest.shards[0].at}
+  assert split == {p for p in paths if "params" in p and "scale" not in p}, split
