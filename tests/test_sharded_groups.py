@@ -304,3 +304,45 @@ def test_batchnorm_over_the_global_batch_in_a_sharded_group_matches_one_device()
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_normed_state())[0]]
   split = {paths[i] for i in step._latest.shards[0].at}
   assert split == {p for p in paths if "params" in p and "scale" not in p}, split
+
+
+class _Normalised(nn.Module):
+  """Inputs scaled to unit length first: a zero example (a lockstep padding slot) gives NaN there."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return nn.Dense(4)(nn.gelu(nn.Dense(8)(x)))
+
+
+class _ClassToken(nn.Module):
+  """A learned (1, 8) token broadcast to the batch beside each example's own (a ViT's class token)."""
+
+  @nn.compact
+  def __call__(self, x):
+    own = nn.Dense(8)(x)[:, None, :]
+    token = self.param("token", nn.initializers.normal(1.0), (1, 8))
+    tokens = jnp.concatenate([jnp.broadcast_to(token, (x.shape[0], 1, 8)), own], axis=1)
+    return nn.Dense(4)(nn.gelu(tokens).mean(axis=1))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("module", [_Normalised, _ClassToken], ids=["nan-in-padding", "class-token"])
+def test_user_shaped_models_in_a_sharded_group_match_one_device(module):
+  """A NaN a padding slot makes stays on its device (the gathers' ordering ties take it as 0), and a parameter the
+  loop rebuilds at the microbatch's size (broadcast to the batch) is gathered for that rebuild."""
+  require_devices(8)
+  model = module()
+  params = model.init(jax.random.key(0), jnp.ones((1, 6)))["params"]
+  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  # device 3 runs one microbatch and a masked padding slot (lockstep)
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (1, 1, 1, 1))], 18)
+  batches = _batches(plan.global_batch)
+  ref = Reference(_layers_step, state()).run(batches)
+  step = run_groups(_layers_step, plan)
+  trained = step.shard_state(state())
+  for i, batch in enumerate(batches):
+    trained, metrics = step(trained, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(trained.params, lambda s: s.params)
+  assert len(step._latest.shards[0].at) == len(jax.tree.leaves(params))

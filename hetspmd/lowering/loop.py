@@ -193,8 +193,9 @@ class _DeviceLoop:
     reduce-scattered inside it (:attr:`presplit`); :func:`run_equation`'s result and the next reader's ``after``."""
     prog, shards = self.ctx.prog, self.ctx.shards
     eqn = prog.eqns[index]
-    example_free = prog.analysis.decisions[index] is None
-    read, hooks, after = gather_reads(shards, eqn, env, self.outer, after, example_free=example_free)
+    decision = prog.analysis.decisions[index]
+    read, hooks, after = gather_reads(shards, eqn, env, self.outer, after, example_free=decision is None,
+                                      rebuilt=rebuild_reads(prog, eqn, decision, shards.made))
     ys = {path: {j: functools.partial(shards.scattered_slice, axis - 1, valid) for j, axis in at.items()}
           for path, at in self._ys_split.get(index, {}).items()}
     hooks = dataclasses.replace(hooks, ys=ys.get((), {}), nested={k: v for (k,), v in
@@ -223,7 +224,8 @@ class _DeviceLoop:
     for p, k_ in enumerate(self.mine):
       cut = self.ctx.cut_outs[k_]
       eqn, decision = prog.eqns[cut.index], prog.analysis.decisions[cut.index]
-      if cut.reduce != "sum" or decision is None or decision.body is None:
+      if (cut.reduce != "sum" or cut.local or prog.region or cut.index in prog.absorbed or decision is None
+          or decision.body is None):  # (a sum the loop reads again stays whole)
         continue
       for q, j in enumerate(sum_outputs(decision)):
         shape = jx.aval_shape(eqn.outvars[j])
@@ -358,15 +360,31 @@ class ScanHooks:
     return bool(self.slices or self.ys or self.inner or self.nested)
 
 
-def gather_reads(shards, eqn, env: dict, parts: dict, after: tuple, *, example_free: bool = False):
+def rebuild_reads(prog, eqn, decision, made) -> tuple:
+  """The values of ``made`` (a group's split parameters) that rebuilding ``eqn``'s operands at the microbatch's
+  size reads (:func:`hetspmd.lowering.operands.operand`: a class token broadcast to the batch)."""
+  if decision is None:
+    return ()
+  found = []
+  for v, a in zip(eqn.invars, decision.inputs):
+    if jx.is_literal(v) or a is None or v in prog.analysis.axes or v in getattr(prog, "presliced", ()):
+      continue
+    chain = prog.rebuilt(v, a)
+    found += [u for u in operands.chain_inputs(chain) if u in made] if chain else []
+  return tuple(dict.fromkeys(found))
+
+
+def gather_reads(shards, eqn, env: dict, parts: dict, after: tuple, *, example_free: bool = False,
+                 rebuilt: tuple = ()):
   """Puts in ``env`` what ``eqn`` reads of a group's split parameters (``parts``: their parts, by variable): each
   gathered whole for it alone, after ``after`` (the reader before it's inputs); a layer scan's stacked parts and a
   checkpointed call's parts as they are, gathered inside (a slice per iteration; per reader). The values put,
-  the :class:`ScanHooks` that gather inside, and the next reader's ``after``."""
+  the :class:`ScanHooks` that gather inside, and the next reader's ``after``. ``rebuilt``: what its operands'
+  rebuilding reads of them (:func:`rebuild_reads`), gathered whole too."""
   scanned = {} if example_free else shards.scanned_by(eqn)
   passed = {} if example_free else shards.passed_by(eqn)
   inside = {*scanned.values(), *passed.values()}
-  gathered = tuple(v for v in shards.read_by(eqn) if v not in inside)
+  gathered = tuple(dict.fromkeys(v for v in (*shards.read_by(eqn), *rebuilt) if v not in inside))
   env.update({v: shards.whole(v, parts, after) for v in gathered})
   env.update({v: shards.part_of(v, parts) for v in inside})
   if gathered or inside:
@@ -444,7 +462,8 @@ class Body:
     for k, (eqn, decision) in enumerate(zip(self.eqns, self.prop.decisions)):
       read, hooks = (), None
       if shards is not None:
-        read, hooks, after = gather_reads(shards, eqn, env, parts, after, example_free=decision is None)
+        read, hooks, after = gather_reads(shards, eqn, env, parts, after, example_free=decision is None,
+                                          rebuilt=rebuild_reads(self, eqn, decision, shards.made))
       if nested and k in nested:
         hooks = dataclasses.replace(hooks or ScanHooks(), ys=nested[k])
       if decision is None:

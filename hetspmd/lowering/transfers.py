@@ -285,10 +285,10 @@ def _numeric(x: Any) -> bool:
 
 
 def _zero_after(x: Any) -> Any:
-  """A scalar zero that XLA cannot fold, made of ``x``'s first element: ``min(|x|, 0)`` (NaN only where ``x`` is
-  NaN, where the step's values are NaN already)."""
-  first = jnp.ravel(x)[0] if jnp.ndim(x) else x
-  return jnp.minimum(jnp.abs(first.astype(jnp.float32)), 0.0)
+  """A scalar zero that XLA cannot fold, made of ``x``'s first element: ``min(|x|, 0)``, with a NaN taken as 0 (a
+  padding slot's NaN, from a zero example, must not reach the parts every device gathers)."""
+  first = (jnp.ravel(x)[0] if jnp.ndim(x) else x).astype(jnp.float32)
+  return jnp.minimum(jnp.abs(jnp.where(jnp.isnan(first), 0.0, first)), 0.0)
 
 
 def shard_program(mesh: Mesh, axes: tuple[int, ...]) -> Callable[[list], list]:

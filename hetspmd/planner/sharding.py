@@ -42,7 +42,7 @@ LIVE_GATHERED_LAYERS = 2
 # The parameters are gathered in the dtype the step reads them in: a bfloat16 cast as the cast, half the bytes
 # (ParamShards gathers a cast's part cast). False prices float32 gathers.
 GATHERS_READ_DTYPE = True
-# Each microbatch's gradient sums are reduce-scattered in float32 (ParamShards.scattered widens them first): True
+# Each microbatch's gradient sums are reduce-scattered in float32 (the loop widens them first): True
 # would price them in the plan's reduce dtype where it is narrower.
 SCATTERS_REDUCE_DTYPE = False
 
