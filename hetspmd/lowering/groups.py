@@ -443,6 +443,7 @@ def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
   update after the loops runs in other programs, on whole parameters."""
   out = {}
   scanned = _scanned(prog)
+  splittable = _splittable(prog, [prog.invars[i] for i in floats])
   for i in floats:
     var = prog.invars[i]
     shape = jx.aval_shape(var)
@@ -450,9 +451,44 @@ def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:
     if var in scanned:  # a layer scan's stacked parameter: split after the layers, gathered a slice at a time
       inner = shard_axis(shape[1:], n)
       axis = None if inner is None else inner + 1
-    if axis is not None and _derived(prog, {var: axis}) is not None:
+    if axis is not None and var in splittable:
       out[i] = axis
   return out
+
+
+def _splittable(prog: Program, candidates: Sequence[Any]) -> set:
+  """Of ``candidates`` (input variables), those :func:`_derived` would split one at a time, found in one walk of
+  the equations (each variable its own label): a loop reads it, no work between the loops nor a hoisted copy
+  reads it, and whatever reads the example-free work on it before the loops is a loop, that work, or the update."""
+  loops = {k for eqns in prog.loop_eqns for k in eqns}
+  middle = {k for m in prog.middle for k in m}
+  pre, post = set(prog.pre), set(prog.post)
+  labels = {v: frozenset([v]) for v in candidates}
+  derived: dict = {v: set() for v in candidates}
+  looped, refused = set(), set()
+  for k in sorted(pre | loops | middle):
+    eqn = prog.eqns[k]
+    hit = frozenset().union(*[labels[v] for v in eqn.invars if not jx.is_literal(v) and v in labels])
+    if not hit:
+      continue
+    if k in prog.hoisted:
+      refused |= frozenset().union(*[labels[v] for v in prog.hoisted[k].invars
+                                     if not jx.is_literal(v) and v in labels])
+    if k in middle:
+      refused |= hit
+    elif k in loops:
+      looped |= hit
+    else:
+      for v in hit:
+        derived[v].add(k)
+      for w in eqn.outvars:
+        labels[w] = labels.get(w, frozenset()) | hit
+  reached: dict = {v: {v} for v in candidates}
+  for w, mine in labels.items():
+    for v in mine:
+      reached[v].add(w)
+  return {v for v in candidates if v in looped and v not in refused
+          and not {k for u in reached[v] for k in prog.flow.readers.get(u, ())} - loops - post - derived[v]}
 
 
 def _scanned(prog: Program) -> set:
