@@ -36,19 +36,28 @@ def _batches(size, seed=0):
           for _ in range(STEPS)]
 
 
-def _trained(plan, state):
-  """``state()`` trained under ``plan``, every step's metrics checked against one device; the step, the final
-  state and the reference."""
-  batches = _batches(plan.global_batch)
-  ref = Reference(dropout_step, state()).run(batches)
-  step = run_groups(dropout_step, plan)
+def _trained(plan, state, step_fn=dropout_step, batches=None, *, before=lambda i: None, opt_state=True):
+  """``state()`` trained by ``step_fn`` under ``plan`` on ``batches`` (default: ``_batches``), every step's metrics
+  and the final parameters (and optimizer state) checked against one device; ``before(i)`` runs before call
+  ``i``. The step and the final state."""
+  batches = _batches(plan.global_batch) if batches is None else batches
+  ref = Reference(step_fn, state()).run(batches)
+  step = run_groups(step_fn, plan)
   trained = step.shard_state(state())
   for i, batch in enumerate(batches):
+    before(i)
     trained, metrics = step(trained, batch)
     ref.check_metrics(metrics, i)
   ref.check(trained.params, lambda s: s.params)
-  ref.check(trained.opt_state, lambda s: s.opt_state)
+  if opt_state:
+    ref.check(trained.opt_state, lambda s: s.opt_state)
   return step, trained
+
+
+def _layer_state(model, example=None):
+  """``model``'s parameters, and a fresh Adam ``TrainState`` of them per call."""
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)) if example is None else example)["params"]
+  return params, lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
 
 
 def _sharded(devices, microbatch, counts):
@@ -157,21 +166,20 @@ class _Layers(nn.Module):
     return nn.Dense(4)(x)
 
 
-def _layers_step(state, batch):
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradients(grads=grads), {"loss": loss}
+def _layers_step_with(value_and_grad):
+  """A Linen ``TrainState`` step whose gradients ``value_and_grad`` takes."""
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  return step
 
 
-def _layers_step_rematted(state, batch):
-  """``_layers_step`` through ``hs.value_and_grad``: the plan's remat policy checkpoints the loss."""
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  loss, grads = hs.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradients(grads=grads), {"loss": loss}
+_layers_step = _layers_step_with(jax.value_and_grad)
+# through hs.value_and_grad: the plan's remat policy checkpoints the loss
+_layers_step_rematted = _layers_step_with(hs.value_and_grad)
 
 
 @pytest.mark.timeout(240)
@@ -179,37 +187,25 @@ def _layers_step_rematted(state, batch):
                          ids=["unrolled", "layer-scan", "unrolled-dots", "layer-scan-dots"])
 def test_layers_gathered_one_reader_at_a_time_match_one_device(scanned, remat):
   require_devices(8)
-  model = _Layers(scanned=scanned)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
-  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  _, state = _layer_state(_Layers(scanned=scanned))
   # a layer scan's stacked parameters split after the layers' axis: (4, 16, 16) along 1, (4, 16) along 1; under a
   # remat policy the loss is one checkpointed call, inside which each reader gathers its copy
   fn = _layers_step if remat == "none" else _layers_step_rematted
   plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 1, 1), remat, shard_params=True),
                      ((4, 5, 6, 7), 1, (1, 1, 2, 2), remat)], 18)
-  batches = _batches(plan.global_batch)
-  ref = Reference(fn, state()).run(batches)
-  step = run_groups(fn, plan)
-  trained = step.shard_state(state())
-  for i, batch in enumerate(batches):
-    trained, metrics = step(trained, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(trained.params, lambda s: s.params)
-  ref.check(trained.opt_state, lambda s: s.opt_state)
+  _trained(plan, state, fn)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_explain_gives_the_bytes_held_and_gathered_per_device(remat):
   require_devices(8)
-  model = _Layers(depth=6)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  params, state = _layer_state(_Layers(depth=6))
   # under a remat policy the loss is one checkpointed call: its readers inside it each gather their own copy
   plan = group_plan([Group((0, 1, 2, 3), 2, (1, 1, 1, 1), remat, shard_params=True),
                      ((4, 5, 6, 7), 2, (1, 1, 1, 1), remat)], 16)
   step = run_groups(_layers_step if remat == "none" else _layers_step_rematted, plan)
-  step(step.shard_state(state), _batches(16)[0])
+  step(step.shard_state(state()), _batches(16)[0])
   sizes = step._latest.shards[0].sizes
   leaves = jax.tree.leaves(params)
   whole = sum(x.nbytes for x in leaves)
@@ -234,20 +230,10 @@ def test_under_zero_3_a_sharded_group_receives_only_its_parts(monkeypatch):
   real_on = transfers.on
   monkeypatch.setattr(transfers, "on", lambda mesh, x: placed.append(
       ({d.id for d in mesh.devices.flat}, tuple(np.shape(x)))) or real_on(mesh, x))
-  model = _Layers()
-  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
-  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  params, state = _layer_state(_Layers())
   batches = _batches(plan.global_batch) + _batches(plan.global_batch, seed=1)
-  ref = Reference(_layers_step, state()).run(batches)
-  step = run_groups(_layers_step, plan)
-  trained = step.shard_state(state())
-  for i, batch in enumerate(batches):
-    if i == 1:  # the first call finds the parameters replicated (as shard_state placed them); later ones held
-      placed.clear()
-    trained, metrics = step(trained, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(trained.params, lambda s: s.params)
-  ref.check(trained.opt_state, lambda s: s.opt_state)
+  # the first call finds the parameters replicated (as shard_state placed them); later ones held
+  step, _ = _trained(plan, state, _layers_step, batches, before=lambda i: placed.clear() if i == 1 else None)
   shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.size > 1}
   assert len(step._latest.parted) == len(jax.tree.leaves(params))
   whole_on_group_0 = [(on, shape) for on, shape in placed if on & {0, 1, 2, 3} and shape in shapes]
@@ -332,17 +318,8 @@ def test_user_shaped_models_in_a_sharded_group_match_one_device(module):
   """A NaN a padding slot makes stays on its device (the gathers' ordering ties take it as 0), and a parameter the
   loop rebuilds at the microbatch's size (broadcast to the batch) is gathered for that rebuild."""
   require_devices(8)
-  model = module()
-  params = model.init(jax.random.key(0), jnp.ones((1, 6)))["params"]
-  state = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  params, state = _layer_state(module(), jnp.ones((1, 6)))
   # device 3 runs one microbatch and a masked padding slot (lockstep)
   plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (1, 1, 1, 1))], 18)
-  batches = _batches(plan.global_batch)
-  ref = Reference(_layers_step, state()).run(batches)
-  step = run_groups(_layers_step, plan)
-  trained = step.shard_state(state())
-  for i, batch in enumerate(batches):
-    trained, metrics = step(trained, batch)
-    ref.check_metrics(metrics, i)
-  ref.check(trained.params, lambda s: s.params)
+  step, _ = _trained(plan, state, _layers_step, opt_state=False)
   assert len(step._latest.shards[0].at) == len(jax.tree.leaves(params))
