@@ -212,8 +212,8 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
 
 def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: list) -> dict[int, dict[int, int]]:
   """ZeRO-3 in one process, one loop and no tail: ``{state index: {group: axis}}`` of the parameters held on one
-  device (or their casts, where the programs take those) that groups sharding their parameters take split (``splits``: each group's
-  ``{state index: axis}``), and that neither the exchange program's outputs nor any update but their maker's
+  device (or their casts, where the programs take those) that groups sharding their parameters take split
+  (``splits``: each group's ``{state index: axis}``), and that neither the exchange program's outputs nor any update but their maker's
   read: those reach each such group as its parts alone, and the other groups' devices whole."""
   if plan.zero_stage != 3 or plan.tail_count or units is None or jax.process_count() > 1 or prog.analysis.loops > 1:
     return {}
@@ -221,9 +221,10 @@ def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: lis
   wanted = [i for i in maker if any(i in split for split in splits)]
   if not wanted:
     return {}
-  read = group_lowering.inputs_read(prog, wanted, units.common)
+  by_output = group_lowering.inputs_read(prog, wanted)
+  read = {i for o in units.common for i in by_output[o]}
   for _, outs in units.units:  # an update reads its own parameters; another's must not
-    read |= {i for i in group_lowering.inputs_read(prog, wanted, outs) if maker[i] not in outs}
+    read |= {i for o in outs for i in by_output[o] if maker[i] not in outs}
   return {i: {g: split[i] for g, split in enumerate(splits) if i in split} for i in wanted if i not in read}
 
 

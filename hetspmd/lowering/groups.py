@@ -411,10 +411,7 @@ def _gathered_reads(ps: ParamShards, eqns: Sequence[tuple], size) -> list[int]:
   checkpointed call's readers inside it, the rest whole."""
   reads = []
   for eqn, decision in eqns:
-    example_free = decision is None
-    scanned = {} if example_free else ps.scanned_by(eqn)
-    passed = {} if example_free else ps.passed_by(eqn)
-    whole = [v for v in ps.read_by(eqn) if v not in {*scanned.values(), *passed.values()}]
+    whole, scanned, passed = ps.reads(eqn, example_free=decision is None)
     if passed and decision.body is not None:  # its body's readers, each gathering its own copy
       body = decision.body.propagation
       inner = ps.inner({jx.invars(body.jaxpr)[j]: v for j, v in passed.items()})
@@ -425,13 +422,12 @@ def _gathered_reads(ps: ParamShards, eqns: Sequence[tuple], size) -> list[int]:
   return reads
 
 
-def inputs_read(prog: Program, inputs: Sequence[int], outputs: Sequence[int]) -> set[int]:
-  """Of the flat ``inputs``, those the flat ``outputs`` read through the example-free work outside the loops (a
-  program that takes the loops' sums, not their work: the exchange, an owner's update)."""
+def inputs_read(prog: Program, inputs: Sequence[int]) -> list[frozenset]:
+  """Per flat output, which of the flat ``inputs`` it reads through the example-free work outside the loops (what
+  a program that takes the loops' sums, not their work, reads: the exchange, an owner's update); one walk."""
   seeds = {prog.invars[i]: frozenset([i]) for i in inputs}
   labels = labels_forward(prog.eqns, seeds, sorted({*prog.pre, *prog.post, *(k for m in prog.middle for k in m)}))
-  wanted = set(outputs)
-  return {i for o, mine in enumerate(prog.flow.outputs_of(labels, len(prog.outvars))) if o in wanted for i in mine}
+  return prog.flow.outputs_of(labels, len(prog.outvars))
 
 
 def shardable(prog: Program, floats: Sequence[int], n: int) -> dict[int, int]:

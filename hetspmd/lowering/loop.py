@@ -198,8 +198,7 @@ class _DeviceLoop:
                                       rebuilt=rebuild_reads(prog, eqn, decision, shards.made))
     ys = {path: {j: functools.partial(shards.scattered_slice, axis - 1, valid) for j, axis in at.items()}
           for path, at in self._ys_split.get(index, {}).items()}
-    hooks = dataclasses.replace(hooks, ys=ys.get((), {}), nested={k: v for (k,), v in
-                                                                   (i for i in ys.items() if i[0])})
+    hooks = dataclasses.replace(hooks, ys=ys.get((), {}), nested={path[0]: at for path, at in ys.items() if path})
     ran = run_equation(prog, index, env, offset, size, hooks)
     for v in read:
       del env[v]
@@ -381,10 +380,8 @@ def gather_reads(shards, eqn, env: dict, parts: dict, after: tuple, *, example_f
   checkpointed call's parts as they are, gathered inside (a slice per iteration; per reader). The values put,
   the :class:`ScanHooks` that gather inside, and the next reader's ``after``. ``rebuilt``: what its operands'
   rebuilding reads of them (:func:`rebuild_reads`), gathered whole too."""
-  scanned = {} if example_free else shards.scanned_by(eqn)
-  passed = {} if example_free else shards.passed_by(eqn)
+  gathered, scanned, passed = shards.reads(eqn, example_free=example_free, rebuilt=rebuilt)
   inside = {*scanned.values(), *passed.values()}
-  gathered = tuple(dict.fromkeys(v for v in (*shards.read_by(eqn), *rebuilt) if v not in inside))
   env.update({v: shards.whole(v, parts, after) for v in gathered})
   env.update({v: shards.part_of(v, parts) for v in inside})
   if gathered or inside:

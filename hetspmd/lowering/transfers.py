@@ -160,6 +160,16 @@ class ParamShards:
     """The values of :attr:`made` that ``eqn`` reads."""
     return tuple(dict.fromkeys(v for v in eqn.invars if not jx.is_literal(v) and v in self.made))
 
+  def reads(self, eqn: Any, *, example_free: bool = False, rebuilt: tuple = ()) -> tuple[tuple, dict, dict]:
+    """How ``eqn`` reads these parameters: ``(gathered, scanned, passed)``, the values gathered whole for it
+    (``rebuilt``: what rebuilding its operands reads too), the parts a layer scan slices (:meth:`scanned_by`) and
+    the parts a checkpointed call takes (:meth:`passed_by`). An example-free equation gathers all it reads."""
+    scanned = {} if example_free else self.scanned_by(eqn)
+    passed = {} if example_free else self.passed_by(eqn)
+    inside = {*scanned.values(), *passed.values()}
+    gathered = tuple(dict.fromkeys(v for v in (*self.read_by(eqn), *rebuilt) if v not in inside))
+    return gathered, scanned, passed
+
   def passed_by(self, eqn: Any) -> dict:
     """``{input position: value}`` of the parts a checkpointed call (``jax.checkpoint``, a remat policy's) takes
     as they are: each reader inside it gathers its own copy (:meth:`inner`)."""

@@ -107,17 +107,15 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   working = part + live_gathered_bytes(p) + microbatch_bytes(p, loop[0], loop[1])
   if state_sharded:
     return int((p.opt_state_bytes / g + working) * WORKSPACE)
-  if zero == 3:  # its share of the parameters and the optimizer state; the parameters reach its loop as parts
-    held = (p.param_bytes + p.opt_state_bytes) * (1.0 if share is None else share)
-    wire = REDUCE_BYTES[dtype]
-    after = p.param_count * wire * ((1.0 if WHOLE_ROWS else 1.0 / g) + (1.0 if rows is None else rows))
-    return int((held + max(working, after)) * WORKSPACE)
-  held = (p.param_bytes if WHOLE_PARAMS_HELD else 0.0) + p.opt_state_bytes * (1.0 if share is None else share)
+  fraction = 1.0 if share is None else share
   wire = REDUCE_BYTES[dtype]
-  row = p.param_count * wire * (1.0 if WHOLE_ROWS else 1.0 / g)
-  after = row + p.param_count * wire * (1.0 if rows is None else rows)
-  if not WHOLE_PARAMS_HELD:  # the update reads whole parameters: gathered from the parts after the loop
-    after += p.param_bytes
+  after = p.param_count * wire * ((1.0 if WHOLE_ROWS else 1.0 / g) + (1.0 if rows is None else rows))
+  if zero == 3:  # its share of the parameters and the optimizer state; the parameters reach its loop as parts
+    held = (p.param_bytes + p.opt_state_bytes) * fraction
+  else:
+    held = (p.param_bytes if WHOLE_PARAMS_HELD else 0.0) + p.opt_state_bytes * fraction
+    if not WHOLE_PARAMS_HELD:  # the update reads whole parameters: gathered from the parts after the loop
+      after += p.param_bytes
   return int((held + max(working, after)) * WORKSPACE)
 
 
