@@ -96,8 +96,9 @@ def _sharded_rows(layers: int, width: int) -> None:
   checkpoints the loss: the parts go into the checkpointed call, each reader inside gathers its copy), Adam,
   float32, microbatches of 2. Per program of group 0 (the one that shards): its
   arguments against the parameters' bytes, its temporaries less its accumulator (its part of the gradients: the
-  loop's carry) against one layer's parameter bytes, and the most bytes live arrays hold on one of the group's
-  devices between steps. Then the sharded group again under ZeRO-3 with the state in even shares over the 8
+  loop's carry) against one layer's parameter bytes, its outputs (the gradient sums it hands over: whole-shaped
+  rows to the uniform exchange program, or under shares its parts to their owners) against the parameters'
+  bytes, and the most bytes live arrays hold on one of the group's devices between steps. Then the sharded group again under ZeRO-3 with the state in even shares over the 8
   devices (``Z3``): between steps each device holds its share of the parameters and Adam's moments, whole
   leaves each on one device (a layer scan's stacked leaves are few and large, so its shares are lumpy).
   A layer scan's temporaries also hold its stacked part of the gradients (a quarter of the parameters) as
@@ -148,7 +149,7 @@ def _sharded_rows(layers: int, width: int) -> None:
   print(f"\n=== a sharded group of 4 beside an unsharded group of 4: {layers} layers of {width}, "
         f"one layer {layer / 1e3:.0f} KB ===")
   print(f"{'model':>14} {'group 0':>10} {'arguments':>10} {'/params':>8} {'temporary':>10} {'accum.':>9} "
-        f"{'rest/layer':>10} {'live max':>10} {'loss':>10} {'step ms':>8}")
+        f"{'rest/layer':>10} {'outputs':>9} {'/params':>8} {'live max':>10} {'loss':>10} {'step ms':>8}")
   seconds = {}
   for scanned, remat in ((False, "none"), (True, "none"), (False, "dots"), (True, "dots")):
     model = Layers(scanned)
@@ -183,6 +184,7 @@ def _sharded_rows(layers: int, width: int) -> None:
             f"{('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
+            f"{loop.output_size_in_bytes / 1e6:>8.2f}M {loop.output_size_in_bytes / whole:>8.2f} "
             f"{live / 1e6:>9.2f}M {float(metrics['loss']):>10.6f} {seconds[(scanned, remat, sharded, zero)] * 1e3:>8.1f}")
       if zero:
         print(f"{'':>14} ZeRO-3: {len(runner._latest.parted)} of {len(jax.tree.leaves(params))} parameter leaves reach "
@@ -193,8 +195,9 @@ def _sharded_rows(layers: int, width: int) -> None:
   print(f"sharded / whole step time (median of 5 each, one run; on CPU the collectives run in line, nothing hides "
         f"them): {', '.join(f'{x:.2f}' for x in ratios)}")
   print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
-        "(a layer scan: beside its stacked part of the gradients too); between steps, under ZeRO-3 shares, each "
-        "device its share")
+        "(a layer scan: beside its stacked part of the gradients too); outputs (the gradient sums it hands over) "
+        "about 1/4 of the parameters where each owner reduces its own sums (ZeRO-3 shares here; whole-shaped rows "
+        "to the uniform exchange program otherwise); between steps, under ZeRO-3 shares, each device its share")
 
 
 def _report(runner, fresh, batch, memory) -> dict:

@@ -242,6 +242,56 @@ def test_under_zero_3_a_sharded_group_receives_only_its_parts(monkeypatch):
   assert step.memory_analysis()["exchange"].argument_size_in_bytes < min(x.nbytes for x in jax.tree.leaves(params))
 
 
+def _grad_norm_step(state, batch):
+  """A step that logs its gradients' global norm, as many training loops do: the exchange program reads every
+  gradient sum."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"], train=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
+# even shares (copies), and one device holding most (the other sums take two hops)
+OWNER_SHARES = {"even": (1 / 8,) * 8, "skewed": (0.65,) + (0.05,) * 7}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shares", list(OWNER_SHARES), ids=list(OWNER_SHARES))
+@pytest.mark.parametrize("zero", [1, 3], ids=["zero-1", "zero-3"])
+def test_under_state_shares_a_sharded_group_hands_its_owners_parts(zero, shares):
+  """Each owner reduces the sums its units read itself: a sharded group's program returns its parts of them (a
+  quarter of the gradients per device, not whole-shaped rows), and each owner joins them; exact against one
+  device."""
+  require_devices(8)
+  hidden, n = 256, 4
+  state = lambda: _state(hidden)
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1))], 18,
+                    zero_stage=zero, state_shares=OWNER_SHARES[shares])
+  step, _ = _trained(plan, state)
+  assert step._latest.part_sums and not set(step._latest.part_sums) & set(step._latest.relay)
+  params = jax.tree.leaves(state().params)
+  whole = sum(x.nbytes for x in params)
+  padding = sum(x.size // min(x.shape) * x.dtype.itemsize for x in params)
+  loss = 4  # the loss's float32 sum, whole on every device
+  outputs = step.memory_analysis()
+  assert outputs["group 0"].output_size_in_bytes <= whole / n + padding + loss, (outputs["group 0"], whole)
+  assert outputs["group 1"].output_size_in_bytes >= whole  # the unsharded group's rows: whole
+  assert whole / n + padding + loss < whole / 2  # the bound tells parts from whole-shaped rows
+
+
+@pytest.mark.timeout(240)
+def test_a_sum_the_exchange_reads_stays_whole_rows_and_exact():
+  """A gradient norm among the metrics: the exchange program reads every gradient sum, so the sharded group hands
+  it whole-shaped rows (its part in place), and the step stays exact."""
+  require_devices(8)
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (2, 2, 1, 1))], 18,
+                    zero_stage=1, state_shares=(1 / 8,) * 8)
+  step, _ = _trained(plan, _state, _grad_norm_step)
+  assert not step._latest.part_sums
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [0, 3], ids=["replicated", "zero-3-shares"])
 def test_a_priced_sharded_group_plan_runs_as_priced(zero):

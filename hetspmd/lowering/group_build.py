@@ -102,6 +102,10 @@ class GroupPrograms:
   # them as parts only (whole to the other groups' devices); neither the exchange nor another owner's update
   # takes them (:func:`_parted`)
   parted: dict = dataclasses.field(default_factory=dict)
+  # {flat partial value: its shape} of the sums groups sharding their parameters hand their owners as parts
+  # (hetspmd.lowering.transfers.Pieces): under shares, one process, one loop and no tail, those the exchange
+  # program does not read
+  part_sums: dict = dataclasses.field(default_factory=dict)
 
   @property
   def stages(self) -> tuple[str, ...]:
@@ -179,12 +183,17 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   owner = {h.index: h.device for h in held if h.role == "opt_state"}
   held_inputs = tuple(sorted(owner))
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
-  loops, stages, shards, splits = [], [], [], []
+  # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
+  # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
+  to_owner = units is not None and not plan.tail_count and jax.process_count() == 1
+  splits = [_shards(progs[group.remat], group, state, held_inputs, wide) for group in plan.groups]
+  # there, a group sharding its parameters hands the owners its parts of the sums the exchange program does not read
+  kept = group_lowering.part_sums(prog, units.common) if to_owner and any(splits) else {}
+  loops, stages, shards = [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
-  for group, mesh in zip(plan.groups, meshes.groups):
-    split = _shards(progs[group.remat], group, state, held_inputs, wide)
-    splits.append(split)
-    programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split)
+  for group, mesh, split in zip(plan.groups, meshes.groups, splits):
+    programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split,
+                                   kept=kept)
     loops.append(programs)
     stages.append(names)
     shards.append(SplitParams(tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())),
@@ -193,20 +202,17 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
   parted = _parted(prog, plan, units, held, splits)
-  # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
-  # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
-  to_owner = units is not None and not plan.tail_count and jax.process_count() == 1
   exchange = _exchange(prog, plan, meshes, units, owner, wide, n_state=step.n_state, donated=donated,
                        to_owner=to_owner, parted=parted)
   updates = (_updates(prog, meshes, units, held, wide, n_state=step.n_state, donated=donated, to_owner=to_owner,
                       parted=parted) if units else {})
   readers = group_lowering.partial_readers(prog) if to_owner else ()
   needs = {device: tuple(j for j, r in enumerate(readers) if r & set(outs)) for device, (outs, _) in updates.items()}
-  relay = _relayed_sums(prog, needs, len(meshes.devices)) if to_owner and relays(plan.state_shares) else {}
+  relay = _relayed_sums(prog, needs, len(meshes.devices), kept) if to_owner and relays(plan.state_shares) else {}
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
-                       parted=parted,
+                       parted=parted, part_sums=kept,
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
@@ -286,14 +292,16 @@ def _shards(own: Program, group: Any, state: Any, held: tuple[int, ...], wide: d
 
 
 def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: Mesh, state: Any, *,
-                 held: tuple[int, ...], wide: dict, shards: dict) -> tuple[list, tuple]:
+                 held: tuple[int, ...], wide: dict, shards: dict, kept: dict) -> tuple[list, tuple]:
   """``group``'s program of each loop, ``jax.jit`` over its ``mesh``, and its stages' names: its own trace's loop
   (its remat policy's, from ``progs``; ``shards``: the parameters it takes split over its devices, FSDP-style, in
-  lockstep), its partial sums laid out and narrowed as the exchange program takes them, one row per device."""
+  lockstep, the sums ``kept`` names, as the exchange program's trace numbers them, left as parts), its partial
+  sums laid out and narrowed as the exchange program takes them, one row per device."""
   prog, own = progs[plan.tail_remat], progs[group.remat]
   loops = prog.analysis.loops
   layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions, lockstep=group.shard_params)
   order = None if own is prog else group_lowering.sums_order(prog, own)
+  kept = frozenset(kept if order is None else (order[0][j] for j in kept))  # as its own trace numbers them
   split = model_split(state, group, mesh)
   # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
   mask = None if plan.tail_count else group_lowering.narrowed(prog, plan.reduce_dtype)
@@ -305,7 +313,7 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
               ("reorder", functools.partial(reordered, order)),
               ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
-    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards), *stages)
+    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept), *stages)
     out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
   return out, ("loop",) + names
 
@@ -370,14 +378,15 @@ def _narrow_reads(progs: dict[str, Program], units: Any, made: dict[int, int]) -
   return {i: d for i, d in found[0].items() if all(f.get(i) == d for f in found[1:])}
 
 
-def _relayed_sums(prog: Program, needs: dict, n: int) -> dict[int, tuple[int, int]]:
+def _relayed_sums(prog: Program, needs: dict, n: int, kept: dict) -> dict[int, tuple[int, int]]:
   """``{partial value: (axis, size)}`` of the values the updates read that reach their owners in two hops,
   reduce-scattered over the ``n`` devices along :func:`hetspmd.plan.groups.relay_axis`, then made whole on the
-  owner: the sums. (A ``max`` or ``min``, a scalar or an empty value is copied to its owner row by row.)"""
+  owner: the sums. (A ``max`` or ``min``, a scalar or an empty value is copied to its owner row by row, and so
+  are the sums ``kept`` names: groups sharding their parameters hand those over as parts.)"""
   wanted = set().union(*needs.values()) if needs else set()
   out = {}
   for j, (reduce, shape) in enumerate(group_lowering.partial_values(prog)):
     axis = relay_axis(shape, n)
-    if j in wanted and reduce == "sum" and axis is not None:
+    if j in wanted and j not in kept and reduce == "sum" and axis is not None:
       out[j] = (axis, shape[axis])
   return out

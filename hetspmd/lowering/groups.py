@@ -315,7 +315,8 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
   return out
 
 
-def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None):
+def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None,
+                  kept: frozenset = frozenset()):
   """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
   last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
@@ -331,7 +332,8 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   given as its zero-padded value split along ``axis`` over the group (:func:`hetspmd.lowering.transfers.shard_program`),
   gathered for each reader inside every microbatch, the gradients' sums reduce-scattered onto parts as they
   accumulate,
-  each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.transfers.ParamShards`).
+  each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.transfers.ParamShards`),
+  or its part alone for the sums ``kept`` names (flat, as the loop returns them: :func:`part_sums`).
   The layout must be in lockstep."""
   axis = layout.data_axis
   s = prog.analysis.loops - 1 if s is None else s
@@ -339,7 +341,7 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   split = {prog.invars[i]: a for i, a in (shards or {}).items()}
   derived = _derived(prog, split) if split else ()
   made = {v for k in derived for v in prog.eqns[k].outvars}
-  param_shards = _param_shards(prog, shards, axis, layout.mesh.shape[axis]) if shards else None
+  param_shards = _param_shards(prog, shards, axis, layout.mesh.shape[axis], kept) if shards else None
 
   def run(inputs, counts, starts, earlier=None):
     parts = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
@@ -367,11 +369,12 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   return run
 
 
-def _param_shards(prog: Program, shards: dict, axis_name: str, n: int) -> ParamShards:
-  """The :class:`ParamShards` of ``shards`` (``{flat input: axis}``) over ``n`` devices on ``axis_name``."""
+def _param_shards(prog: Program, shards: dict, axis_name: str, n: int, kept: frozenset = frozenset()) -> ParamShards:
+  """The :class:`ParamShards` of ``shards`` (``{flat input: axis}``) over ``n`` devices on ``axis_name``, the sums
+  ``kept`` names left as parts."""
   split = {prog.invars[i]: a for i, a in shards.items()}
   return ParamShards(axis_name, n, tuple((v, a, jx.aval_shape(v)[a]) for v, a in split.items()),
-                     tuple(prog.eqns[k] for k in _derived(prog, split)))
+                     tuple(prog.eqns[k] for k in _derived(prog, split)), frozenset(kept))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,6 +579,7 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
 
   def run(inputs: Sequence[Any], partials: Sequence[Sequence[Any]], counts=None, starts=None, earlier=None,
           examples: Sequence[Any] = ()):
+    partials = _filled(prog, partials)
     env, ops = before_loops(prog, inputs, counts, starts)
     if tail is not None:
       totals, accumulated, tail_examples = _with_tail(prog, tail, dataclasses.replace(ops, extra=tuple(partials)))
@@ -593,6 +597,25 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
     return (mine, (list(totals), accumulated)) if sums else mine
 
   return run
+
+
+def _filled(prog: Program, partials: Sequence[Sequence[Any]]) -> list[list[Any]]:
+  """The last loop's ``partials`` with zeros standing in for the sums groups hand their owners as parts (None:
+  :func:`hetspmd.lowering.transfers.without_pieces`), which no output the exchange program makes reads (``jax.jit``
+  drops the zeros with the work that would use them)."""
+  return [[jnp.zeros((1,) + jx.aval_shape(v), jx.aval_dtype(v)) if x is None else x for x, (_, v) in zip(part, values)]
+          for part, values in zip(partials, _partials(prog))]
+
+
+def part_sums(prog: Program, common: Sequence[int]) -> dict[int, tuple[int, ...]]:
+  """``{flat partial value: its shape}`` of the last loop's sums a group sharding its parameters may hand their
+  owners as parts (:attr:`hetspmd.lowering.transfers.ParamShards.kept`): those no output of ``common`` (the
+  exchange program's) reads. None in a step of several loops (an earlier loop's sums feed a later one)."""
+  if prog.analysis.loops > 1:
+    return {}
+  readers = partial_readers(prog)
+  return {j: shape for j, ((reduce, shape), r) in enumerate(zip(partial_values(prog), readers))
+          if reduce == "sum" and shape and not r & set(common)}
 
 
 def update_program(prog: Program, outputs: Sequence[int]):

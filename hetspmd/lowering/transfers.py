@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -136,6 +137,9 @@ class ParamShards:
   n: int
   params: tuple
   derived: tuple = ()  # example-free equations before the loop on the parameters (a reshape, a cast), redone
+  # the last loop's partial values (flat, as the loop returns them) left as this device's part after the loop,
+  # not made rows: their owners join the parts (:func:`rows_on`), so no device of the group holds them whole
+  kept: frozenset = frozenset()
 
   @functools.cached_property
   def made(self) -> frozenset:
@@ -271,13 +275,14 @@ class ParamShards:
 
   def rows(self, acc: list, kinds: list, shapes: list, presplit: dict | None = None) -> list:
     """The accumulated parts as this device's rows, each the whole value's shape (``shapes``): its part in place,
-    zeros elsewhere (the padding cut off). ``presplit``: ``{(partial, value): (axis, shape)}`` of the parts a
-    layer scan scattered along ``axis``."""
+    zeros elsewhere (the padding cut off); a value :attr:`kept` names stays its part (padding and all).
+    ``presplit``: ``{(partial, value): (axis, shape)}`` of the parts a layer scan scattered along ``axis``."""
     presplit = presplit or {}
+    first = list(itertools.accumulate((len(xs) for xs in acc), initial=0))  # each partial's first flat position
 
     def row(x, reduce, like, at_):
       a = presplit[at_][0] if at_ in presplit else self.axis_of(reduce, like)
-      if a is None:
+      if a is None or first[at_[0]] + at_[1] in self.kept:
         return x
       size = like.shape[a]
       whole = jnp.zeros(x.shape[:a] + (padded_length(size, self.n),) + x.shape[a + 1:], x.dtype)
@@ -410,13 +415,56 @@ def global_rows(parts: list, mesh: Mesh) -> Any:
                                                   [by_device[d] for d in devices if d in by_device])
 
 
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+  """A sum of the last loop that groups sharding their parameters hand over as parts: per group, its rows as one
+  array over the group's devices (a leading axis of one row per device), each row the whole value's ``shape``, or,
+  from a group that keeps the sum as parts (:attr:`ParamShards.kept`), each device's part (zero-padded along the
+  one axis where its shape differs). The owner that reads it joins each such group's parts into one row
+  (:meth:`rows_on`); no device of the group holds the sum whole."""
+
+  groups: tuple
+  shape: tuple
+
+  def rows_on(self, device: Any) -> list:
+    """The value's rows on ``device`` (each ``[1, *shape]``): every whole-shaped row copied there, and per group of
+    parts its parts copied there and joined (the padding cut off)."""
+    out = []
+    for x in self.groups:
+      here = jax.device_put(_rows(x), device)
+      row = tuple(x.shape[1:])
+      if row == tuple(self.shape):
+        out += here
+        continue
+      axis = next(a for a, (m, n) in enumerate(zip(row, self.shape)) if m != n)
+      out.append(_joined_parts(axis + 1, self.shape[axis])(here))
+    return out
+
+
+def _rows(x: Any) -> list:
+  """This process's rows of ``x`` (a global array, a leading axis of one row per device), in order."""
+  return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)]
+
+
+@functools.lru_cache(maxsize=None)
+def _joined_parts(axis: int, size: int) -> Callable[[list], Any]:
+  """A program joining a group's parts (rows) along ``axis``, cut to ``size`` there."""
+  return jax.jit(lambda parts: jax.lax.slice_in_dim(jnp.concatenate(parts, axis=axis), 0, size, axis=axis))
+
+
+def without_pieces(partials: list) -> list:
+  """``partials`` (per partial sum, its values) with each :class:`Pieces` None: what the exchange program takes
+  (it reads none of them: :func:`hetspmd.lowering.groups.exchange_program`)."""
+  return [[None if isinstance(x, Pieces) else x for x in part] for part in partials]
+
+
 def rows_on(device: Any, needed: tuple[int, ...], flat: list, reduced: dict, axes: dict) -> list:
-  """Per value of ``flat`` (global arrays, one row per device) that ``device`` reads (``needed``), else None:
-  every device's row of it copied there, or, for a value ``reduced`` holds (its sum split along ``axes[j]``),
-  that sum made whole there, one row."""
-  rows = {j: [s.data for s in sorted(flat[j].addressable_shards, key=lambda s: s.index[0].start or 0)]
-          for j in needed if j not in reduced}
+  """Per value of ``flat`` (global arrays, one row per device, or :class:`Pieces`) that ``device`` reads
+  (``needed``), else None: every device's row of it copied there (a group's parts joined into one), or, for a
+  value ``reduced`` holds (its sum split along ``axes[j]``), that sum made whole there, one row."""
+  rows = {j: _rows(flat[j]) for j in needed if j not in reduced and not isinstance(flat[j], Pieces)}
   moved = jax.device_put(rows, device)
+  moved.update({j: flat[j].rows_on(device) for j in needed if isinstance(flat[j], Pieces)})
   summed = [j for j in needed if j in reduced]
   moved.update(zip(summed, ([x] for x in assembled([reduced[j] for j in summed], [axes[j] for j in summed],
                                                   device))))

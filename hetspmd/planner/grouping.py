@@ -150,7 +150,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   device): every device's rows of them, copied to it (the reduce-scatter's time scaled to the busiest device's
   bytes: :func:`hetspmd.plan.groups.copy_factor`), or, where some devices hold much more than the rest, the
   sums reduce-scattered evenly, then made whole on their owner (:func:`hetspmd.plan.groups.relay_factor`); it
-  holds those rows or its part and its sums after the loop instead of the whole reduced gradient. The
+  holds those rows or its part and its sums after the loop instead of the whole reduced gradient; a group
+  sharding its parameters hands the owners its parts of the sums, copied (:data:`sharding.PARTS_TO_OWNERS`). The
   gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
   ``models``: a kind's tensor-parallel choice, its devices that many at a time in one host running each
   microbatch together (its group's model axis; see :func:`_peak` for what they hold). ``sharded``: the kinds whose
@@ -177,8 +178,12 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
+  # a sharded group hands each owner its parts of the sums, copied (sharding.PARTS_TO_OWNERS): the owner
+  # receives one joined row per sharded group, and one per device of the others
+  parts = owner and bool(sharded) and sharding.PARTS_TO_OWNERS
+  sums, received = (COPIED, n - sum(layout.kind_counts[k] - 1 for k in sharded)) if parts else (split, n)
   memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
-                          rows=split[0] * (1 / n + 2 * shares[k]) + split[2] + split[1] * n * shares[k] if owner
+                          rows=sums[0] * (1 / n + 2 * shares[k]) + sums[2] + sums[1] * received * shares[k] if owner
                           else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
@@ -195,8 +200,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
-  if owner:
-    reduce = reduce / 2 * _factor(spread, split)
+  if owner:  # the busiest owner's rows, scaled by the rows it receives of each sum against one per device
+    reduce = reduce / 2 * _factor(spread, sums) * received / n
   gather = _gather_seconds(costing, layout, spread, zero) if zero else 0.0
   hidden = 0.0
   if count:
@@ -492,7 +497,6 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   ``one_loop`` (a step whose exact batch statistics take loops of their own) neither a tail, a policy per kind, a
   model axis nor a sharded group."""
   order = list(dict.fromkeys(layout.kinds))
-  n = len(layout.groups)
   plain, models, shardable = _kind_fits(costing, layout, sizes, remat_policies, one_loop, only_sharded=only_sharded)
   fits = {k: [m for m in sizes if m in plain[k] or m in shardable[k]] for k in order}
   tails = [(0, 0)] + ([(m, 1) for m in sizes if m * len(layout.devices) < global_batch

@@ -31,9 +31,15 @@ from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated
 # devices hold them whole beside their parts through the step. Under ZeRO-3 in one process each device holds its
 # share, and a sharded group receives its parts only (hetspmd.lowering.group_build.GroupPrograms.parted).
 WHOLE_PARAMS_HELD = True
-# After its loop a sharded group hands the exchange one row per device the whole gradients' size (its part in
-# place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its part.
+# After its loop a sharded group hands the uniform exchange program one row per device the whole gradients' size
+# (its part in place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its
+# part there too.
 WHOLE_ROWS = True
+# Where each owner reduces the sums its units read itself (state shares, no tail, one process), a sharded group
+# hands the owners its parts alone (ParamShards.kept, hetspmd.lowering.transfers.Pieces), copied, not in two hops:
+# its devices hold 1/g of the gradients after the loop. (The runtime keeps whole rows for a sum an output of the
+# exchange program reads, a gradient norm among the metrics; the profile does not say which those are.)
+PARTS_TO_OWNERS = True
 # Gathered parameters live at once: the runtime gathers each parameter for each reader (forward, and again
 # backward), a layer scan a slice per iteration, each copy after the reader before it (ParamShards.whole), so the
 # layer being computed and the next one (benchmarks/group_memory.py: 2.9 layers' bytes beside the accumulator,
@@ -98,8 +104,9 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   state (all of it where None: the plan's state shares decide it, as for an unsharded group). In the loop: its
   ``1/g`` of the parameters and of the float32 accumulator, the live gathered layers (:func:`live_gathered_bytes`)
   and one microbatch's activations (:func:`hetspmd.planner.data_axis.microbatch_bytes`). After the loop: the row it
-  hands the exchange, whole-sized (:data:`WHOLE_ROWS`) in ``dtype``, beside ``rows`` (the reduced or received
-  gradients, a fraction of one whole copy; one where None). ``state_sharded`` (the ``fsdp`` baseline): the
+  hands the exchange, whole-sized (:data:`WHOLE_ROWS`) in ``dtype``, or its part where each owner reduces its own
+  sums (``rows`` not None, :data:`PARTS_TO_OWNERS`), beside ``rows`` (the received gradients, a fraction of one
+  whole copy; the reduced gradients, one, where None). ``state_sharded`` (the ``fsdp`` baseline): the
   parameters and optimizer state held only as ``1/g`` parts and no exchange after the loop. ``zero=3``: ``share``
   is of the parameters and the optimizer state together, and no whole parameters are held."""
   p = profile
@@ -109,7 +116,8 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
     return int((p.opt_state_bytes / g + working) * WORKSPACE)
   fraction = 1.0 if share is None else share
   wire = REDUCE_BYTES[dtype]
-  after = p.param_count * wire * ((1.0 if WHOLE_ROWS else 1.0 / g) + (1.0 if rows is None else rows))
+  whole_row = WHOLE_ROWS and not (PARTS_TO_OWNERS and rows is not None)
+  after = p.param_count * wire * ((1.0 if whole_row else 1.0 / g) + (1.0 if rows is None else rows))
   if zero == 3:  # its share of the parameters and the optimizer state; the parameters reach its loop as parts
     held = (p.param_bytes + p.opt_state_bytes) * fraction
   else:

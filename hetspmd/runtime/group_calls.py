@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -37,8 +38,9 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
               state: list, buffers: dict, others: list):
   """Each loop's group programs (this process's groups: ``counts`` placed, else None; ``buffers``: each one's
   microbatch buffers; ``state``: the state leaves every device has), every loop
-  but the last reduced by its uniform combine program for the next: the last loop's partials and the rows of
-  the step's per-example outputs as global arrays, and the earlier loops' reduced cuts."""
+  but the last reduced by its uniform combine program for the next: the last loop's partials as global arrays
+  (the sums groups hand their owners as parts, ``built.part_sums``, as :class:`~hetspmd.lowering.transfers.Pieces`)
+  and the rows of the step's per-example outputs, and the earlier loops' reduced cuts."""
   earlier: dict = {}
   loops = len(built.combines) + 1
   rows = functools.partial(transfers.global_rows, mesh=meshes.mesh)
@@ -60,8 +62,10 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
         mine, per_example = call(name, programs[s], given[g], *placed, jax.tree.map(on, earlier))
         partials.append(mine)
         examples.append(per_example)
-    joined = [[rows([p[k][j] for p in partials]) for j in range(len(partials[0][k]))]
-              for k in range(len(partials[0]))]
+    first = list(itertools.accumulate((len(part) for part in partials[0]), initial=0))  # flat position of each
+    joined = [[transfers.Pieces(tuple(p[k][j] for p in partials), built.part_sums[first[k] + j])
+               if s == loops - 1 and first[k] + j in built.part_sums else rows([p[k][j] for p in partials])
+               for j in range(len(partials[0][k]))] for k in range(len(partials[0]))]
     if s < loops - 1:
       earlier.update(call(f"combine loop {s}", built.combines[s], joined))
   return joined, earlier, [rows([e[k] for e in examples]) for k in range(len(examples[0]))]

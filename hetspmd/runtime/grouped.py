@@ -247,7 +247,8 @@ class GroupedStep:
                                                 others=others)
     everywhere = [transfers.on(self.mesh, x) for x in others]  # the rest, on every device of the plan
     common = [transfers.on(self.mesh, state_leaves[i]) for i in free if i not in built.parted] + placed.tail + everywhere
-    results = self._call("exchange", built.exchange, common, joined, *self._tail, earlier, examples)
+    results = self._call("exchange", built.exchange, common, transfers.without_pieces(joined), *self._tail, earlier,
+                         examples)
     if built.units is None:
       return jax.tree.unflatten(built.out_tree, results)
     results, sums = (results, (joined, earlier)) if built.needs is not None else results
