@@ -179,7 +179,8 @@ def _sharded_rows(layers: int, width: int) -> None:
       live = max(on_device[d] for d in (0, 1, 2, 3))
       loop = runner.memory_analysis()["group 0"]
       accumulator = whole / 4 if sharded else 0  # the loop's carry: its part of every gradient (whole: an output)
-      rest = loop.temp_size_in_bytes - accumulator
+      # a temporary beside the whole-shaped rows it makes; the output itself where it hands its owners its parts
+      rest = loop.temp_size_in_bytes - (0 if runner._latest.part_sums else accumulator)
       print(f"{('scan' if scanned else 'unrolled') + ('' if remat == 'none' else ' ' + remat):>14} "
             f"{('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "

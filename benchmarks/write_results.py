@@ -66,7 +66,8 @@ BENCHES = (
           "ZeRO-3, a model axis), and each program's compiled memory, on 8 emulated CPU devices; then a group "
           "sharding its parameters (FSDP in the group, unrolled and as a layer scan) against the same plan "
           "unsharded (goals: arguments about 1/4 of the parameters, temporaries beside the accumulator about 3 "
-          "layers; between steps under ZeRO-3 shares, each device its share)."),
+          "layers; under shares, the sums handed to their owners as 1/4 parts; between steps under ZeRO-3 "
+          "shares, each device its share)."),
     Bench("reduction", (), "measured",
           "Gradient reduction after the loop, overlapped, in bfloat16, and both: step time, wire bytes and "
           "parameter drift on 8 emulated CPU devices (the CPU runs collectives in line: nothing hides)."),

@@ -321,7 +321,7 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
                  f"evenly (zero-padded along one axis), each gathered for each equation that reads it (forward and "
                  f"backward apart; a layer scan's a slice per iteration), each microbatch's gradient sums "
                  f"reduce-scattered into parts; its devices run {group.max_count} microbatch(es) in lockstep (the "
-                 "ones a device lacks masked); each device's row is its part in place, zeros elsewhere")
+                 "ones a device lacks masked); " + _handed(built))
     sizes = split.sizes if split is not None else None
     if sizes is not None:
       lines.append(f"    per device: {_mb(sizes.held)} of the parameters held in its loop (of {_mb(sizes.whole)} "
@@ -330,6 +330,15 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
                    "(memory_analysis() measures each program)")
       lines.append(f"    on GPUs, to overlap them with compute, start JAX with XLA_FLAGS=\"{sizes.xla_gpu_flags()}\"")
   return lines
+
+
+def _handed(built: GroupPrograms | None) -> str:
+  """What a sharded group hands over after its loop, in words."""
+  rows = "each device's row is its part in place, zeros elsewhere"
+  if built is None or not built.part_sums:
+    return rows
+  return (f"each device hands the state's owners its parts of {len(built.part_sums)} sums, which each owner "
+          f"joins (of any other sum, {rows})")
 
 
 def _mb(n: int) -> str:
