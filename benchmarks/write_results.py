@@ -81,7 +81,9 @@ BENCHES = (
           "Seconds to trace GPT-2 medium's step and to run the microbatch pass on its jaxpr."),
     Bench("emulated_hetero", (), "measured",
           "Two processes (gloo), one core slowed by a busy loop: the weighted plan and the group plan against "
-          "the uniform split and the step ideal (goal: 90% of the step ideal).", slow=True),
+          "the uniform split and the step ideal (goal: 90% of the step ideal); then two devices per process, the "
+          "group plan against the same plan with each group sharding its parameters (goal: within 5 points).",
+          slow=True),
     Bench("pipeline_hetero", (), "measured",
           "Two processes (gloo), one core slowed by a busy loop: pipeline layers split evenly and by measured "
           "speed, predicted against measured.", slow=True),
