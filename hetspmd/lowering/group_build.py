@@ -37,6 +37,9 @@ from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
 from hetspmd.plan.state_layout import role_of
 
 
+GROUP, PART = "group", "part"  # a hybrid plan's mesh axes: its groups, and the devices of each
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupMeshes:
   """Where a group plan runs: its devices (in the plan's order) on one ``data`` axis, and each group's mesh."""
@@ -44,6 +47,8 @@ class GroupMeshes:
   devices: tuple
   mesh: Mesh
   groups: tuple
+  # a hybrid plan's (GroupPlan.hybrid) devices as (group, part): each group's devices a row, in the plan's order
+  parts: Mesh | None = None
 
   @classmethod
   def of(cls, plan: GroupPlan) -> "GroupMeshes":
@@ -61,7 +66,8 @@ class GroupMeshes:
       if len(processes) > 1:
         raise InvalidValueError(f"group {g} holds devices of processes {processes}: each group's program runs in "
                                 "one process, so a group's devices must all be one process's")
-    return cls(devices, Mesh(np.array(devices), (DATA,)), groups)
+    parts = Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART)) if plan.hybrid else None
+    return cls(devices, Mesh(np.array(devices), (DATA,)), groups, parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,9 @@ class GroupPrograms:
   # (hetspmd.lowering.transfers.Pieces): under shares, one process, one loop and no tail, those the exchange
   # program does not read
   part_sums: dict = dataclasses.field(default_factory=dict)
+  # a hybrid plan (GroupPlan.hybrid): {state index: axis} of the leaves each group holds split over its devices
+  # between steps (GroupMeshes.parts), each group its own copy
+  held_split: dict = dataclasses.field(default_factory=dict)
 
   @property
   def stages(self) -> tuple[str, ...]:
@@ -187,8 +196,11 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
   to_owner = units is not None and not plan.tail_count and jax.process_count() == 1
   splits = [_shards(progs[group.remat], group, state, held_inputs, wide) for group in plan.groups]
-  # there, a group sharding its parameters hands the owners its parts of the sums the exchange program does not read
-  kept = group_lowering.part_sums(prog, units.common) if to_owner and any(splits) else {}
+  # there, a group sharding its parameters hands the owners its parts of the sums the exchange program does not read;
+  # in a hybrid plan every group hands the exchange program its parts of every sum, and holds its state split
+  held_split = _held_split(state, splits, len(plan.groups[0].devices)) if meshes.parts is not None else {}
+  kept = (group_lowering.part_sums(prog, units.common) if to_owner and any(splits) else
+          group_lowering.part_sums(prog, ()) if meshes.parts is not None else {})
   loops, stages, shards = [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh, split in zip(plan.groups, meshes.groups, splits):
@@ -203,7 +215,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
               for s in range(prog.analysis.loops - 1)]
   parted = _parted(prog, plan, units, held, splits)
   exchange = _exchange(prog, plan, meshes, units, owner, wide, n_state=step.n_state, donated=donated,
-                       to_owner=to_owner, parted=parted)
+                       to_owner=to_owner, parted=parted, split=_split_outputs(held_split, new_value_of, meshes))
   updates = (_updates(prog, meshes, units, held, wide, n_state=step.n_state, donated=donated, to_owner=to_owner,
                       parted=parted) if units else {})
   readers = group_lowering.partial_readers(prog) if to_owner else ()
@@ -212,7 +224,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   return GroupPrograms(loops=loops, combines=combines, exchange=exchange, updates=updates, out_tree=out_tree,
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
-                       parted=parted, part_sums=kept,
+                       parted=parted, part_sums=kept, held_split=held_split,
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
@@ -234,11 +246,36 @@ def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: lis
   return {i: {g: split[i] for g, split in enumerate(splits) if i in split} for i in wanted if i not in read}
 
 
+def _held_split(state: Any, splits: list, g: int) -> dict[int, int]:
+  """A hybrid plan: ``{flat state index: axis}`` of the leaves each group holds split over its ``g`` devices between
+  steps: the parameters every group takes split (``splits``) along one axis that ``g`` divides, and each other
+  floating leaf of such a parameter's shape (an optimizer's moments) along the same axis. (A parameter split with
+  padding stays whole between steps: a ``jax.Array`` cannot be split unevenly.)"""
+  leaves = jax.tree.leaves(state)
+  common = set.intersection(*(set(split.items()) for split in splits))
+  out = {i: a for i, a in sorted(common) if np.shape(leaves[i])[a] % g == 0}
+  axes: dict[tuple, int] = {}
+  for i, a in out.items():
+    axes.setdefault(np.shape(leaves[i]), a)
+  for i, x in enumerate(leaves):
+    if i not in out and np.shape(x) in axes and jnp.issubdtype(traced_dtype(x), jnp.floating):
+      out[i] = axes[np.shape(x)]
+  return out
+
+
+def _split_outputs(held_split: dict, new_value_of: dict, meshes: GroupMeshes) -> dict[int, NamedSharding]:
+  """``{flat output: sharding}`` of the step's outputs that are new values of leaves held split (``held_split``):
+  split over each group's devices (:attr:`GroupMeshes.parts`), each group its own copy."""
+  return {o: NamedSharding(meshes.parts, P(*([None] * held_split[i]), PART))
+          for o, i in new_value_of.items() if i in held_split}
+
+
 def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, owner: dict, wide: dict, *,
-              n_state: int, donated: frozenset, to_owner: bool, parted: dict) -> Any:
+              n_state: int, donated: frozenset, to_owner: bool, parted: dict, split: dict) -> Any:
   """The uniform program over every device: the last loop's sums reduced (unless each owner reduces its own),
   the tail's loop, and the step's outputs that read no held leaf (every output without shares); it reads the
-  replicated state's leaves, whose buffers it may take where it makes the whole new state."""
+  replicated state's leaves, whose buffers it may take where it makes the whole new state. ``split``: ``{flat
+  output: sharding}`` of the outputs it leaves split (a hybrid plan's state: XLA partitions the update)."""
   tail = None
   if plan.tail_count:
     count = plan.tail_count
@@ -250,7 +287,10 @@ def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, o
   at = [k for k, i in enumerate(free) if i in donated and units is None]
   run, _ = chain(run, ("widen", functools.partial(widened, wide)),
                  ("hold", functools.partial(less_held, prog, tuple(sorted({*owner, *parted})))))
-  return donating(run, at, out_shardings=NamedSharding(meshes.mesh, P()))
+  replicated = NamedSharding(meshes.mesh, P())
+  if split:  # the update on the parts each group holds, partitioned by XLA
+    return donating(run, at, out_shardings=[split.get(o, replicated) for o in range(len(prog.outvars))])
+  return donating(run, at, out_shardings=replicated)
 
 
 def _updates(prog: Program, meshes: GroupMeshes, units: Any, held: tuple, wide: dict, *, n_state: int,

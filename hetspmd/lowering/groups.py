@@ -602,9 +602,18 @@ def exchange_program(prog: Program, tail: Layout | None = None, outputs: Sequenc
 def _filled(prog: Program, partials: Sequence[Sequence[Any]]) -> list[list[Any]]:
   """The last loop's ``partials`` with zeros standing in for the sums groups hand their owners as parts (None:
   :func:`hetspmd.lowering.transfers.without_pieces`), which no output the exchange program makes reads (``jax.jit``
-  drops the zeros with the work that would use them)."""
-  return [[jnp.zeros((1,) + jx.aval_shape(v), jx.aval_dtype(v)) if x is None else x for x, (_, v) in zip(part, values)]
-          for part, values in zip(partials, _partials(prog))]
+  drops the zeros with the work that would use them), and a hybrid plan's groups' parts of a sum (one row per
+  group, zero-padded along one axis: :func:`hetspmd.lowering.transfers.part_rows`) cut to the value's shape."""
+  def row(x, v):
+    shape = jx.aval_shape(v)
+    if x is None:
+      return jnp.zeros((1,) + shape, jx.aval_dtype(v))
+    if tuple(x.shape[1:]) == tuple(shape):
+      return x
+    axis = next(a for a, (m, n) in enumerate(zip(x.shape[1:], shape)) if m != n)
+    return jax.lax.slice_in_dim(x, 0, shape[axis], axis=axis + 1)
+
+  return [[row(x, v) for x, (_, v) in zip(part, values)] for part, values in zip(partials, _partials(prog))]
 
 
 def part_sums(prog: Program, common: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import padded_length, relay_axis, relays, shard_axis
 
@@ -450,6 +451,45 @@ def _rows(x: Any) -> list:
 def _joined_parts(axis: int, size: int) -> Callable[[list], Any]:
   """A program joining a group's parts (rows) along ``axis``, cut to ``size`` there."""
   return jax.jit(lambda parts: jax.lax.slice_in_dim(jnp.concatenate(parts, axis=axis), 0, size, axis=axis))
+
+
+def part_rows(pieces: list, mesh: Mesh, shape: tuple) -> Any:
+  """A hybrid plan's sum from its groups' parts (``pieces``: this process's groups' rows of it, each a global array
+  over its group's devices, ``[g, *part]``, the part zero-padded along the one axis where it differs from the
+  value's ``shape``) as one global array ``[groups, *padded]`` over ``mesh`` (:attr:`GroupMeshes.parts`): split
+  over each group's devices along that axis, one row per group; no copy. None where the rows are whole-shaped
+  (a value no group splits)."""
+  row = tuple(pieces[0].shape[1:])
+  if row == tuple(shape):
+    return None
+  if any(tuple(x.shape[1:]) != row for x in pieces):
+    raise HetSpmdError(f"the groups split a sum of shape {tuple(shape)} into parts of different shapes "
+                       f"({sorted({tuple(x.shape[1:]) for x in pieces})}): give every group the same remat policy")
+  axis = next(a for a, (m, n) in enumerate(zip(row, shape)) if m != n)
+  g = mesh.shape[mesh.axis_names[1]]
+  padded = row[:axis] + (row[axis] * g,) + row[axis + 1:]
+  sharding = NamedSharding(mesh, P(mesh.axis_names[0], *([None] * axis), mesh.axis_names[1]))
+  return jax.make_array_from_single_device_arrays((mesh.shape[mesh.axis_names[0]],) + padded, sharding,
+                                                  [s.data for x in pieces for s in x.addressable_shards])
+
+
+def split_on(x: Any, sharding: NamedSharding) -> Any:
+  """``x`` (a host value, or an array every process has whole) split as ``sharding`` says, each process making
+  its own devices' pieces."""
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  value = np.asarray(x) if not isinstance(x, jax.Array) or x.is_fully_addressable else None
+  if value is None:  # replicated across processes: this process's own copy
+    value = np.asarray(x.addressable_shards[0].data)
+  return jax.make_array_from_callback(np.shape(x), sharding, lambda index: value[index])
+
+
+def group_part(x: Any, mesh: Mesh, axis: int) -> Any:
+  """A hybrid plan's held leaf (split along ``axis`` over each group's devices, each group its own copy) as one
+  group's program takes it: the same shards, as a global array over the group's ``mesh``; no copy."""
+  mine = {s.device: s.data for s in x.addressable_shards}
+  return jax.make_array_from_single_device_arrays(
+      x.shape, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])), [mine[d] for d in mesh.devices.flat])
 
 
 def without_pieces(partials: list) -> list:

@@ -215,6 +215,16 @@ class GroupPlan:
     return tuple(d for g in self.groups for d in g.devices)
 
   @property
+  def hybrid(self) -> bool:
+    """Whether every group holds its parameters and optimizer state split over its own devices between steps
+    (FSDP's state, each group its own copy: hybrid sharding, as PyTorch's HSDP): every group shards its parameters
+    (:attr:`Group.shard_params`), all groups have as many devices, and the state is in no shares and the plan
+    has no tail. A one-group plan of this kind is plain FSDP."""
+    sizes = {len(g.devices) for g in self.groups}
+    return (all(g.shard_params for g in self.groups) and len(sizes) == 1 and not self.state_shares
+            and not self.tail_count)
+
+  @property
   def tail_remat(self) -> str:
     """The remat policy of the tail and of the exchange program's trace: the groups' that recomputes most."""
     return max((g.remat for g in self.groups), key=REMAT_POLICIES.index)

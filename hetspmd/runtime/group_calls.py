@@ -43,7 +43,6 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
   and the rows of the step's per-example outputs, and the earlier loops' reduced cuts."""
   earlier: dict = {}
   loops = len(built.combines) + 1
-  rows = functools.partial(transfers.global_rows, mesh=meshes.mesh)
   given = {}  # each of this process's groups' inputs, placed once for every loop
   for g, (mesh, placed) in enumerate(zip(meshes.groups, counts)):
     if placed is not None:
@@ -63,12 +62,25 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
         partials.append(mine)
         examples.append(per_example)
     first = list(itertools.accumulate((len(part) for part in partials[0]), initial=0))  # flat position of each
-    joined = [[transfers.Pieces(tuple(p[k][j] for p in partials), built.part_sums[first[k] + j])
-               if s == loops - 1 and first[k] + j in built.part_sums else rows([p[k][j] for p in partials])
+    joined = [[_joined(built, meshes, [p[k][j] for p in partials], first[k] + j if s == loops - 1 else None)
                for j in range(len(partials[0][k]))] for k in range(len(partials[0]))]
     if s < loops - 1:
       earlier.update(call(f"combine loop {s}", built.combines[s], joined))
-  return joined, earlier, [rows([e[k] for e in examples]) for k in range(len(examples[0]))]
+  return joined, earlier, [transfers.global_rows([e[k] for e in examples], meshes.mesh) for k in range(len(examples[0]))]
+
+def _joined(built: GroupPrograms, meshes: GroupMeshes, pieces: list, j: int | None) -> Any:
+  """One partial value from this process's groups' rows of it (``j``: its flat position among the last loop's,
+  else None): a global array of every device's row, or a sum groups hand over as parts (``built.part_sums``):
+  to their owners as :class:`~hetspmd.lowering.transfers.Pieces`, in a hybrid plan one row per group split over
+  its devices (:func:`~hetspmd.lowering.transfers.part_rows`)."""
+  if j is not None and j in built.part_sums:
+    if meshes.parts is None:
+      return transfers.Pieces(tuple(pieces), built.part_sums[j])
+    parts = transfers.part_rows(pieces, meshes.parts, built.part_sums[j])
+    if parts is not None:
+      return parts
+  return transfers.global_rows(pieces, meshes.mesh)
+
 
 def _split(inputs: list, at: tuple, program: Callable[..., Any], call: Callable[..., Any]) -> list:
   """``inputs`` with those ``at`` (positions) replaced by their parts, split over the group by ``program``."""
@@ -144,6 +156,18 @@ def gather_params(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes,
                for i in parted if i in local})
   return [sent[i] if i in sent else transfers.cast_value(x, casts[i]) if i in casts else x
           for i, x in enumerate(state_leaves)]
+
+
+def held_parts(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes) -> list:
+  """``state_leaves`` with each leaf a hybrid plan holds split (``built.held_split``, once a step has split it) as
+  each group's program takes it (:class:`PerGroup`: the group's own shards, no copy); the others as they are."""
+  def placed(i, x):
+    if i not in built.held_split or not isinstance(x, jax.Array) or x.is_fully_replicated:
+      return x
+    return PerGroup(x, {g: transfers.group_part(x, mesh, built.held_split[i]) for g, mesh in enumerate(meshes.groups)
+                        if any(d.process_index == jax.process_index() for d in mesh.devices.flat)})
+
+  return [placed(i, x) for i, x in enumerate(state_leaves)]
 
 
 def _per_group(x: Any, axes: dict, meshes: GroupMeshes) -> dict:

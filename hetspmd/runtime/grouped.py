@@ -64,7 +64,7 @@ from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.lowering import transfers
-from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
+from hetspmd.lowering.group_build import PART, GroupMeshes, GroupPrograms, build
 from hetspmd.lowering.group_stages import DATA
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.state_layout import role_of
@@ -126,12 +126,25 @@ class GroupedStep:
   def state_shardings(self, state: Any) -> Any:
     """The shardings the state lives in between steps (to restore a checkpoint into, as
     ``ParallelStep.state_shardings``): replicated on every device of the plan, except, under state shares, each
-    held leaf whole on the one device that updates it."""
+    held leaf whole on the one device that updates it, and in a hybrid plan (:attr:`GroupPlan.hybrid`) each leaf
+    it holds split, split over each group's devices (known once the step is traced: a call, or
+    ``example_batch``; before that, replicated, and the first call splits them)."""
     owners = self._owners(state) if self.plan.state_shares else {}
+    split = self._held_split(state) if self.plan.hybrid else {}
     replicated = NamedSharding(self.mesh, P())
     return jax.tree.unflatten(jax.tree.structure(state), [
-        jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else replicated
-        for path, _ in leaves_with_paths(state)])
+        jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else
+        NamedSharding(self._meshes.parts, P(*([None] * split[i]), PART)) if i in split else replicated
+        for i, (path, _) in enumerate(leaves_with_paths(state))])
+
+  def _held_split(self, state: Any) -> dict:
+    """A hybrid plan: ``{flat state index: axis}`` of the leaves held split, from the step's trace (empty before
+    one, without ``example_batch``)."""
+    if self._latest is None:
+      if self.example_batch is None:
+        return {}
+      self._programs(self.fn, state, self.example_batch, (), None)
+    return self._latest.held_split
 
   def shard_state(self, state: Any) -> Any:
     """``state`` placed as :meth:`state_shardings` says. Under state shares, before the step has been traced
@@ -143,7 +156,9 @@ class GroupedStep:
           for path, x in leaves_with_paths(state)])
     placed = []
     for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(self.state_shardings(state))):
-      if isinstance(sharding, NamedSharding):
+      if isinstance(sharding, NamedSharding) and sharding.spec != P():  # a hybrid plan's split leaf
+        placed.append(transfers.split_on(x, sharding))
+      elif isinstance(sharding, NamedSharding):
         placed.append(transfers.on(self.mesh, x))
       else:
         device = next(iter(sharding.device_set))
@@ -166,6 +181,13 @@ class GroupedStep:
       lines += (["  each group's program: " + " -> ".join(chains[0])] if len(set(chains)) == 1 else
                 [f"  group {g}'s program: " + " -> ".join(names) for g, names in enumerate(chains)])
     lines += _sharded_lines(self.plan, self._latest)
+    if self.plan.hybrid:
+      split = f" ({len(self._latest.held_split)} leaves)" if self._latest is not None else ""
+      lines.append(f"  hybrid: every group holds its parameters and optimizer state split over its devices between "
+                   f"steps{split}, each group its own copy (one group: FSDP); each group's program runs its loop; "
+                   "one uniform program over every device adds the groups' parts and updates each part where it "
+                   "is held; a leaf the group's size does not divide is held whole")
+      return "\n".join(lines)
     if not self.plan.state_shares:
       lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
                    "program over every device reduces and updates")
@@ -239,6 +261,8 @@ class GroupedStep:
     masters = {i: state_leaves[i] for i in built.casts}  # the parameters the programs take as casts, as held
     if built.params:
       state_leaves = calls.gather_params(built, state_leaves, self._meshes, self.plan.state_shares, self._call)
+    if built.held_split:
+      state_leaves = calls.held_parts(built, state_leaves, self._meshes)
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
     placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), leaves[n_state:n_state + n_batch]))
@@ -246,7 +270,8 @@ class GroupedStep:
                                                 state=[state_leaves[i] for i in free], buffers=placed.groups,
                                                 others=others)
     everywhere = [transfers.on(self.mesh, x) for x in others]  # the rest, on every device of the plan
-    common = [transfers.on(self.mesh, state_leaves[i]) for i in free if i not in built.parted] + placed.tail + everywhere
+    held = lambda x: x.held if isinstance(x, calls.PerGroup) else transfers.on(self.mesh, x)  # split: as it is
+    common = [held(state_leaves[i]) for i in free if i not in built.parted] + placed.tail + everywhere
     results = self._call("exchange", built.exchange, common, transfers.without_pieces(joined), *self._tail, earlier,
                          examples)
     if built.units is None:

@@ -1,0 +1,170 @@
+"""Hybrid plans: every group shards its parameters over its devices and holds its parameters and optimizer state
+split between steps, each group its own copy (HSDP; one group is plain FSDP). Every step checked against one
+device, float64-referenced."""
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import hetspmd as hs
+from hetspmd.plan.groups import Group, group_plan
+from hetspmd.runtime.grouped import run_groups
+
+from conftest import require_devices
+from exactness import Reference
+from test_group_programs import _state, dropout_step
+from test_sharded_groups import _batches, _layer_state, _Layers, _layers_step_rematted, _trained
+from test_sharded_groups_users import NnxMlp, batches as user_batches, linen_state, linen_step, LayerStack, nnx_trained
+
+
+def _hybrid(groups=((0, 1, 2, 3), (4, 5, 6, 7)), microbatches=(2, 1), counts=((2, 2, 1, 1), (2, 2, 1, 1)),
+            remat="none"):
+  """Groups of equal size, each sharding its parameters."""
+  examples = sum(m * sum(c) for m, c in zip(microbatches, counts))
+  plan = group_plan([Group(tuple(d), m, tuple(c), remat, shard_params=True)
+                     for d, m, c in zip(groups, microbatches, counts)], examples)
+  assert plan.hybrid
+  return plan
+
+
+def _split_bytes(state, step) -> tuple[int, int]:
+  """(bytes of the leaves held split, bytes of the others) of ``state``, by the step's trace."""
+  split = step._latest.held_split
+  leaves = jax.tree.leaves(state)
+  return (sum(x.nbytes for i, x in enumerate(leaves) if i in split),
+          sum(x.nbytes for i, x in enumerate(leaves) if i not in split))
+
+
+def _check_held_split(step, state, g):
+  """Every leaf the trace holds split is split over each group's ``g`` devices; each device holds ``1/g`` of them
+  and the others whole."""
+  split, rest = _split_bytes(state, step)
+  leaves = jax.tree.leaves(state)
+  assert split > 10 * rest  # the parameters and Adam's moments, not the step count
+  for i, axis in step._latest.held_split.items():
+    assert leaves[i].sharding.spec == P(*([None] * axis), "part"), (i, leaves[i].sharding)
+  held = step.resident_bytes(state)
+  assert max(held.values()) <= split / g + rest, (held, split, rest)
+
+
+@pytest.mark.timeout(240)
+def test_two_sharded_groups_hold_their_state_split_and_match_one_device():
+  """Two groups of four, each its own microbatch and uneven counts (lockstep, masked): three steps, the second and
+  third taking the state as the first left it, split over each group's devices."""
+  require_devices(8)
+  plan = _hybrid()
+  batches = _batches(plan.global_batch) + _batches(plan.global_batch, seed=1)[:1]
+  step, state = _trained(plan, lambda: _state(256), batches=batches)
+  _check_held_split(step, state, 4)
+  assert "split over its devices between steps" in step.explain()
+
+
+@pytest.mark.timeout(240)
+def test_one_sharded_group_of_every_device_is_plain_fsdp():
+  require_devices(8)
+  plan = _hybrid(groups=(tuple(range(8)),), microbatches=(2,), counts=((2, 2, 1, 1, 1, 1, 1, 1),))
+  step, state = _trained(plan, lambda: _state(256), batches=_batches(plan.global_batch) * 2)
+  _check_held_split(step, state, 8)
+
+
+@pytest.mark.timeout(240)
+def test_a_layer_scan_under_a_remat_policy_in_a_hybrid_plan_matches_one_device():
+  """The stacked parameters (layers first) and their moments held split after the layers' axis."""
+  require_devices(8)
+  _, state = _layer_state(_Layers(scanned=True))
+  plan = _hybrid(remat="dots")
+  step, trained = _trained(plan, state, _layers_step_rematted, _batches(plan.global_batch) * 2)
+  assert step._latest.held_split
+
+
+@pytest.mark.timeout(240)
+def test_leaves_the_groups_do_not_divide_stay_whole_and_exact():
+  """Hidden 5 over four devices: the kernels and biases of width 5 are padded in the loop and held whole between
+  steps (a jax.Array cannot be split unevenly); the rest are held split."""
+  require_devices(8)
+  plan = _hybrid()
+  step, state = _trained(plan, lambda: _state(5), batches=_batches(plan.global_batch) * 2)
+  leaves = jax.tree.leaves(state.params)
+  split = step._latest.held_split
+  assert split and any(i not in split for i in range(len(jax.tree.leaves(state))) if np.ndim(jax.tree.leaves(state)[i]))
+  for i, x in enumerate(jax.tree.leaves(state)):
+    if i not in split:
+      assert x.sharding.is_fully_replicated
+  assert leaves
+
+
+@pytest.mark.timeout(240)
+def test_an_nnx_step_in_place_under_a_hybrid_plan_matches_one_device():
+  require_devices(8)
+  plan = _hybrid(counts=((2, 2, 1, 1), (2, 1, 1, 1)))
+  step = nnx_trained(NnxMlp, plan, user_batches(plan.global_batch, steps=3))
+  assert step._latest.held_split
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saved_under", ["hybrid", "single-program"])
+def test_an_orbax_checkpoint_moves_between_a_hybrid_plan_and_a_single_program(saved_under, tmp_path):
+  """A step under one, saved with orbax, restored into the other's shardings (the hybrid plan's: split, known from
+  ``example_batch``), one more step: equal to two steps on one device."""
+  import orbax.checkpoint as ocp
+
+  require_devices(8)
+  plan = _hybrid(counts=((2, 2, 1, 1), (2, 1, 1, 1)))
+  make = lambda: linen_state(LayerStack(scanned=True))
+  data = user_batches(plan.global_batch)
+  ref = Reference(linen_step, make()).run(data)
+  hybrid = run_groups(linen_step, plan, example_batch=data[0])
+  single = hs.parallelize(linen_step, global_batch=plan.global_batch)
+  first, second = (hybrid, single) if saved_under == "hybrid" else (single, hybrid)
+  state, metrics = first(first.shard_state(make()), data[0])
+  ref.check_metrics(metrics, 0)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    manager.save(1, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    template = make()
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=s),
+                          template, second.state_shardings(template))
+    restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+  if saved_under == "single-program":
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(restored))  # restored split
+  state, metrics = second(restored, data[1])
+  ref.check_metrics(metrics, 1)
+  ref.check(state.params, lambda s: s.params, what="params")
+  ref.check(state.opt_state, lambda s: s.opt_state, what="opt_state")
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
+  """2 processes x 2 CPU devices (gloo), each process one group sharding its parameters: the exchange adds the
+  groups' parts across processes, each group holds its own copy of the state split over its devices."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent("""
+      from hetspmd.plan.groups import Group, group_plan
+      from hetspmd.runtime.grouped import run_groups
+
+      def here(x):  # this process's group holds every part of a split leaf: the whole value
+        out = np.zeros(x.shape, x.dtype)
+        for s in x.addressable_shards:
+          out[s.index] = np.asarray(s.data)
+        return out
+
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      plan = group_plan([Group(tuple(ids[0]), 2, (2, 1), shard_params=True),
+                         Group(tuple(ids[1]), 1, (3, 2), shard_params=True)], 11)
+      data = t.batches(11, steps=3)
+      ref = reference(t.linen_step, make(), data)
+      step = run_groups(t.linen_step, plan)
+      state = step.shard_state(make())
+      for i, batch in enumerate(data):
+        state, metrics = step(state, batch)
+        ref.check_metrics(jax.tree.map(here, metrics), i)
+      ref.check(jax.tree.map(here, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
+      split = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
+      print(json.dumps({"hybrid": plan.hybrid, "split": split}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  assert all(r["hybrid"] and r["split"] > 0 for r in results)
