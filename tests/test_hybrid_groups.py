@@ -17,6 +17,9 @@ from hetspmd.runtime.grouped import run_groups
 from conftest import require_devices
 from exactness import Reference
 from test_group_programs import _state, dropout_step
+from hetspmd.passes.profile import profile_step
+from hetspmd.planner.grouping import price_groups, to_group_plan
+from hetspmd.planner.pricing import Costing, device_groups
 from test_sharded_groups import _batches, _layer_state, _Layers, _layers_step_rematted, _trained
 from test_sharded_groups_users import NnxMlp, batches as user_batches, linen_state, linen_step, LayerStack, nnx_trained
 
@@ -88,13 +91,28 @@ def test_leaves_the_groups_do_not_divide_stay_whole_and_exact():
   require_devices(8)
   plan = _hybrid()
   step, state = _trained(plan, lambda: _state(5), batches=_batches(plan.global_batch) * 2)
-  leaves = jax.tree.leaves(state.params)
-  split = step._latest.held_split
-  assert split and any(i not in split for i in range(len(jax.tree.leaves(state))) if np.ndim(jax.tree.leaves(state)[i]))
-  for i, x in enumerate(jax.tree.leaves(state)):
-    if i not in split:
-      assert x.sharding.is_fully_replicated
-  assert leaves
+  leaves, split = jax.tree.leaves(state), step._latest.held_split
+  whole = [i for i, x in enumerate(leaves) if np.ndim(x) and i not in split]
+  assert split and whole  # the (4,) bias and (5, 4) kernel of the head split; the width-5 leaves whole
+  assert all(leaves[i].sharding.is_fully_replicated for i in whole)
+  assert all(not leaves[i].sharding.is_fully_replicated for i in split)
+
+
+@pytest.mark.timeout(240)
+def test_a_priced_hybrid_plan_runs_as_priced():
+  """The search's pricing of two kinds both sharding (each kind its microbatch), made a plan and run: hybrid, and
+  exact against one device."""
+  require_devices(8)
+  pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+  batches = _batches(24)
+  profile = profile_step(dropout_step, _state(), {k: v[:2] for k, v in batches[0].items()})
+  layout = device_groups(pool, "group programs by kind", tuple(range(8)), 1)
+  priced = price_groups(Costing(pool, profile, 2), layout, {"V100-32GB": 2, "P100-16GB": 1}, "none", 24,
+                        sharded=frozenset({"V100-32GB", "P100-16GB"}))
+  assert "hybrid" in priced.name
+  plan = to_group_plan(pool, priced)
+  assert plan.hybrid
+  _trained(plan, _state, batches=batches)
 
 
 @pytest.mark.timeout(240)

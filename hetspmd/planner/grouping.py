@@ -169,11 +169,13 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if zero == 3 and any(tp.m > 1 for tp in tps.values()):
     return None
   if sharded and (count or (zero == 3 and not _one_process(costing, layout))  # ZeRO-3 parts: one process
-                  or any(tps[k].m > 1 or layout.kind_counts[k] < 2 for k in sharded)):
+                  or any(tps[k].m > 1 or _shard_size(costing, layout, k) < 2 for k in sharded)):
     return None
+  hybrid = _hybrid(costing, layout, sharded, zero, count)
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
-                         sharded=sharded, dtype=dtype) if zero else {}
+                         sharded=sharded, dtype=dtype,
+                         shard_sizes={k: _shard_size(costing, layout, k) for k in sharded}) if zero else {}
   if zero and not shares:
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
@@ -184,11 +186,12 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   sums, received = (COPIED, n - sum(layout.kind_counts[k] - 1 for k in sharded)) if parts else (split, n)
   memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
                           rows=sums[0] * (1 / n + 2 * shares[k]) + sums[2] + sums[1] * received * shares[k] if owner
-                          else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype) for k in order}
+                          else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype,
+                          g=_shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _group_cost(costing, layout, k, sizes[k], remats[k], shares.get(k), tp=tps[k], zero=zero,
-                          sharded=k in sharded, dtype=dtype) for k in order}
+                          sharded=k in sharded, dtype=dtype, hybrid=hybrid) for k in order}
   tails = {k: _kind_cost(costing, k, size, last, n, shares.get(k), zero=zero) if count else None for k in order}
   # every device's tail runs after its loop: for the counts, part of its per-step time
   with_tail = {k: costs[k].with_fixed(costs[k].fixed + (tails[k].at(count) - tails[k].fixed if count else 0.0))
@@ -200,6 +203,9 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  if hybrid:  # the groups' parts added across groups: g all-reduces of 1/g, one device of each group in each
+    groups = [g for kind_groups in _shard_groups(costing, layout).values() for g in kind_groups]
+    reduce = sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
   if owner:  # the busiest owner's rows, scaled by the rows it receives of each sum against one per device
     reduce = reduce / 2 * _factor(spread, sums) * received / n
   gather = _gather_seconds(costing, layout, spread, zero) if zero else 0.0
@@ -213,7 +219,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   each = lambda values: tuple(map(values.__getitem__, on))  # a value per kind, per position
   per_device = each(memory) if blocked is layout else tuple(memory[k] for k in on for _ in range(tps[k].m))
   return Evaluated(
-      name=_plan_name(layout.name, zero, remats, tail, dtype=dtype, tps=tps, sharded=sharded),
+      name=_plan_name(layout.name, zero, remats, tail, dtype=dtype, tps=tps, sharded=sharded, hybrid=hybrid),
       device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=per_device, global_batch=global_batch, position_seconds=per_position,
@@ -224,11 +230,12 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
 
 
 def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, int], *, dtype: str,
-               tps: dict[str, TensorParallel], sharded: frozenset[str]) -> str:
+               tps: dict[str, TensorParallel], sharded: frozenset[str], hybrid: bool = False) -> str:
   """A priced group plan's name: its device set's, then the mechanisms it uses."""
   size, count = tail
   return name + ("", ", optimizer state in memory shares", "", ", parameters and optimizer state in memory "
-                 "shares")[zero] + (
+                 "shares")[zero] + (", hybrid (each group holds its state split over its devices)" if hybrid
+                                    else "") + (
       ", remat by kind" if len(set(remats.values())) > 1 else "") + (f", tail {count}x{size}" if count else "") + (
       f", {dtype} gradients" if dtype != "float32" else "") + "".join(
       f", model axis {tp.m} on {k}" for k, tp in tps.items() if tp.m > 1) + "".join(
@@ -249,25 +256,56 @@ def _lockstep(per_position: tuple[float, ...], layout: DeviceGroups, sharded: fr
 
 
 def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: int, remat: str,
-                share: float | None, *, tp: TensorParallel, zero: int, sharded: bool, dtype: str) -> KindCost:
+                share: float | None, *, tp: TensorParallel, zero: int, sharded: bool, dtype: str,
+                hybrid: bool = False) -> KindCost:
   """A device of ``kind``'s costs in its group: :func:`_kind_cost`, with a sharded group's collectives and part-sized
-  accumulation (:func:`hetspmd.planner.sharding.sharded_kind_cost`) where it shards its parameters."""
+  accumulation (:func:`hetspmd.planner.sharding.sharded_kind_cost`) where it shards its parameters (``hybrid``:
+  and its update on its part of the state)."""
   n = len(layout.groups)
   if not sharded:
     return _kind_cost(costing, kind, microbatch, remat, n, share, tp=tp, zero=zero)
   cost = _kind_cost(costing, kind, microbatch, remat, n, share, zero=zero or 1)
   return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype),
-                                    layout.kind_counts[kind])
+                                    _shard_size(costing, layout, kind), state_sharded=hybrid)
 
 
 def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str) -> float:
-  """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search)."""
+  """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search): over the
+  devices of one of its groups as the runtime runs them (:func:`_shard_groups`)."""
   key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype)
   if key not in costing.sharded_comm:
-    every = costing.cluster.devices
-    devices = [i for i in layout.devices if every[i].spec.name == kind]
+    devices = _shard_groups(costing, layout)[kind][0]
     costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype)
   return costing.sharded_comm[key]
+
+
+def _shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:
+  """Per kind, the groups its devices on ``layout`` make at run time, smallest first: one of every device of the
+  kind in one process; across processes one per host (the runtime cuts a group where its devices change
+  process, :func:`hetspmd.plan.groups.by_process`), each sharding its parameters over its own devices."""
+  key = (tuple(layout.devices), tuple(layout.hosts.items()))
+  if key not in costing.shard_groups:
+    every, one = costing.cluster.devices, _one_process(costing, layout)
+    found: dict[str, dict[int, list[int]]] = {}
+    for i in layout.devices:
+      found.setdefault(every[i].spec.name, {}).setdefault(0 if one else every[i].host, []).append(i)
+    costing.shard_groups[key] = {k: tuple(sorted((tuple(g) for g in hosts.values()), key=len))
+                                 for k, hosts in found.items()}
+  return costing.shard_groups[key]
+
+
+def _shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
+  """The devices the smallest group of ``kind`` shards its parameters over (:func:`_shard_groups`)."""
+  return len(_shard_groups(costing, layout)[kind][0])
+
+
+def _hybrid(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int) -> bool:
+  """Whether a plan is hybrid (:attr:`hetspmd.plan.groups.GroupPlan.hybrid`): every kind shards its parameters,
+  every group at run time has as many devices, no state shares and no tail; each group then holds its
+  parameters and optimizer state split over its devices between steps."""
+  if zero or tail or set(sharded) != set(layout.kinds):
+    return False
+  return len({len(g) for groups in _shard_groups(costing, layout).values() for g in groups}) == 1
 
 
 def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
@@ -354,7 +392,7 @@ def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float, float]
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
                   remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None,
                   zero: int = 1, narrow: bool = False, sharded: frozenset[str] = frozenset(),
-                  dtype: str = "float32") -> dict[str, float]:
+                  dtype: str = "float32", shard_sizes: dict[str, int] | None = None) -> dict[str, float]:
   """Each kind's per-device share of the optimizer state (``zero=3``: and of the parameters), in proportion to
   what the rest of the step leaves free on it (``owner``: no reduced gradient after the loop); empty when the
   free memory of every device together cannot hold the state."""
@@ -363,7 +401,8 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
   free = {}
   for k in counts:
     used = _kind_peak(costing, counts, k, (sizes[k], remats[k]), (tail[0], last), share=0.0,
-                      rows=0.0 if owner else None, tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow, sharded=sharded, dtype=dtype)
+                      rows=0.0 if owner else None, tp=(tps or {}).get(k, NO_TENSOR_PARALLEL), zero=zero, narrow=narrow,
+                      sharded=sharded, dtype=dtype, g=(shard_sizes or {}).get(k, 0))
     free[k] = max(costing.cluster.spec_of(k).memory_bytes - used, 0)
   total = sum(free[k] * counts[k] for k in free)  # whole bytes: the sum over devices, exactly
   shared = profile.opt_state_bytes + (profile.param_bytes if zero == 3 else 0)
@@ -374,11 +413,13 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
 
 def _kind_peak(costing: Costing, counts: dict[str, int], kind: str, loop: tuple[int, str], tail: tuple[int, str], *,
                share: float | None, rows: float | None, tp: TensorParallel, zero: int, narrow: bool,
-               sharded: frozenset[str], dtype: str) -> int:
+               sharded: frozenset[str], dtype: str, g: int = 0, hybrid: bool = False) -> int:
   """A device of ``kind``'s bytes (``counts``: each kind's positions, one device each): :func:`_peak`, or in a
-  group sharding its parameters (``kind`` in ``sharded``) :func:`hetspmd.planner.sharding.sharded_peak`."""
+  group of ``g`` devices (its kind's count where 0) sharding its parameters (``kind`` in ``sharded``)
+  :func:`hetspmd.planner.sharding.sharded_peak` (``hybrid``: holding its part of the state between steps)."""
   if kind in sharded:
-    return sharding.sharded_peak(costing.profile, counts[kind], loop, share, rows, dtype, zero=zero)
+    return sharding.sharded_peak(costing.profile, g or counts[kind], loop, share, rows, dtype, zero=zero,
+                                 state_sharded=hybrid)
   return _peak(costing, sum(counts.values()), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
 
 
@@ -540,19 +581,25 @@ def _kind_fits(costing: Costing, layout: DeviceGroups, sizes: Sequence[int], pol
       found = _model_axis(costing, layout, k, sizes, policies)
       if found is not None:
         models[k], plain[k] = found
-  g = layout.kind_counts
+  g = {k: _shard_size(costing, layout, k) for k in order}
+  hybrid = len(set(g.values())) == 1  # every kind sharded would make a hybrid plan
   shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _sharding_helps(
-      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0)] for k in order}
+      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0, hybrid)] for k in order}
+  if any(shardable.values()) and hybrid:  # then every kind sharded too
+    shardable = {k: shardable[k] or [m for m in sizes if one_loop and g[k] >= 2 and
+                                     _may_fit_sharded(costing, k, m, g[k], policies, hybrid)] for k in order}
   return plain, models, shardable
 
 
-def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int) -> bool:
+def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int,
+                    hybrid: bool = False) -> bool:
   """Whether to try a microbatch on ``kind``'s group sharded over its ``g`` devices: where it may fit so
   (:func:`_may_fit_sharded`) and the group unsharded (``n`` positions in all; 0: it does not fit data-only) cannot
   run it under the policy that recomputes least with the whole optimizer state on every device (a sharded group
   pays collectives every microbatch; where the group fits so unsharded, sharding it saves neither recomputation
-  nor state shares, and is not priced, which keeps the search's time)."""
-  if not _may_fit_sharded(costing, kind, microbatch, g, policies):
+  nor state shares, and is not priced, which keeps the search's time). ``hybrid``: every group may shard, each
+  then holding its part of the state (:func:`_hybrid`)."""
+  if not _may_fit_sharded(costing, kind, microbatch, g, policies, hybrid):
     return False
   lightest = min(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   return not n or (_peak(costing, n, (microbatch, lightest), (0, lightest), None, None)
@@ -568,8 +615,10 @@ def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chos
   n = len(layout.groups)
   choices = [dict.fromkeys(order, r) for r in policies]
   if one_loop and len(policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
+    hybrid = _hybrid(costing, layout, sharded, 0, 0)
     least = {k: _least_recompute(costing, k, chosen[k], n, policies, models.get(k, NO_TENSOR_PARALLEL),
-                                 shard=layout.kind_counts[k] if k in sharded else 0) for k in order}
+                                 shard=_shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid)
+             for k in order}
     choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
   out = []
   for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
@@ -621,12 +670,15 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
              for r in policies)
 
 
-def _may_fit_sharded(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str]) -> bool:
+def _may_fit_sharded(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str],
+                     hybrid: bool = False) -> bool:
   """Whether a microbatch may fit a device of ``kind`` in a sharded group of ``g`` under one of ``policies``, with
-  none of the optimizer state and none of the reduced gradients (:func:`price_groups` checks the rest)."""
+  none of the optimizer state and none of the reduced gradients, or (``hybrid``) its part of the state
+  (:func:`price_groups` checks the rest)."""
   spec = costing.cluster.spec_of(kind)
-  return any(sharding.sharded_peak(costing.profile, g, (microbatch, r), 0.0, 0.0, "bfloat16") <= spec.memory_bytes
-             for r in policies)
+  return any(min(sharding.sharded_peak(costing.profile, g, (microbatch, r), 0.0, 0.0, "bfloat16"),
+                 sharding.sharded_peak(costing.profile, g, (microbatch, r), None, None, state_sharded=True)
+                 if hybrid else math.inf) <= spec.memory_bytes for r in policies)
 
 
 def _fewest_microbatches(e: Evaluated) -> tuple:
@@ -642,13 +694,16 @@ def _fewest_microbatches(e: Evaluated) -> tuple:
 
 
 def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, policies: Sequence[str],
-                     tp: TensorParallel = NO_TENSOR_PARALLEL, *, shard: int = 0) -> str:
+                     tp: TensorParallel = NO_TENSOR_PARALLEL, *, shard: int = 0, hybrid: bool = False) -> str:
   """Of ``policies``, the one recomputing least whose microbatch fits a device of ``kind`` with the optimizer
-  state held elsewhere (the most recomputing one when none fits); ``shard``: in a sharded group of that many."""
+  state held elsewhere (the most recomputing one when none fits); ``shard``: in a sharded group of that many
+  (``hybrid``: holding its part of the state)."""
   spec = costing.cluster.spec_of(kind)
   ranked = sorted(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   for r in ranked:
-    peak = (sharding.sharded_peak(costing.profile, shard, (microbatch, r), 0.0, None) if shard else
+    peak = (sharding.sharded_peak(costing.profile, shard, (microbatch, r), None, None, state_sharded=True)
+            if shard and hybrid else
+            sharding.sharded_peak(costing.profile, shard, (microbatch, r), 0.0, None) if shard else
             _peak(costing, n, (microbatch, r), (0, r), 0.0, None, tp=tp))
     if peak <= spec.memory_bytes:
       return r

@@ -207,6 +207,7 @@ class Costing:
     self._kind_costs: dict[tuple, KindCost] = {}
     self._memory: dict[tuple, int] = {}
     self.sharded_comm: dict[tuple, float] = {}  # hetspmd.planner.grouping._sharded_comm's
+    self.shard_groups: dict[tuple, dict] = {}  # hetspmd.planner.grouping._shard_groups
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:

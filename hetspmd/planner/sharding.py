@@ -147,6 +147,19 @@ def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: S
   return 2 * gathers + scatter
 
 
+def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
+                            dtype: str) -> float:
+  """A hybrid plan's exchange (:attr:`hetspmd.plan.groups.GroupPlan.hybrid`): each group's parts of the gradient
+  sums, in ``dtype``, added across the ``groups`` (device positions, all of one size ``g``): ``g`` all-reduces of
+  ``1/g`` of the gradients, each over the groups' devices of one part, sharing each host's link. Nothing crosses
+  after it: each group updates its own parts."""
+  g = len(groups[0])
+  if len(groups) < 2:
+    return 0.0
+  firsts = [group[0] for group in groups]
+  return allreduce_seconds(cluster, firsts, profile.param_count * REDUCE_BYTES[dtype] / g, g)
+
+
 def exposed_seconds(kind: str, comm: float, compute: float) -> float:
   """What a microbatch's collectives add to its ``compute`` seconds: on a backend that overlaps them
   (:func:`overlaps`), what :data:`hetspmd.planner.pricing.OVERLAP_EFFICIENCY` of the compute cannot hide (the
