@@ -100,7 +100,9 @@ def _sharded_rows(layers: int, width: int) -> None:
   rows to the uniform exchange program, or under shares its parts to their owners) against the parameters'
   bytes, and the most bytes live arrays hold on one of the group's devices between steps. Then the sharded group again under ZeRO-3 with the state in even shares over the 8
   devices (``Z3``): between steps each device holds its share of the parameters and Adam's moments, whole
-  leaves each on one device (a layer scan's stacked leaves are few and large, so its shares are lumpy).
+  leaves each on one device (a layer scan's stacked leaves are few and large, so its shares are lumpy). And
+  ``hybrid``: both groups sharding, each holding its own copy of the state split over its four devices between
+  steps (a quarter of the parameters and moments per device, the layer scan's too).
   A layer scan's temporaries also hold its stacked part of the gradients (a quarter of the parameters) as
   the scan makes them, before they are added to the accumulator. Each row's step time is the median of 5 calls;
   the sharded group's over the unsharded one's, in one run, is what its gathers and reduce-scatters cost on CPU
@@ -155,10 +157,11 @@ def _sharded_rows(layers: int, width: int) -> None:
     model = Layers(scanned)
     params = jax.device_get(model.init(jax.random.key(0), jnp.zeros((1, width)))["params"])
     whole = sum(x.nbytes for x in jax.tree.leaves(params))
-    for sharded, zero in ((False, None), (True, None)) + (((True, 3),) if remat == "none" else ()):
-      plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), remat, shard_params=sharded),
-                         ((4, 5, 6, 7), 2, (2, 2, 2, 2), remat)], 32, zero_stage=zero,
-                        state_shares=(1 / 8,) * 8 if zero else ())
+    for sharded, zero in ((False, None), (True, None)) + (((True, 3), ("hybrid", None)) if remat == "none" else ()):
+      # "hybrid": the other group shards too, and each holds its state split over its devices between steps
+      plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 2, 2), remat, shard_params=bool(sharded)),
+                         Group((4, 5, 6, 7), 2, (2, 2, 2, 2), remat, shard_params=sharded == "hybrid")], 32,
+                        zero_stage=zero, state_shares=(1 / 8,) * 8 if zero else ())
       runner = run_groups(step, plan)
       state = runner.shard_state(train_state.TrainState.create(apply_fn=model.apply, params=params,
                                                                tx=optax.adam(1e-3)))
@@ -182,7 +185,7 @@ def _sharded_rows(layers: int, width: int) -> None:
       # a temporary beside the whole-shaped rows it makes; the output itself where it hands its owners its parts
       rest = loop.temp_size_in_bytes - (0 if runner._latest.part_sums else accumulator)
       print(f"{('scan' if scanned else 'unrolled') + ('' if remat == 'none' else ' ' + remat):>14} "
-            f"{('sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
+            f"{('hybrid' if sharded == 'hybrid' else 'sharded' if sharded else 'whole') + (' Z3' if zero else ''):>10} "
             f"{loop.argument_size_in_bytes / 1e6:>9.2f}M {loop.argument_size_in_bytes / whole:>8.2f} "
             f"{loop.temp_size_in_bytes / 1e6:>9.2f}M {accumulator / 1e6:>8.2f}M {rest / layer:>10.1f} "
             f"{loop.output_size_in_bytes / 1e6:>8.2f}M {loop.output_size_in_bytes / whole:>8.2f} "
@@ -192,13 +195,15 @@ def _sharded_rows(layers: int, width: int) -> None:
               f"the sharded group as its parts only; the exchange program takes "
               f"{runner.memory_analysis()['exchange'].argument_size_in_bytes} bytes of arguments")
       del state, metrics, runner
-  ratios = [seconds[(sc, r, True, None)] / seconds[(sc, r, False, None)] for sc, r, sh, z in seconds if sh and z is None]
+  ratios = [seconds[(sc, r, True, None)] / seconds[(sc, r, False, None)] for sc, r, sh, z in seconds
+            if sh is True and z is None]
   print(f"sharded / whole step time (median of 5 each, one run; on CPU the collectives run in line, nothing hides "
         f"them): {', '.join(f'{x:.2f}' for x in ratios)}")
   print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
         "(a layer scan: beside its stacked part of the gradients too); outputs (the gradient sums it hands over) "
-        "about 1/4 of the parameters where each owner reduces its own sums (ZeRO-3 shares here; whole-shaped rows "
-        "to the uniform exchange program otherwise); between steps, under ZeRO-3 shares, each device its share")
+        "about 1/4 of the parameters where each owner reduces its own sums (ZeRO-3 shares here) or in a hybrid plan "
+        "(whole-shaped rows to the uniform exchange program otherwise); between steps, under ZeRO-3 shares, each "
+        "device its share, in a hybrid plan a quarter of the state")
 
 
 def _report(runner, fresh, batch, memory) -> dict:

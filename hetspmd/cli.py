@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
       "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
       "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
       "device kind, each its own microbatch, a kind's parameters sharded over its devices where that lets it join or "
-      "recompute less). For a model that scans its layers (the zoo's -scan models), pipeline "
+      "recompute less; where every kind shards, each group holds its state split: hybrid). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
