@@ -186,3 +186,27 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
       print(json.dumps({"hybrid": plan.hybrid, "split": split}))
   """), num_processes=2, devices_per_process=2, timeout=240)
   assert all(r["hybrid"] and r["split"] > 0 for r in results)
+
+
+@pytest.mark.timeout(240)
+def test_a_hybrid_plan_takes_the_state_buffers_it_is_given():
+  """``donate_state=True``: the exchange writes the new state into the split buffers of the old (XLA warns of any
+  donated buffer it cannot use: none here, the first call splitting the state before any program takes it)."""
+  import warnings
+
+  require_devices(8)
+  plan = _hybrid()
+  batches = _batches(plan.global_batch) * 2
+  ref = Reference(dropout_step, _state(256)).run(batches)
+  step = run_groups(dropout_step, plan, donate_state=True)
+  state = step.shard_state(_state(256))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message="Some donated buffers were not usable")
+    for i, batch in enumerate(batches):
+      given = jax.tree.leaves(state.params)[0]
+      state, metrics = step(state, batch)
+      ref.check_metrics(metrics, i)
+      if i:  # the held split buffers were taken
+        assert given.is_deleted()
+  ref.check(state.params, lambda s: s.params)
+  ref.check(state.opt_state, lambda s: s.opt_state)

@@ -478,6 +478,8 @@ def split_on(x: Any, sharding: NamedSharding) -> Any:
   its own devices' pieces."""
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
+  if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)  # device to device
   value = np.asarray(x) if not isinstance(x, jax.Array) or x.is_fully_addressable else None
   if value is None:  # replicated across processes: this process's own copy
     value = np.asarray(x.addressable_shards[0].data)

@@ -278,6 +278,9 @@ class GroupPlan:
                        f", model axis {group.model} ({len(group.model_dims)} parameters split over it)"
                        if group.model > 1 else "") + (
                        ", parameters sharded over its devices (FSDP, in lockstep)" if group.shard_params else ""))
+    if self.hybrid:
+      lines.append("  hybrid: each group holds its parameters and optimizer state split over its devices between "
+                   "steps, its own copy" + (" (FSDP)" if len(self.groups) == 1 else " (HSDP)"))
     if self.state_shares:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
       what = "optimizer state" if self.zero_stage == 1 else "parameters and optimizer state"

@@ -16,11 +16,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hetspmd._dtypes import traced_dtype
 from hetspmd.lowering import transfers
-from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms
+from hetspmd.lowering.group_build import PART, GroupMeshes, GroupPrograms
 from hetspmd.lowering.group_stages import Donating
 
 
@@ -159,12 +160,15 @@ def gather_params(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes,
 
 
 def held_parts(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes) -> list:
-  """``state_leaves`` with each leaf a hybrid plan holds split (``built.held_split``, once a step has split it) as
-  each group's program takes it (:class:`PerGroup`: the group's own shards, no copy); the others as they are."""
+  """``state_leaves`` with each leaf a hybrid plan holds split (``built.held_split``) as each group's program takes
+  it (:class:`PerGroup`: the group's own shards, no copy), split first where it comes whole (a first call); the
+  others as they are."""
   def placed(i, x):
-    if i not in built.held_split or not isinstance(x, jax.Array) or x.is_fully_replicated:
+    if i not in built.held_split:
       return x
-    return PerGroup(x, {g: transfers.group_part(x, mesh, built.held_split[i]) for g, mesh in enumerate(meshes.groups)
+    axis = built.held_split[i]
+    x = transfers.split_on(x, NamedSharding(meshes.parts, P(*([None] * axis), PART)))
+    return PerGroup(x, {g: transfers.group_part(x, mesh, axis) for g, mesh in enumerate(meshes.groups)
                         if any(d.process_index == jax.process_index() for d in mesh.devices.flat)})
 
   return [placed(i, x) for i, x in enumerate(state_leaves)]
