@@ -106,25 +106,25 @@ def test_search_json_reports_the_fsdp_baseline(capsys):
 
 
 def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(deep_profile):
-  """Two kinds of four devices each, in two hosts, one of them too tight to hold the model whole: every kind
-  sharded makes a hybrid plan (each group its state split over its devices, the groups' parts added across
-  hosts), priced with a quarter of the state per device and no parameters sent after the update."""
+  """Two kinds in three hosts of four devices, one kind (two hosts) too tight to hold the model whole: every kind
+  sharded makes a hybrid plan (a group per host, each its state split over its devices, the groups' parts added
+  across hosts), priced with a quarter of the state per device and no parameters sent after the update."""
   deep_profile = dataclasses.replace(deep_profile, traces=(), strategy_spaces={})
   costing = Costing(_pool(deep_profile, 2**32), deep_profile, 1)
   plain, sharded = _least(costing, 4, False), _least(costing, 4, True)
   fast = dict(fp32_flops=2e12, bf16_flops=4e12, memory_bandwidth=4e11)
   specs = {"Roomy": hs.DeviceSpec("Roomy", memory_bytes=2**32, **fast),
            "Tight": hs.DeviceSpec("Tight", memory_bytes=int((plain + sharded) / 2), **fast)}
-  cluster = hs.Cluster.parse("1x4xRoomy+1x4xTight;inter=10Gbps", devices=specs)
+  cluster = hs.Cluster.parse("1x4xRoomy+2x4xTight;inter=10Gbps", devices=specs)
   e = search_groups(cluster, deep_profile, BATCH, microbatch_sizes(BATCH), remat_policies=SEARCHED_REMAT,
                     grad_reduce_dtypes=("float32", "bfloat16"))
   assert "hybrid" in e.name and all(e.shard_params) and not e.zero_stage
   plan = to_group_plan(cluster, e)
-  assert plan.hybrid and not plan.state_shares
+  assert plan.hybrid and not plan.state_shares and [len(g.devices) for g in plan.groups] == [4, 4, 4]
   held = [sharding.sharded_peak(deep_profile, 4, (m, r), None, None, e.grad_reduce_dtype, state_sharded=True)
           for m, r in zip(e.microbatches, e.remats)]
   assert list(e.memory_bytes) == held
   # the exchange: the groups' quarters added across the hosts, nothing sent back
-  exchange = sharding.hybrid_exchange_seconds(cluster, [(0, 1, 2, 3), (4, 5, 6, 7)], deep_profile,
+  exchange = sharding.hybrid_exchange_seconds(cluster, [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)], deep_profile,
                                               e.grad_reduce_dtype)
   assert e.comm_seconds == pytest.approx(exchange)

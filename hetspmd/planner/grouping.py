@@ -146,13 +146,9 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   loop, under the policy that recomputes most, the reduction overlapping the last one's backward pass.
   ``zero=1``: the optimizer state in shares by free memory (each device updates its share, then sends the
   parameters it made to every device), else replicated. In shares without a tail in one process, each device's
-  update takes only its own share's sums (across processes, the exchange program reduces every sum onto every
-  device): every device's rows of them, copied to it (the reduce-scatter's time scaled to the busiest device's
-  bytes: :func:`hetspmd.plan.groups.copy_factor`), or, where some devices hold much more than the rest, the
-  sums reduce-scattered evenly, then made whole on their owner (:func:`hetspmd.plan.groups.relay_factor`); it
-  holds those rows or its part and its sums after the loop instead of the whole reduced gradient; a group
-  sharding its parameters hands the owners its parts of the sums, copied (:data:`sharding.PARTS_TO_OWNERS`). The
-  gradients' sums cross devices in ``dtype`` (the plan's ``reduce_dtype``).
+  update takes only its own share's sums, as copies or in two hops (:func:`_reduce_seconds`), and holds those
+  rows or its part and its sums after the loop instead of the whole reduced gradient; a sharded group hands the
+  owners its parts (:data:`sharding.PARTS_TO_OWNERS`). The sums cross devices in ``dtype``.
   ``models``: a kind's tensor-parallel choice, its devices that many at a time in one host running each
   microbatch together (its group's model axis; see :func:`_peak` for what they hold). ``sharded``: the kinds whose
   group shards its parameters (:mod:`hetspmd.planner.sharding`; data-only, no tail, not ZeRO-3)."""
@@ -166,10 +162,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
-  if zero == 3 and any(tp.m > 1 for tp in tps.values()):
-    return None
-  if sharded and (count or (zero == 3 and not _one_process(costing, layout))  # ZeRO-3 parts: one process
-                  or any(tps[k].m > 1 or _shard_size(costing, layout, k) < 2 for k in sharded)):
+  if _refused(costing, layout, tps, zero, count, sharded):
     return None
   hybrid = _hybrid(costing, layout, sharded, zero, count)
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
@@ -202,12 +195,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   # loop, then tail, on every device
   per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
-  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
-  if hybrid:  # the groups' parts added across groups: g all-reduces of 1/g, one device of each group in each
-    groups = [g for kind_groups in _shard_groups(costing, layout).values() for g in kind_groups]
-    reduce = sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
-  if owner:  # the busiest owner's rows, scaled by the rows it receives of each sum against one per device
-    reduce = reduce / 2 * _factor(spread, sums) * received / n
+  reduce = _reduce_seconds(costing, layout, dtype, hybrid=hybrid, owner=owner, spread=spread, sums=sums,
+                           received=received)
   gather = _gather_seconds(costing, layout, spread, zero) if zero else 0.0
   hidden = 0.0
   if count:
@@ -227,6 +216,33 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
       group_models=each(tps) if blocked is not layout else (),
       shard_params=tuple(map(sharded.__contains__, on)) if sharded else ())
+
+
+def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParallel], zero: int, tail: int,
+             sharded: frozenset[str]) -> bool:
+  """Whether :func:`price_groups` refuses a combination the runtime does not run: ZeRO-3 beside a model axis; a
+  sharded group with a tail, a model axis or one device, or under ZeRO-3 across processes."""
+  if zero == 3 and any(tp.m > 1 for tp in tps.values()):
+    return True
+  return bool(sharded) and bool(tail or (zero == 3 and not _one_process(costing, layout))  # ZeRO-3 parts: one process
+                                or any(tps[k].m > 1 or _shard_size(costing, layout, k) < 2 for k in sharded))
+
+
+def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybrid: bool, owner: bool,
+                    spread: list, sums: tuple, received: int) -> float:
+  """The exchange's reduction of the sums in ``dtype``: an all-reduce over every device; in a hybrid plan the
+  groups' parts added across the groups (:func:`hetspmd.planner.sharding.hybrid_exchange_seconds`); where each
+  owner reduces its own sums, the busiest owner's rows (``spread``: the state's shares per position; ``sums``: how
+  they travel, :func:`_split_fraction`: every device's rows copied to it, the time scaled to the busiest
+  device's bytes, :func:`hetspmd.plan.groups.copy_factor`; or, where some devices hold much more than the rest,
+  reduce-scattered evenly and then made whole on their owner, :func:`hetspmd.plan.groups.relay_factor`), scaled by
+  the rows it ``received`` of each sum against one per device (across processes the exchange program reduces
+  every sum onto every device)."""
+  if hybrid:
+    groups = [g for kind_groups in _shard_groups(costing, layout).values() for g in kind_groups]
+    return sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
+  reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
+  return reduce / 2 * _factor(spread, sums) * received / len(layout.groups) if owner else reduce
 
 
 def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, int], *, dtype: str,
@@ -711,16 +727,24 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
 
 
 def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) -> GroupPlan:
-  """The :class:`GroupPlan` of a priced group plan: one group per kind, devices by JAX id where the cluster is
-  bound to JAX devices (else by cluster position), with the search's predictions (``ideal``: the pool's ideal
-  throughput, for the efficiency): the step, and per device its peak bytes beside its memory and its compute."""
+  """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind across processes, one per
+  host), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
+  search's predictions (``ideal``: the pool's ideal throughput, for the efficiency): the step, and per device its
+  peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
   tps = e.group_models or (NO_TENSOR_PARALLEL,) * len(e.kinds)
   firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
   on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
   groups, shares, order, devices = [], [], [], []
-  for kind in dict.fromkeys(e.kinds):
-    mine = [i for i, k in enumerate(e.kinds) if k == kind]
+  hosts = {cluster.devices[d].host for d in e.device_positions}
+  one = cluster.processes == 1 if cluster.processes is not None else len(hosts) == 1
+  kinds = range(len(e.kinds))
+  # a sharded kind's devices one group per host where hosts are processes, as the runtime cuts them and the
+  # pricing sized them (_shard_groups): equal groups that all shard make the plan hybrid in the file too
+  key = lambda i: (e.kinds[i], None if one or not (e.shard_params and e.shard_params[i])
+                   else cluster.devices[on(i)[0]].host)
+  for group in dict.fromkeys(key(i) for i in kinds):
+    mine = [i for i in kinds if key(i) == group]
     tp = tps[mine[0]]
     each = [i for i in mine for _ in range(tp.m)]  # each of the group's devices' position
     ours = [d for i in mine for d in on(i)]
