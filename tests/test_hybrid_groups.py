@@ -210,3 +210,16 @@ def test_a_hybrid_plan_takes_the_state_buffers_it_is_given():
         assert given.is_deleted()
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
+
+
+@pytest.mark.timeout(240)
+def test_batchnorm_over_the_global_batch_in_a_hybrid_plan_matches_one_device():
+  """Two loops (BatchNorm's statistics over every group's examples, then the gradients): every group takes its
+  held parameters split in both; the update, on the parts, after the second."""
+  from test_group_programs import _normed_state, _trained as group_trained, normed_step
+
+  require_devices(8)
+  plan = _hybrid(counts=((2, 2, 1, 1), (2, 1, 1, 2)))
+  state, ref = group_trained(normed_step, plan, _normed_state, _batches(plan.global_batch) * 2)
+  ref.check(state)
+  assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state["params"]))

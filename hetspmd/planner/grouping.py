@@ -600,14 +600,14 @@ def _kind_fits(costing: Costing, layout: DeviceGroups, sizes: Sequence[int], pol
   g = {k: _shard_size(costing, layout, k) for k in order}
   hybrid = len(set(g.values())) == 1  # every kind sharded would make a hybrid plan
   shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _sharding_helps(
-      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0, hybrid)] for k in order}
+      costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0, hybrid=hybrid)] for k in order}
   if any(shardable.values()) and hybrid:  # then every kind sharded too
     shardable = {k: shardable[k] or [m for m in sizes if one_loop and g[k] >= 2 and
-                                     _may_fit_sharded(costing, k, m, g[k], policies, hybrid)] for k in order}
+                                     _may_fit_sharded(costing, k, m, g[k], policies, hybrid=hybrid)] for k in order}
   return plain, models, shardable
 
 
-def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int,
+def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], n: int, *,
                     hybrid: bool = False) -> bool:
   """Whether to try a microbatch on ``kind``'s group sharded over its ``g`` devices: where it may fit so
   (:func:`_may_fit_sharded`) and the group unsharded (``n`` positions in all; 0: it does not fit data-only) cannot
@@ -615,7 +615,7 @@ def _sharding_helps(costing: Costing, kind: str, microbatch: int, g: int, polici
   pays collectives every microbatch; where the group fits so unsharded, sharding it saves neither recomputation
   nor state shares, and is not priced, which keeps the search's time). ``hybrid``: every group may shard, each
   then holding its part of the state (:func:`_hybrid`)."""
-  if not _may_fit_sharded(costing, kind, microbatch, g, policies, hybrid):
+  if not _may_fit_sharded(costing, kind, microbatch, g, policies, hybrid=hybrid):
     return False
   lightest = min(policies, key=lambda r: (costing.remat_factor(kind, microbatch, r), REMAT_POLICIES.index(r)))
   return not n or (_peak(costing, n, (microbatch, lightest), (0, lightest), None, None)
@@ -686,7 +686,7 @@ def _may_fit(costing: Costing, kind: str, microbatch: int, n: int, policies: Seq
              for r in policies)
 
 
-def _may_fit_sharded(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str],
+def _may_fit_sharded(costing: Costing, kind: str, microbatch: int, g: int, policies: Sequence[str], *,
                      hybrid: bool = False) -> bool:
   """Whether a microbatch may fit a device of ``kind`` in a sharded group of ``g`` under one of ``policies``, with
   none of the optimizer state and none of the reduced gradients, or (``hybrid``) its part of the state
