@@ -223,3 +223,16 @@ def test_batchnorm_over_the_global_batch_in_a_hybrid_plan_matches_one_device():
   state, ref = group_trained(normed_step, plan, _normed_state, _batches(plan.global_batch) * 2)
   ref.check(state)
   assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state["params"]))
+
+
+@pytest.mark.timeout(240)
+def test_a_bfloat16_step_under_a_hybrid_plan_matches_one_device():
+  """float32 parameters held split, the work in bfloat16: each reader gathers the bfloat16 cast of its part."""
+  from test_sharded_groups_users import HalfPrecision, trained
+
+  require_devices(8)
+  plan = _hybrid(counts=((2, 2, 1, 1), (2, 1, 1, 1)))
+  runner, state = trained(linen_step, lambda: linen_state(HalfPrecision(), eps=1e-3), plan,
+                          user_batches(plan.global_batch, steps=3), half=True)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+  assert runner._latest.held_split
