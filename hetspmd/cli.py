@@ -436,7 +436,8 @@ def _explain_group_plan(args: argparse.Namespace) -> int:
                        "drop --png to see it as text")
   plan = GroupPlan.load(args.plan)
   if args.json:
-    print(json.dumps({"group_plan": plan.to_json(), "devices": plan_report.group_devices(plan)}, indent=2))
+    print(json.dumps({"group_plan": plan.to_json(), "hybrid": plan.hybrid, "devices": plan_report.group_devices(plan)},
+                     indent=2))
   else:
     print(plan_report.explain_group_text(plan))
   return 0

@@ -183,6 +183,9 @@ def explain_group_text(plan: GroupPlan) -> str:
                  + (f", parameters sharded over its devices (FSDP: gathered per reader, gradients reduce-scattered;"
                     f" every device runs {group.max_count} microbatch(es) in lockstep, the ones it lacks masked)"
                     if group.shard_params else ""))
+  if plan.hybrid:
+    lines.append("  hybrid: each group holds its parameters and optimizer state split over its devices between steps, "
+                 "its own copy; the exchange adds the groups' parts and updates each part where it is held")
   predicted = dict(plan.predicted)
   if predicted:
     names = {"step_seconds": "step", "throughput": "", "compute_seconds": "compute",

@@ -15,6 +15,7 @@ from hetspmd.planner import sharding
 from hetspmd.planner.grouping import _may_fit, _may_fit_sharded, _peak, search_groups, to_group_plan
 from hetspmd.planner.pricing import Costing
 from hetspmd.planner.ranking import SEARCHED_REMAT, microbatch_sizes, search
+from hetspmd.report import explain_group_text
 
 BATCH = 64
 
@@ -121,6 +122,7 @@ def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(de
   assert "hybrid" in e.name and all(e.shard_params) and not e.zero_stage
   plan = to_group_plan(cluster, e)
   assert plan.hybrid and not plan.state_shares and [len(g.devices) for g in plan.groups] == [4, 4, 4]
+  assert "hybrid: each group holds its parameters and optimizer state split" in explain_group_text(plan)
   held = [sharding.sharded_peak(deep_profile, 4, (m, r), None, None, e.grad_reduce_dtype, state_sharded=True)
           for m, r in zip(e.microbatches, e.remats)]
   assert list(e.memory_bytes) == held
