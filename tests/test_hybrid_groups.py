@@ -236,3 +236,37 @@ def test_a_bfloat16_step_under_a_hybrid_plan_matches_one_device():
                           user_batches(plan.global_batch, steps=3), half=True)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   assert runner._latest.held_split
+
+
+def _clipped_state():
+  """Adam with weight decay after clipping by the global norm (what language-model recipes run)."""
+  import optax
+  from flax.training import train_state
+  from test_group_programs import Net
+
+  model = Net(256)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)), train=False)["params"]
+  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, eps=1e-4, weight_decay=0.1))
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def _clipped_step(state, batch):
+  """Logs the gradients' norm and returns the logits (an output per example) beside the loss."""
+  import optax
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"], train=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": optax.tree.norm(grads), "logits": logits}
+
+
+@pytest.mark.timeout(240)
+def test_clipping_by_the_global_norm_under_a_hybrid_plan_matches_one_device():
+  """The update on the parts needs the norm over every part of every gradient: XLA's partitioner adds it up across
+  each group's devices. The logits come back in the global batch's order."""
+  require_devices(8)
+  plan = _hybrid()
+  step, _ = _trained(plan, _clipped_state, _clipped_step, _batches(plan.global_batch) * 2)
+  assert step._latest.part_sums and step._latest.held_split
