@@ -270,3 +270,22 @@ def test_clipping_by_the_global_norm_under_a_hybrid_plan_matches_one_device():
   plan = _hybrid()
   step, _ = _trained(plan, _clipped_state, _clipped_step, _batches(plan.global_batch) * 2)
   assert step._latest.part_sums and step._latest.held_split
+
+
+@pytest.mark.timeout(240)
+def test_parallelize_places_a_hybrid_plans_state_split_before_the_first_call():
+  """With ``example_batch``, ``state_shardings`` and ``shard_state`` know the split layout before any call (a
+  state that fits only split is never whole on every device); the steps stay exact."""
+  require_devices(8)
+  plan = _hybrid()
+  batches = _batches(plan.global_batch) * 2
+  step = hs.parallelize(dropout_step, plan=plan, global_batch=plan.global_batch, example_batch=batches[0])
+  shardings = jax.tree.leaves(step.state_shardings(_state(256)))
+  state = step.shard_state(_state(256))
+  split = [x for x in jax.tree.leaves(state) if not x.sharding.is_fully_replicated]
+  assert split and len(split) == sum(s.spec != P() for s in shardings)
+  ref = Reference(dropout_step, _state(256)).run(batches)
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)

@@ -130,3 +130,25 @@ def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(de
   exchange = sharding.hybrid_exchange_seconds(cluster, [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)], deep_profile,
                                               e.grad_reduce_dtype)
   assert e.comm_seconds == pytest.approx(exchange)
+
+
+def test_sharded_groups_are_sized_by_the_processes_that_run_them(deep_profile):
+  """The runtime cuts a group where its devices change process: one process per device leaves nothing to shard
+  over, and two devices per process make groups of two (the plan's file as the runtime runs it)."""
+  from hetspmd.planner.grouping import price_groups
+  from hetspmd.planner.pricing import device_groups
+
+  deep_profile = dataclasses.replace(deep_profile, traces=(), strategy_spaces={})
+  for processes, size in ((8, None), (4, 2)):
+    cluster = hs.Cluster.parse(f"2x4xV100-32GB;processes={processes}")
+    layout = device_groups(cluster, "group programs by kind", tuple(range(8)), 1)
+    e = price_groups(Costing(cluster, deep_profile, 1), layout, {"V100-32GB": 1}, "none", BATCH,
+                     sharded=frozenset({"V100-32GB"}))
+    if size is None:
+      assert e is None
+      continue
+    assert "hybrid" in e.name
+    held = sharding.sharded_peak(deep_profile, size, (1, "none"), None, None, state_sharded=True)
+    assert e.memory_bytes == (held,) * 8
+    plan = to_group_plan(cluster, e)
+    assert plan.hybrid and [len(g.devices) for g in plan.groups] == [size] * (8 // size)

@@ -474,12 +474,13 @@ def part_rows(pieces: list, mesh: Mesh, shape: tuple) -> Any:
 
 
 def split_on(x: Any, sharding: NamedSharding) -> Any:
-  """``x`` (a host value, or an array every process has whole) split as ``sharding`` says, each process making
-  its own devices' pieces."""
+  """``x`` (a host value, an array every process has whole, or one split otherwise) split as ``sharding`` says:
+  each process making its own devices' pieces of a whole value, a split one resharded."""
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
-  if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
-    return jax.device_put(x, sharding)  # device to device
+  local = isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable
+  if isinstance(x, jax.Array) and (local or not x.is_fully_replicated):
+    return jax.device_put(x, sharding)  # device to device (split otherwise: a program moves the pieces)
   value = np.asarray(x) if not isinstance(x, jax.Array) or x.is_fully_addressable else None
   if value is None:  # replicated across processes: this process's own copy
     value = np.asarray(x.addressable_shards[0].data)

@@ -295,16 +295,29 @@ def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str)
   return costing.sharded_comm[key]
 
 
+def process_of(cluster: Cluster) -> tuple[int, ...]:
+  """Each device's process, by cluster position, as the pricing takes it: one process where the cluster says so;
+  one per host where it says nothing or names as many processes as hosts; else equal runs of consecutive devices
+  (``processes=8`` on two hosts of four: one device each)."""
+  devices, processes = cluster.devices, cluster.processes
+  if processes == 1:
+    return (0,) * len(devices)
+  if processes is None or processes == len(cluster.hosts):
+    return tuple(d.host for d in devices)
+  run = max(1, len(devices) // processes)
+  return tuple(i // run for i in range(len(devices)))
+
+
 def _shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:
-  """Per kind, the groups its devices on ``layout`` make at run time, smallest first: one of every device of the
-  kind in one process; across processes one per host (the runtime cuts a group where its devices change
-  process, :func:`hetspmd.plan.groups.by_process`), each sharding its parameters over its own devices."""
+  """Per kind, the groups its devices on ``layout`` make at run time, smallest first: its devices in each process
+  (:func:`process_of`; the runtime cuts a group where its devices change process,
+  :func:`hetspmd.plan.groups.split_by_process`), each sharding its parameters over its own devices."""
   key = (tuple(layout.devices), tuple(layout.hosts.items()))
   if key not in costing.shard_groups:
-    every, one = costing.cluster.devices, _one_process(costing, layout)
+    every, process = costing.cluster.devices, process_of(costing.cluster)
     found: dict[str, dict[int, list[int]]] = {}
     for i in layout.devices:
-      found.setdefault(every[i].spec.name, {}).setdefault(0 if one else every[i].host, []).append(i)
+      found.setdefault(every[i].spec.name, {}).setdefault(process[i], []).append(i)
     costing.shard_groups[key] = {k: tuple(sorted((tuple(g) for g in hosts.values()), key=len))
                                  for k, hosts in found.items()}
   return costing.shard_groups[key]
@@ -727,8 +740,8 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
 
 
 def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) -> GroupPlan:
-  """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind across processes, one per
-  host), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
+  """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind, one per process:
+  :func:`process_of`), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
   search's predictions (``ideal``: the pool's ideal throughput, for the efficiency): the step, and per device its
   peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
@@ -736,13 +749,11 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
   on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
   groups, shares, order, devices = [], [], [], []
-  hosts = {cluster.devices[d].host for d in e.device_positions}
-  one = cluster.processes == 1 if cluster.processes is not None else len(hosts) == 1
+  process = process_of(cluster)
   kinds = range(len(e.kinds))
-  # a sharded kind's devices one group per host where hosts are processes, as the runtime cuts them and the
-  # pricing sized them (_shard_groups): equal groups that all shard make the plan hybrid in the file too
-  key = lambda i: (e.kinds[i], None if one or not (e.shard_params and e.shard_params[i])
-                   else cluster.devices[on(i)[0]].host)
+  # a sharded kind's devices one group per process, as the runtime cuts them and the pricing sized them
+  # (_shard_groups): equal groups that all shard make the plan hybrid in the file too
+  key = lambda i: (e.kinds[i], process[on(i)[0]] if e.shard_params and e.shard_params[i] else None)
   for group in dict.fromkeys(key(i) for i in kinds):
     mine = [i for i in kinds if key(i) == group]
     tp = tps[mine[0]]

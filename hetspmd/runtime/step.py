@@ -214,20 +214,27 @@ class ParallelStep:
     """Places ``state`` on the devices with the plan's shardings."""
     plan = self._resolve(state)
     if self.grouped:
+      if plan.hybrid:  # split before the first call where example_batch tells which leaves
+        self._trace_for_state(plan, state)
       return self._grouped.shard_state(state)
     return jax.device_put(state, plan.state_shardings(self._mesh, state))
 
   def state_shardings(self, state: Any) -> Any:
     """Where the state lives between steps (to restore a checkpoint into). Under a group plan with state
-    shares it comes from the step's trace (which leaves are optimizer state): of its first call, or of
-    ``example_batch`` for a ``step(state, batch)``."""
+    shares, or a hybrid one, it comes from the step's trace (which leaves are optimizer state, which are held
+    split): of its first call, or of ``example_batch`` for a ``step(state, batch)``."""
     plan = self._resolve(state)
     if self.grouped:
-      if (plan.state_shares and self.example_batch is not None and not self._grouped.traced
-        and self.batch_argnums in (None, (1,))):
-        self._trace_groups(state)
+      self._trace_for_state(plan, state)
       return self._grouped.state_shardings(state)
     return plan.state_shardings(self._mesh, state)
+
+  def _trace_for_state(self, plan: Any, state: Any) -> None:
+    """Under a group plan whose state layout comes from the step's trace (state shares, or hybrid), that trace
+    from ``example_batch`` where the step has not been traced yet."""
+    if ((plan.state_shares or plan.hybrid) and self.example_batch is not None and not self._grouped.traced
+        and self.batch_argnums in (None, (1,))):
+      self._trace_groups(state)
 
   def _trace_groups(self, state: Any) -> None:
     """The group programs built from ``example_batch`` at the global batch, the step called as
