@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetspmd._dtypes import traced_dtype
+from hetspmd.errors import HetSpmdError
 from hetspmd.lowering import transfers
 from hetspmd.lowering.group_build import PART, GroupMeshes, GroupPrograms
 from hetspmd.lowering.group_stages import Donating
@@ -63,11 +65,37 @@ def run_loops(built: GroupPrograms, meshes: GroupMeshes, counts: tuple, call: Ca
         partials.append(mine)
         examples.append(per_example)
     first = list(itertools.accumulate((len(part) for part in partials[0]), initial=0))  # flat position of each
+    if s == loops - 1 and meshes.parts is not None and built.part_sums:
+      _check_parts_agree(built, [x for part in partials[0] for x in part])
     joined = [[_joined(built, meshes, [p[k][j] for p in partials], first[k] + j if s == loops - 1 else None)
                for j in range(len(partials[0][k]))] for k in range(len(partials[0]))]
     if s < loops - 1:
       earlier.update(call(f"combine loop {s}", built.combines[s], joined))
   return joined, earlier, [transfers.global_rows([e[k] for e in examples], meshes.mesh) for k in range(len(examples[0]))]
+
+_AGREED: dict[int, Any] = {}  # id -> GroupPrograms whose processes' parts were found to agree
+
+
+def _check_parts_agree(built: GroupPrograms, flat: list) -> None:
+  """A hybrid plan over several processes: once per set of programs, that every process's groups split each sum
+  handed over as parts alike (each process sees only its own groups' parts; a mismatch would give the exchange
+  program pieces of different shapes). Every process raises the same error, so none waits on the others."""
+  if jax.process_count() == 1 or _AGREED.get(id(built)) is built:
+    return
+  kept = sorted(built.part_sums)
+  width = max((len(s) for s in built.part_sums.values()), default=0) + 1
+  mine = np.full((len(kept), width), -1, np.int64)
+  for r, j in enumerate(kept):
+    row = tuple(flat[j].shape[1:])
+    mine[r, :len(row)] = row
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  differ = [kept[r] for r in range(len(kept)) if not (every[:, r] == every[0, r]).all()]
+  if differ:
+    raise HetSpmdError(f"the groups of this hybrid plan split {len(differ)} sum(s) into parts of different shapes "
+                       f"across processes (the first of shape {tuple(built.part_sums[differ[0]])}): give every group "
+                       "the same remat policy")
+  _AGREED[id(built)] = built
+
 
 def _joined(built: GroupPrograms, meshes: GroupMeshes, pieces: list, j: int | None) -> Any:
   """One partial value from this process's groups' rows of it (``j``: its flat position among the last loop's,
