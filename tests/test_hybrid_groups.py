@@ -21,7 +21,8 @@ from hetspmd.passes.profile import profile_step
 from hetspmd.planner.grouping import price_groups, to_group_plan
 from hetspmd.planner.pricing import Costing, device_groups
 from test_sharded_groups import _batches, _layer_state, _Layers, _layers_step_rematted, _trained
-from test_sharded_groups_users import NnxMlp, batches as user_batches, linen_state, linen_step, LayerStack, nnx_trained
+from test_sharded_groups_users import (NnxMlp, batches as user_batches, linen_state, linen_step, LayerStack,
+                                      moved_through_orbax, nnx_trained)
 
 
 def _hybrid(groups=((0, 1, 2, 3), (4, 5, 6, 7)), microbatches=(2, 1), counts=((2, 2, 1, 1), (2, 2, 1, 1)),
@@ -128,31 +129,16 @@ def test_an_nnx_step_in_place_under_a_hybrid_plan_matches_one_device():
 def test_an_orbax_checkpoint_moves_between_a_hybrid_plan_and_a_single_program(saved_under, tmp_path):
   """A step under one, saved with orbax, restored into the other's shardings (the hybrid plan's: split, known from
   ``example_batch``), one more step: equal to two steps on one device."""
-  import orbax.checkpoint as ocp
-
   require_devices(8)
   plan = _hybrid(counts=((2, 2, 1, 1), (2, 1, 1, 1)))
   make = lambda: linen_state(LayerStack(scanned=True))
   data = user_batches(plan.global_batch)
-  ref = Reference(linen_step, make()).run(data)
   hybrid = run_groups(linen_step, plan, example_batch=data[0])
   single = hs.parallelize(linen_step, global_batch=plan.global_batch)
   first, second = (hybrid, single) if saved_under == "hybrid" else (single, hybrid)
-  state, metrics = first(first.shard_state(make()), data[0])
-  ref.check_metrics(metrics, 0)
-  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-    manager.save(1, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
-    template = make()
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=s),
-                          template, second.state_shardings(template))
-    restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+  restored, _ = moved_through_orbax(first, second, make, data, tmp_path)
   if saved_under == "single-program":
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(restored))  # restored split
-  state, metrics = second(restored, data[1])
-  ref.check_metrics(metrics, 1)
-  ref.check(state.params, lambda s: s.params, what="params")
-  ref.check(state.opt_state, lambda s: s.opt_state, what="opt_state")
 
 
 @pytest.mark.timeout(300)

@@ -272,17 +272,23 @@ def test_a_bfloat16_step_under_a_sharded_group_matches_one_device(shares, zero, 
 def test_an_orbax_checkpoint_moves_between_a_sharded_group_and_a_single_program(saved_under, tmp_path):
   """One step under one, saved with orbax (``CheckpointManager``), restored into the other's shardings, one more
   step: both steps' metrics and the final state equal two steps on one device."""
-  import orbax.checkpoint as ocp
-
   require_devices(8)
   plan = sharded_beside_unsharded()
   make = lambda: linen_state(LayerStack(scanned=True))
-  data = batches(plan.global_batch)
-  ref = Reference(linen_step, make()).run(data)
   grouped = run_groups(linen_step, plan)
   single = hs.parallelize(linen_step, global_batch=plan.global_batch)
   first, second = (grouped, single) if saved_under == "sharded-group" else (single, grouped)
+  _, state = moved_through_orbax(first, second, make, batches(plan.global_batch), tmp_path)
+  assert split_leaves(grouped) == len(jax.tree.leaves(state.params))
 
+
+def moved_through_orbax(first, second, make, data, tmp_path):
+  """One step of ``make()`` under ``first``, saved with orbax (``CheckpointManager``), restored into ``second``'s
+  shardings, one more step under ``second``: both steps' metrics and the final state checked against two steps
+  on one device. The restored state and the final one."""
+  import orbax.checkpoint as ocp
+
+  ref = Reference(linen_step, make()).run(data[:2])
   state, metrics = first(first.shard_state(make()), data[0])
   ref.check_metrics(metrics, 0)
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
@@ -296,7 +302,7 @@ def test_an_orbax_checkpoint_moves_between_a_sharded_group_and_a_single_program(
   ref.check_metrics(metrics, 1)
   ref.check(state.params, lambda s: s.params, what="params")
   ref.check(state.opt_state, lambda s: s.opt_state, what="opt_state")
-  assert split_leaves(grouped) == len(jax.tree.leaves(state.params))
+  return restored, state
 
 
 # --- 6. parallelize(plan=<a group plan with a sharded group>) ------------------------------------------------------

@@ -69,6 +69,10 @@ class GroupMeshes:
     parts = Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART)) if plan.hybrid else None
     return cls(devices, Mesh(np.array(devices), (DATA,)), groups, parts)
 
+  def held_split(self, axis: int) -> NamedSharding:
+    """A hybrid plan's held leaf split along ``axis`` over each group's devices, each group its own copy."""
+    return NamedSharding(self.parts, P(*([None] * axis), PART))
+
 
 @dataclasses.dataclass(frozen=True)
 class HeldLeaf:
@@ -266,8 +270,7 @@ def _held_split(state: Any, splits: list, g: int) -> dict[int, int]:
 def _split_outputs(held_split: dict, new_value_of: dict, meshes: GroupMeshes) -> dict[int, NamedSharding]:
   """``{flat output: sharding}`` of the step's outputs that are new values of leaves held split (``held_split``):
   split over each group's devices (:attr:`GroupMeshes.parts`), each group its own copy."""
-  return {o: NamedSharding(meshes.parts, P(*([None] * held_split[i]), PART))
-          for o, i in new_value_of.items() if i in held_split}
+  return {o: meshes.held_split(held_split[i]) for o, i in new_value_of.items() if i in held_split}
 
 
 def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, owner: dict, wide: dict, *,

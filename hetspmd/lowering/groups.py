@@ -48,7 +48,7 @@ from hetspmd.lowering.dataflow import labels_forward
 from hetspmd.lowering.loop import LoopContext, between_loops, combined_over, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, is_gradient_cut,
                                      narrowable, sum_outputs)
-from hetspmd.lowering.transfers import ParamShards
+from hetspmd.lowering.transfers import ParamShards, part_axis
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import padded_length, shard_axis
@@ -610,7 +610,7 @@ def _filled(prog: Program, partials: Sequence[Sequence[Any]]) -> list[list[Any]]
       return jnp.zeros((1,) + shape, jx.aval_dtype(v))
     if tuple(x.shape[1:]) == tuple(shape):
       return x
-    axis = next(a for a, (m, n) in enumerate(zip(x.shape[1:], shape)) if m != n)
+    axis = part_axis(tuple(x.shape[1:]), shape)
     return jax.lax.slice_in_dim(x, 0, shape[axis], axis=axis + 1)
 
   return [[row(x, v) for x, (_, v) in zip(part, values)] for part, values in zip(partials, _partials(prog))]

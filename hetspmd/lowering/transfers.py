@@ -437,9 +437,14 @@ class Pieces:
       if row == tuple(self.shape):
         out += here
         continue
-      axis = next(a for a, (m, n) in enumerate(zip(row, self.shape)) if m != n)
+      axis = part_axis(row, self.shape)
       out.append(_joined_parts(axis + 1, self.shape[axis])(here))
     return out
+
+
+def part_axis(part: tuple, shape: tuple) -> int:
+  """The axis along which a part (zero-padded, split over a group) differs from its value's whole ``shape``."""
+  return next(a for a, (m, n) in enumerate(zip(part, shape)) if m != n)
 
 
 def _rows(x: Any) -> list:
@@ -465,7 +470,7 @@ def part_rows(pieces: list, mesh: Mesh, shape: tuple) -> Any:
   if any(tuple(x.shape[1:]) != row for x in pieces):
     raise HetSpmdError(f"the groups split a sum of shape {tuple(shape)} into parts of different shapes "
                        f"({sorted({tuple(x.shape[1:]) for x in pieces})}): give every group the same remat policy")
-  axis = next(a for a, (m, n) in enumerate(zip(row, shape)) if m != n)
+  axis = part_axis(row, shape)
   g = mesh.shape[mesh.axis_names[1]]
   padded = row[:axis] + (row[axis] * g,) + row[axis + 1:]
   sharding = NamedSharding(mesh, P(mesh.axis_names[0], *([None] * axis), mesh.axis_names[1]))

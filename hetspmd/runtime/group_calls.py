@@ -17,13 +17,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from hetspmd._dtypes import traced_dtype
 from hetspmd.errors import HetSpmdError
 from hetspmd.lowering import transfers
-from hetspmd.lowering.group_build import PART, GroupMeshes, GroupPrograms
+from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms
 from hetspmd.lowering.group_stages import Donating
 
 
@@ -195,7 +194,7 @@ def held_parts(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes) ->
     if i not in built.held_split:
       return x
     axis = built.held_split[i]
-    x = transfers.split_on(x, NamedSharding(meshes.parts, P(*([None] * axis), PART)))
+    x = transfers.split_on(x, meshes.held_split(axis))
     return PerGroup(x, {g: transfers.group_part(x, mesh, axis) for g, mesh in enumerate(meshes.groups)
                         if any(d.process_index == jax.process_index() for d in mesh.devices.flat)})
 

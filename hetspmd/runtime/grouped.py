@@ -64,7 +64,7 @@ from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.lowering import transfers
-from hetspmd.lowering.group_build import PART, GroupMeshes, GroupPrograms, build
+from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
 from hetspmd.lowering.group_stages import DATA
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.state_layout import role_of
@@ -134,7 +134,7 @@ class GroupedStep:
     replicated = NamedSharding(self.mesh, P())
     return jax.tree.unflatten(jax.tree.structure(state), [
         jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else
-        NamedSharding(self._meshes.parts, P(*([None] * split[i]), PART)) if i in split else replicated
+        self._meshes.held_split(split[i]) if i in split else replicated
         for i, (path, _) in enumerate(leaves_with_paths(state))])
 
   def _held_split(self, state: Any) -> dict:
