@@ -48,27 +48,45 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-WORKER = textwrap.dedent("""
+# Both workers' start: ``{devices}`` CPU devices per process, gloo, the benchmark's MLP, and alone_rate(devices): the
+# whole step's throughput (examples/s) on those devices only (one program), the median of several steps.
+PRELUDE = textwrap.dedent("""
     import os, sys, json, time, statistics, dataclasses
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     rank, port, batch, steps, microbatch = map(int, sys.argv[1:6])
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank, initialization_timeout=120)
+    jax.distributed.initialize(f"127.0.0.1:{{port}}", num_processes=2, process_id=rank, initialization_timeout=120)
     import numpy as np
     import hetspmd as hs
     from hetspmd import models
-    from hetspmd.hardware import profiler
     from hetspmd.models.mlp import MLPConfig
+    from jax.experimental import multihost_utils
+
+    workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))
+
+    def alone_rate(devices):
+      cluster = hs.Cluster.emulate(devices, kinds=["cpu"] * len(devices))
+      alone = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster,
+                             plan=hs.plan_for(cluster, workload.init_state(0), global_batch=batch,
+                                              microbatch=microbatch), global_batch=batch)
+      st, sb = alone.shard_state(workload.init_state(0)), alone.shard_batch(workload.synthetic_batch(rank, batch=batch))
+      st, m = alone(st, sb); jax.block_until_ready(m)
+      times = []
+      for _ in range(max(3, steps // 2)):
+        t = time.perf_counter(); st, m = alone(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
+      return batch / statistics.median(times)
+""")
+
+WORKER = PRELUDE.format(devices=1) + textwrap.dedent("""
+    from hetspmd.hardware import profiler
     from hetspmd.passes.profile import profile_step
     from hetspmd.plan.counts import balanced_counts
     from hetspmd.planner.building import plan_from
     from hetspmd.planner.grouping import search_groups, to_group_plan
     from hetspmd.planner.pricing import evaluate
-    from jax.experimental import multihost_utils
 
-    workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))
     device = jax.local_devices()[0]
 
     # This device's speed, measured under whatever load it has.
@@ -85,17 +103,7 @@ WORKER = textwrap.dedent("""
       jax.block_until_ready(grad_fn(state["params"], micro)); calls += 1
     rate = microbatch * calls / (time.perf_counter() - start)
     # And its throughput training alone: the whole step (microbatch loop, optimizer) on this device only.
-    alone_cluster = hs.Cluster.emulate([device], kinds=["cpu"])
-    alone = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=alone_cluster,
-                           plan=hs.plan_for(alone_cluster, state, global_batch=batch, microbatch=microbatch),
-                           global_batch=batch)
-    st, sb = alone.shard_state(workload.init_state(0)), alone.shard_batch(workload.synthetic_batch(rank, batch=batch))
-    st, m = alone(st, sb); jax.block_until_ready(m)
-    times = []
-    for _ in range(max(3, steps // 2)):
-      t = time.perf_counter(); st, m = alone(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
-    alone_rate = batch / statistics.median(times)
-    del st, sb
+    alone = alone_rate([device])
     # The link between the processes (gloo over TCP on 127.0.0.1): one all-reduce of the gradients' bytes, timed.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -108,7 +116,7 @@ WORKER = textwrap.dedent("""
     for _ in range(10):
       t = time.perf_counter(); jax.block_until_ready(all_reduce(rows)); reduce_times.append(time.perf_counter() - t)
     reduce_s = statistics.median(reduce_times)
-    speeds = multihost_utils.process_allgather(np.array([spec.fp32_flops, rate, alone_rate, spec.memory_bandwidth,
+    speeds = multihost_utils.process_allgather(np.array([spec.fp32_flops, rate, alone, spec.memory_bandwidth,
                                                          spec.read_bandwidth or 0.0, reduce_s]))
 
     custom = {f"cpu{i}": hs.DeviceSpec(f"cpu{i}", float(speeds[i][0]), float(speeds[i][0]), 2**30, float(speeds[i][3]),
@@ -163,35 +171,12 @@ WORKER = textwrap.dedent("""
 # The same pair with two CPU devices per process, one group per process: the group plan as it runs, then with each
 # group sharding its parameters over its two devices (FSDP in the group; every group sharding, the plan is hybrid:
 # each holds its state split), the counts the same.
-WORKER_SHARDED = textwrap.dedent("""
-    import os, sys, json, time, statistics, dataclasses
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    rank, port, batch, steps, microbatch = map(int, sys.argv[1:6])
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank, initialization_timeout=120)
-    import numpy as np
-    import hetspmd as hs
-    from hetspmd import models
-    from hetspmd.models.mlp import MLPConfig
+WORKER_SHARDED = PRELUDE.format(devices=2) + textwrap.dedent("""
     from hetspmd.plan.groups import Group, group_plan
-    from jax.experimental import multihost_utils
 
-    workload = dataclasses.replace(models.get("mlp"), name="mlp-bench", config=MLPConfig((512, 1024, 1024, 10)))
     local = jax.local_devices()
     # This process's throughput training alone: the whole step on its two devices (one program), for the step ideal.
-    alone_cluster = hs.Cluster.emulate(local, kinds=["cpu"] * len(local))
-    alone = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=alone_cluster,
-                           plan=hs.plan_for(alone_cluster, workload.init_state(0), global_batch=batch,
-                                            microbatch=microbatch), global_batch=batch)
-    st, sb = alone.shard_state(workload.init_state(0)), alone.shard_batch(workload.synthetic_batch(rank, batch=batch))
-    st, m = alone(st, sb); jax.block_until_ready(m)
-    times = []
-    for _ in range(max(3, steps // 2)):
-      t = time.perf_counter(); st, m = alone(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
-    rate = batch / statistics.median(times)
-    del st, sb, alone
+    rate = alone_rate(local)
     # An all-gather of the parameters' bytes between this process's two devices (what a sharded group does twice
     # a microbatch): under gloo, JAX's CPU client runs collectives inside one process through gloo too.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
