@@ -618,6 +618,27 @@ def checkpoint_call(eqn: Equation, fn: Callable[..., list[Any]], args: Sequence[
     return list(eqn.primitive.bind(*closed.consts, *args, **params))
 
 
+def recomputed_call(fn: Callable[..., list[Any]], args: Sequence[Any], like: Equation) -> list[Any]:
+  """``fn(*args)`` as a differentiated ``jax.checkpoint`` call (``remat2``, ``differentiated=True``) under
+  ``like``'s name stack: XLA sees its inputs through an optimization barrier, so it cannot merge the
+  recomputation back into the forward pass that first made the same values (as ``jax.checkpoint`` lowers)."""
+  from jax._src import ad_checkpoint
+  from jax._src.interpreters import partial_eval as pe
+
+  avals = [jax.ShapeDtypeStruct(np.shape(a), aval_dtype_of(a)) for a in args]
+  closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
+  body = pe.convert_constvars_jaxpr(closed.jaxpr)
+  with source_info_util.user_context(like.source_info.traceback, name_stack=source_info_util.current_name_stack()
+                                     + like.source_info.name_stack):
+    return list(ad_checkpoint.remat_p.bind(*closed.consts, *args, jaxpr=body, prevent_cse=True,
+                                           differentiated=True, policy=None))
+
+
+def aval_dtype_of(x: Any) -> Any:
+  """The dtype of a value or tracer, typed PRNG keys included."""
+  return jax.typeof(x).dtype if hasattr(jax, "typeof") else x.dtype
+
+
 def draw_is_sliceable(eqn: Equation) -> bool:
   """Whether :func:`random_bits_slice` can draw a slice of the ``random_bits`` equation ``eqn``."""
   import math

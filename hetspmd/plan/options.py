@@ -11,10 +11,17 @@ STAGE_AXIS = "stage"
 ZERO_STAGES = (0, 1, 3)
 
 
-# What jax.checkpoint saves of a microbatch's forward pass, from most to least: everything ("none"),
+# What a microbatch's forward pass saves for its backward pass, from most to least: everything ("none"),
 # every matmul's output ("all_dots": dots_saveable), those without batch dimensions ("dots":
-# dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), nothing ("full")
-REMAT_POLICIES = ("none", "all_dots", "dots", "full")
+# dots_with_no_batch_dims_saveable, attention's batched matmuls recomputed), each layer's inputs only ("layers":
+# every numbered layer recomputed from its inputs just before its backward pass, on the traced step), nothing
+# ("full"). "all_dots", "dots" and "full" checkpoint the loss of a step written with hetspmd.value_and_grad;
+# "layers" rewrites the traced step, whatever differentiated it
+REMAT_POLICIES = ("none", "all_dots", "dots", "layers", "full")
+
+
+# The policies every step gets, however it differentiates its loss (see hetspmd.passes.frontend.remat)
+STEP_REMAT_POLICIES = ("none", "layers")
 
 
 # The dtype gradients cross the data axis in: float32 (exact), or bfloat16, halving the bytes on the wire

@@ -359,7 +359,7 @@ class ParallelStep:
         lines.append("  exact reductions that feed per-example work, each computed in an earlier loop:")
         lines += [f"    {line}" for line in analysis.describe() if "feeds later" in line]
       lines += [f"  note: {note}" for note in analysis.notes]
-      if self.plan.remat != "none" and not any(d is not None and d.body is not None and
+      if self.plan.remat not in ("none", "layers") and not any(d is not None and d.body is not None and
                                                jx.primitive_name(e) in ("remat2", "checkpoint")
                                                for e, d in zip(jx.equations(analysis.jaxpr), analysis.decisions)):
         lines.append(f"  note: the plan's remat policy {self.plan.remat!r} did not reach the step (it applies "
@@ -395,7 +395,7 @@ class ParallelStep:
       closed, out_tree = step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
                                       global_batch=plan.global_batch)
     analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
-                             float_state_inputs=call.float_state_inputs)
+                       float_state_inputs=call.float_state_inputs, remat=plan.remat)
     self._analysis = analysis
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,

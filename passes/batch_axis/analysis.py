@@ -55,6 +55,7 @@ from typing import Any, Sequence
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis import accumulation, linearity, self_indexing
+from hetspmd.passes.frontend import remat
 from hetspmd.passes.batch_axis.rules import RULES as RULES
 from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
@@ -219,18 +220,23 @@ def _decide(eqn, in_axes, batch, keep: frozenset = frozenset(), read: frozenset 
 
 
 def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batch_stats: str = "local",
-            float_state_inputs: Sequence[int] = ()) -> Analysis:
+            float_state_inputs: Sequence[int] = (), remat: str = "none") -> Analysis:
   """Propagates the example axis from the jaxpr inputs ``batch_inputs`` (dimension 0) and finds the cuts.
 
   ``closed`` is inlined first (:func:`jx.inline_calls`; checkpointed blocks and scans stay whole and are
   analysed as units). ``float_state_inputs``: the inputs holding floating-point state (parameters,
-  statistics); a feedback cut that depends on one is a batch statistic.
+  statistics); a feedback cut that depends on one is a batch statistic. ``remat``: a plan's remat policy;
+  under ``"layers"`` each layer's per-example residuals are recomputed from its saved inputs before the backward
+  pass reads them (:mod:`hetspmd.passes.frontend.remat`), whatever differentiated the step.
   """
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
-    return _analyse(_flat(closed, _UNITS, global_batch), batch_inputs, global_batch,
-                    batch_stats=batch_stats, float_state_inputs=float_state_inputs, notes=(), keep=_UNITS)
+    flat, notes = _flat(closed, _UNITS, global_batch), ()
+    if remat == "layers":
+      flat, notes = _layers_recomputed(flat, batch_inputs, global_batch)
+    return _analyse(flat, batch_inputs, global_batch,
+                    batch_stats=batch_stats, float_state_inputs=float_state_inputs, notes=notes, keep=_UNITS)
   except _Inline as e:
     return _analyse(_flat(closed, frozenset(), global_batch), batch_inputs, global_batch,
                     batch_stats=batch_stats, float_state_inputs=float_state_inputs, keep=frozenset(),
@@ -240,13 +246,24 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
 _UNITS = jx.CHECKPOINTS
 
 
+def _layers_recomputed(flat: Any, batch_inputs: Sequence[int], global_batch: int) -> tuple[Any, tuple[str, ...]]:
+  """``flat`` with each layer's per-example residuals recomputed (:func:`remat.rematerialize`), and a note."""
+  prop = propagate(flat, _input_axes(flat, batch_inputs, global_batch), global_batch, keep=_UNITS)
+  flat, found = remat.rematerialize(flat, lambda v: v in prop.axes)
+  if not found:
+    return flat, ("remat 'layers': no repeated, numbered layer scope reads residuals of its own, so nothing is "
+                  "recomputed",)
+  return flat, (f"remat 'layers': {len(found)} layers recomputed from their inputs before their backward pass "
+                f"({found[0].layer} .. {found[-1].layer})",)
+
+
 def _flat(closed: Any, keep: frozenset, global_batch: int) -> Any:
   """The step inlined but for ``keep``, its self-indexing gathers batched and its counted loops over chunks of the
   batch written as scans over the chunks (:mod:`hetspmd.passes.batch_axis.accumulation`)."""
   return accumulation.rewrite(self_indexing.rewrite(jx.inline_calls(closed, keep=keep)), global_batch)
 
 
-def _analyse(flat, batch_inputs, global_batch, *, batch_stats, float_state_inputs, notes, keep) -> Analysis:
+def _input_axes(flat: Any, batch_inputs: Sequence[int], global_batch: int) -> dict:
   invars = jx.invars(flat)
   in_axes = {}
   for i in batch_inputs:
@@ -255,6 +272,12 @@ def _analyse(flat, batch_inputs, global_batch, *, batch_stats, float_state_input
       raise HetSpmdError(f"batch input {i} has shape {shape}; its leading axis must be the global batch "
                          f"{global_batch}")
     in_axes[invars[i]] = Axis(0)
+  return in_axes
+
+
+def _analyse(flat, batch_inputs, global_batch, *, batch_stats, float_state_inputs, notes, keep) -> Analysis:
+  invars = jx.invars(flat)
+  in_axes = _input_axes(flat, batch_inputs, global_batch)
   prop = propagate(flat, in_axes, global_batch, [invars[i] for i in float_state_inputs], keep=keep)
   cuts = _schedule(jx.equations(flat), list(prop.cut_list), prop.axes, prop.decisions, cut_deps=prop.cut_deps,
                    stateful=prop.stateful, batch_stats=batch_stats)
