@@ -33,7 +33,7 @@ from hetspmd.passes import Role
 from hetspmd.passes import trace as trace_graph
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
-from hetspmd.plan.options import GRAD_REDUCE_DTYPES
+from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
@@ -246,7 +246,9 @@ def _run_search(args: argparse.Namespace) -> int:
   progress("tracing the step at two batch sizes")
   profile = profile_step(workload.make_train_step(), state, batch)
   try:
+    # the zoo's step differentiates with jax.value_and_grad: only the policies parallelize applies to any step
     result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
+                          remat_policies=STEP_REMAT_POLICIES,
                           overlap=not args.no_overlap, homogeneous=True, groups=True)
   except PlanDoesNotFitError as e:
     return _group_plan_only(args, cluster, workload, profile, e, dtypes, progress=progress)
@@ -334,7 +336,8 @@ def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profi
                      dtypes: tuple[str, ...], *, progress=None) -> int:
   """Where no single program fits: the best group plan, which holds each device's own microbatch and share of the
   state, or the error when none fits either."""
-  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes, progress=progress)
+  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes, progress=progress,
+                             remat_policies=STEP_REMAT_POLICIES)
   if grouped is None:
     raise error
   ideal = ideal_throughput(cluster, profile, args.global_batch)

@@ -256,10 +256,15 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
   matmul outputs they save (``profile.saved_bytes``); each other residual
   is recomputed from them within its layer, a working set of
   ``REMAT_ACTIVATIONS`` of the peak, if XLA schedules the recomputation there.
+  ``layers`` rewrites the traced step (:mod:`hetspmd.passes.frontend.remat`):
+  its peak is the liveness of that program, every layer's inputs saved and
+  one layer's recomputation at a time (``profile.layer_activation``).
   """
   if remat not in REMAT_POLICIES:
     raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {remat!r}")
   peak = profile.activation.at(microbatch)
+  if remat == "layers" and profile.layer_activation is not None:  # each layer recomputed (passes.frontend.remat)
+    peak = min(peak, profile.layer_activation.at(microbatch))
   if remat in ("dots", "all_dots"):
     peak = min(peak, profile.saved_bytes(remat, microbatch) + REMAT_ACTIVATIONS * peak)
   return peak * tp.activation_share

@@ -1,8 +1,8 @@
 """``plan="search"`` for a parallelized step: the step profiled on its batch, searched, and its plan made.
 
 :func:`searched_plan` profiles the step (:func:`hetspmd.passes.profile.profile_step`), runs the search
-(:func:`hetspmd.planner.ranking.search`) with what the step allows (remat policies where it uses
-``hetspmd.value_and_grad``, exact batch statistics' extra forward work, a fused overlapped pass only without
+(:func:`hetspmd.planner.ranking.search`) with what the step allows (remat ``"none"`` and ``"layers"`` for any
+step, the loss-checkpointing policies too where it uses ``hetspmd.value_and_grad``, exact batch statistics' extra forward work, a fused overlapped pass only without
 per-microbatch statistics), and turns the best into a runnable plan: a single program, or a group plan whose
 programs are built before anything is placed (a group plan that does not run the step falls back to the single
 program, and says why).
@@ -25,7 +25,7 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
-from hetspmd.plan.options import GRAD_REDUCE_DTYPES
+from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
@@ -49,10 +49,10 @@ def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Search
   programs built: the plan is final before anything is placed on its devices)."""
   fn, batch = trace.state_batch(), trace.batch
   considered = searches_group_plans(cluster, step.specs, jax.process_count())
-  with recording_calls() as calls:  # the step's remat policy can only be applied by hetspmd.value_and_grad
+  with recording_calls() as calls:  # the loss-checkpointing policies are applied by hetspmd.value_and_grad only
     profile = step_traced(lambda: profile_step(fn, state, batch), batch)
   result = search(cluster, profile, step.global_batch, top=1,
-                  remat_policies=SEARCHED_REMAT if calls else ("none",),
+                  remat_policies=SEARCHED_REMAT if calls else STEP_REMAT_POLICIES,
                   recompute=_recompute(step.batch_stats, fn, state, batch),
                   grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if step.grad_reduce_dtype == "search"
                                       else (step.grad_reduce_dtype,)),

@@ -35,6 +35,7 @@ import numpy as np
 
 from hetspmd.errors import InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.frontend import remat
 from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
 
@@ -151,6 +152,98 @@ def microbatch_peak_bytes(graph: Graph) -> int:
   return peak_live_bytes(graph, _microbatch_nodes(graph), hand_on=False)
 
 
+def layer_segments(small: Graph, large: Graph) -> tuple[remat.Segment, ...]:
+  """What remat ``"layers"`` recomputes of the step traced as ``small`` and ``large`` (two batch sizes, one
+  structure): :func:`hetspmd.passes.frontend.remat.segments` over the graph's nodes, a value per-example when
+  its bytes follow the batch. (Nodes inside a loop body are read saved, as the rewrite keeps a scan whole.)"""
+  sites = [remat.Site(n.module_path, n.phase,
+                      tuple((r.index, r.output) for r in n.operands if r.source is Source.NODE),
+                      tuple((n.id, k) for k in range(len(n.outputs))),
+                      recomputable=not n.loops and n.primitive not in remat.COLLECTIVES) for n in small.nodes]
+  sites.append(remat.Site("", "", tuple((o.source.index, o.source.output) for o in small.outputs
+                                        if o.source.source is Source.NODE), ()))
+
+  def per_example(key):
+    return small.nodes[key[0]].outputs[key[1]].nbytes != large.nodes[key[0]].outputs[key[1]].nbytes
+
+  return remat.segments(sites, per_example)
+
+
+def recomputed_peak_bytes(graph: Graph, found: Sequence[remat.Segment]) -> int:
+  """:func:`microbatch_peak_bytes` with each segment of ``found`` recomputed: a residual dies after its last
+  forward reader; just before its layer's first backward reader the recomputation makes every member's values
+  (for that moment) and keeps the residuals until their last backward reader."""
+  run = _microbatch_nodes(graph)
+  if not run or not found:
+    return microbatch_peak_bytes(graph)
+  inside, end = set(run), run[-1]
+  remade = {key: s for s in found for key in s.residuals}
+  nbytes = lambda key: graph.nodes[key[0]].outputs[key[1]].nbytes
+  last: dict = {}
+  entering: dict = {}
+  late: dict = {}  # residual -> its last backward reader
+  for node in graph.nodes:
+    if node.id not in inside:
+      continue
+    for ref in node.operands:
+      if ref.source is not Source.NODE:
+        continue
+      key = (ref.index, ref.output)
+      if ref.index not in inside:
+        entering.setdefault(key, nbytes(key))
+      if key in remade and node.phase == "backward":
+        late[key] = max(late.get(key, -1), node.id)
+      else:
+        last[key] = max(last.get(key, -1), node.id)
+  for key in remade:
+    last.setdefault(key, key[0])
+  for key in entering:
+    last[key] = end
+  births: dict[int, int] = {}
+  frees: dict[int, int] = {}
+  for key, dead in last.items():
+    frees[dead] = frees.get(dead, 0) + nbytes(key)
+  for s in found:
+    working = _recompute_peak(graph, s)
+    kept = sum(nbytes(k) for k in s.residuals if k in late)
+    births[s.at] = births.get(s.at, 0) + working
+    frees[s.at] = frees.get(s.at, 0) + working - kept
+    for key, dead in late.items():
+      if remade[key] is s:
+        frees[dead] = frees.get(dead, 0) + nbytes(key)
+  live = peak = sum(entering.values())
+  for i in run:
+    node = graph.nodes[i]
+    live += births.get(i, 0) + sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last)
+    peak = max(peak, live)
+    live -= frees.get(node.id, 0)
+  return peak
+
+
+def _recompute_peak(graph: Graph, segment: remat.Segment) -> int:
+  """Peak live bytes of ``segment``'s recomputation run alone: each member's outputs live until their last reader
+  among the members, the residuals to its end."""
+  members = set(segment.members)
+  last: dict = {}
+  for i in segment.members:
+    for ref in graph.nodes[i].operands:
+      if ref.source is Source.NODE and ref.index in members:
+        last[(ref.index, ref.output)] = i
+  keep = set(segment.residuals)
+  live = peak = 0
+  frees: dict[int, int] = {}
+  for i in segment.members:
+    for k, t in enumerate(graph.nodes[i].outputs):
+      key = (i, k)
+      live += t.nbytes
+      if key not in keep:
+        dead = last.get(key, i)
+        frees[dead] = frees.get(dead, 0) + t.nbytes
+    peak = max(peak, live)
+    live -= frees.get(i, 0)
+  return peak
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LinearCost:
   """``fixed + per_example × batch`` for one device kind."""
@@ -197,6 +290,9 @@ class StepProfile:
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the saveable matmuls per microbatch
   saved_batched: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the batched ones (attention's)
+  # remat "layers" (hetspmd.passes.frontend.remat): the forward nodes it runs again, and the microbatch's peak
+  layer_recomputed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+  layer_activation: LinearCost | None = None  # None: no layer to recompute (the policy changes nothing)
   # per node: a float32 matmul's own precision: 1 reduced, 2 full, 0 not set (JAX's default when costed)
   f32_precision: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int8))
   # per node: both operands float16 (priced at the float16 peak, which before Ampere is not the bfloat16 one)
@@ -293,6 +389,8 @@ class StepProfile:
     if policy == "none" or not self.forward.size:
       return np.zeros(len(self.per_step), bool)
     recomputed = self.forward & ~self.per_step & ~self.kept(policy)
+    if policy == "layers":
+      recomputed &= self.layer_recomputed if self.layer_recomputed.size else False
     return recomputed & ~self.elementwise if self.elementwise.size else recomputed
 
   def recompute_seconds(self, spec: Device, batch: float, policy: str) -> float:
@@ -363,7 +461,13 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
   write_sizes_fit = fit(largest_written(small), largest_written(large))
   per_step = (np.abs(flops_fit[:, 1]) < 1e-12) & (np.abs(reads_fit[:, 1]) < 1e-12) & (np.abs(writes_fit[:, 1]) < 1e-12)
   castable, casts = _cast_params(small)
+  layers = layer_segments(small, large)
+  layer_recomputed = np.zeros(len(small.nodes), bool)
+  layer_recomputed[[i for s in layers for i in s.members]] = True
   return StepProfile(
+      layer_recomputed=layer_recomputed,
+      layer_activation=fit_linear(recomputed_peak_bytes(small, layers), recomputed_peak_bytes(
+          large, layer_segments(large, small)), small_batch, large_batch) if layers else None,
       param_bytes=small.bytes_with_role(Role.PARAM),
       opt_state_bytes=small.bytes_with_role(Role.OPT_STATE),
       param_count=small.elements_with_role(Role.PARAM),
