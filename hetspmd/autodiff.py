@@ -206,7 +206,7 @@ def _rematted(fun: Callable[..., Any], policy: str) -> Callable[..., Any]:
     return jax.checkpoint(fun, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   if policy == "all_dots":
     return jax.checkpoint(fun, policy=jax.checkpoint_policies.dots_saveable)
-  if policy == SAVED:  # "layers" is applied to the traced step, not here (hetspmd.passes.frontend.remat)
+  if policy == SAVED:  # "layers" is applied to the traced step, not here (hetspmd.passes.remat)
     return jax.checkpoint(fun, policy=jax.checkpoint_policies.everything_saveable)
   return fun
 

@@ -20,7 +20,7 @@ ZERO_STAGES = (0, 1, 3)
 REMAT_POLICIES = ("none", "all_dots", "dots", "layers", "full")
 
 
-# The policies every step gets, however it differentiates its loss (see hetspmd.passes.frontend.remat)
+# The policies every step gets, however it differentiates its loss (see hetspmd.passes.remat)
 STEP_REMAT_POLICIES = ("none", "layers")
 
 

@@ -256,7 +256,7 @@ def microbatch_bytes(profile: StepProfile, microbatch: int, remat: str,
   matmul outputs they save (``profile.saved_bytes``); each other residual
   is recomputed from them within its layer, a working set of
   ``REMAT_ACTIVATIONS`` of the peak, if XLA schedules the recomputation there.
-  ``layers`` rewrites the traced step (:mod:`hetspmd.passes.frontend.remat`):
+  ``layers`` rewrites the traced step (:mod:`hetspmd.passes.remat`):
   its peak is the liveness of that program, every layer's inputs saved and
   one layer's recomputation at a time (``profile.layer_activation``).
   """

@@ -55,7 +55,7 @@ from typing import Any, Sequence
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis import accumulation, linearity, self_indexing
-from hetspmd.passes.frontend import remat
+from hetspmd.passes import remat
 from hetspmd.passes.batch_axis.rules import RULES as RULES
 from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
@@ -227,7 +227,7 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
   analysed as units). ``float_state_inputs``: the inputs holding floating-point state (parameters,
   statistics); a feedback cut that depends on one is a batch statistic. ``remat``: a plan's remat policy;
   under ``"layers"`` each layer's per-example residuals are recomputed from its saved inputs before the backward
-  pass reads them (:mod:`hetspmd.passes.frontend.remat`), whatever differentiated the step.
+  pass reads them (:mod:`hetspmd.passes.remat`), whatever differentiated the step.
   """
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")

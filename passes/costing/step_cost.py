@@ -35,7 +35,7 @@ import numpy as np
 
 from hetspmd.errors import InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.frontend import remat
+from hetspmd.passes import remat
 from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
 
@@ -154,7 +154,7 @@ def microbatch_peak_bytes(graph: Graph) -> int:
 
 def layer_segments(small: Graph, large: Graph) -> tuple[remat.Segment, ...]:
   """What remat ``"layers"`` recomputes of the step traced as ``small`` and ``large`` (two batch sizes, one
-  structure): :func:`hetspmd.passes.frontend.remat.segments` over the graph's nodes, a value per-example when
+  structure): :func:`hetspmd.passes.remat.segments` over the graph's nodes, a value per-example when
   its bytes follow the batch. (Nodes inside a loop body are read saved, as the rewrite keeps a scan whole.)"""
   sites = [remat.Site(n.module_path, n.phase,
                       tuple((r.index, r.output) for r in n.operands if r.source is Source.NODE),
@@ -290,7 +290,7 @@ class StepProfile:
   elementwise: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # fuse into their consumers
   saved: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the saveable matmuls per microbatch
   saved_batched: LinearCost = LinearCost(0.0, 0.0)  # output bytes of the batched ones (attention's)
-  # remat "layers" (hetspmd.passes.frontend.remat): the forward nodes it runs again, and the microbatch's peak
+  # remat "layers" (hetspmd.passes.remat): the forward nodes it runs again, and the microbatch's peak
   layer_recomputed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
   layer_activation: LinearCost | None = None  # None: no layer to recompute (the policy changes nothing)
   # per node: a float32 matmul's own precision: 1 reduced, 2 full, 0 not set (JAX's default when costed)
