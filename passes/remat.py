@@ -16,7 +16,10 @@ What a layer is: the equations under one numbered module scope of a repeated
 block, ``h_0`` / ``h_1``, ``layers_3``, ``blocks/7`` (:func:`layer_scopes`):
 MaxText's ``remat_policy: full`` on each decoder layer, or ``nn.remat``
 around a block. Embeddings, the final norm, the head and the loss stay as
-they are.
+they are. Linen names its modules' scopes; NNX modules push none, so there a
+layer is read from the parameters: the forward equations from the first read
+of one numbered block's parameters to the first read of the next
+(:func:`parameter_scopes`).
 
 What is recomputed (:func:`segments`): a layer's forward values that carry
 the example axis and that its backward pass reads, and the per-example
@@ -87,32 +90,69 @@ def _numbered(component: str) -> str | None:
 
 
 def layer_scopes(paths: Iterable[str]) -> dict[str, str]:
-  """``{path: layer}`` for the module paths inside a layer: the shortest prefix that ends in a numbered
-  component (``h_3``, ``layers/7``) whose stem, under the same parent, numbers at least two scopes."""
+  """``{path: layer}`` for the paths inside a layer: the shortest prefix that ends in a numbered component
+  (``h_3``, ``layers/7``) whose stem, under the same parent, numbers at least two scopes. (A leading component of
+  digits alone is an argument's position in a parameter path, not a layer.)"""
   paths = set(paths)
   members: dict[tuple[str, str], set[str]] = {}
-  prefix_of: dict[str, str] = {}
+  candidates: dict[str, list[str]] = {}
   for path in paths:
     parts = path.split("/") if path else []
     for depth, part in enumerate(parts):
       stem = _numbered(part)
-      if stem is not None:
-        parent = "/".join(parts[:depth])
-        prefix = "/".join(parts[:depth + 1])
-        members.setdefault((parent, stem), set()).add(prefix)
-        prefix_of[path] = prefix
-        break
+      if stem is None or (depth == 0 and part.isdigit()):
+        continue
+      parent, prefix = "/".join(parts[:depth]), "/".join(parts[:depth + 1])
+      members.setdefault((parent, stem), set()).add(prefix)
+      candidates.setdefault(path, []).append(prefix)
   repeated = {p for group in members.values() if len(group) >= 2 for p in group}
-  return {path: prefix for path, prefix in prefix_of.items() if prefix in repeated}
+  found = {}
+  for path, prefixes in candidates.items():
+    layer = next((p for p in prefixes if p in repeated), None)
+    if layer is not None:
+      found[path] = layer
+  return found
 
 
-def segments(sites: Sequence[Site], per_example: Callable[[Hashable], bool]) -> tuple[Segment, ...]:
+def parameter_scopes(sites: Sequence[Site], params: dict[Hashable, str]) -> list[str]:
+  """Per site, a module path read from the parameters, for steps whose equations carry none (NNX modules push
+  no name scope): ``params`` maps the values holding parameters to their paths (``blocks/3/mlp/kernel``). A
+  forward site takes the layer (:func:`layer_scopes` of the parameter paths) of the parameter scope read most
+  recently for the first time in program order; values made from one scope's parameters alone (a cast, a
+  transpose) belong to it. Other sites keep their path (a jitted step's name, which names no layer)."""
+  layer_of = layer_scopes(params.values())
+  owner = {v: layer_of.get(p, "~" + p) for v, p in params.items()}  # "~": a parameter outside every layer
+  bounds: list[tuple[int, str]] = []
+  seen: set[str] = set()
+  for i, site in enumerate(sites):
+    keys = {owner[v] for v in site.reads if v in owner}
+    if site.reads and len(keys) == 1 and all(v in owner for v in site.reads):
+      owner.update((w, next(iter(keys))) for w in site.writes)
+      continue
+    if site.phase == "forward":
+      for key in sorted(keys - seen, key=str):
+        bounds.append((i, key))
+        seen.add(key)
+  paths, current, k = [], None, 0
+  for i, site in enumerate(sites):
+    while k < len(bounds) and bounds[k][0] <= i:
+      current, k = bounds[k][1], k + 1
+    inside = site.phase == "forward" and current is not None and not current.startswith("~")
+    paths.append(current if inside else site.path)
+  return paths
+
+
+def segments(sites: Sequence[Site], per_example: Callable[[Hashable], bool],
+             params: dict[Hashable, str] | None = None) -> tuple[Segment, ...]:
   """Each layer's recomputation, in layer order: what it runs again and what it remakes.
 
   ``per_example(value)``: whether a value carries the example axis (only those are recomputed; the rest are
-  read saved). A layer whose backward pass reads no per-example value of its own, or whose recomputation would
+  read saved). ``params``: the values holding parameters and their paths, for steps whose module paths name no
+  layer (:func:`parameter_scopes`). A layer whose backward pass reads no per-example value of its own, or whose recomputation would
   run after a reader, gets none.
   """
+  if params and not layer_scopes(s.path for s in sites if s.phase == "forward"):
+    sites = [dataclasses.replace(s, path=p) for s, p in zip(sites, parameter_scopes(sites, params))]
   layer_of = layer_scopes(s.path for s in sites if s.phase == "forward")
   forward: dict[str, list[int]] = {}
   for i, site in enumerate(sites):
@@ -181,12 +221,15 @@ def sites_of(eqns: Sequence[Any], outputs: Sequence[Any] = ()) -> list[Site]:
   return sites
 
 
-def rematerialize(flat: jx.ClosedJaxpr, per_example: Callable[[Any], bool]) -> tuple[jx.ClosedJaxpr,
-                                                                                      tuple[Segment, ...]]:
+def rematerialize(flat: jx.ClosedJaxpr, per_example: Callable[[Any], bool], param_paths: dict[int, str] | None = None
+                  ) -> tuple[jx.ClosedJaxpr, tuple[Segment, ...]]:
   """``flat`` (a flat closed jaxpr) with each layer's residuals recomputed before the backward pass reads
-  them, and the segments it recomputes (none: ``flat`` as it is)."""
+  them, and the segments it recomputes (none: ``flat`` as it is). ``param_paths``: ``{input position: path}`` of
+  the parameter inputs (layers found from them where the equations' module paths name none)."""
   eqns = jx.equations(flat)
-  found = segments(sites_of(eqns, jx.outvars(flat)), per_example)
+  invars = jx.invars(flat)
+  params = {invars[i]: p for i, p in (param_paths or {}).items() if i < len(invars)}
+  found = segments(sites_of(eqns, jx.outvars(flat)), per_example, params)
   if not found:
     return flat, ()
   at: dict[int, list[Segment]] = {}

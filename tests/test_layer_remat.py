@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training import train_state
 
 import hetspmd as hs
@@ -28,7 +29,7 @@ from hetspmd.planner.data_axis import microbatch_bytes
 from hetspmd.runtime.grouped import run_groups
 
 from conftest import require_devices
-from exactness import Reference
+from exactness import NnxReference, Reference, assert_exact
 
 VOCAB, SEQ, WIDTH = 40, 6, 16
 KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4
@@ -388,3 +389,71 @@ def test_search_chooses_layer_remat_where_memory_needs_it_and_runs_it_exactly():
     ref.check_metrics(metrics, i)
   ref.check(trained.params, lambda s: s.params)
   assert step.plan.remat == "layers", step.plan.summary()
+
+
+# --- an NNX step in place (the mnist pattern): NNX names no scope, the layers are read from the parameters --------
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.dropout = nnx.Dropout(0.2, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.dropout(nnx.gelu(self.linear(self.norm(x))))
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(12, WIDTH, rngs=rngs)
+    self.blocks = nnx.List([NnxBlock(rngs) for _ in range(3)])
+    self.head = nnx.Linear(WIDTH, 5, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.embed(x)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def nnx_step(model, optimizer, metrics, batch):
+  def loss_fn(model):
+    logits = model(batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), logits
+
+  (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+def _nnx_objects():
+  model = NnxNet(nnx.Rngs(params=0, dropout=1))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2, eps=1e-4), wrt=nnx.Param)
+  metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+  return model, optimizer, metrics
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrap", ["none", "nnx.jit"])
+def test_an_nnx_step_in_place_recomputes_its_blocks_exactly(wrap):
+  require_devices(8)
+  counts, microbatch = (3, 3, 2, 2, 2, 1, 1, 0), 2
+  batch = sum(counts) * microbatch
+  rs = np.random.RandomState(3)
+  batches = [{"image": rs.randn(batch, 12).astype(np.float32), "label": rs.randint(0, 5, batch).astype(np.int32)}
+             for _ in range(2)]
+  ref = NnxReference(nnx_step, _nnx_objects()).run(batches)
+  mine = _nnx_objects()
+  cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=KINDS)
+  plan = hs.plan_for(cluster, nnx.state(mine), global_batch=batch, layout=(8, 1), microbatch=microbatch,
+                     counts=counts, remat="layers")
+  step = hs.parallelize(nnx.jit(nnx_step) if wrap == "nnx.jit" else nnx_step, cluster=cluster, plan=plan,
+                        global_batch=batch)
+  for b in batches:
+    assert step(*mine, b) is None
+  ref64 = ref.ref64
+  assert_exact(mine[2].compute(), ref.single[2].compute(), ref64[2].compute(), what="metrics")
+  assert_exact(nnx.state(mine[0], nnx.Param), nnx.state(ref.single[0], nnx.Param), nnx.state(ref64[0], nnx.Param),
+               what="parameters")
+  assert "3 layers recomputed" in step.explain(), step.explain()

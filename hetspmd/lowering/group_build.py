@@ -34,7 +34,7 @@ from hetspmd.lowering.transfers import scatter_program, shard_program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
-from hetspmd.plan.state_layout import role_of
+from hetspmd.plan.state_layout import parameter_paths, role_of
 
 
 GROUP, PART = "group", "part"  # a hybrid plan's mesh axes: its groups, and the devices of each
@@ -380,7 +380,8 @@ def _traced(step: _Step, plan: GroupPlan, batch_stats: str) -> tuple[dict[str, P
     with remat_policy(SAVED if policy == "none" and len(policies) > 1 else policy):
       closed, shapes = jx.make_closed_jaxpr(functools.partial(flat), *avals, return_shape=True)
     progs[policy] = Program(analyse(closed, batch_inputs, plan.global_batch, batch_stats=batch_stats,
-                                    float_state_inputs=floats, remat=policy), batch_inputs)
+                                    float_state_inputs=floats, remat=policy,
+                                    param_paths=parameter_paths(step.state)), batch_inputs)
     group_lowering.check(progs[policy], tail=bool(plan.tail_count))
   if len(progs) > 1 and progs[plan.tail_remat].analysis.loops > 1:
     raise HetSpmdError(f"this step needs {progs[plan.tail_remat].analysis.loops} microbatch loops, whose "

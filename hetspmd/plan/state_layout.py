@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
+from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.passes.frontend.roles import Leaf, infer_role
 from hetspmd.plan import annotations
@@ -16,6 +18,20 @@ from hetspmd.plan.options import Spec, SpecEntry
 def role_of(path: str, dtype: Any) -> str:
   """The role (``param``, ``opt_state``, ...) of the state leaf at ``path``, as the trace infers it."""
   return infer_role(Leaf(tuple(path.split("/")), 0, str(dtype), None), num_args=2).value
+
+
+def parameter_paths(state: Any, keep: Any = lambda leaf: True) -> dict[int, str]:
+  """``{position: path}`` of ``state``'s floating parameter leaves, positions counted over the leaves ``keep``
+  accepts (a step's dynamic leaves), in flattening order."""
+  found, k = {}, 0
+  for path, leaf in leaves_with_paths(state):
+    if not keep(leaf):
+      continue
+    dtype = traced_dtype(leaf) if hasattr(leaf, "dtype") else None
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and role_of(path, dtype) == "param":
+      found[k] = path
+    k += 1
+  return found
 
 
 def _parts(entry: SpecEntry, sizes: Mapping[str, int]) -> int:

@@ -29,6 +29,7 @@ from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import new_state_leaves
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.plan.state_layout import parameter_paths
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, local_positions
 
 
@@ -281,6 +282,11 @@ class Call:
   def float_state_inputs(self) -> tuple[int, ...]:
     return tuple(i for i, x in enumerate(self._dynamic[:self._n_state])
                  if jnp.issubdtype(traced_dtype(x), jnp.floating))
+
+  @property
+  def param_paths(self) -> dict[int, str]:
+    """``{input position: path}`` of the parameters among the step's dynamic state leaves."""
+    return parameter_paths(self.state, is_dynamic)
 
   def inputs(self, dynamic: tuple[list, list]) -> list:
     return list(dynamic[0]) + list(dynamic[1])

@@ -395,7 +395,7 @@ class ParallelStep:
       closed, out_tree = step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
                                       global_batch=plan.global_batch)
     analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
-                       float_state_inputs=call.float_state_inputs, remat=plan.remat)
+                       float_state_inputs=call.float_state_inputs, remat=plan.remat, param_paths=call.param_paths)
     self._analysis = analysis
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,

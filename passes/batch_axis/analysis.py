@@ -220,21 +220,23 @@ def _decide(eqn, in_axes, batch, keep: frozenset = frozenset(), read: frozenset 
 
 
 def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batch_stats: str = "local",
-            float_state_inputs: Sequence[int] = (), remat: str = "none") -> Analysis:
+            float_state_inputs: Sequence[int] = (), remat: str = "none",
+            param_paths: dict[int, str] | None = None) -> Analysis:
   """Propagates the example axis from the jaxpr inputs ``batch_inputs`` (dimension 0) and finds the cuts.
 
   ``closed`` is inlined first (:func:`jx.inline_calls`; checkpointed blocks and scans stay whole and are
   analysed as units). ``float_state_inputs``: the inputs holding floating-point state (parameters,
   statistics); a feedback cut that depends on one is a batch statistic. ``remat``: a plan's remat policy;
   under ``"layers"`` each layer's per-example residuals are recomputed from its saved inputs before the backward
-  pass reads them (:mod:`hetspmd.passes.remat`), whatever differentiated the step.
+  pass reads them (:mod:`hetspmd.passes.remat`), whatever differentiated the step; ``param_paths``
+  (``{input position: path}`` of the parameters) finds the layers of steps whose module paths name none.
   """
   if batch_stats not in ("local", "exact"):
     raise HetSpmdError(f"batch_stats must be 'local' or 'exact', got {batch_stats!r}")
   try:
     flat, notes = _flat(closed, _UNITS, global_batch), ()
     if remat == "layers":
-      flat, notes = _layers_recomputed(flat, batch_inputs, global_batch)
+      flat, notes = _layers_recomputed(flat, batch_inputs, global_batch, param_paths)
     return _analyse(flat, batch_inputs, global_batch,
                     batch_stats=batch_stats, float_state_inputs=float_state_inputs, notes=notes, keep=_UNITS)
   except _Inline as e:
@@ -246,10 +248,11 @@ def analyse(closed: Any, batch_inputs: Sequence[int], global_batch: int, *, batc
 _UNITS = jx.CHECKPOINTS
 
 
-def _layers_recomputed(flat: Any, batch_inputs: Sequence[int], global_batch: int) -> tuple[Any, tuple[str, ...]]:
+def _layers_recomputed(flat: Any, batch_inputs: Sequence[int], global_batch: int, param_paths: dict[int, str] | None
+                       ) -> tuple[Any, tuple[str, ...]]:
   """``flat`` with each layer's per-example residuals recomputed (:func:`remat.rematerialize`), and a note."""
   prop = propagate(flat, _input_axes(flat, batch_inputs, global_batch), global_batch, keep=_UNITS)
-  flat, found = remat.rematerialize(flat, lambda v: v in prop.axes)
+  flat, found = remat.rematerialize(flat, lambda v: v in prop.axes, param_paths)
   if not found:
     return flat, ("remat 'layers': no repeated, numbered layer scope reads residuals of its own, so nothing is "
                   "recomputed",)

@@ -157,16 +157,18 @@ def layer_segments(small: Graph, large: Graph) -> tuple[remat.Segment, ...]:
   structure): :func:`hetspmd.passes.remat.segments` over the graph's nodes, a value per-example when
   its bytes follow the batch. (Nodes inside a loop body are read saved, as the rewrite keeps a scan whole.)"""
   sites = [remat.Site(n.module_path, n.phase,
-                      tuple((r.index, r.output) for r in n.operands if r.source is Source.NODE),
+                      tuple((r.index, r.output) if r.source is Source.NODE else ("in", r.index)
+                            for r in n.operands if r.source in (Source.NODE, Source.INPUT)),
                       tuple((n.id, k) for k in range(len(n.outputs))),
                       recomputable=not n.loops and n.primitive not in remat.COLLECTIVES) for n in small.nodes]
   sites.append(remat.Site("", "", tuple((o.source.index, o.source.output) for o in small.outputs
                                         if o.source.source is Source.NODE), ()))
 
   def per_example(key):
-    return small.nodes[key[0]].outputs[key[1]].nbytes != large.nodes[key[0]].outputs[key[1]].nbytes
+    return key[0] != "in" and small.nodes[key[0]].outputs[key[1]].nbytes != large.nodes[key[0]].outputs[key[1]].nbytes
 
-  return remat.segments(sites, per_example)
+  params = {("in", item.index): item.path for item in small.inputs_with_role(Role.PARAM)}
+  return remat.segments(sites, per_example, params)
 
 
 def recomputed_peak_bytes(graph: Graph, found: Sequence[remat.Segment]) -> int:
