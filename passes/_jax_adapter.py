@@ -634,6 +634,22 @@ def recomputed_call(fn: Callable[..., list[Any]], args: Sequence[Any], like: Equ
                                            differentiated=True, policy=None))
 
 
+def eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+  """The outputs of ``closed`` on ``args``, each equation bound with its source info (nothing inlined)."""
+  env: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  eval_equations(closed.jaxpr.eqns, env)
+  return [read(env, v) for v in closed.jaxpr.outvars]
+
+
+def scan_as(eqn: Equation, body: Callable[[Any, Any], Any], init: Any, xs: Any, *, length: int, reverse: bool
+            ) -> tuple[Any, Any]:
+  """``jax.lax.scan(body, init, xs)`` under the scan equation ``eqn``'s name stack (its phase stays its own)."""
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+                                     + eqn.source_info.name_stack):
+    return jax.lax.scan(body, init, xs, length=length, reverse=reverse)
+
+
 def aval_dtype_of(x: Any) -> Any:
   """The dtype of a value or tracer, typed PRNG keys included."""
   return jax.typeof(x).dtype if hasattr(jax, "typeof") else x.dtype

@@ -14,10 +14,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from hetspmd.errors import HetSpmdError
+from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.passes.costing import step_cost
 from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.passes.frontend import stack
 from hetspmd.passes.frontend.tracing import trace
+from hetspmd.passes.ir import Source
 from hetspmd.passes.sharding import strategies
 
 
@@ -42,7 +44,43 @@ def profile_step(fn: Callable[..., Any], state: Any, batch: Any) -> StepProfile:
   """Traces ``fn(state, batch)`` at two batch sizes, fits the per-node costs, prepares the strategy spaces."""
   small, large = PROFILE_BATCHES
   graphs = [trace(fn, state, with_batch(batch, b)) for b in PROFILE_BATCHES]
-  return with_strategy_spaces(step_cost.step_profile(graphs[0], graphs[1], small, large))
+  profile = step_cost.step_profile(graphs[0], graphs[1], small, large)
+  return with_strategy_spaces(with_scan_layers(profile) if profile.layer_activation is None else profile)
+
+
+def with_scan_layers(profile: StepProfile) -> StepProfile:
+  """``profile`` with remat ``"layers"`` priced for its layer scan (:mod:`hetspmd.passes.remat_scan`), if it has
+  one whose transpose reads per-example residuals: the forward scan's body runs again, and its stacked
+  residuals give way to the stacked layer inputs and one layer's residuals."""
+  small, large = profile.traces
+  try:
+    found = stack.find_layer_stack(stack.sites_in_traces(small, large))
+  except NoLayerStackError:
+    return profile
+  remade = _scan_residuals(found, small, large)
+  if not remade:
+    return profile
+  peaks = []
+  for graph in (small, large):
+    f = graph.scans[found.forward_scan]
+    per_layer = sum(graph.nodes[r.index].outputs[r.output].nbytes for r in (f.results[k] for k in remade))
+    carry = f.operand_types[f.num_consts].nbytes
+    peaks.append(step_cost.microbatch_peak_bytes(graph) - per_layer * (f.length - 1) + carry * f.length)
+  loop = small.scans[found.forward_scan].loop
+  recomputed = np.array([n.phase == "forward" and loop in n.loops for n in small.nodes], bool)
+  return dataclasses.replace(profile, layer_recomputed=recomputed,
+                             layer_activation=step_cost.fit_linear(*peaks, *profile.trace_batches))
+
+
+def _scan_residuals(found: stack.LayerStack, small: Any, large: Any) -> list[int]:
+  """The positions of the forward scan's stacked per-example results that its transpose reads."""
+  def nbytes(graph, ref):
+    return graph.nodes[ref.index].outputs[ref.output].nbytes
+
+  f, b, f_large = small.scans[found.forward_scan], small.scans[found.backward_scan], large.scans[found.forward_scan]
+  return [k for k in range(f.num_carry, len(f.results))
+          if f.results[k].source is Source.NODE and f.results[k] in b.operands
+          and nbytes(small, f.results[k]) != nbytes(large, f_large.results[k])]
 
 
 def with_strategy_spaces(profile: StepProfile, sizes: Sequence[int] = MODEL_SIZES) -> StepProfile:

@@ -300,15 +300,17 @@ GROUP_CASES = {
     "sharded-layers": [Group((0, 1, 2, 3), 2, (2, 2, 1, 1), "layers", shard_params=True),
                        Group((4, 5, 6, 7), 1, (1, 1, 2, 2), "layers")],
 }
+MODELS = {"unrolled": lambda: _Stack(), "layer-scan": lambda: _ScannedStack()}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(GROUP_CASES))
-def test_group_programs_recompute_their_layers_exactly(case):
+@pytest.mark.parametrize("form", list(MODELS))
+def test_group_programs_recompute_their_layers_exactly(case, form):
   require_devices(8)
   groups = GROUP_CASES[case]
   plan = group_plan(groups, sum(g.microbatch * sum(g.counts) for g in groups))
-  model = _Stack()
+  model = MODELS[form]()
   params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
   make = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
   rs = np.random.RandomState(0)
@@ -341,11 +343,49 @@ def test_the_cost_model_prices_the_layer_inputs_and_one_layer_recomputed():
   assert all(small.nodes[i].phase == "forward" for i in np.flatnonzero(profile.recomputed("layers")))
 
 
-def test_a_layer_scan_gets_no_layer_remat_and_is_priced_as_none():
+def test_a_layer_scan_is_priced_with_its_layer_inputs_stacked_and_its_body_run_again():
   w = models.get("gpt2-tiny-scan")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
-  assert profile.layer_activation is None and not profile.recomputed("layers").any()
-  assert microbatch_bytes(profile, 4, "layers") == microbatch_bytes(profile, 4, "none")
+  assert profile.layer_activation is not None
+  for m in (1, 8):
+    assert microbatch_bytes(profile, m, "layers") < microbatch_bytes(profile, m, "none")
+  small = profile.traces[0]
+  again = np.flatnonzero(profile.recomputed("layers"))
+  assert again.size and all(small.nodes[i].phase == "forward" and small.nodes[i].loops for i in again)
+
+
+@pytest.mark.timeout(300)
+def test_the_zoo_layer_scan_recomputes_in_its_transpose_exactly():
+  w = models.get("gpt2-tiny-scan")
+  step_fn = w.make_train_step()
+  counts = (2, 2, 2, 2, 1, 1, 1, 1)
+  rs = np.random.RandomState(1)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(sum(counts)))
+             for _ in range(2)]
+  ref = Reference(step_fn, w.init_state()).run(batches)
+  step, state = _planned(step_fn, w.init_state(), batches, ref, counts=counts)
+  ref.check(state)
+  assert "the layer scan's" in step.explain() and "layers recomputed in its transpose" in step.explain()
+  # the forward scan stacks each layer's input, not its residuals: fewer stacked outputs than without remat
+  plain = hs.parallelize(step_fn, cluster=step.cluster, plan=step.plan.replace(remat="none"),
+                         global_batch=step.plan.global_batch)
+  plain(plain.shard_state(w.init_state()), batches[0])
+  scans = [[e for e in jx.equations(s._analysis.jaxpr) if jx.primitive_name(e) == "scan"] for s in (step, plain)]
+  assert len(scans[0][0].outvars) < len(scans[1][0].outvars)
+
+
+class _ScannedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.gelu(nn.Dense(WIDTH)(nn.LayerNorm()(x))), None
+
+
+class _ScannedStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH)(x)
+    x, _ = nn.scan(_ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)
+    return nn.Dense(4)(x)
 
 
 def test_the_cli_prices_only_the_policies_the_zoo_step_gets(capsys):

@@ -436,8 +436,28 @@ def low_precision(layout: Layout, x) -> bool:
 
 def narrowable(reduce_dtype: str, dtype: Any, size: int) -> bool:
   """Whether a gradient of ``dtype`` and ``size`` elements crosses devices in ``reduce_dtype``: a floating array
-  (not a scalar) when the plan narrows at all."""
+  (not a scalar) when the plan narrows at all. ``reduce_dtype="float32"`` casts nothing: a sum crosses in the
+  dtype it accumulates in (:func:`wire_dtypes`)."""
   return reduce_dtype != "float32" and jnp.issubdtype(dtype, jnp.floating) and size > 1
+
+
+def wire_dtypes(analysis: Analysis, reduce_dtype: str) -> list[str]:
+  """The dtypes the step's gradient sums (:func:`is_gradient_cut`'s, floating) really cross ``data`` in:
+  ``reduce_dtype`` where the plan narrows them, else the dtype they accumulate in (float32 for a float16 or
+  bfloat16 gradient, its own for a float32 or float64 one); narrowest first."""
+  eqns = jx.equations(analysis.jaxpr)
+  out = set()
+  for cut in analysis.cuts:
+    if cut.reduce != "sum" or cut.feedback or cut.local or jx.phase(eqns[cut.index]) != "backward":
+      continue
+    for j in sum_outputs(analysis.decisions[cut.index]):
+      v = eqns[cut.index].outvars[j]
+      dtype, size = jx.aval_dtype(v), int(np.prod(jx.aval_shape(v)))
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        continue
+      out.add(np.dtype(reduce_dtype) if narrowable(reduce_dtype, dtype, size) else
+              np.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else np.dtype(dtype))
+  return [str(d) for d in sorted(out, key=lambda d: d.itemsize)]
 
 
 def is_gradient_cut(prog: "Program", cut: Any) -> bool:

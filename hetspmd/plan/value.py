@@ -339,11 +339,13 @@ class Plan:
     except OSError as e:  # a directory, no permission
       raise InvalidValueError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
 
-  def summary(self) -> str:
+  def summary(self, reduced_in: str | None = None) -> str:
+    """``reduced_in``: the dtype(s) the step's gradients really cross ``data`` in, when the step is known
+    (``grad_reduce_dtype="float32"`` casts nothing: a float64 gradient crosses in float64)."""
     lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))}, global batch {self.global_batch} = "
              f"{sum(self.microbatch_counts)} microbatches of {self.microbatch}, ZeRO-{self.zero_stage}"
              f"{f' (over groups of {self.zero_shards} where a leaf does not split {self.data_size} ways)' if self.zero_shards else ''}, "
-             f"remat {self.remat}, gradients reduced in {self.grad_reduce_dtype}"
+             f"remat {self.remat}, gradients reduced in {reduced_in or self.grad_reduce_dtype}"
              f"{self._overlap_text()}"
              f"{f', pipeline stages of {list(self.stages)} layers' if self.stages else ''}"]
     groups = np.asarray(self.device_ids).reshape(self.data_size, -1)

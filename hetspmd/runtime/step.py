@@ -343,7 +343,9 @@ class ParallelStep:
               "(XLA placed a collective-permute or all-to-all inside the loop)")
     else:
       mode = "weighted microbatch accumulation (per-device trip counts)"
-    lines = [self.plan.summary(), f"  execution: {mode}"] + self._call_notes()
+    wire = (lowering.program.wire_dtypes(self._analysis, self.plan.grad_reduce_dtype)
+            if self._analysis is not None else [])
+    lines = [self.plan.summary(" and ".join(wire) or None), f"  execution: {mode}"] + self._call_notes()
     if self._group_note:
       lines.append(f"  note: {self._group_note}")
     if self._analysis is not None:

@@ -55,7 +55,7 @@ from typing import Any, Sequence
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis import accumulation, linearity, self_indexing
-from hetspmd.passes import remat
+from hetspmd.passes import remat, remat_scan
 from hetspmd.passes.batch_axis.rules import RULES as RULES
 from hetspmd.passes.batch_axis.rules import Axis as Axis
 from hetspmd.passes.batch_axis.rules import Decision as Decision
@@ -254,6 +254,10 @@ def _layers_recomputed(flat: Any, batch_inputs: Sequence[int], global_batch: int
   prop = propagate(flat, _input_axes(flat, batch_inputs, global_batch), global_batch, keep=_UNITS)
   flat, found = remat.rematerialize(flat, lambda v: v in prop.axes, param_paths)
   if not found:
+    flat, layers = remat_scan.rematerialize_scan(flat, lambda v: v in prop.axes)
+    if layers:
+      return flat, (f"remat 'layers': the layer scan's {layers} layers recomputed in its transpose from their "
+                    "inputs",)
     return flat, ("remat 'layers': no repeated, numbered layer scope reads residuals of its own, so nothing is "
                   "recomputed",)
   return flat, (f"remat 'layers': {len(found)} layers recomputed from their inputs before their backward pass "

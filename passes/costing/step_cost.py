@@ -99,10 +99,7 @@ def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None, hand_on: b
   if not run:
     return 0
   inside, end = set(run), run[-1]
-
-  def nbytes(key):
-    return graph.nodes[key[0]].outputs[key[1]].nbytes
-
+  nbytes = value_bytes(graph)
   last: dict[tuple[int, int], int] = {}       # value -> the node after which it is dead
   entering: dict[tuple[int, int], int] = {}   # made before the run, read in it -> bytes
   after: set[tuple[int, int]] = set()         # read after the run (or a step output)
@@ -127,10 +124,21 @@ def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None, hand_on: b
   live = peak = sum(entering.values())
   for i in run:
     node = graph.nodes[i]
-    live += sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last)
+    live += sum(nbytes((node.id, k)) for k in range(len(node.outputs)) if (node.id, k) in last)
     peak = max(peak, live)
     live -= frees.get(node.id, 0)
   return peak
+
+
+def value_bytes(graph: Graph):
+  """``key -> bytes`` of a graph value ``(node, output)``: a scan's stacked output is its body's value once per
+  iteration (the body's node outputs are one iteration's)."""
+  stacked: dict[tuple[int, int], int] = {}
+  for scan in graph.scans:
+    for ref in scan.results[scan.num_carry:]:
+      if ref.source is Source.NODE:
+        stacked[(ref.index, ref.output)] = scan.length
+  return lambda key: graph.nodes[key[0]].outputs[key[1]].nbytes * stacked.get(key, 1)
 
 
 def _microbatch_nodes(graph: Graph) -> list[int] | None:
@@ -180,7 +188,7 @@ def recomputed_peak_bytes(graph: Graph, found: Sequence[remat.Segment]) -> int:
     return microbatch_peak_bytes(graph)
   inside, end = set(run), run[-1]
   remade = {key: s for s in found for key in s.residuals}
-  nbytes = lambda key: graph.nodes[key[0]].outputs[key[1]].nbytes
+  nbytes = value_bytes(graph)
   last: dict = {}
   entering: dict = {}
   late: dict = {}  # residual -> its last backward reader
@@ -216,7 +224,7 @@ def recomputed_peak_bytes(graph: Graph, found: Sequence[remat.Segment]) -> int:
   live = peak = sum(entering.values())
   for i in run:
     node = graph.nodes[i]
-    live += births.get(i, 0) + sum(t.nbytes for k, t in enumerate(node.outputs) if (node.id, k) in last)
+    live += births.get(i, 0) + sum(nbytes((node.id, k)) for k in range(len(node.outputs)) if (node.id, k) in last)
     peak = max(peak, live)
     live -= frees.get(node.id, 0)
   return peak
