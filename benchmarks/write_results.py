@@ -61,6 +61,12 @@ BENCHES = (
     Bench("uneven_state", (), "measured",
           "Bytes per device of an Adam state split evenly and split by memory (padded, as one SPMD program "
           "must hold it), on 8 emulated CPU devices."),
+    Bench("layer_remat", (), "measured",
+          "Remat `layers` (each block recomputed from its input before its backward pass, on the traced step) "
+          "against none and the whole-loss policies: each program's compiled temporaries on 8 emulated CPU "
+          "devices for a 24-block stack written with `jax.value_and_grad`, unrolled and as a layer scan, beside "
+          "the cost model's prediction, and the step time against none in the same run (goal, scanned: "
+          "temporaries at most the layers' inputs plus about 2 layers' activations)."),
     Bench("group_memory", (), "measured",
           "What each device holds under a group plan with the optimizer state in memory shares (ZeRO-1, "
           "ZeRO-3, a model axis), and each program's compiled memory, on 8 emulated CPU devices; then a group "

@@ -281,17 +281,18 @@ def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: i
   if not sharded:
     return _kind_cost(costing, kind, microbatch, remat, n, share, tp=tp, zero=zero)
   cost = _kind_cost(costing, kind, microbatch, remat, n, share, zero=zero or 1)
-  return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype),
+  return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype, remat),
                                     _shard_size(costing, layout, kind), state_sharded=hybrid)
 
 
-def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str) -> float:
+def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str, remat: str) -> float:
   """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search): over the
   devices of one of its groups as the runtime runs them (:func:`_shard_groups`)."""
-  key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype)
+  key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype, remat)
   if key not in costing.sharded_comm:
     devices = _shard_groups(costing, layout)[kind][0]
-    costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype)
+    costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype,
+                                                                 remat)
   return costing.sharded_comm[key]
 
 

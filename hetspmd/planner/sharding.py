@@ -103,7 +103,8 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   Held through the step: the whole float32 parameters (:data:`WHOLE_PARAMS_HELD`) and ``share`` of the optimizer
   state (all of it where None: the plan's state shares decide it, as for an unsharded group). In the loop: its
   ``1/g`` of the parameters and of the float32 accumulator, the live gathered layers (:func:`live_gathered_bytes`)
-  and one microbatch's activations (:func:`hetspmd.planner.data_axis.microbatch_bytes`). After the loop: the row it
+  and one microbatch's activations (:func:`hetspmd.planner.data_axis.microbatch_bytes`, less the whole casts of
+  the parameters it holds: the group gathers casts a layer at a time). After the loop: the row it
   hands the exchange, whole-sized (:data:`WHOLE_ROWS`) in ``dtype``, or its part where each owner reduces its own
   sums (``rows`` not None, :data:`PARTS_TO_OWNERS`), beside ``rows`` (the received gradients, a fraction of one
   whole copy; the reduced gradients, one, where None). ``state_sharded`` (the ``fsdp`` baseline): the
@@ -111,7 +112,10 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   is of the parameters and the optimizer state together, and no whole parameters are held."""
   p = profile
   part = (p.param_bytes + p.param_count * GRAD_BYTES) / g
-  working = part + live_gathered_bytes(p) + microbatch_bytes(p, loop[0], loop[1])
+  # the traced microbatch holds each parameter's cast whole; a sharded group casts its part and gathers the cast
+  # per reader (GATHERS_READ_DTYPE), so its gathered layers stand for those casts
+  casts = p.cast_param_bytes if GATHERS_READ_DTYPE else 0
+  working = part + live_gathered_bytes(p) + max(0.0, microbatch_bytes(p, loop[0], loop[1]) - casts)
   if state_sharded:
     return int((p.opt_state_bytes / g + working) * WORKSPACE)
   fraction = 1.0 if share is None else share
@@ -133,18 +137,22 @@ def overlaps(kind: str) -> bool:
   return not kind.lower().startswith("cpu")
 
 
-def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: StepProfile, dtype: str) -> float:
+def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: StepProfile, dtype: str,
+                            remat: str = "none") -> float:
   """One microbatch's collectives in a group of ``devices`` sharding its parameters, on the links between them
   (a ring in a host, hierarchical across hosts): two all-gathers of the parameters (forward, then backward:
   :func:`gathered_bytes`) and one reduce-scatter of the gradients (float32, or ``dtype`` where narrower:
   :data:`SCATTERS_REDUCE_DTYPE`), each
   moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's), one collective per layer
-  (:func:`layer_shape`; the leaves of a layer combined, as XLA's combine thresholds sized to a layer do)."""
+  (:func:`layer_shape`; the leaves of a layer combined, as XLA's combine thresholds sized to a layer do). Under
+  remat ``"layers"`` each recomputed layer gathers its parameters a third time (its recomputation reads them
+  behind an optimization barrier, so XLA keeps no gathered copy from the forward pass)."""
   _, count = layer_shape(profile)
   gathers = allreduce_seconds(cluster, devices, gathered_bytes(profile), 1, count) / 2
   wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
   scatter = allreduce_seconds(cluster, devices, profile.param_count * wire, 1, count) / 2
-  return 2 * gathers + scatter
+  passes = 3 if remat == "layers" and profile.layer_activation is not None else 2
+  return passes * gathers + scatter
 
 
 def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
@@ -188,7 +196,7 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
   cluster, profile, every = costing.cluster, costing.profile, costing.cluster.devices
   devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
   n, kinds = len(devices), cluster.kinds
-  comm = {d: microbatch_comm_seconds(cluster, devices, profile, d) for d in dtypes}
+  comm = {(d, r): microbatch_comm_seconds(cluster, devices, profile, d, r) for d in dtypes for r in remat_policies}
   best = None
   for microbatch, remat, dtype in ((m, r, d) for m in sizes for r in remat_policies for d in dtypes):
     memory = sharded_peak(profile, n, (microbatch, remat), None, None, dtype, state_sharded=True)
@@ -196,9 +204,10 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
       continue
     most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
     plain = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n) for k in kinds}
-    slowest = max(kinds, key=lambda k: sharded_kind_cost(costing, k, plain[k], comm[dtype], n, True).at(most))
-    seconds = sharded_kind_cost(costing, slowest, plain[slowest], comm[dtype], n, True).at(most)
-    exposed = most * exposed_seconds(slowest, comm[dtype], plain[slowest].micro)  # the collectives compute leaves
+    per_kind = {k: sharded_kind_cost(costing, k, plain[k], comm[dtype, remat], n, True).at(most) for k in kinds}
+    slowest = max(kinds, key=per_kind.get)
+    seconds = per_kind[slowest]
+    exposed = most * exposed_seconds(slowest, comm[dtype, remat], plain[slowest].micro)  # the collectives compute leaves
     e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
                   counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
                   compute_seconds=seconds - exposed, comm_seconds=exposed, memory_bytes=(memory,) * n,
