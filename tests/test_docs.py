@@ -192,3 +192,15 @@ def test_readme_samples_match_the_commands(tmp_path, monkeypatch, capsys):
         assert any(p.startswith(want[:-4]) for p in printed), (command, line)
       else:
         assert want in printed, (command, line, printed)
+
+
+def test_the_readme_headlines_quote_only_figures_results_md_holds():
+  """Every number in the README's Results headlines is one benchmarks/RESULTS.md prints (figures live there)."""
+  readme = (ROOT / "README.md").read_text()
+  headlines = readme[readme.index("## Results"):readme.index("## Limits")]
+  headlines = headlines[headlines.index("Headlines:"):]
+  results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+  figures = re.findall(r"\d+\.\d+", headlines)
+  assert figures
+  missing = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", results)]
+  assert not missing, f"README figures not in RESULTS.md: {missing}"
