@@ -494,3 +494,63 @@ def test_an_nnx_step_in_place_recomputes_its_blocks_exactly(wrap):
     assert step(*mine, b) is None
   check_nnx(ref, mine)
   assert "3 layers recomputed" in step.explain(), step.explain()
+
+
+# --- jax.grad, and a custom_vjp inside each block -----------------------------------------------------------------
+
+
+@jax.custom_vjp
+def clipped_gelu(x):
+  return jnp.clip(nn.gelu(x), -3.0, 3.0)
+
+
+def _clipped_gelu_fwd(x):
+  return clipped_gelu(x), x
+
+
+def _clipped_gelu_bwd(x, g):
+  y, vjp = jax.vjp(lambda u: jnp.clip(nn.gelu(u), -3.0, 3.0), x)
+  return vjp(g)
+
+
+clipped_gelu.defvjp(_clipped_gelu_fwd, _clipped_gelu_bwd)
+
+
+class _CustomBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(WIDTH)(clipped_gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(x))))
+
+
+class _CustomStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH)(x)
+    for _ in range(3):
+      x = _CustomBlock()(x)
+    return nn.Dense(4)(x)
+
+
+def grad_step(state, batch):
+  """``jax.grad`` alone, the loss recomputed for the metrics outside it."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  grads = jax.grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss_fn(state.params)}
+
+
+@pytest.mark.timeout(300)
+def test_a_jax_grad_step_with_a_custom_vjp_in_each_block_recomputes_exactly():
+  model = _CustomStack()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 6)))["params"]
+  make = lambda: train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  counts = (2, 2, 2, 2, 1, 1, 1, 1)
+  rs = np.random.RandomState(0)
+  batches = [{"x": rs.randn(12, 6).astype(np.float32), "y": rs.randint(0, 4, 12).astype(np.int32)}
+             for _ in range(2)]
+  ref = Reference(grad_step, make()).run(batches)
+  step, state = _planned(grad_step, make(), batches, ref, counts=counts)
+  ref.check(state.params, lambda s: s.params)
+  assert "3 layers recomputed" in step.explain(), step.explain()
