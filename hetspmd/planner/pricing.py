@@ -306,8 +306,14 @@ class Costing:
                                               self.links[kind], microbatch)
     solution = self._assessed[key]
     share = solution.compute_seconds / plain if plain > 0 else 1.0
-    return KindCost(solution.compute_seconds * remat_factor + solution.comm_seconds + accumulate, fixed,
-                     solution.comm_seconds, first * share)
+    again = remat in ("layers", "full") and bool(self.profile.recomputed(remat).any())
+    comm = solution.comm_seconds * (RECOMPUTED_COLLECTIVES if again else 1.0)
+    return KindCost(solution.compute_seconds * remat_factor + comm + accumulate, fixed, comm, first * share)
+
+
+# A layer recomputed on a model axis runs its forward collectives again: half of a tensor-parallel layer's
+# collectives are its forward pass's (Megatron: two all-reduces forward, two backward), so 1.5x
+RECOMPUTED_COLLECTIVES = 1.5
 
 
 def _tensor_parallel(space: strategies.StrategySpace, solution: strategy_ilp.Solution) -> TensorParallel:
