@@ -158,7 +158,10 @@ def test_the_search_fits_a_bfloat16_model_no_single_program_fits():
   found = group_plan_alone(cluster, profile, 64, grad_reduce_dtypes=("float32", "bfloat16"))
   assert found is not None and found.zero_stage == 3 and found.grad_reduce_dtype == "bfloat16"
   assert all(m <= cluster.devices[d].spec.memory_bytes for d, m in zip(found.device_positions, found.memory_bytes))
-  assert group_plan_alone(cluster, profile, 64) is None  # float32 rows beside the accumulator do not fit an L4
+  # float32 rows beside the accumulator fit an L4 only where its group shards its parameters (gathering a layer's
+  # bfloat16 casts at a time, not holding them all)
+  f32 = group_plan_alone(cluster, profile, 64)
+  assert f32 is None or any(f32.shard_params), f32
 
 
 def test_a_priced_zero3_plan_runs_exactly():
