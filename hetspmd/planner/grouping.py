@@ -529,6 +529,29 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
                   remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
                   grad_reduce_dtypes: Sequence[str] = ("float32",),
                   progress: Callable[[str], None] | None = None) -> Evaluated | None:
+  """:func:`_search_groups`, remat ``"layers"`` priced only where some kind fits no microbatch without it (each
+  policy multiplies the per-kind combinations the search prices)."""
+  lighter = tuple(r for r in remat_policies if r != "layers")
+  if lighter != tuple(remat_policies) and lighter and _every_kind_fits(cluster, profile, sizes, lighter, recompute):
+    remat_policies = lighter
+  return _search_groups(cluster, profile, global_batch, sizes, remat_policies=remat_policies, recompute=recompute,
+                        grad_reduce_dtypes=grad_reduce_dtypes, progress=progress)
+
+
+def _every_kind_fits(cluster: Cluster, profile: StepProfile, sizes: Sequence[int], policies: Sequence[str],
+                     recompute: float) -> bool:
+  """Whether every kind's group may fit one of ``sizes`` under ``policies``: data-only, on a model axis, or
+  sharding its parameters (:func:`_kind_fits` on the layout of every device)."""
+  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  layout = device_groups(cluster, "group programs by kind", tuple(d.id for d in cluster.devices), 1)
+  plain, models, shardable = _kind_fits(costing, layout, sizes, policies, recompute <= 1.0,
+                                        only_sharded=len(cluster.kinds) == 1)
+  return all(plain[k] or k in models or shardable[k] for k in plain)
+
+
+def _search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
+                   remat_policies: Sequence[str], recompute: float, grad_reduce_dtypes: Sequence[str],
+                   progress: Callable[[str], None] | None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
   ``grad_reduce_dtypes``; None if none fits. A pool of one kind has only its sharded group plans (one group

@@ -72,7 +72,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
-from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES
+from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.planner.grouping import search_groups
 from hetspmd.planner.sharding import fsdp_baseline
 from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
@@ -214,7 +214,7 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
     groups = {name: layouts(name, positions, m) for name, positions in sets.items()}
     suffix = "" if m == 1 else f", model {m}"
     for zero in SEARCHED_ZERO:
-      for remat in space.remat_policies:
+      for remat in _policies_at(space, microbatch):
         base = Candidate(groups["all"], microbatch, zero, remat, space.global_batch, weighted, "", None,
                          space.grad_reduce_dtypes, space.overlap)
         for set_name, layout in groups.items():
@@ -227,6 +227,20 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
         for kind in space.cluster.kinds:
           yield base.replace(layout=groups[f"only {kind}"], counts=even, name=f"only {kind}{suffix}",
                            baseline="best_homogeneous")
+
+
+def _policies_at(space: SearchSpace, microbatch: int) -> tuple[str, ...]:
+  """The remat policies worth pricing at ``microbatch``: remat ``"layers"`` only where the smallest device cannot
+  hold the microbatch under a lighter policy (ZeRO-1 over every device, data only); each policy adds a full set
+  of candidates."""
+  lighter = tuple(r for r in space.remat_policies if r != "layers")
+  if lighter == space.remat_policies or not lighter:
+    return space.remat_policies
+  n = space.cluster.num_devices
+  smallest = min(space.cluster.spec_of(k).memory_bytes for k in space.cluster.kinds)
+  if min(memory_per_device(space.profile, n, microbatch, 1, r) for r in lighter) <= smallest:
+    return lighter
+  return space.remat_policies
 
 
 def tensor_parallel_choices(costing: Costing, c: Candidate) -> Iterator[Candidate]:
