@@ -554,3 +554,24 @@ def test_a_jax_grad_step_with_a_custom_vjp_in_each_block_recomputes_exactly():
   step, state = _planned(grad_step, make(), batches, ref, counts=counts)
   ref.check(state.params, lambda s: s.params)
   assert "3 layers recomputed" in step.explain(), step.explain()
+
+
+@pytest.mark.timeout(300)
+def test_layers_beside_none_under_hs_value_and_grad_line_up_their_sums():
+  """The zoo's GPT with ``hs.value_and_grad``: a group recomputing its layers beside one saving everything, a tail
+  under "layers"; "none" is traced as it is (no loss checkpoint), so both groups' sums line up."""
+  require_devices(8)
+  w = models.get("gpt2-tiny")
+  plan = group_plan([((0, 1, 2, 3), 2, (2, 2, 1, 1), "layers"), ((4, 5, 6, 7), 1, (2, 1, 1, 1), "none")], 25,
+                    tail=(1, 1))
+  rs = np.random.RandomState(2)
+  batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(plan.global_batch))
+             for _ in range(2)]
+  step_fn = w.make_train_step(hs.value_and_grad)
+  ref = Reference(step_fn, w.init_state()).run(batches)
+  step = run_groups(step_fn, plan)
+  state = step.shard_state(w.init_state())
+  for i, b in enumerate(batches):
+    state, metrics = step(state, b)
+    ref.check_metrics(metrics, i)
+  ref.check(state)

@@ -34,6 +34,7 @@ from hetspmd.lowering.transfers import scatter_program, shard_program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
+from hetspmd.plan.options import STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import parameter_paths, role_of
 
 
@@ -375,9 +376,11 @@ def _traced(step: _Step, plan: GroupPlan, batch_stats: str) -> tuple[dict[str, P
 
   progs, shapes = {}, None
   policies = list(dict.fromkeys([plan.tail_remat] + [g.remat for g in plan.groups]))
+  # beside groups whose loss is checkpointed, "none" is traced checkpointed too, saving everything: the same cuts
+  # ("layers" rewrites the traced step and checkpoints no loss: beside it, "none" is traced as it is)
+  checkpointed = any(p not in STEP_REMAT_POLICIES for p in policies)
   for policy in policies:
-    # beside checkpointed groups, "none" is traced checkpointed too, saving everything: the same cuts
-    with remat_policy(SAVED if policy == "none" and len(policies) > 1 else policy):
+    with remat_policy(SAVED if policy == "none" and checkpointed else policy):
       closed, shapes = jx.make_closed_jaxpr(functools.partial(flat), *avals, return_shape=True)
     progs[policy] = Program(analyse(closed, batch_inputs, plan.global_batch, batch_stats=batch_stats,
                                     float_state_inputs=floats, remat=policy,

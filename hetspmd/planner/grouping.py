@@ -672,7 +672,10 @@ def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chos
     least = {k: _least_recompute(costing, k, chosen[k], n, policies, models.get(k, NO_TENSOR_PARALLEL),
                                  shard=_shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid)
              for k in order}
-    choices = [least] + [c for c in choices if c != least]  # one policy for all is priced once
+    # one policy for all is priced once; "layers" (on the traced step) beside a policy that checkpoints the loss
+    # cuts the backward pass otherwise, and the groups' sums would not line up: not a runnable mix
+    mixed = "layers" in least.values() and set(least.values()) - {"layers", "none"}
+    choices = ([] if mixed else [least]) + [c for c in choices if c != least]
   out = []
   for remats, tail, zero, dtype in itertools.product(choices, tails, zeros, dtypes):
     e = price_groups(costing, layout, chosen, remats, global_batch, tail=tail, zero=zero, dtype=dtype,
