@@ -529,38 +529,16 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
                   remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
                   grad_reduce_dtypes: Sequence[str] = ("float32",),
                   progress: Callable[[str], None] | None = None) -> Evaluated | None:
-  """:func:`_search_groups`, remat ``"layers"`` priced only where some kind fits no microbatch without it (each
-  policy multiplies the per-kind combinations the search prices)."""
-  lighter = tuple(r for r in remat_policies if r != "layers")
-  if lighter != tuple(remat_policies) and lighter and _every_kind_fits(cluster, profile, sizes, lighter, recompute):
-    remat_policies = lighter
-  return _search_groups(cluster, profile, global_batch, sizes, remat_policies=remat_policies, recompute=recompute,
-                        grad_reduce_dtypes=grad_reduce_dtypes, progress=progress)
-
-
-def _every_kind_fits(cluster: Cluster, profile: StepProfile, sizes: Sequence[int], policies: Sequence[str],
-                     recompute: float) -> bool:
-  """Whether every kind's group may fit one of ``sizes`` under ``policies``: data-only, on a model axis, or
-  sharding its parameters (:func:`_kind_fits` on the layout of every device)."""
-  costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
-  layout = device_groups(cluster, "group programs by kind", tuple(d.id for d in cluster.devices), 1)
-  plain, models, shardable = _kind_fits(costing, layout, sizes, policies, recompute <= 1.0,
-                                        only_sharded=len(cluster.kinds) == 1)
-  return all(plain[k] or k in models or shardable[k] for k in plain)
-
-
-def _search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
-                   remat_policies: Sequence[str], recompute: float, grad_reduce_dtypes: Sequence[str],
-                   progress: Callable[[str], None] | None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
   or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
   ``grad_reduce_dtypes``; None if none fits. A pool of one kind has only its sharded group plans (one group
   holding its parameters split over every device: plain FSDP; unsharded, it would be one program). Of the
   plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
   prefers. ``progress``: called with a line of text every eighth of each device set's microbatch
-  combinations."""
+  combinations. Remat ``"layers"`` is priced only where a kind needs it (:func:`_needed_policies`)."""
   kinds = cluster.kinds
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
+  remat_policies = _needed_policies(costing, sizes, remat_policies, recompute)
   speed = {k: profile.microbatch_seconds(cluster.spec_of(k), sizes[0]) for k in kinds}
   by_speed = sorted(kinds, key=lambda k: speed[k])
   near: list[Evaluated] = []
@@ -571,6 +549,20 @@ def _search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, si
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
                                  dtypes=tuple(grad_reduce_dtypes), progress=progress, only_sharded=len(kinds) == 1))
   return min(near, key=_fewest_microbatches) if near else None
+
+
+def _needed_policies(costing: Costing, sizes: Sequence[int], policies: Sequence[str], recompute: float
+                     ) -> Sequence[str]:
+  """``policies`` without ``"layers"`` where every kind's group may fit one of ``sizes`` without it (data-only, on
+  a model axis, or sharded: :func:`_kind_fits`): each policy multiplies the per-kind combinations priced."""
+  lighter = tuple(r for r in policies if r != "layers")
+  if lighter == tuple(policies) or not lighter:
+    return policies
+  cluster = costing.cluster
+  layout = device_groups(cluster, "group programs by kind", tuple(d.id for d in cluster.devices), 1)
+  plain, models, shardable = _kind_fits(costing, layout, sizes, lighter, recompute <= 1.0,
+                                        only_sharded=len(cluster.kinds) == 1)
+  return lighter if all(plain[k] or k in models or shardable[k] for k in plain) else policies
 
 
 def _near(plans: list[Evaluated]) -> list[Evaluated]:
