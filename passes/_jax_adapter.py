@@ -607,15 +607,7 @@ def checkpoint_call(eqn: Equation, fn: Callable[..., list[Any]], args: Sequence[
   ``eqn`` is a checkpoint of a differentiated step: binding it with ``differentiated=True`` keeps its
   recomputation behind XLA's optimization barrier (``jax.checkpoint`` outside autodiff would not).
   """
-  from jax._src.interpreters import partial_eval as pe
-
-  avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
-  closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
-  body = pe.convert_constvars_jaxpr(closed.jaxpr)
-  params = dict(eqn.params, jaxpr=body)
-  with source_info_util.user_context(eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
-                                     + eqn.source_info.name_stack):
-    return list(eqn.primitive.bind(*closed.consts, *args, **params))
+  return _bind_checkpoint(eqn.primitive, fn, args, eqn, dict(eqn.params))
 
 
 def recomputed_call(fn: Callable[..., list[Any]], args: Sequence[Any], like: Equation) -> list[Any]:
@@ -623,15 +615,22 @@ def recomputed_call(fn: Callable[..., list[Any]], args: Sequence[Any], like: Equ
   ``like``'s name stack: XLA sees its inputs through an optimization barrier, so it cannot merge the
   recomputation back into the forward pass that first made the same values (as ``jax.checkpoint`` lowers)."""
   from jax._src import ad_checkpoint
+
+  return _bind_checkpoint(ad_checkpoint.remat_p, fn, args, like,
+                          dict(prevent_cse=True, differentiated=True, policy=None))
+
+
+def _bind_checkpoint(primitive: Any, fn: Callable[..., list[Any]], args: Sequence[Any], like: Equation,
+                     params: dict[str, Any]) -> list[Any]:
+  """Binds the checkpoint ``primitive`` with ``params`` over ``fn`` traced on ``args``, under ``like``'s name stack."""
   from jax._src.interpreters import partial_eval as pe
 
-  avals = [jax.ShapeDtypeStruct(np.shape(a), aval_dtype_of(a)) for a in args]
+  avals = [jax.ShapeDtypeStruct(np.shape(a), jax.typeof(a).dtype) for a in args]
   closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
-  body = pe.convert_constvars_jaxpr(closed.jaxpr)
+  params["jaxpr"] = pe.convert_constvars_jaxpr(closed.jaxpr)
   with source_info_util.user_context(like.source_info.traceback, name_stack=source_info_util.current_name_stack()
                                      + like.source_info.name_stack):
-    return list(ad_checkpoint.remat_p.bind(*closed.consts, *args, jaxpr=body, prevent_cse=True,
-                                           differentiated=True, policy=None))
+    return list(primitive.bind(*closed.consts, *args, **params))
 
 
 def eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
@@ -648,11 +647,6 @@ def scan_as(eqn: Equation, body: Callable[[Any, Any], Any], init: Any, xs: Any, 
   with source_info_util.user_context(eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
                                      + eqn.source_info.name_stack):
     return jax.lax.scan(body, init, xs, length=length, reverse=reverse)
-
-
-def aval_dtype_of(x: Any) -> Any:
-  """The dtype of a value or tracer, typed PRNG keys included."""
-  return jax.typeof(x).dtype if hasattr(jax, "typeof") else x.dtype
 
 
 def draw_is_sliceable(eqn: Equation) -> bool:

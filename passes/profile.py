@@ -61,11 +61,11 @@ def with_scan_layers(profile: StepProfile) -> StepProfile:
   if not remade:
     return profile
   peaks = []
-  for graph in (small, large):
+  for graph, batch in zip((small, large), profile.trace_batches):
     f = graph.scans[found.forward_scan]
     per_layer = sum(graph.nodes[r.index].outputs[r.output].nbytes for r in (f.results[k] for k in remade))
     carry = f.operand_types[f.num_consts].nbytes
-    peaks.append(step_cost.microbatch_peak_bytes(graph) - per_layer * (f.length - 1) + carry * f.length)
+    peaks.append(profile.activation.at(batch) - per_layer * (f.length - 1) + carry * f.length)
   loop = small.scans[found.forward_scan].loop
   recomputed = np.array([n.phase == "forward" and loop in n.loops for n in small.nodes], bool)
   return dataclasses.replace(profile, layer_recomputed=recomputed,
