@@ -174,8 +174,9 @@ def test_fused_pass_returns_per_example_outputs_in_global_order(lockstep):
   plan = hs.plan_for(_cluster(), params, global_batch=batch, microbatch=microbatch, counts=counts,
                      overlap_reduction=True, overlap_microbatches=2)
   step = hs.parallelize(_per_token_step, cluster=_cluster(), plan=plan, global_batch=batch)
-  step._lockstep = lockstep or None
-  new, out = step(step.shard_state(params), data)
+  placed = step.shard_state(params)
+  step._runner._lockstep = lockstep or None
+  new, out = step(placed, data)
   for key in ("by_token", "flat"):
     assert out[key].shape == ref.single_metrics[0][key].shape
   ref.check_metrics(out, 0)

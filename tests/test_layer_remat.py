@@ -370,7 +370,7 @@ def test_the_zoo_layer_scan_recomputes_in_its_transpose_exactly():
   plain = hs.parallelize(step_fn, cluster=step.cluster, plan=step.plan.replace(remat="none"),
                          global_batch=step.plan.global_batch)
   plain(plain.shard_state(w.init_state()), batches[0])
-  scans = [[e for e in jx.equations(s._analysis.jaxpr) if jx.primitive_name(e) == "scan"] for s in (step, plain)]
+  scans = [[e for e in jx.equations(s._runner.analysis.jaxpr) if jx.primitive_name(e) == "scan"] for s in (step, plain)]
   assert len(scans[0][0].outvars) < len(scans[1][0].outvars)
 
 

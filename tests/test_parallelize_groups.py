@@ -208,7 +208,7 @@ def test_a_group_plan_takes_settings_beside_the_batch_as_the_single_program_does
       state, metrics = step(state, batch, config, schedule, key)
       ref.check_metrics(metrics, i)
     ref.check(state.params, lambda s: s.params)
-  assert step.grouped and len(step._grouped._built) == 2
+  assert step.grouped and step._runner.program_count == 2
 
 
 def _with_shares(monkeypatch):
@@ -334,7 +334,7 @@ def test_two_processes_run_a_group_plan_whose_groups_span_them():
         ref.check_metrics(jax.tree.map(local, metrics), i)
       ref.check(jax.tree.map(local, state.params), lambda s: s.params)
       print(json.dumps({"groups": len(step.plan.groups),
-                        "mine": sum(1 for n in step._grouped.memory_analysis() if n.startswith("group"))}))
+                        "mine": sum(1 for n in step.memory_analysis() if n.startswith("group"))}))
   """), num_processes=2, devices_per_process=4, timeout=240)
   assert [r["groups"] for r in results] == [4, 4] and [r["mine"] for r in results] == [2, 2]
 
@@ -378,7 +378,7 @@ def test_programs_are_told_apart_by_where_each_argument_was():
     ref = Reference(lambda s, b: _shifted_step(s, b, *args, **kwargs), _state()).run([batch])
     _, metrics = step(_state(), batch, *args, **kwargs)
     ref.check_metrics(metrics, 0)
-  assert len(step._grouped._built) == 2
+  assert step._runner.program_count == 2
   from hetspmd.runtime.binding import hashable
   setting = {"mode": "x"}
   assert hashable(((0, setting),)) == hashable(((0, setting),)) != hashable(((0, {"mode": "x"}),))
@@ -407,7 +407,7 @@ def test_a_group_plan_donates_the_state_it_replaces(shares, zero, donate):
   params = jax.tree.leaves(given.params)
   assert all(x.is_deleted() == donate for x in moments)
   assert all(x.is_deleted() == (donate and not shares) for x in params)  # shares: each device's update makes them
-  programs = step._grouped.memory_analysis()
+  programs = step.memory_analysis()
   written = programs["update on device 0" if shares else "exchange"].alias_size_in_bytes
   assert (written > 0) == donate
 

@@ -326,7 +326,7 @@ def test_tensor_parallel_plan_from_the_search_matches_single_device(name):
     ref.check_metrics({"loss": metrics["loss"]}, i)
   ref.check(jax.tree.map(np.asarray, jax.device_get(state)))
   # the planner keeps collective-permutes (and with them lockstep execution) out of the loop
-  assert "per-device trip counts" in step.explain() and not step._lockstep
+  assert "per-device trip counts" in step.explain() and not step._runner.lockstep
 
 
 @pytest.fixture(scope="module")

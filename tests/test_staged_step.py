@@ -137,7 +137,7 @@ def test_stages_train_like_one_device(stages, microbatch, count):
     ref.check_metrics(metrics, i)
   ref.check(state.params, lambda s: s.params)
   ref.check(state.opt_state, lambda s: s.opt_state)
-  assert step._lockstep is False  # the ticks are lockstep already: uneven counts compile one program, not two
+  assert step._runner.lockstep is False  # the ticks are lockstep already: uneven counts compile one program, not two
   kernel = state.params["blocks"]["Dense_0"]["kernel"]  # [layers, ...]: split over the stages when they divide it
   split = LAYERS % len(stages) == 0
   assert kernel.sharding.spec == (jax.sharding.PartitionSpec("stage") if split else jax.sharding.PartitionSpec())

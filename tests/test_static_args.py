@@ -77,7 +77,7 @@ def _check_plan(step, plan):
 
 def _programs(step) -> int:
   """How many argument structures the step has built programs for."""
-  return len(step._grouped._built) if step.grouped else len(step._programs)
+  return step._runner.program_count
 
 
 def classify_step(state, batch, train, num_classes):

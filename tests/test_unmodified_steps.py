@@ -196,8 +196,9 @@ def test_lockstep_loop_is_exact(overlap):
   plan = hs.plan_for(cluster, _lm_state(), global_batch=batch, microbatch=microbatch, counts=counts,
                      overlap_reduction=overlap)
   step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=batch)
-  step._lockstep = True  # as if the compiled loop held a collective-permute
-  state, metrics = step(step.shard_state(_lm_state()), b, dropout_rng=rng)
+  placed = step.shard_state(_lm_state())
+  step._runner._lockstep = True  # as if the compiled loop held a collective-permute
+  state, metrics = step(placed, b, dropout_rng=rng)
   ref.check_metrics(metrics, 0)
   ref.check(state.params, lambda s: s.params)
   assert "in lockstep" in step.explain()
@@ -628,7 +629,7 @@ def test_embedding_gradient_scatter_add_is_exact():
   for b in batches:
     state, _ = step(state, b)
   ref.check(state["table"], lambda s: s["table"])
-  assert any("scatter-add" in line for line in step._analysis.describe())
+  assert any("scatter-add" in line for line in step._runner.analysis.describe())
 
 
 # --- finding the batch ------------------------------------------------------------------

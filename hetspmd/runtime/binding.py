@@ -30,7 +30,7 @@ from hetspmd._pytree import new_state_leaves
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.state_layout import parameter_paths
-from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, local_positions
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
 
 
 def is_graph_node(x: Any) -> bool:
@@ -250,16 +250,18 @@ class Call:
   key: Any = None
 
   @classmethod
-  def bind(cls, step: Any, args: tuple, kwargs: dict) -> "Call":
+  def bind(cls, step: Any, args: tuple, kwargs: dict, shard: Callable[[tuple], ShardedBatch]) -> "Call":
+    """``args``/``kwargs`` of a call of ``step`` (the front, its plan resolved); ``shard``: the batch arguments
+    (a tuple) placed as the plan places them."""
     parts = Arguments.of(step, args)
-    state = step._resolve_call(parts, args, kwargs) if step._plan is None else parts.state
+    state = parts.state
     graph_args, batch_argnums, graphdef, state_argnum = (parts.graph_args, parts.batch_argnums, parts.graphdef,
                                                          parts.state_argnum)
     rest, batch_args = parts.rest, parts.batch
     if len(batch_args) == 1 and isinstance(batch_args[0], ShardedBatch):  # placed already: one batch argument
       sharded = ShardedBatch((batch_args[0].data,), batch_args[0].counts)
     else:
-      sharded = step.shard_batch(batch_args)
+      sharded = shard(batch_args)
     call = cls(step, args, kwargs, graph_args, tuple(batch_argnums), state_argnum, graphdef, state, sharded,
                rest)
     leaves, call.treedef = jax.tree.flatten((state, sharded.data, rest, kwargs))
@@ -402,11 +404,7 @@ def _is_hashable(x: Any) -> bool:
 
 def find_batch(step: Any, args: tuple, graph_args: tuple[int, ...]) -> tuple[int, ...]:
   """The positional arguments whose every array leaf leads with the batch (or are a ShardedBatch)."""
-  expected = {step.global_batch}
-  if step._plan is not None and not step.grouped and jax.process_count() > 1:
-    positions = local_positions(step._mesh, step._plan)
-    expected = {sum(step._plan.examples_per_position()[i] for i in positions)}
-  return batch_arguments(args, graph_args, step.global_batch, expected)
+  return batch_arguments(args, graph_args, step.global_batch, step.batch_sizes())
 
 
 def batch_arguments(args: tuple, graph_args: tuple[int, ...], global_batch: int,

@@ -66,7 +66,7 @@ from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.lowering import transfers
 from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
 from hetspmd.lowering.group_stages import DATA
-from hetspmd.plan.groups import GroupPlan
+from hetspmd.plan.groups import GroupPlan, split_by_process
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime import group_calls as calls
 from hetspmd.runtime.binding import (batch_arguments, distinct_leaves, is_graph_node, positional_function,
@@ -108,6 +108,15 @@ class GroupedStep:
                                                            self._local))
     mesh = self._meshes.mesh
     self._tail = (on(mesh, [self.plan.tail_count] * mesh.size), on(mesh, self.plan.tail_starts()))
+
+  @classmethod
+  def across_processes(cls, fn: Callable[..., Any], plan: GroupPlan, **options: Any) -> "GroupedStep":
+    """``plan``'s runtime in this run's processes: each group's program runs in one process, so a group spanning
+    several is cut (:func:`~hetspmd.plan.groups.split_by_process`)."""
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    if all(d in process_of for d in plan.devices):  # else __post_init__ says which devices JAX lacks
+      plan = split_by_process(plan, process_of)
+    return cls(fn, plan, **options)
 
   @property
   def devices(self) -> tuple:

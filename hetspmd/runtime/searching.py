@@ -31,6 +31,7 @@ from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
                                      search, searches_group_plans)
+from hetspmd.runtime.grouped import GroupedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Searched:
 
 
 def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
-  """The search's best plan for ``step`` (a ``ParallelStep``) traced as ``trace`` (``step``'s ``_Trace``: the
+  """The search's best plan for ``step`` (a ``ParallelStep``) traced as ``trace`` (a :class:`~hetspmd.runtime.runner.Trace`: the
   step as ``f(state, batch, rest, kwargs)``, the batch it is called with), and for a group plan its runtime (its
   programs built: the plan is final before anything is placed on its devices)."""
   fn, batch = trace.state_batch(), trace.batch
@@ -67,7 +68,8 @@ def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Search
   note = _group_verdict(step.group_plans, cluster, result, grouped is not None, considered)
   if grouped is None:
     return Searched(plan, None, note)
-  runtime = step.group_runtime(to_group_plan(cluster, grouped, result.ideal_throughput))
+  runtime = GroupedStep.across_processes(step.fn, to_group_plan(cluster, grouped, result.ideal_throughput),
+                                         batch_stats=step.batch_stats, donate_state=step.donate_state)
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
     runtime.prepare(trace.f, state, global_abstract(trace.batch, step.global_batch), trace.rest,
                     graphdef=trace.graphdef, static=trace.static)

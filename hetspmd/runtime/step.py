@@ -8,16 +8,11 @@ optimizer, metrics, batch, rngs)``, whose graph objects are updated after
 each call as ``nnx.jit`` does. The batch is the argument whose arrays lead
 with ``global_batch`` examples (or ``batch_argnums=``).
 
-Each argument structure is lowered once to one ``jax.jit`` program:
-
-* the step is traced at the global batch, and :mod:`hetspmd.passes.batch_axis.analysis`
-  finds which equations are per-example and where they reduce over the batch;
-* :mod:`hetspmd.lowering.weighted` builds the weighted program: per device a loop over
-  its own microbatch count, one reduction over ``data``, the rest once;
-* state leaves carry the plan's ``NamedSharding``s (tensor parallel along
-  ``model``, ZeRO along ``data``) in and out; the batch arrives as a padded
-  microbatch buffer sharded over ``data`` plus each position's count
-  (:meth:`ParallelStep.shard_batch`).
+The front (:class:`ParallelStep`) binds each call and resolves the plan
+(``"auto"``, ``"search"``, a given one). The plan form's runner does the rest
+through one interface (:class:`~hetspmd.runtime.runner.Runner`): the single
+program (:mod:`hetspmd.runtime.single`) or the group programs
+(:mod:`hetspmd.runtime.group_runner`).
 """
 
 from __future__ import annotations
@@ -31,46 +26,19 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from hetspmd import lowering
-from hetspmd.autodiff import remat_policy
 from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError, closest
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.frontend import named_axes
-from hetspmd.plan.groups import GroupPlan, is_group_plan_file, split_by_process
+from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for
-from hetspmd.runtime.binding import (Arguments, Call, StaticArgs, distinct_leaves, positional_function,
-                                     static_bound, unbound)
-from hetspmd.runtime.grouped import GroupedStep
-from hetspmd.runtime.searching import global_abstract, searched_plan, step_traced
-from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, check_live, positions_array, shard_batch
-
-
-@dataclasses.dataclass(frozen=True)
-class _Trace:
-  """What the plan is made from: the step as ``f(state, batch, rest, kwargs)``
-  (:func:`~hetspmd.runtime.binding.positional_function`), one call's batch arguments (a tuple) and the rest
-  (``(rest, kwargs)``); ``graphdef``: the NNX objects' whose state the state is."""
-
-  f: Callable[..., Any]
-  batch: tuple
-  rest: tuple
-  graphdef: Any = None
-  static: Any = ()  # a key for the values bound into f
-
-  @classmethod
-  def of(cls, step: "ParallelStep", f: Callable[..., Any], batch: tuple, rest: tuple, graphdef: Any = None
-         ) -> "_Trace":
-    """``f`` as ``step`` traces it, the leaves of ``rest`` that are not arrays (a config, a schedule) bound into
-    it first (:func:`~hetspmd.runtime.binding.static_bound`), as the single program binds them."""
-    f, rest, static = static_bound(f, rest)
-    return cls(step.traced(f), batch, rest, graphdef, static)
-
-  def state_batch(self) -> Callable[[Any, Any], Any]:
-    """The step as ``f(state, batch)`` for the search's profile, ``batch`` the tuple of batch arguments."""
-    return lambda state, batch: self.f(state, batch, *self.rest)
+from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, unbound
+from hetspmd.runtime.group_runner import GroupRunner
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
+from hetspmd.runtime.runner import Runner, Trace
+from hetspmd.runtime.searching import searched_plan
+from hetspmd.runtime.single import SingleRunner
 
 
 @dataclasses.dataclass
@@ -78,7 +46,9 @@ class ParallelStep:
   """A train step bound to a plan; call it like the original step.
 
   Build with :func:`parallelize`. ``plan`` is resolved on first use from
-  the state (``plan="auto"``), or given up front.
+  the state (``plan="auto"``), or given up front. The front binds each call
+  and resolves the plan; the plan form's runner (:mod:`hetspmd.runtime.runner`)
+  places, runs, lowers and explains it.
   """
 
   fn: Callable[..., Any]
@@ -89,22 +59,15 @@ class ParallelStep:
   donate_state: bool
   specs: Any = None
   example_batch: Any = None
-  _plan: Plan | None = None
-  _mesh: Any = None
   batch_argnums: tuple[int, ...] | None = None
   batch_stats: str = "local"
   grad_reduce_dtype: str = "float32"
-  _programs: dict = dataclasses.field(default_factory=dict)  # one jitted program per argument structure
-  _analysis: Any = None
-  _starts_array: Any = None
-  _lockstep: bool | None = None  # decided from the first compiled program
   bound: tuple = ()  # NNX objects bound ahead of each call's arguments (an nnx.cached_partial's)
   axis_name: tuple[str, ...] | None = None  # the step's collective axis names (pmap style); None: found on trace
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
-  _grouped: GroupedStep | None = None  # under a group plan: its runtime
-  _group_note: str = ""  # why the plan is (or is not) a group plan the search priced
-  _devices: frozenset | None = None  # the single program's devices (the state must lie on them)
   static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
+  _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
+  _note: str = ""  # the search's word on why the plan is (or is not) a group plan
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -123,16 +86,18 @@ class ParallelStep:
   @property
   def plan(self) -> Plan | GroupPlan:
     """The plan; an ``"auto"`` plan exists once the state has been seen."""
-    return self._resolve(None)
+    return self._resolve(None).plan
 
   @property
   def grouped(self) -> bool:
     """Whether the step runs under a :class:`~hetspmd.plan.groups.GroupPlan` (one program per device group:
     :mod:`hetspmd.runtime.grouped`)."""
-    return self._grouped is not None
+    return self._resolve(None).grouped
 
-  def _resolve(self, state: Any, trace: "_Trace | None" = None) -> Plan | GroupPlan:
-    if self._plan is None:
+  def _resolve(self, state: Any, trace: Trace | None = None) -> Runner:
+    """The plan form's runner, the plan resolved on ``state`` (and for ``"search"``, the step traced as
+    ``trace``) the first time."""
+    if self._runner is None:
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested, runtime = self.requested_plan, None
@@ -144,123 +109,72 @@ class ParallelStep:
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
-      elif requested == "search":
+      else:
         searched = searched_plan(self, self.cluster or Cluster.from_devices(jax.devices()), state,
                                  self._search_trace(trace))
-        plan, runtime, self._group_note = searched.plan, searched.runtime, searched.note
-      else:
-        raise InvalidValueError(
-            f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
+        plan, runtime, self._note = searched.plan, searched.runtime, searched.note
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
       _check_plan_kinds(plan, self.cluster)
-      self._adopt(plan, runtime)
-    if state is not None and not self.grouped:
-      self._plan.check_state(state)
-    return self._plan
+      self._runner = RUNNERS[type(plan)].of(self, plan, runtime)
+    if state is not None:
+      self._runner.check_state(state)
+    return self._runner
 
-  def _adopt(self, plan: Plan | GroupPlan, runtime: GroupedStep | None = None) -> None:
-    """Binds the step to ``plan``; ``runtime``: the group plan's programs, already built by the search's probe."""
-    if isinstance(plan, GroupPlan):
-      self._grouped = runtime or self.group_runtime(plan)
-      plan = self._grouped.plan
-    else:
-      self._grouped = None
-      self._mesh, self._devices = plan.mesh(), None
-    self._plan = plan
-
-  def group_runtime(self, plan: GroupPlan) -> GroupedStep:
-    """``plan``'s runtime; each group's program runs in one process, so a group spanning several is cut."""
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    if all(d in process_of for d in plan.devices):  # else GroupedStep says which devices JAX lacks
-      plan = split_by_process(plan, process_of)
-    return GroupedStep(self.fn, plan, batch_stats=self.batch_stats, donate_state=self.donate_state)
-
-  def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
-    """The plan resolved on a call's arguments (the search traces the step on them); returns the state to run
-    with: NNX objects are placed on a single program's devices in place, as ``nnx.jit`` would leave them."""
+  def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> None:
+    """The plan resolved on a call's arguments (the search traces the step on them); NNX objects are then placed
+    in place, as ``nnx.jit`` would leave them."""
     from flax import nnx
 
-    self._resolve(parts.state, _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs),
-                                         parts.graphdef))
-    state = parts.state
-    if parts.graph_args and not self.grouped:
-      state = jax.device_put(state, self._plan.state_shardings(self._mesh, state))
-      nnx.update(tuple(args[i] for i in parts.graph_args), state)
-    return state
+    runner = self._resolve(parts.state, Trace.of(self, parts.function(self.fn, len(args)), parts.batch,
+                                                 (parts.rest, kwargs), parts.graphdef))
+    if parts.graph_args:
+      nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
 
-  def _search_trace(self, trace: "_Trace | None") -> "_Trace":
+  def _search_trace(self, trace: Trace | None) -> Trace:
     """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:
     ``step(state, example_batch)``)."""
     if trace is None:
       if self.example_batch is None:
         raise HetSpmdError("plan='search' traces the step on a batch: pass parallelize(..., example_batch=...) or "
                            "call the step (before shard_state) so that its first batch is used")
-      return self._example_trace()
+      return self.example_trace()
     if self.example_batch is not None:
       return dataclasses.replace(trace, batch=(self.example_batch,) if len(trace.batch) == 1
                                  else tuple(self.example_batch))
     return trace
 
-  def _example_trace(self) -> "_Trace":
+  def example_trace(self) -> Trace:
     """The step traced as ``step(state, example_batch)``, before any call."""
     f = positional_function(self.fn, 2, graph_args=(), graphdef=None, batch_argnums=(1,), state_argnum=0)
-    return _Trace(self.traced(f), (self.example_batch,), ((), {}))
+    return Trace(self.traced(f), (self.example_batch,), ((), {}))
 
   # --- placing data ----------------------------------------------------------------
 
   def shard_state(self, state: Any) -> Any:
     """Places ``state`` on the devices with the plan's shardings."""
-    plan = self._resolve(state)
-    if self.grouped:
-      if plan.hybrid:  # split before the first call where example_batch tells which leaves
-        self._trace_for_state(plan, state)
-      return self._grouped.shard_state(state)
-    return jax.device_put(state, plan.state_shardings(self._mesh, state))
+    return self._resolve(state).shard_state(state)
 
   def state_shardings(self, state: Any) -> Any:
     """Where the state lives between steps (to restore a checkpoint into). Under a group plan with state
     shares, or a hybrid one, it comes from the step's trace (which leaves are optimizer state, which are held
     split): of its first call, or of ``example_batch`` for a ``step(state, batch)``."""
-    plan = self._resolve(state)
-    if self.grouped:
-      self._trace_for_state(plan, state)
-      return self._grouped.state_shardings(state)
-    return plan.state_shardings(self._mesh, state)
+    return self._resolve(state).state_shardings(state)
 
-  def _trace_for_state(self, plan: Any, state: Any) -> None:
-    """Under a group plan whose state layout comes from the step's trace (state shares, or hybrid), that trace
-    from ``example_batch`` where the step has not been traced yet."""
-    if ((plan.state_shares or plan.hybrid) and self.example_batch is not None and not self._grouped.traced
-        and self.batch_argnums in (None, (1,))):
-      self._trace_groups(state)
-
-  def _trace_groups(self, state: Any) -> None:
-    """The group programs built from ``example_batch`` at the global batch, the step called as
-    ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
-    trace = self._example_trace()
-    try:
-      self._grouped.prepare(trace.f, state, global_abstract(trace.batch, self.global_batch), trace.rest, static=trace.static)
-    except HetSpmdError:
-      raise
-    except TypeError as e:
-      if jx.is_concreteness_error(e):
-        raise
-      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
-                         "the step once first, then ask for state_shardings") from None
-
-  def shard_batch(self, batch: Any) -> ShardedBatch:
+  def shard_batch(self, batch: Any) -> ShardedBatch | GroupedBatch:
     """Host batch → padded per-device microbatch buffers and counts.
 
     With one process, ``batch`` is the global batch (leading axis
     ``global_batch``). With several, each process passes only the examples
-    of the data positions it hosts, in position order.
+    of the data positions it hosts, in position order (a group plan: the
+    whole global batch on every process).
     """
-    plan = self._resolve(None)
-    if self.grouped:  # the groups' microbatch buffers and the tail's, for the step's one batch argument
-      return self._grouped.shard_batch((batch,))
-    return shard_batch(plan, self._mesh, batch)
+    return self._resolve(None).shard_batch(batch)
+
+  def batch_sizes(self) -> set[int]:
+    """The leading sizes this process's batch arguments may have."""
+    return {self.global_batch} if self._runner is None else self._runner.batch_sizes()
 
   # --- running -------------------------------------------------------------------
 
@@ -284,152 +198,38 @@ class ParallelStep:
         self.static = self.static.inferring(scalars[0])
 
   def _call(self, args: tuple, kwargs: dict) -> Any:
-    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
-    if self._plan is None or self.grouped:
-      parts = Arguments.of(self, args)
-      if self._plan is None:
-        self._resolve_call(parts, args, kwargs)
-      if self.grouped:
-        return self._call_grouped(parts, args, kwargs)
-    call = Call.bind(self, args, kwargs)
-    compiled = self._executable(call)
-    state, others = call.dynamic
-    check_live(state, others, self._mesh_devices())
-    outputs = compiled(distinct_leaves(state) if self.donate_state else state, others, call.batch.counts,
-                       self._starts())
-    return call.finish(outputs)
-
-  def _mesh_devices(self) -> frozenset:
-    if self._devices is None:
-      self._devices = frozenset(self._mesh.devices.flat)
-    return self._devices
-
-  def _call_grouped(self, parts: Arguments, args: tuple, kwargs: dict) -> Any:
-    """One step under the group plan: the step as ``f(state, batch, rest, kwargs)``, with the batch arguments (or
-    the one placed by :meth:`shard_batch`)."""
-    from flax import nnx
-
-    check_live(parts.state, parts.batch)
-    placed = len(parts.batch) == 1 and isinstance(parts.batch[0], GroupedBatch)
-    trace = _Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
-    out = self._grouped.run(trace.f, parts.state, parts.batch[0] if placed else parts.batch, trace.rest,
-                            graphdef=parts.graphdef, static=trace.static)
-    if parts.graph_args:
-      new_state, out = out
-      nnx.update(tuple(args[i] for i in parts.graph_args), new_state)
-    return out
+    if self._runner is None:
+      self._resolve_call(Arguments.of(self, args), args, kwargs)
+    return self._runner.call(args, kwargs)
 
   def lower(self, *args: Any, **kwargs: Any):
-    """The ``jax.stages.Lowered`` program for these arguments."""
-    if self.grouped:
-      raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "
-                         "updates): there is no one program to lower; step.explain() describes them")
+    """The ``jax.stages.Lowered`` program for these arguments (a single program's plan)."""
 
     def lowered(args: tuple, kwargs: dict):
-      call = Call.bind(self, args, kwargs)
-      return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+      if self._runner is None:
+        self._resolve_call(Arguments.of(self, args), args, kwargs)
+      return self._runner.lower(args, kwargs)
 
     return self._with_static(lowered, args, kwargs)
 
-  def explain(self) -> str:
-    if self.grouped:
-      return "\n".join([self._grouped.explain()] + self._call_notes() + (
-          [f"  {self._group_note}"] if self._group_note else []))
-    if self.plan.stages:
-      mode = (f"pipeline stages of {list(self.plan.stages)} layers along 'stage', lockstep GPipe ticks (one "
-              "ppermute each), every stage running its own layers of the step's layer scan")
-    elif self._lockstep:
-      mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
-              "(XLA placed a collective-permute or all-to-all inside the loop)")
-    else:
-      mode = "weighted microbatch accumulation (per-device trip counts)"
-    wire = (lowering.program.wire_dtypes(self._analysis, self.plan.grad_reduce_dtype)
-            if self._analysis is not None else [])
-    lines = [self.plan.summary(" and ".join(wire) or None), f"  execution: {mode}"] + self._call_notes()
-    if self._group_note:
-      lines.append(f"  note: {self._group_note}")
-    if self._analysis is not None:
-      analysis = self._analysis
-      lines.append(f"  derived from the step's jaxpr: {len(analysis.cuts)} reduction(s) over the batch, "
-                   f"{analysis.loops} microbatch loop(s)")
-      local = analysis.local_statistics
-      if local:
-        lines.append(f"  batch statistics per microbatch of {self.plan.microbatch} (as per-device BatchNorm; "
-                     "batch_stats='exact' makes them exact):")
-        lines += [f"    {line}" for line in analysis.describe() if "per-microbatch" in line]
-      if analysis.loops > 1:
-        lines.append("  exact reductions that feed per-example work, each computed in an earlier loop:")
-        lines += [f"    {line}" for line in analysis.describe() if "feeds later" in line]
-      lines += [f"  note: {note}" for note in analysis.notes]
-      if self.plan.remat not in ("none", "layers") and not any(d is not None and d.body is not None and
-                                               jx.primitive_name(e) in ("remat2", "checkpoint")
-                                               for e, d in zip(jx.equations(analysis.jaxpr), analysis.decisions)):
-        lines.append(f"  note: the plan's remat policy {self.plan.remat!r} did not reach the step (it applies "
-                     "through hetspmd.value_and_grad)")
-    return "\n".join(lines)
+  def memory_analysis(self) -> dict[str, Any]:
+    """Each program of the last call, by name (``program`` for a single program; ``group 0``, ``exchange``,
+    ``update on device 3`` under a group plan), and XLA's ``Compiled.memory_analysis()`` of it."""
+    return self._resolve(None).memory_analysis()
 
-  def _call_notes(self) -> list[str]:
+  def explain(self) -> str:
     notes = [f"  argument {self.static.describe(k)}, a Python value the step uses as a shape or a branch, is bound "
              "static (as jax.jit's static_argnums): each new value builds programs of its own"
              for k in self.static.inferred]
-    if not self.axis_name:
-      return notes
-    names = ", ".join(repr(n) for n in self.axis_name)
-    return notes + [f"  collectives over {names} (pmap style) run as the one replica of the global batch"]
+    if self.axis_name:
+      names = ", ".join(repr(n) for n in self.axis_name)
+      notes.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
+    if self._note:
+      notes.append(f"  note: {self._note}")
+    return self._resolve(None).explain(notes)
 
-  def _starts(self):
-    plan = self.plan
-    if self._starts_array is None:
-      starts = np.concatenate([[0], np.cumsum(plan.examples_per_position())[:-1]]).astype(np.int32)
-      self._starts_array = positions_array(self._mesh, plan, starts)
-    return self._starts_array
 
-  def _executable(self, call: Call):
-    key = call.key
-    if key not in self._programs:
-      self._programs[key] = self._build(call)
-    return self._programs[key]
-
-  def _build(self, call: Call):
-    plan, mesh = self.plan, self._mesh
-    state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
-    with remat_policy(plan.remat):
-      closed, out_tree = step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
-                                      global_batch=plan.global_batch)
-    analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=self.batch_stats,
-                       float_state_inputs=call.float_state_inputs, remat=plan.remat, param_paths=call.param_paths)
-    self._analysis = analysis
-    layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
-                             data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
-                             overlap=plan.overlap_reduction, overlap_microbatches=plan.overlap_microbatches,
-                             stages=plan.stages)
-
-    def make(lockstep: bool):
-      program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
-
-      def run(state, others, counts, starts):  # only the state's buffers may be donated
-        outputs = program(call.inputs((state, others)), counts, starts)
-        return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
-
-      donate = (0,) if self.donate_state and call.returns_state(out_tree, analysis.jaxpr) else ()
-      return jax.jit(run, donate_argnums=donate, compiler_options=_compiler_options(plan, mesh))
-
-    programs: dict = {}
-
-    def program(lockstep: bool):
-      if lockstep not in programs:
-        programs[lockstep] = make(lockstep)
-      return programs[lockstep]
-
-    def run(state, others, counts, starts):
-      if self._lockstep is None:
-        # a stage plan's ticks are lockstep by construction: its positions' counts only mask work
-        self._lockstep = not plan.is_uniform and not plan.stages and _loop_needs_lockstep(
-            program(False).lower(state, others, counts, starts))
-      return program(bool(self._lockstep))(state, others, counts, starts)
-
-    run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
-    return run
+RUNNERS = {Plan: SingleRunner, GroupPlan: GroupRunner}  # a plan's type -> its form's runner
 
 
 def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: dict,
@@ -449,25 +249,6 @@ def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: 
   return TraceError("the step uses a traced value as a Python value (a shape or a Python branch)"
                     + (f"; its Python int/bool arguments that are traced: {named}" if named else "")
                     + f". To bind an argument as a hashable Python value, {fix}. JAX: {said}")
-
-
-def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
-  """XLA options the plan needs: on GPUs, an overlapped reduction needs the latency-hiding scheduler to move each
-  gradient's all-reduce start up into the last microbatch's backward pass."""
-  if plan.overlap_reduction and mesh.devices.flat[0].platform == "gpu":
-    return {"xla_gpu_enable_latency_hiding_scheduler": True}
-  return None
-
-
-# Collectives whose CPU/GPU rendezvous can span every device of the program,
-# not just the participating pairs: inside a loop with per-device trip counts
-# they would deadlock or pair up the wrong iterations.
-_GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
-
-
-def _loop_needs_lockstep(lowered: Any) -> bool:
-  """Whether the compiled microbatch loop holds a collective that needs lockstep."""
-  return jx.loop_body_holds(lowered, _GLOBAL_RENDEZVOUS)
 
 
 def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None = None, plan: Any = "auto",

@@ -1,0 +1,119 @@
+"""The group programs' runner: a :class:`~hetspmd.plan.groups.GroupPlan` run for the front
+(:class:`~hetspmd.runtime.step.ParallelStep`) by :class:`~hetspmd.runtime.grouped.GroupedStep`, which places,
+calls and explains the programs; this module binds a call's arguments to it, as the single program's runner
+binds them to its one program."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hetspmd.errors import HetSpmdError
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.plan.groups import GroupPlan
+from hetspmd.runtime.binding import Arguments
+from hetspmd.runtime.grouped import GroupedStep
+from hetspmd.runtime.placement import GroupedBatch, check_live
+from hetspmd.runtime.runner import Trace
+from hetspmd.runtime.searching import global_abstract
+
+
+@dataclasses.dataclass
+class GroupRunner:
+  """A group plan run for ``front``: ``runtime`` holds its programs."""
+
+  front: Any
+  runtime: GroupedStep
+  grouped = True
+
+  @classmethod
+  def of(cls, front: Any, plan: GroupPlan, runtime: GroupedStep | None = None) -> "GroupRunner":
+    """``runtime``: the plan's, already built by the search's probe; else made here."""
+    return cls(front, runtime or GroupedStep.across_processes(front.fn, plan, batch_stats=front.batch_stats,
+                                                               donate_state=front.donate_state))
+
+  @property
+  def plan(self) -> GroupPlan:
+    return self.runtime.plan
+
+  @property
+  def program_count(self) -> int:
+    return len(self.runtime._built)
+
+  # --- placing ------------------------------------------------------------------
+
+  def check_state(self, state: Any) -> None:
+    """Each group's programs check the state they are built for."""
+
+  def placed_objects(self, state: Any) -> Any:
+    return state  # the first call places them
+
+  def shard_state(self, state: Any) -> Any:
+    if self.plan.hybrid:  # split before the first call where example_batch tells which leaves
+      self._trace_for_state(state)
+    return self.runtime.shard_state(state)
+
+  def state_shardings(self, state: Any) -> Any:
+    """Under state shares, or a hybrid plan, the layout comes from the step's trace (which leaves are optimizer
+    state, which are held split): of its first call, or of ``example_batch`` for a ``step(state, batch)``."""
+    self._trace_for_state(state)
+    return self.runtime.state_shardings(state)
+
+  def shard_batch(self, batch: Any) -> GroupedBatch:
+    """The groups' microbatch buffers and the tail's, for the step's one batch argument."""
+    return self.runtime.shard_batch((batch,))
+
+  def batch_sizes(self) -> set[int]:
+    return {self.plan.global_batch}  # every process passes the whole global batch
+
+  def _trace_for_state(self, state: Any) -> None:
+    """The step traced on ``example_batch``, where the state's layout comes from the trace and there is none yet."""
+    front, plan = self.front, self.plan
+    if ((plan.state_shares or plan.hybrid) and front.example_batch is not None and not self.runtime.traced
+        and front.batch_argnums in (None, (1,))):
+      self._trace_groups(state)
+
+  def _trace_groups(self, state: Any) -> None:
+    """The group programs built from ``example_batch`` at the global batch, the step called as
+    ``step(state, batch)``: which state leaves are optimizer state, and so where each one is held."""
+    trace = self.front.example_trace()
+    try:
+      self.runtime.prepare(trace.f, state, global_abstract(trace.batch, self.plan.global_batch), trace.rest,
+                           static=trace.static)
+    except HetSpmdError:
+      raise
+    except TypeError as e:
+      if jx.is_concreteness_error(e):
+        raise
+      raise HetSpmdError(f"example_batch traces the step as step(state, batch), which this step is not ({e}): call "
+                         "the step once first, then ask for state_shardings") from None
+
+  # --- running ------------------------------------------------------------------
+
+  def call(self, args: tuple, kwargs: dict) -> Any:
+    """One step: the step as ``f(state, batch, rest, kwargs)``, with the batch arguments (or the one placed by
+    :meth:`shard_batch`)."""
+    from flax import nnx
+
+    front = self.front
+    parts = Arguments.of(front, args)
+    check_live(parts.state, parts.batch)
+    placed = len(parts.batch) == 1 and isinstance(parts.batch[0], GroupedBatch)
+    trace = Trace.of(front, parts.function(front.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
+    out = self.runtime.run(trace.f, parts.state, parts.batch[0] if placed else parts.batch, trace.rest,
+                           graphdef=parts.graphdef, static=trace.static)
+    if parts.graph_args:
+      new_state, out = out
+      nnx.update(tuple(args[i] for i in parts.graph_args), new_state)
+    return out
+
+  def lower(self, args: tuple, kwargs: dict) -> Any:
+    raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "
+                       "updates): there is no one program to lower; step.explain() describes them and "
+                       "step.memory_analysis() measures each")
+
+  def memory_analysis(self) -> dict[str, Any]:
+    return self.runtime.memory_analysis()
+
+  def explain(self, notes: list[str]) -> str:
+    return "\n".join([self.runtime.explain()] + notes)

@@ -1,0 +1,232 @@
+"""The single program's runner: one ``jax.jit`` program per argument structure, over the plan's mesh.
+
+* the step is traced at the global batch, and :mod:`hetspmd.passes.batch_axis.analysis`
+  finds which equations are per-example and where they reduce over the batch;
+* :mod:`hetspmd.lowering.weighted` builds the weighted program: per device a loop over
+  its own microbatch count, one reduction over ``data``, the rest once;
+* state leaves carry the plan's ``NamedSharding``s (tensor parallel along
+  ``model``, ZeRO along ``data``) in and out; the batch arrives as a padded
+  microbatch buffer sharded over ``data`` plus each position's count
+  (:func:`hetspmd.runtime.placement.shard_batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetspmd import lowering
+from hetspmd.autodiff import remat_policy
+from hetspmd.errors import HetSpmdError
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.batch_axis.analysis import analyse
+from hetspmd.plan.value import Plan
+from hetspmd.runtime.binding import Call, distinct_leaves
+from hetspmd.runtime.placement import (ShardedBatch, check_live, local_positions, positions_array,
+                                       shard_batch)
+from hetspmd.runtime.searching import step_traced
+
+
+@dataclasses.dataclass
+class SingleRunner:
+  """A :class:`~hetspmd.plan.value.Plan` run as one program; ``front``: the
+  :class:`~hetspmd.runtime.step.ParallelStep` it runs for (the step, its options, how it traces)."""
+
+  front: Any
+  plan: Plan
+  grouped = False
+  _mesh: Any = dataclasses.field(init=False, repr=False)
+  _programs: dict = dataclasses.field(init=False, repr=False, default_factory=dict)  # one per argument structure
+  _analysis: Any = dataclasses.field(init=False, repr=False, default=None)  # the last build's
+  _starts_array: Any = dataclasses.field(init=False, repr=False, default=None)
+  _lockstep: bool | None = dataclasses.field(init=False, repr=False, default=None)  # from the first program
+  _devices: frozenset = dataclasses.field(init=False, repr=False)  # the mesh's (the state must lie on them)
+  _last: tuple | None = dataclasses.field(init=False, repr=False, default=None)  # (program, abstract arguments)
+
+  @classmethod
+  def of(cls, front: Any, plan: Plan, runtime: None = None) -> "SingleRunner":
+    return cls(front, plan)
+
+  def __post_init__(self):
+    self._mesh = self.plan.mesh()
+    self._devices = frozenset(self._mesh.devices.flat)
+
+  @property
+  def lockstep(self) -> bool | None:
+    """Whether the microbatch loop runs in lockstep (decided from the first compiled program; None before)."""
+    return self._lockstep
+
+  @property
+  def analysis(self) -> Any:
+    """The step's batch-axis analysis of the last program built (None before a call)."""
+    return self._analysis
+
+  @property
+  def program_count(self) -> int:
+    return len(self._programs)
+
+  # --- placing ------------------------------------------------------------------
+
+  def check_state(self, state: Any) -> None:
+    self.plan.check_state(state)
+
+  def placed_objects(self, state: Any) -> Any:
+    return self.shard_state(state)
+
+  def shard_state(self, state: Any) -> Any:
+    return jax.device_put(state, self.state_shardings(state))
+
+  def state_shardings(self, state: Any) -> Any:
+    return self.plan.state_shardings(self._mesh, state)
+
+  def shard_batch(self, batch: Any) -> ShardedBatch:
+    return shard_batch(self.plan, self._mesh, batch)
+
+  def batch_sizes(self) -> set[int]:
+    if jax.process_count() == 1:
+      return {self.plan.global_batch}
+    per_position = self.plan.examples_per_position()
+    return {sum(per_position[i] for i in local_positions(self._mesh, self.plan))}
+
+  # --- running ------------------------------------------------------------------
+
+  def call(self, args: tuple, kwargs: dict) -> Any:
+    # The hot path: split NNX objects, place the batch, run the cached program, write NNX objects back.
+    call = Call.bind(self.front, args, kwargs, self.shard_batch)
+    compiled = self._executable(call)
+    state, others = call.dynamic
+    check_live(state, others, self._devices)
+    outputs = compiled(distinct_leaves(state) if self.front.donate_state else state, others, call.batch.counts,
+                       self._starts())
+    return call.finish(outputs)
+
+  def lower(self, args: tuple, kwargs: dict) -> Any:
+    call = Call.bind(self.front, args, kwargs, self.shard_batch)
+    return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
+
+  def memory_analysis(self) -> dict[str, Any]:
+    if self._last is None:
+      raise HetSpmdError("memory_analysis describes the program of the last call: call the step first")
+    program, arguments = self._last
+    return {"program": program.lower(*arguments).compile().memory_analysis()}
+
+  def explain(self, notes: list[str]) -> str:
+    plan = self.plan
+    if plan.stages:
+      mode = (f"pipeline stages of {list(plan.stages)} layers along 'stage', lockstep GPipe ticks (one "
+              "ppermute each), every stage running its own layers of the step's layer scan")
+    elif self._lockstep:
+      mode = ("microbatch accumulation in lockstep: every position runs the largest count, padding masked "
+              "(XLA placed a collective-permute or all-to-all inside the loop)")
+    else:
+      mode = "weighted microbatch accumulation (per-device trip counts)"
+    wire = (lowering.program.wire_dtypes(self._analysis, plan.grad_reduce_dtype)
+            if self._analysis is not None else [])
+    lines = [plan.summary(" and ".join(wire) or None), f"  execution: {mode}"] + notes
+    if self._analysis is not None:
+      lines += _analysis_lines(self._analysis, plan)
+    return "\n".join(lines)
+
+  def _starts(self):
+    if self._starts_array is None:
+      starts = np.concatenate([[0], np.cumsum(self.plan.examples_per_position())[:-1]]).astype(np.int32)
+      self._starts_array = positions_array(self._mesh, self.plan, starts)
+    return self._starts_array
+
+  def _executable(self, call: Call):
+    key = call.key
+    if key not in self._programs:
+      self._programs[key] = self._build(call)
+    return self._programs[key]
+
+  def _build(self, call: Call):
+    plan, mesh, front = self.plan, self._mesh, self.front
+    state_shardings = plan.state_shardings(mesh, call.state)  # checks the state against the plan first
+    with remat_policy(plan.remat):
+      closed, out_tree = step_traced(lambda: call.trace(plan.global_batch), call.batch.data, leading=2,
+                                      global_batch=plan.global_batch)
+    analysis = analyse(closed, call.batch_inputs, plan.global_batch, batch_stats=front.batch_stats,
+                       float_state_inputs=call.float_state_inputs, remat=plan.remat, param_paths=call.param_paths)
+    self._analysis = analysis
+    layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
+                             data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
+                             overlap=plan.overlap_reduction, overlap_microbatches=plan.overlap_microbatches,
+                             stages=plan.stages)
+
+    def make(lockstep: bool):
+      program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
+
+      def run(state, others, counts, starts):  # only the state's buffers may be donated
+        outputs = program(call.inputs((state, others)), counts, starts)
+        return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
+
+      donate = (0,) if front.donate_state and call.returns_state(out_tree, analysis.jaxpr) else ()
+      return jax.jit(run, donate_argnums=donate, compiler_options=_compiler_options(plan, mesh))
+
+    programs: dict = {}
+
+    def program(lockstep: bool):
+      if lockstep not in programs:
+        programs[lockstep] = make(lockstep)
+      return programs[lockstep]
+
+    def run(state, others, counts, starts):
+      if self._lockstep is None:
+        # a stage plan's ticks are lockstep by construction: its positions' counts only mask work
+        self._lockstep = not plan.is_uniform and not plan.stages and _loop_needs_lockstep(
+            program(False).lower(state, others, counts, starts))
+      chosen = program(bool(self._lockstep))
+      if self._last is None or self._last[0] is not chosen:  # a program's arguments keep their shapes
+        self._last = (chosen, jax.tree.map(_abstract, (state, others, counts, starts)))
+      return chosen(state, others, counts, starts)
+
+    run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
+    return run
+
+
+def _abstract(x: Any) -> Any:
+  """An argument as its shape, dtype and sharding (what lowering it again needs, no buffer kept alive)."""
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+
+def _analysis_lines(analysis: Any, plan: Plan) -> list[str]:
+  """:meth:`SingleRunner.explain`'s lines on what the step's jaxpr gave the program."""
+  lines = [f"  derived from the step's jaxpr: {len(analysis.cuts)} reduction(s) over the batch, "
+           f"{analysis.loops} microbatch loop(s)"]
+  if analysis.local_statistics:
+    lines.append(f"  batch statistics per microbatch of {plan.microbatch} (as per-device BatchNorm; "
+                 "batch_stats='exact' makes them exact):")
+    lines += [f"    {line}" for line in analysis.describe() if "per-microbatch" in line]
+  if analysis.loops > 1:
+    lines.append("  exact reductions that feed per-example work, each computed in an earlier loop:")
+    lines += [f"    {line}" for line in analysis.describe() if "feeds later" in line]
+  lines += [f"  note: {note}" for note in analysis.notes]
+  if plan.remat not in ("none", "layers") and not any(d is not None and d.body is not None and
+                                                      jx.primitive_name(e) in ("remat2", "checkpoint")
+                                                      for e, d in zip(jx.equations(analysis.jaxpr),
+                                                                      analysis.decisions)):
+    lines.append(f"  note: the plan's remat policy {plan.remat!r} did not reach the step (it applies "
+                 "through hetspmd.value_and_grad)")
+  return lines
+
+
+def _compiler_options(plan: Plan, mesh: Any) -> dict[str, Any] | None:
+  """XLA options the plan needs: on GPUs, an overlapped reduction needs the latency-hiding scheduler to move each
+  gradient's all-reduce start up into the last microbatch's backward pass."""
+  if plan.overlap_reduction and mesh.devices.flat[0].platform == "gpu":
+    return {"xla_gpu_enable_latency_hiding_scheduler": True}
+  return None
+
+
+# Collectives whose CPU/GPU rendezvous can span every device of the program,
+# not just the participating pairs: inside a loop with per-device trip counts
+# they would deadlock or pair up the wrong iterations.
+_GLOBAL_RENDEZVOUS = ("collective-permute", "all-to-all", "ragged-all-to-all")
+
+
+def _loop_needs_lockstep(lowered: Any) -> bool:
+  """Whether the compiled microbatch loop holds a collective that needs lockstep."""
+  return jx.loop_body_holds(lowered, _GLOBAL_RENDEZVOUS)
