@@ -69,73 +69,7 @@ class Plan:
   schema: int = SCHEMA_VERSION
 
   def __post_init__(self):
-    if len(self.axis_names) != len(self.mesh_shape):
-      raise InvalidValueError(f"plan axes {self.axis_names} and mesh shape {self.mesh_shape} differ in length")
-    if math.prod(self.mesh_shape) != len(self.device_ids) or len(set(self.device_ids)) != len(self.device_ids):
-      raise InvalidValueError(
-          f"plan mesh {self.mesh_shape} needs {math.prod(self.mesh_shape)} distinct devices, got {self.device_ids}")
-    if len(self.microbatch_counts) != self.mesh_shape[0]:
-      raise InvalidValueError(f"plan has {len(self.microbatch_counts)} microbatch counts for "
-                              f"{self.mesh_shape[0]} positions of the {self.axis_names[0]!r} axis")
-    if any(c < 0 for c in self.microbatch_counts) or not any(self.microbatch_counts):
-      raise InvalidValueError(f"microbatch counts must be non-negative and not all zero, got {self.microbatch_counts}")
-    if self.microbatch < 1:
-      raise InvalidValueError(f"microbatch must be a positive integer, got {self.microbatch}")
-    if sum(self.microbatch_counts) * self.microbatch != self.global_batch:
-      raise InvalidValueError(
-          f"microbatch counts {list(self.microbatch_counts)} x microbatch {self.microbatch} cover "
-          f"{sum(self.microbatch_counts) * self.microbatch} examples, not the global batch of {self.global_batch}")
-    if self.zero_stage not in ZERO_STAGES:
-      raise InvalidValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {self.zero_stage}")
-    if self.zero_shards and not (1 < self.zero_shards < self.data_size and self.data_size % self.zero_shards == 0):
-      raise InvalidValueError(f"zero_shards must be 0 or a divisor of the {self.data_size} data positions between 2 "
-                              f"and {self.data_size - 1}, got {self.zero_shards}")
-    if self.zero_shards and self.zero_stage == 0:
-      raise InvalidValueError(f"zero_shards={self.zero_shards} needs ZeRO stage 1 or 3, got ZeRO-0")
-    if self.remat not in REMAT_POLICIES:
-      raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
-    if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-      raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}"
-                              + (" (float16 has too little range for unscaled gradients)"
-                                 if self.grad_reduce_dtype == "float16" else ""))
-    if self.grad_reduce_dtype != "float32" and math.prod(
-        n for a, n in zip(self.axis_names[1:], self.mesh_shape[1:]) if a != STAGE_AXIS) > 1:
-      raise InvalidValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a data-only mesh (every axis but "
-                              f"{self.data_axis!r} of size 1), got mesh {dict(zip(self.axis_names, self.mesh_shape))}; "
-                              "reduce in float32 or drop the model axis")
-    if not isinstance(self.overlap_reduction, bool):
-      raise InvalidValueError(f"overlap_reduction must be True or False, got {self.overlap_reduction!r}")
-    self._check_overlap_microbatches()
-    if self.stages:
-      self._check_stages()
-    for key, values in self.predicted_per_position:
-      if len(values) != self.mesh_shape[0]:
-        raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {self.mesh_shape[0]} data positions")
-    if self.schema not in READABLE_SCHEMAS:
-      raise InvalidValueError(f"plan schema {self.schema} is not supported; this hetspmd reads schemas "
-                              f"{list(READABLE_SCHEMAS)}")
-
-  def _check_overlap_microbatches(self) -> None:
-    k = self.overlap_microbatches
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-      raise InvalidValueError(f"overlap_microbatches must be a positive integer, got {k!r}")
-    if k > 1 and not self.overlap_reduction:
-      raise InvalidValueError(f"overlap_microbatches={k} fuses the last microbatches of the overlapped pass; it needs "
-                              "overlap_reduction=True (or overlap_microbatches=1)")
-    if k > 1 and k > min(self.microbatch_counts):
-      raise InvalidValueError(f"overlap_microbatches={k} needs every data position to run at least {k} microbatches, "
-                              f"got counts {list(self.microbatch_counts)}; lower it to {min(self.microbatch_counts)} "
-                              "or less, or give every position that many")
-
-  def _check_stages(self) -> None:
-    sizes = dict(zip(self.axis_names, self.mesh_shape))
-    if any(not isinstance(n, int) or n < 1 for n in self.stages):
-      raise InvalidValueError(f"every pipeline stage needs a positive number of layers, got stages={self.stages}")
-    if sizes.get(STAGE_AXIS) != len(self.stages) or len(sizes) != 2:
-      raise InvalidValueError(f"{len(self.stages)} pipeline stages need a mesh of ({self.data_axis!r}, {STAGE_AXIS!r}) "
-                              f"with {len(self.stages)} along {STAGE_AXIS!r}, got mesh {sizes}")
-    if self.zero_stage or self.overlap_reduction:
-      raise InvalidValueError("pipeline stages run with ZeRO-0 and without the overlapped reduction")
+    _check_plan(self)
 
   def _overlap_text(self) -> str:
     if not self.overlap_reduction:
@@ -357,6 +291,80 @@ class Plan:
     for key, value in self.predicted:
       lines.append(f"  predicted {key}: {quantity(key, value)}")
     return "\n".join(lines)
+
+
+# --- checks ------------------------------------------------------------------
+
+
+def _check_plan(plan: Plan) -> None:
+  """Refuses a plan whose fields do not fit together, saying which and what would."""
+  if len(plan.axis_names) != len(plan.mesh_shape):
+    raise InvalidValueError(f"plan axes {plan.axis_names} and mesh shape {plan.mesh_shape} differ in length")
+  if math.prod(plan.mesh_shape) != len(plan.device_ids) or len(set(plan.device_ids)) != len(plan.device_ids):
+    raise InvalidValueError(
+        f"plan mesh {plan.mesh_shape} needs {math.prod(plan.mesh_shape)} distinct devices, got {plan.device_ids}")
+  if len(plan.microbatch_counts) != plan.mesh_shape[0]:
+    raise InvalidValueError(f"plan has {len(plan.microbatch_counts)} microbatch counts for "
+                            f"{plan.mesh_shape[0]} positions of the {plan.axis_names[0]!r} axis")
+  if any(c < 0 for c in plan.microbatch_counts) or not any(plan.microbatch_counts):
+    raise InvalidValueError(f"microbatch counts must be non-negative and not all zero, got {plan.microbatch_counts}")
+  if plan.microbatch < 1:
+    raise InvalidValueError(f"microbatch must be a positive integer, got {plan.microbatch}")
+  if sum(plan.microbatch_counts) * plan.microbatch != plan.global_batch:
+    raise InvalidValueError(
+        f"microbatch counts {list(plan.microbatch_counts)} x microbatch {plan.microbatch} cover "
+        f"{sum(plan.microbatch_counts) * plan.microbatch} examples, not the global batch of {plan.global_batch}")
+  if plan.zero_stage not in ZERO_STAGES:
+    raise InvalidValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {plan.zero_stage}")
+  if plan.zero_shards and not (1 < plan.zero_shards < plan.data_size and plan.data_size % plan.zero_shards == 0):
+    raise InvalidValueError(f"zero_shards must be 0 or a divisor of the {plan.data_size} data positions between 2 "
+                            f"and {plan.data_size - 1}, got {plan.zero_shards}")
+  if plan.zero_shards and plan.zero_stage == 0:
+    raise InvalidValueError(f"zero_shards={plan.zero_shards} needs ZeRO stage 1 or 3, got ZeRO-0")
+  if plan.remat not in REMAT_POLICIES:
+    raise InvalidValueError(f"remat policy must be one of {REMAT_POLICIES}, got {plan.remat!r}")
+  if plan.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+    raise InvalidValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {plan.grad_reduce_dtype!r}"
+                            + (" (float16 has too little range for unscaled gradients)"
+                               if plan.grad_reduce_dtype == "float16" else ""))
+  if plan.grad_reduce_dtype != "float32" and math.prod(
+      n for a, n in zip(plan.axis_names[1:], plan.mesh_shape[1:]) if a != STAGE_AXIS) > 1:
+    raise InvalidValueError(f"grad_reduce_dtype={plan.grad_reduce_dtype!r} needs a data-only mesh (every axis but "
+                            f"{plan.data_axis!r} of size 1), got mesh {dict(zip(plan.axis_names, plan.mesh_shape))}; "
+                            "reduce in float32 or drop the model axis")
+  if not isinstance(plan.overlap_reduction, bool):
+    raise InvalidValueError(f"overlap_reduction must be True or False, got {plan.overlap_reduction!r}")
+  _check_overlap_microbatches(plan)
+  if plan.stages:
+    _check_stages(plan)
+  for key, values in plan.predicted_per_position:
+    if len(values) != plan.mesh_shape[0]:
+      raise InvalidValueError(f"predicted {key!r} has {len(values)} values for {plan.mesh_shape[0]} data positions")
+  if plan.schema not in READABLE_SCHEMAS:
+    raise InvalidValueError(f"plan schema {plan.schema} is not supported; this hetspmd reads schemas "
+                            f"{list(READABLE_SCHEMAS)}")
+
+def _check_overlap_microbatches(plan: Plan) -> None:
+  k = plan.overlap_microbatches
+  if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+    raise InvalidValueError(f"overlap_microbatches must be a positive integer, got {k!r}")
+  if k > 1 and not plan.overlap_reduction:
+    raise InvalidValueError(f"overlap_microbatches={k} fuses the last microbatches of the overlapped pass; it needs "
+                            "overlap_reduction=True (or overlap_microbatches=1)")
+  if k > 1 and k > min(plan.microbatch_counts):
+    raise InvalidValueError(f"overlap_microbatches={k} needs every data position to run at least {k} microbatches, "
+                            f"got counts {list(plan.microbatch_counts)}; lower it to {min(plan.microbatch_counts)} "
+                            "or less, or give every position that many")
+
+def _check_stages(plan: Plan) -> None:
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  if any(not isinstance(n, int) or n < 1 for n in plan.stages):
+    raise InvalidValueError(f"every pipeline stage needs a positive number of layers, got stages={plan.stages}")
+  if sizes.get(STAGE_AXIS) != len(plan.stages) or len(sizes) != 2:
+    raise InvalidValueError(f"{len(plan.stages)} pipeline stages need a mesh of ({plan.data_axis!r}, {STAGE_AXIS!r}) "
+                            f"with {len(plan.stages)} along {STAGE_AXIS!r}, got mesh {sizes}")
+  if plan.zero_stage or plan.overlap_reduction:
+    raise InvalidValueError("pipeline stages run with ZeRO-0 and without the overlapped reduction")
 
 
 # --- building plans ------------------------------------------------------------
