@@ -386,7 +386,7 @@ def _group_plan_row(g, best, ideal: float) -> str:
     sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
   sharded = [k for k, s in dict.fromkeys(zip(g.kinds, g.shard_params)) if s]
   if sharded:
-    sizes += ("; hybrid: every group its parameters and optimizer state split over its devices" if "hybrid" in g.name
+    sizes += ("; hybrid: every group its parameters and optimizer state split over its devices" if g.execution.hybrid
               else "; parameters sharded (FSDP) on " + ", ".join(sharded))
   if best is None:  # no single program fits
     return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes})")

@@ -33,6 +33,7 @@ from hetspmd.lowering.program import Layout, Program
 from hetspmd.lowering.transfers import scatter_program, shard_program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
+from hetspmd.plan.execution import Execution
 from hetspmd.plan.groups import GroupPlan, assign_owners, relay_axis, relays
 from hetspmd.plan.options import STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import parameter_paths, role_of
@@ -48,7 +49,8 @@ class GroupMeshes:
   devices: tuple
   mesh: Mesh
   groups: tuple
-  # a hybrid plan's (GroupPlan.hybrid) devices as (group, part): each group's devices a row, in the plan's order
+  execution: Execution  # how the plan runs on these processes, decided once
+  # a hybrid plan's (Execution.hybrid) devices as (group, part): each group's devices a row, in the plan's order
   parts: Mesh | None = None
 
   @classmethod
@@ -67,8 +69,10 @@ class GroupMeshes:
       if len(processes) > 1:
         raise InvalidValueError(f"group {g} holds devices of processes {processes}: each group's program runs in "
                                 "one process, so a group's devices must all be one process's")
-    parts = Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART)) if plan.hybrid else None
-    return cls(devices, Mesh(np.array(devices), (DATA,)), groups, parts)
+    execution = Execution.of(plan, {d.id: d.process_index for d in devices})
+    parts = (Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART))
+             if execution.hybrid else None)
+    return cls(devices, Mesh(np.array(devices), (DATA,)), groups, execution, parts)
 
   def held_split(self, axis: int) -> NamedSharding:
     """A hybrid plan's held leaf split along ``axis`` over each group's devices, each group its own copy."""
@@ -187,7 +191,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
           n_batch: int, batch_stats: str = "exact", donate_state: bool = False) -> GroupPrograms:
   """Every program of ``fn(state, batch, *rest)`` (``leaves``/``tree``: its flattened arguments, ``n_batch`` of
   them the batch's) under ``plan`` on ``meshes``."""
-  step = _Step(fn, state, tree, leaves, n_batch)
+  step, execution = _Step(fn, state, tree, leaves, n_batch), meshes.execution
   progs, shapes = _traced(step, plan, batch_stats)
   prog = progs[plan.tail_remat]  # the exchange program's trace
   out_tree = jax.tree.structure(shapes)
@@ -199,13 +203,13 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   wide = {h.index: jx.aval_dtype(prog.invars[h.index]) for h in held if h.cast is not None}  # as the step reads them
   # under shares, with no tail and in one process, each device reduces the sums its units read itself (the rows
   # it needs are copied to it, or their sums' even parts): no device keeps a reduced gradient it does not update
-  to_owner = units is not None and not plan.tail_count and jax.process_count() == 1
+  to_owner = units is not None and execution.owners_reduce
   splits = [_shards(progs[group.remat], group, state, held_inputs, wide) for group in plan.groups]
   # there, a group sharding its parameters hands the owners its parts of the sums the exchange program does not read;
   # in a hybrid plan every group hands the exchange program its parts of every sum, and holds its state split
-  held_split = _held_split(state, splits, len(plan.groups[0].devices)) if meshes.parts is not None else {}
+  held_split = _held_split(state, splits, len(plan.groups[0].devices)) if execution.hybrid else {}
   kept = (group_lowering.part_sums(prog, units.common) if to_owner and any(splits) else
-          group_lowering.part_sums(prog, ()) if meshes.parts is not None else {})
+          group_lowering.part_sums(prog, ()) if execution.hybrid else {})
   loops, stages, shards = [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh, split in zip(plan.groups, meshes.groups, splits):
@@ -218,7 +222,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
                   if split else None)
   combines = [jax.jit(group_lowering.combine_program(prog, s), out_shardings=NamedSharding(meshes.mesh, P()))
               for s in range(prog.analysis.loops - 1)]
-  parted = _parted(prog, plan, units, held, splits)
+  parted = _parted(prog, execution, units, held, splits)
   exchange = _exchange(prog, plan, meshes, units, owner, wide, n_state=step.n_state, donated=donated,
                        to_owner=to_owner, parted=parted, split=_split_outputs(held_split, new_value_of, meshes))
   updates = (_updates(prog, meshes, units, held, wide, n_state=step.n_state, donated=donated, to_owner=to_owner,
@@ -233,12 +237,12 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
-def _parted(prog: Program, plan: GroupPlan, units: Any, held: tuple, splits: list) -> dict[int, dict[int, int]]:
+def _parted(prog: Program, execution: Execution, units: Any, held: tuple, splits: list) -> dict[int, dict[int, int]]:
   """ZeRO-3 in one process, one loop and no tail: ``{state index: {group: axis}}`` of the parameters held on one
   device (or their casts, where the programs take those) that groups sharding their parameters take split
   (``splits``: each group's ``{state index: axis}``), and that neither the exchange program's outputs nor any update but their maker's
   read: those reach each such group as its parts alone, and the other groups' devices whole."""
-  if plan.zero_stage != 3 or plan.tail_count or units is None or jax.process_count() > 1 or prog.analysis.loops > 1:
+  if not execution.zero3_parts or units is None or prog.analysis.loops > 1:
     return {}
   maker = {h.index: h.output for h in held if h.role == "param"}
   wanted = [i for i in maker if any(i in split for split in splits)]

@@ -220,9 +220,8 @@ class GroupPlan:
     (FSDP's state, each group its own copy: hybrid sharding, as PyTorch's HSDP): every group shards its parameters
     (:attr:`Group.shard_params`), all groups have as many devices, and the state is in no shares and the plan
     has no tail. A one-group plan of this kind is plain FSDP."""
-    sizes = {len(g.devices) for g in self.groups}
-    return (all(g.shard_params for g in self.groups) and len(sizes) == 1 and not self.state_shares
-            and not self.tail_count)
+    return is_hybrid([g.shard_params for g in self.groups], [len(g.devices) for g in self.groups],
+                     shares=bool(self.state_shares), tail=bool(self.tail_count))
 
   @property
   def tail_remat(self) -> str:
@@ -436,6 +435,14 @@ def assign_owners(sizes: Sequence[int], shares: Sequence[float]) -> tuple[int, .
     owners[u] = d
     held[d] += sizes[u]
   return tuple(owners)
+
+
+def is_hybrid(shard_params: Sequence[bool], sizes: Sequence[int], *, shares: bool, tail: bool) -> bool:
+  """Whether a group plan is hybrid (every group holds its parameters and optimizer state split over its own
+  devices between steps; one group: plain FSDP): every group shards its parameters (``shard_params``), the
+  groups, as they run, have as many devices each (``sizes``), and the state is in no shares and there is no
+  tail. The one answer to the question, for the plan, the pricing and the lowering."""
+  return bool(shard_params) and all(shard_params) and len(set(sizes)) == 1 and not shares and not tail
 
 
 def split_by_process(plan: GroupPlan, process_of: Mapping[int, int]) -> GroupPlan:

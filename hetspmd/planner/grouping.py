@@ -46,6 +46,7 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL
                                        gradient_reductions, microbatch_bytes,
                                        whole_gather_seconds)
 from hetspmd.planner import sharding
+from hetspmd.planner.group_execution import execution_of, one_process, process_of, shard_groups, shard_size
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
@@ -161,26 +162,26 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   order = list(dict.fromkeys(kinds))
   remats = remat if isinstance(remat, dict) else {k: remat for k in order}
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
-  owner = bool(zero) and not count and _one_process(costing, layout)  # each device reduces its own share
   if _refused(costing, layout, tps, zero, count, sharded):
     return None
-  hybrid = _hybrid(costing, layout, sharded, zero, count)
+  execution = execution_of(costing, layout, sharded, zero, count)
+  owner, hybrid = execution.owners_reduce, execution.hybrid  # each device reduces its own share; hybrid
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
                          sharded=sharded, dtype=dtype,
-                         shard_sizes={k: _shard_size(costing, layout, k) for k in sharded}) if zero else {}
+                         shard_sizes={k: shard_size(costing, layout, k) for k in sharded}) if zero else {}
   if zero and not shares:
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
   # a sharded group hands each owner its parts of the sums, copied (sharding.PARTS_TO_OWNERS): the owner
   # receives one joined row per sharded group, and one per device of the others
-  parts = owner and bool(sharded) and sharding.PARTS_TO_OWNERS
+  parts = execution.parts_to_owners and sharding.PARTS_TO_OWNERS
   sums, received = (COPIED, n - sum(layout.kind_counts[k] - 1 for k in sharded)) if parts else (split, n)
   memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
                           rows=sums[0] * (1 / n + 2 * shares[k]) + sums[2] + sums[1] * received * shares[k] if owner
                           else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype,
-                          g=_shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid) for k in order}
+                          g=shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _group_cost(costing, layout, k, sizes[k], remats[k], shares.get(k), tp=tps[k], zero=zero,
@@ -215,7 +216,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
       tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
       group_models=each(tps) if blocked is not layout else (),
-      shard_params=tuple(map(sharded.__contains__, on)) if sharded else ())
+      shard_params=tuple(map(sharded.__contains__, on)) if sharded else (), execution=execution)
 
 
 def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParallel], zero: int, tail: int,
@@ -224,8 +225,8 @@ def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParall
   sharded group with a tail, a model axis or one device, or under ZeRO-3 across processes."""
   if zero == 3 and any(tp.m > 1 for tp in tps.values()):
     return True
-  return bool(sharded) and bool(tail or (zero == 3 and not _one_process(costing, layout))  # ZeRO-3 parts: one process
-                                or any(tps[k].m > 1 or _shard_size(costing, layout, k) < 2 for k in sharded))
+  return bool(sharded) and bool(tail or (zero == 3 and not execution_of(costing, layout, sharded, zero, tail).zero3_parts)
+                                or any(tps[k].m > 1 or shard_size(costing, layout, k) < 2 for k in sharded))
 
 
 def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybrid: bool, owner: bool,
@@ -239,7 +240,7 @@ def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybri
   the rows it ``received`` of each sum against one per device (across processes the exchange program reduces
   every sum onto every device)."""
   if hybrid:
-    groups = [g for kind_groups in _shard_groups(costing, layout).values() for g in kind_groups]
+    groups = [g for kind_groups in shard_groups(costing, layout).values() for g in kind_groups]
     return sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   return reduce / 2 * _factor(spread, sums) * received / len(layout.groups) if owner else reduce
@@ -282,60 +283,23 @@ def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: i
     return _kind_cost(costing, kind, microbatch, remat, n, share, tp=tp, zero=zero)
   cost = _kind_cost(costing, kind, microbatch, remat, n, share, zero=zero or 1)
   return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype, remat),
-                                    _shard_size(costing, layout, kind), state_sharded=hybrid)
+                                    shard_size(costing, layout, kind), state_sharded=hybrid)
 
 
 def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str, remat: str) -> float:
   """One microbatch's collectives of ``kind``'s sharded group on ``layout`` (computed once per search): over the
-  devices of one of its groups as the runtime runs them (:func:`_shard_groups`)."""
+  devices of one of its groups as the runtime runs them (:func:`shard_groups`)."""
   key = (kind, tuple(layout.hosts.items()), len(layout.groups), dtype, remat)
   if key not in costing.sharded_comm:
-    devices = _shard_groups(costing, layout)[kind][0]
+    devices = shard_groups(costing, layout)[kind][0]
     costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype,
                                                                  remat)
   return costing.sharded_comm[key]
 
 
-def process_of(cluster: Cluster) -> tuple[int, ...]:
-  """Each device's process, by cluster position, as the pricing takes it: one process where the cluster says so;
-  one per host where it says nothing or names as many processes as hosts; else equal runs of consecutive devices
-  (``processes=8`` on two hosts of four: one device each)."""
-  devices, processes = cluster.devices, cluster.processes
-  if processes == 1:
-    return (0,) * len(devices)
-  if processes is None or processes == len(cluster.hosts):
-    return tuple(d.host for d in devices)
-  run = max(1, len(devices) // processes)
-  return tuple(i // run for i in range(len(devices)))
-
-
-def _shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:
-  """Per kind, the groups its devices on ``layout`` make at run time, smallest first: its devices in each process
-  (:func:`process_of`; the runtime cuts a group where its devices change process,
-  :func:`hetspmd.plan.groups.split_by_process`), each sharding its parameters over its own devices."""
-  key = (tuple(layout.devices), tuple(layout.hosts.items()))
-  if key not in costing.shard_groups:
-    every, process = costing.cluster.devices, process_of(costing.cluster)
-    found: dict[str, dict[int, list[int]]] = {}
-    for i in layout.devices:
-      found.setdefault(every[i].spec.name, {}).setdefault(process[i], []).append(i)
-    costing.shard_groups[key] = {k: tuple(sorted((tuple(g) for g in hosts.values()), key=len))
-                                 for k, hosts in found.items()}
-  return costing.shard_groups[key]
-
-
-def _shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
-  """The devices the smallest group of ``kind`` shards its parameters over (:func:`_shard_groups`)."""
-  return len(_shard_groups(costing, layout)[kind][0])
-
-
 def _hybrid(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int) -> bool:
-  """Whether a plan is hybrid (:attr:`hetspmd.plan.groups.GroupPlan.hybrid`): every kind shards its parameters,
-  every group at run time has as many devices, no state shares and no tail; each group then holds its
-  parameters and optimizer state split over its devices between steps."""
-  if zero or tail or set(sharded) != set(layout.kinds):
-    return False
-  return len({len(g) for groups in _shard_groups(costing, layout).values() for g in groups}) == 1
+  """Whether the plan priced is hybrid (:func:`hetspmd.plan.groups.is_hybrid`, of its :func:`execution_of`)."""
+  return execution_of(costing, layout, sharded, zero, tail).hybrid
 
 
 def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> DeviceGroups | None:
@@ -358,13 +322,6 @@ def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> 
                       layout.memory, tuple(i for b in blocks for i in b))
 
 
-def _one_process(costing: Costing, layout: DeviceGroups) -> bool:
-  """Whether one process drives ``layout``'s devices (the cluster says, where it is bound to JAX's devices;
-  else each host is taken to be a process of its own)."""
-  processes = costing.cluster.processes
-  return processes == 1 if processes is not None else len(layout.hosts) == 1
-
-
 def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int) -> float:
   """Sending the parameters the update programs made to every device (under ZeRO-3 their casts, as the programs
   take them, in place of whole ones), every leaf whole whether or not the devices divide it, as the runtime
@@ -375,7 +332,7 @@ def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[flo
   gather = whole_gather_seconds(costing.cluster, layout.hosts, costing.profile)
   if zero == 3:
     gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
-  if not _one_process(costing, layout):
+  if not one_process(costing, layout):
     return 2.0 * gather
   return gather * _factor(shares, _split_fraction(costing.profile, shares))
 
@@ -591,7 +548,7 @@ def _near_on(costing: Costing, layout: DeviceGroups, global_batch: int, sizes: S
   zeros = ((0, 1) + ((3,) if costing.profile.cast_param_bytes else ())) if costing.profile.opt_state_bytes > 0 else (0,)
   # beside a sharded group ZeRO-3 also keeps whole parameters off its devices (in one process: they reach it as
   # parts only, hetspmd.lowering.group_build.GroupPrograms.parted)
-  sharded_zeros = (0, 1, 3) if costing.profile.opt_state_bytes > 0 and _one_process(costing, layout) else zeros
+  sharded_zeros = (0, 1, 3) if costing.profile.opt_state_bytes > 0 and one_process(costing, layout) else zeros
   near: list[Evaluated] = []
   total = min(math.prod(len(fits[k]) for k in order), MAX_COMBINATIONS)
   report = {max(1, total * i // 8) for i in range(1, 9)} if progress else set()  # every eighth, and the last
@@ -626,8 +583,8 @@ def _kind_fits(costing: Costing, layout: DeviceGroups, sizes: Sequence[int], pol
       found = _model_axis(costing, layout, k, sizes, policies)
       if found is not None:
         models[k], plain[k] = found
-  g = {k: _shard_size(costing, layout, k) for k in order}
-  hybrid = len(set(g.values())) == 1  # every kind sharded would make a hybrid plan
+  g = {k: shard_size(costing, layout, k) for k in order}
+  hybrid = _hybrid(costing, layout, frozenset(order), 0, 0)  # every kind sharded would make a hybrid plan
   shardable = {k: [m for m in sizes if one_loop and g[k] >= 2 and _sharding_helps(
       costing, k, m, g[k], policies, n if m in plain[k] and k not in models else 0, hybrid=hybrid)] for k in order}
   if any(shardable.values()) and hybrid:  # then every kind sharded too
@@ -662,7 +619,7 @@ def _combination(costing: Costing, layout: DeviceGroups, global_batch: int, chos
   if one_loop and len(policies) > 1 and len(order) > 1:  # first: a tie goes to the least recomputation
     hybrid = _hybrid(costing, layout, sharded, 0, 0)
     least = {k: _least_recompute(costing, k, chosen[k], n, policies, models.get(k, NO_TENSOR_PARALLEL),
-                                 shard=_shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid)
+                                 shard=shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid)
              for k in order}
     # one policy for all is priced once; "layers" (on the traced step) beside a policy that checkpoints the loss
     # cuts the backward pass otherwise, and the groups' sums would not line up: not a runnable mix
@@ -690,7 +647,7 @@ def _model_axis(costing: Costing, layout: DeviceGroups, kind: str, sizes: Sequen
   if not (profile.traces or profile.strategy_spaces):
     return None
   n = len(layout.groups)
-  rows = 0.0 if _one_process(costing, layout) else None  # the least it holds after the loop (no tail)
+  rows = 0.0 if one_process(costing, layout) else None  # the least it holds after the loop (no tail)
   spec = cluster.spec_of(kind)
   per_host = {}
   for i in layout.devices:
@@ -771,7 +728,7 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   process = process_of(cluster)
   kinds = range(len(e.kinds))
   # a sharded kind's devices one group per process, as the runtime cuts them and the pricing sized them
-  # (_shard_groups): equal groups that all shard make the plan hybrid in the file too
+  # (shard_groups): equal groups that all shard make the plan hybrid in the file too
   key = lambda i: (e.kinds[i], process[on(i)[0]] if e.shard_params and e.shard_params[i] else None)
   for group in dict.fromkeys(key(i) for i in kinds):
     mine = [i for i in kinds if key(i) == group]

@@ -59,6 +59,7 @@ class Evaluated:
   remats: tuple[str, ...] = ()        # a group plan: each position's remat policy (``remat``: the tail's)
   group_models: tuple[TensorParallel, ...] = ()  # a group plan: each position's model axis (none: one device each)
   shard_params: tuple[bool, ...] = ()  # a group plan: whether each position's group shards its parameters (FSDP)
+  execution: Any = None               # a group plan: how it runs (hetspmd.plan.execution.Execution), as priced
 
   @property
   def examples(self) -> tuple[int, ...]:
@@ -207,7 +208,7 @@ class Costing:
     self._kind_costs: dict[tuple, KindCost] = {}
     self._memory: dict[tuple, int] = {}
     self.sharded_comm: dict[tuple, float] = {}  # hetspmd.planner.grouping._sharded_comm's
-    self.shard_groups: dict[tuple, dict] = {}  # hetspmd.planner.grouping._shard_groups
+    self.shard_groups: dict[tuple, dict] = {}  # hetspmd.planner.group_execution.shard_groups
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:

@@ -49,7 +49,7 @@ class GroupRunner:
     return state  # the first call places them
 
   def shard_state(self, state: Any) -> Any:
-    if self.plan.hybrid:  # split before the first call where example_batch tells which leaves
+    if self.runtime.execution.hybrid:  # split before the first call where example_batch tells which leaves
       self._trace_for_state(state)
     return self.runtime.shard_state(state)
 
@@ -69,7 +69,7 @@ class GroupRunner:
   def _trace_for_state(self, state: Any) -> None:
     """The step traced on ``example_batch``, where the state's layout comes from the trace and there is none yet."""
     front, plan = self.front, self.plan
-    if ((plan.state_shares or plan.hybrid) and front.example_batch is not None and not self.runtime.traced
+    if ((plan.state_shares or self.runtime.execution.hybrid) and front.example_batch is not None and not self.runtime.traced
         and front.batch_argnums in (None, (1,))):
       self._trace_groups(state)
 

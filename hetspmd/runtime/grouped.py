@@ -123,6 +123,12 @@ class GroupedStep:
     return self._meshes.devices
 
   @property
+  def execution(self) -> Any:
+    """How the plan runs on this run's processes (:class:`~hetspmd.plan.execution.Execution`), decided once:
+    the programs are built from it."""
+    return self._meshes.execution
+
+  @property
   def mesh(self) -> Any:
     """Every device of the plan on one ``data`` axis (the uniform programs' mesh)."""
     return self._meshes.mesh
@@ -139,7 +145,7 @@ class GroupedStep:
     it holds split, split over each group's devices (known once the step is traced: a call, or
     ``example_batch``; before that, replicated, and the first call splits them)."""
     owners = self._owners(state) if self.plan.state_shares else {}
-    split = self._held_split(state) if self.plan.hybrid else {}
+    split = self._held_split(state) if self.execution.hybrid else {}
     replicated = NamedSharding(self.mesh, P())
     return jax.tree.unflatten(jax.tree.structure(state), [
         jax.sharding.SingleDeviceSharding(owners[path]) if path in owners else
@@ -184,13 +190,13 @@ class GroupedStep:
     return out
 
   def explain(self) -> str:
-    lines = [self.plan.summary()]
+    lines = [self.plan.summary()] + self.execution.lines()
     if self._latest is not None:
       chains = self._latest.group_stages
       lines += (["  each group's program: " + " -> ".join(chains[0])] if len(set(chains)) == 1 else
                 [f"  group {g}'s program: " + " -> ".join(names) for g, names in enumerate(chains)])
     lines += _sharded_lines(self.plan, self._latest)
-    if self.plan.hybrid:
+    if self.execution.hybrid:
       split = f" ({len(self._latest.held_split)} leaves)" if self._latest is not None else ""
       lines.append(f"  hybrid: every group holds its parameters and optimizer state split over its devices between "
                    f"steps{split}, each group its own copy (one group: FSDP); each group's program runs its loop; "
