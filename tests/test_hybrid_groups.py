@@ -174,6 +174,36 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
   assert all(r["hybrid"] and r["split"] > 0 for r in results)
 
 
+@pytest.mark.timeout(300)
+def test_plain_fsdp_over_two_processes_is_one_group_and_matches_one_device():
+  """2 processes x 2 CPU devices (gloo): one group over all four devices that shards its parameters (plain FSDP
+  over two hosts) is one program both processes call, not cut per process; uneven counts (lockstep, masked), a
+  layer scan, two steps, the state split across both processes and checked whole against one device."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent("""
+      from jax.experimental import multihost_utils
+      from hetspmd.plan.groups import Group, group_plan
+      from hetspmd.runtime.grouped import GroupedStep
+
+      whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      plan = group_plan([Group(tuple(ids[0] + ids[1]), 2, (2, 1, 2, 1), shard_params=True)], 12)
+      data = t.batches(12, steps=2)
+      ref = reference(t.linen_step, make(), data)
+      step = GroupedStep.across_processes(t.linen_step, plan)
+      state = step.shard_state(make())
+      for i, batch in enumerate(data):
+        state, metrics = step(state, batch)
+        ref.check_metrics(jax.tree.map(whole, metrics), i)
+      ref.check(jax.tree.map(whole, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
+      spans = [len({d.process_index for d in x.sharding.device_set}) for x in jax.tree.leaves(state.params)]
+      print(json.dumps({"groups": len(step.plan.groups), "processes": step.execution.processes,
+                        "hybrid": step.execution.hybrid, "spans": min(spans)}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  assert all(r == {"groups": 1, "processes": 2, "hybrid": True, "spans": 2} for r in results), results
+
+
 @pytest.mark.timeout(240)
 def test_a_hybrid_plan_takes_the_state_buffers_it_is_given():
   """``donate_state=True``: the exchange writes the new state into the split buffers of the old (XLA warns of any

@@ -66,9 +66,10 @@ class GroupMeshes:
     groups = tuple(group_mesh([by_id[d] for d in g.devices], g.model) for g in plan.groups)
     for g, mesh in enumerate(groups):
       processes = sorted({d.process_index for d in mesh.devices.flat})
-      if len(processes) > 1:
-        raise InvalidValueError(f"group {g} holds devices of processes {processes}: each group's program runs in "
-                                "one process, so a group's devices must all be one process's")
+      if len(processes) > 1 and not plan.groups[g].shard_params:
+        raise InvalidValueError(f"group {g} holds devices of processes {processes}: a group whose devices run their "
+                                "own trip counts runs in one process, so its devices must all be one process's "
+                                "(or let it shard its parameters: Group(shard_params=True) runs over several)")
     execution = Execution.of(plan, {d.id: d.process_index for d in devices})
     parts = (Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART))
              if execution.hybrid else None)

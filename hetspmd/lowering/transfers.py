@@ -497,7 +497,8 @@ def group_part(x: Any, mesh: Mesh, axis: int) -> Any:
   group's program takes it: the same shards, as a global array over the group's ``mesh``; no copy."""
   mine = {s.device: s.data for s in x.addressable_shards}
   return jax.make_array_from_single_device_arrays(
-      x.shape, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])), [mine[d] for d in mesh.devices.flat])
+      x.shape, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])),
+      [mine[d] for d in mesh.devices.flat if d.process_index == jax.process_index()])  # a group over processes: ours
 
 
 def without_pieces(partials: list) -> list:

@@ -22,9 +22,11 @@ from hetspmd.plan.groups import GroupPlan, is_hybrid, split_by_process
 class Execution:
   """How a group plan runs on given processes.
 
-  ``groups``: the group programs as they run (a plan's groups cut where their devices change process), each as
-  ``(process, devices, sharded)``, sorted: the process that runs it, its number of devices, and whether it holds
-  its parameters split over its devices in its loop (FSDP within the group, its devices in lockstep).
+  ``groups``: the group programs as they run, each as ``(processes, devices, sharded)``, sorted: the processes
+  that call it, its number of devices, and whether it holds its parameters split over its devices in its loop
+  (FSDP within the group, its devices in lockstep). A group that shards runs as one program over its devices,
+  every process holding some calling it (plain FSDP over several hosts is one such group); any other group is
+  cut where its devices change process (:func:`~hetspmd.plan.groups.split_by_process`), one process each.
   ``hybrid``: :func:`~hetspmd.plan.groups.is_hybrid`. ``tail``: every device runs the tail's microbatches in the
   uniform program after its group's loop. ``owners_reduce``: under state shares, with no tail and one process,
   each device's update reduces only the sums its own state reads (else the exchange program reduces every sum
@@ -32,7 +34,7 @@ class Execution:
   ``zero3_parts``: ZeRO-3 in one process and no tail: a parameter made on one device reaches a sharded group as
   its parts only."""
 
-  groups: tuple[tuple[int, int, bool], ...]
+  groups: tuple[tuple[tuple[int, ...], int, bool], ...]
   hybrid: bool
   tail: bool
   owners_reduce: bool
@@ -40,12 +42,12 @@ class Execution:
   zero3_parts: bool
 
   @classmethod
-  def made(cls, groups: Sequence[tuple[int, int, bool]], *, zero_stage: int, shares: bool, tail: bool
-           ) -> "Execution":
-    """The execution of group programs ``groups`` (``(process, devices, sharded)`` each, as they run) with the
+  def made(cls, groups: Sequence[tuple[tuple[int, ...], int, bool]], *, zero_stage: int, shares: bool,
+           tail: bool) -> "Execution":
+    """The execution of group programs ``groups`` (``(processes, devices, sharded)`` each, as they run) with the
     optimizer state in ``shares`` or not, under ``zero_stage``, with a ``tail`` or not."""
-    groups = tuple(sorted(groups))
-    one_process = len({p for p, _, _ in groups}) == 1
+    groups = tuple(sorted((tuple(sorted(set(p))), n, s) for p, n, s in groups))
+    one_process = len({q for p, _, _ in groups for q in p}) == 1
     sharded = [s for _, _, s in groups]
     owners_reduce = shares and not tail and one_process
     return cls(groups=groups, hybrid=is_hybrid(sharded, [n for _, n, _ in groups], shares=shares, tail=tail),
@@ -56,12 +58,12 @@ class Execution:
   def of(cls, plan: GroupPlan, process_of: Mapping[int, int]) -> "Execution":
     """``plan`` run by the processes ``process_of`` names (device id -> process index)."""
     groups = split_by_process(plan, process_of).groups
-    return cls.made([(process_of[g.devices[0]], len(g.devices), g.shard_params) for g in groups],
+    return cls.made([({process_of[d] for d in g.devices}, len(g.devices), g.shard_params) for g in groups],
                     zero_stage=plan.zero_stage or 0, shares=bool(plan.state_shares), tail=bool(plan.tail_count))
 
   @property
   def processes(self) -> int:
-    return len({p for p, _, _ in self.groups})
+    return len({q for p, _, _ in self.groups for q in p})
 
   @property
   def one_process(self) -> bool:

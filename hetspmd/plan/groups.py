@@ -446,11 +446,16 @@ def is_hybrid(shard_params: Sequence[bool], sizes: Sequence[int], *, shares: boo
 
 
 def split_by_process(plan: GroupPlan, process_of: Mapping[int, int]) -> GroupPlan:
-  """``plan`` with each group cut where its devices change process (``process_of``: device id → process index),
-  so that every group's program runs in one process. The examples, counts and shares stay where they were:
-  the pieces keep their devices' order, so the batch is laid out as before."""
+  """``plan`` with each group that does not shard its parameters cut where its devices change process
+  (``process_of``: device id → process index), so that its program, whose devices run their own trip counts,
+  runs in one process. A group that shards its parameters stays whole: its devices run in lockstep, one program
+  over them that every process holding some calls (plain FSDP over several hosts). The examples, counts and
+  shares stay where they were: the pieces keep their devices' order, so the batch is laid out as before."""
   groups = []
   for g in plan.groups:
+    if g.shard_params:  # one program over its devices, in lockstep: every process calls it
+      groups.append(g)
+      continue
     start = 0
     for i in range(1, len(g.devices) + 1):
       if i == len(g.devices) or process_of[g.devices[i]] != process_of[g.devices[start]]:

@@ -56,7 +56,7 @@ def execution_of(costing: Costing, layout: DeviceGroups, sharded: frozenset[str]
   key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail))
   if key not in costing.shard_groups:
     process = process_of(costing.cluster)
-    groups = [(process[g[0]], len(g), kind in sharded)
+    groups = [({process[i] for i in g}, len(g), kind in sharded)
               for kind, kind_groups in shard_groups(costing, layout).items() for g in kind_groups]
     costing.shard_groups[key] = Execution.made(groups, zero_stage=zero, shares=bool(zero), tail=bool(tail))
   return costing.shard_groups[key]

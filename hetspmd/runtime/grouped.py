@@ -38,12 +38,15 @@ makes its rows (one per data position) one per device for the uniform
 programs: the row on the position's first device, zeros (a maximum's or
 minimum's copies) on the others.
 
-Across processes (``jax.distributed``), every group's devices are one
-process's, and each process dispatches only its own groups' programs and its
-own devices' updates; the exchange program spans them all, and the
-parameters an update makes reach every device through one uniform program
-that adds each device's row (the value on its maker, zeros elsewhere). Every
-process passes the whole global batch.
+Across processes (``jax.distributed``), a group whose devices run their own
+trip counts is one process's, and a group that shards its parameters (its
+devices in lockstep) is one program that every process holding some of its
+devices calls: plain FSDP over several hosts is one such group. Each process
+dispatches only the programs of the groups it holds devices of, and its own
+devices' updates; the exchange program spans them all, and the parameters an
+update makes reach every device through one uniform program that adds each
+device's row (the value on its maker, zeros elsewhere). Every process passes
+the whole global batch.
 
 It takes functional steps, ``step(state, batch, *rest) -> outputs`` (a Linen
 ``TrainState``), and NNX steps that update their objects in place,
@@ -111,8 +114,9 @@ class GroupedStep:
 
   @classmethod
   def across_processes(cls, fn: Callable[..., Any], plan: GroupPlan, **options: Any) -> "GroupedStep":
-    """``plan``'s runtime in this run's processes: each group's program runs in one process, so a group spanning
-    several is cut (:func:`~hetspmd.plan.groups.split_by_process`)."""
+    """``plan``'s runtime in this run's processes: a group whose devices run their own trip counts runs in one
+    process, so one spanning several is cut (:func:`~hetspmd.plan.groups.split_by_process`); a group that shards
+    its parameters runs over its devices in every process holding some."""
     process_of = {d.id: d.process_index for d in jax.devices()}
     if all(d in process_of for d in plan.devices):  # else __post_init__ says which devices JAX lacks
       plan = split_by_process(plan, process_of)
