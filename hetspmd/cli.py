@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
       "plans over (data, model) layouts: per-operation tensor-parallel splits along model (an ILP), microbatch "
       "counts per data position weighted by device speed (balanced to the slowest position), microbatch size, "
       "ZeRO stage, remat, and which device kinds take part; against the baselines dp_even, dp_proportional, "
-      "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), fsdp (every "
-      "device, an even batch, parameters and optimizer state sharded over all of them, gathered per layer; priced "
-      "beside them, not a candidate), and "
+      "fastest_only and best_homogeneous (each a candidate too, so the best plan is never below one), fsdp (one "
+      "group of every device, an even batch, parameters and optimizer state sharded over all of them, gathered per "
+      "layer: a group plan, offered among the group plans), and "
       "homogeneous_equivalent: the best plan of the same pool with every device its mean; the heterogeneity tax is "
       "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
       "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
@@ -386,7 +386,9 @@ def _group_plan_row(g, best, ideal: float) -> str:
     sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
   sharded = [k for k, s in dict.fromkeys(zip(g.kinds, g.shard_params)) if s]
   if sharded:
-    sizes += ("; hybrid: every group its parameters and optimizer state split over its devices" if g.execution.hybrid
+    sizes += ("; plain FSDP: one group of every device, its parameters and optimizer state split over them"
+              if g.execution.hybrid and len(g.execution.groups) == 1 else
+              "; hybrid: every group its parameters and optimizer state split over its devices" if g.execution.hybrid
               else "; parameters sharded (FSDP) on " + ", ".join(sharded))
   if best is None:  # no single program fits
     return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes})")

@@ -1,5 +1,6 @@
-"""Properties of the search over generated pools: the best plan is at least every baseline it prints and fits
-every device it uses, and the homogeneous equivalent is the same pool with every device its mean.
+"""Properties of the search over generated pools: the fastest plan offered (single program or group plan) is at
+least every baseline it prints, the best single program at least every single-program baseline, each fits every
+device it uses, and the homogeneous equivalent is the same pool with every device its mean.
 
 Pools are drawn from the device and link presets (kinds, counts per host, hosts, intra- and inter-host links);
 models from the zoo, each traced once for the module; global batches from a few sizes.
@@ -40,23 +41,28 @@ def _pool(rs: np.random.RandomState) -> str:
 # 80 GB devices beside 16 GB ones and a large GPT-2: dp_proportional (the small devices at microbatch 1, ZeRO-1,
 # remat) was 1.5% ahead of the best weighted plan (which left them out) before baselines were candidates too
 HELD_OUT = ("1x8xA100-80GB+2x8xV100-16GB;inter=100Gbps", "gpt2-large", 128)
+# homogeneous pools over several hosts, where plain FSDP (the fsdp baseline, one group of every device) was priced
+# above every plan offered, and no plan offered ran it
+HOMOGENEOUS = (("2x8xA100-80GB@nvlink3;inter=100Gbps", "gpt2-medium", 64),
+               ("4x4xV100-16GB@nvlink2;inter=25Gbps", "gpt2-medium", 32), ("2x2xT4@pcie3;inter=10Gbps", "bert-tiny", 24))
 
 
 def _cases():
   rs = np.random.RandomState(2026)
   drawn = [(_pool(rs), MODELS[rs.randint(len(MODELS))], int(BATCHES[rs.randint(len(BATCHES))]))
            for _ in range(CASES)]
-  return drawn + [HELD_OUT]
+  return drawn + [HELD_OUT, *HOMOGENEOUS]
 
 
 @pytest.mark.parametrize("pool,model,batch", _cases())
 def test_best_plan_is_at_least_every_baseline_and_fits(pool, model, batch):
   cluster = Cluster.parse(pool)
-  result = search(cluster, _profile(model), global_batch=batch, top=3, homogeneous=True)
+  result = search(cluster, _profile(model), global_batch=batch, top=3, homogeneous=True, groups=True)
   best = result.plans[0]
   assert set(result.baselines) <= set(BASELINES)
   for name, baseline in result.baselines.items():
-    if name in SINGLE_PROGRAM_BASELINES:  # fsdp is no single program: the ranked plans may fall below it
+    assert result.fastest.throughput >= baseline.throughput * (1 - 1e-12), (name, result.fastest.name)
+    if name in SINGLE_PROGRAM_BASELINES:  # fsdp is a group plan: the ranked single programs may fall below it
       assert best.throughput >= baseline.throughput * (1 - 1e-12), (name, baseline.name, best.name)
     for position, used in zip(baseline.device_positions, baseline.memory_bytes):
       assert used <= cluster.devices[position].spec.memory_bytes, (name, position, used)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import jax
 import pytest
 
 import hetspmd as hs
@@ -152,3 +153,25 @@ def test_sharded_groups_are_sized_by_the_processes_that_run_them(deep_profile):
     assert e.memory_bytes == (held,) * 8
     plan = to_group_plan(cluster, e)
     assert plan.hybrid and [len(g.devices) for g in plan.groups] == [size] * (8 // size)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool", ["2x4xV100-32GB;inter=100Gbps", "1x8xA100-80GB"])
+def test_the_fsdp_baseline_is_a_group_plan_that_runs_exactly(pool):
+  """The ``fsdp`` baseline the search prints is a plan: the group plan it writes (one group of every device, its
+  parameters and optimizer state split over them; over two hosts too) runs the step, checked against one device."""
+  from conftest import require_devices
+  from test_group_programs import _batches, _state, _trained, dropout_step
+
+  require_devices(8)
+  cluster = hs.Cluster.parse(pool)
+  cluster = cluster.replace(jax_device_ids=tuple(d.id for d in jax.devices()[:8]))
+  profile = profile_step(dropout_step, _state(), _batches(4)[0])
+  result = search(cluster, profile, 48, top=1, remat_policies=("none",), groups=True)
+  fsdp = result.baselines["fsdp"]
+  assert result.fastest.throughput >= fsdp.throughput and result.group_plan.throughput >= fsdp.throughput
+  plan = to_group_plan(cluster, fsdp)
+  assert len(plan.groups) == 1 and plan.groups[0].shard_params and plan.hybrid and len(plan.devices) == 8
+  assert fsdp.execution.hybrid and len(fsdp.execution.groups) == 1
+  trained, ref = _trained(dropout_step, plan, _state, _batches(48))
+  ref.check(trained)

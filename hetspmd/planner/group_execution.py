@@ -14,6 +14,9 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.plan.execution import Execution
 from hetspmd.planner.pricing import Costing, DeviceGroups
 
+# host-side cost of launching one program of the schedule (each group's, the exchange)
+PROGRAM_DISPATCH_SECONDS = 50e-6
+
 
 def process_of(cluster: Cluster) -> tuple[int, ...]:
   """Each device's process, by cluster position, as the pricing takes it: one process where the cluster says so;

@@ -46,12 +46,10 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL
                                        gradient_reductions, microbatch_bytes,
                                        whole_gather_seconds)
 from hetspmd.planner import sharding
-from hetspmd.planner.group_execution import execution_of, one_process, process_of, shard_groups, shard_size
+from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, execution_of, one_process, process_of, shard_groups, shard_size
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
                                      position_seconds)
 
-# host-side cost of launching one program of the schedule (each group's, the exchange)
-PROGRAM_DISPATCH_SECONDS = 50e-6
 # combinations of per-kind microbatch sizes priced at most
 MAX_COMBINATIONS = 4096
 # plans priced within this fraction of the fastest count as alike, and the one with the fewest microbatches is
@@ -717,7 +715,7 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
 
 def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) -> GroupPlan:
   """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind, one per process:
-  :func:`process_of`), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
+  :func:`process_of`; one group of every device where its execution has one, as the ``fsdp`` plan), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
   search's predictions (``ideal``: the pool's ideal throughput, for the efficiency): the step, and per device its
   peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
@@ -730,6 +728,8 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   # a sharded kind's devices one group per process, as the runtime cuts them and the pricing sized them
   # (shard_groups): equal groups that all shard make the plan hybrid in the file too
   key = lambda i: (e.kinds[i], process[on(i)[0]] if e.shard_params and e.shard_params[i] else None)
+  if e.execution is not None and len(e.execution.groups) == 1:  # one group of every device (the fsdp plan)
+    key = lambda i: None
   for group in dict.fromkeys(key(i) for i in kinds):
     mine = [i for i in kinds if key(i) == group]
     tp = tps[mine[0]]

@@ -56,10 +56,12 @@ microbatch's activations less their sharded share.
 Baselines are the same evaluation with choices pinned: ``dp_even`` (every
 device on ``data``, equal counts), ``dp_proportional`` (counts by peak
 FLOP/s), ``fastest_only`` and ``best_homogeneous`` (one kind, equal counts,
-any layout); and ``fsdp``, priced apart as it is no single program of this
-search (:func:`hetspmd.planner.sharding.fsdp_baseline`: every device, equal
-counts, the parameters, gradients and optimizer state sharded over all of
-them, gathered per layer), which the ranked plans may fall below.
+any layout); and ``fsdp``, a group plan of one group of every device
+(:func:`hetspmd.planner.sharding.fsdp_baseline`: equal counts, the
+parameters, gradients and optimizer state sharded over all of them, gathered
+per layer), which the ranked single programs may fall below; with
+``groups``, it is among the group plans offered (``SearchResult.group_plan``),
+so the fastest plan offered (``SearchResult.fastest``) is never below it.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ class SearchResult:
   homogeneous_equivalent: Evaluated | None = None
   group_plan: Evaluated | None = None  # the best group plan (one program per kind: hetspmd.planner.grouping)
   homogeneous_ideal: float | None = None  # the homogeneous equivalent's own ideal throughput
+
+  @property
+  def fastest(self) -> Evaluated:
+    """The fastest plan the search offers: the best single program, or the best group plan where faster."""
+    best = self.plans[0]
+    return self.group_plan if self.group_plan is not None and self.group_plan.throughput > best.throughput else best
 
   @property
   def heterogeneity_tax(self) -> float | None:
@@ -351,8 +359,10 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
                             recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
   baselines = dict(tally.best)
   fsdp = fsdp_baseline(costing, global_batch, sizes, space.remat_policies, space.grad_reduce_dtypes)
-  if fsdp is not None:  # priced apart: not a single program, so not among the ranked plans
+  if fsdp is not None:  # a group plan (one group of every device): not among the ranked single programs
     baselines["fsdp"] = fsdp
+    if groups and (grouped is None or fsdp.throughput > grouped.throughput):
+      grouped = fsdp  # the group plans offered include it: the fsdp plan runs
   ideal = ideal_throughput(cluster, profile, global_batch)
   homogeneous_ideal = None if not homogeneous else ideal if cluster.is_homogeneous else ideal_throughput(
       cluster.homogeneous_equivalent(), profile, global_batch)

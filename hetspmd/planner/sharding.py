@@ -24,6 +24,8 @@ from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost, even_counts
 from hetspmd.planner.data_axis import (GRAD_BYTES, NO_TENSOR_PARALLEL, REDUCE_BYTES, WORKSPACE, allreduce_seconds,
                                        microbatch_bytes)
+from hetspmd.plan.execution import Execution
+from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, process_of
 from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated
 
 # Without ZeRO-3 the runtime keeps the parameters whole on every device between steps (the state is replicated; a
@@ -188,12 +190,16 @@ def sharded_kind_cost(costing: Costing, kind: str, cost: KindCost, comm: float, 
 
 def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], remat_policies: Sequence[str],
                   dtypes: Sequence[str] = ("float32",)) -> Evaluated | None:
-  """The ``fsdp`` baseline: one program over every device, an even batch, the parameters, the accumulator and the
-  optimizer state sharded over all of them (:func:`sharded_peak` with ``state_sharded``), gathers per layer and a
-  reduce-scatter per microbatch (:func:`microbatch_comm_seconds` over every device), every device running the
-  most microbatches any runs (lockstep), the update on each device's part; the fastest over ``sizes``,
-  ``remat_policies`` and ``dtypes`` that fits every device, or None."""
+  """The ``fsdp`` baseline, a group plan that runs: one group of every device that shards its parameters (one
+  program over every device, across processes; :class:`~hetspmd.plan.execution.Execution`), an even batch, the
+  parameters, the accumulator and the optimizer state sharded over all of them (:func:`sharded_peak` with
+  ``state_sharded``), gathers per layer and a reduce-scatter per microbatch (:func:`microbatch_comm_seconds` over
+  every device), every device running the most microbatches any runs (lockstep), the update on each device's
+  part; the group's program and the exchange each dispatched once. The fastest over ``sizes``,
+  ``remat_policies`` and ``dtypes`` that fits every device, or None.
+  :func:`hetspmd.planner.grouping.to_group_plan` makes it a :class:`~hetspmd.plan.groups.GroupPlan`."""
   cluster, profile, every = costing.cluster, costing.profile, costing.cluster.devices
+  execution = Execution.made([(set(process_of(cluster)), len(every), True)], zero_stage=0, shares=False, tail=False)
   devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
   n, kinds = len(devices), cluster.kinds
   comm = {(d, r): microbatch_comm_seconds(cluster, devices, profile, d, r) for d in dtypes for r in remat_policies}
@@ -210,8 +216,9 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
     exposed = most * exposed_seconds(slowest, comm[dtype, remat], plain[slowest].micro)  # the collectives compute leaves
     e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
                   counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
-                  compute_seconds=seconds - exposed, comm_seconds=exposed, memory_bytes=(memory,) * n,
-                  global_batch=global_batch, grad_reduce_dtype=dtype)
+                  compute_seconds=seconds - exposed + 2 * PROGRAM_DISPATCH_SECONDS, comm_seconds=exposed,
+                  memory_bytes=(memory,) * n, global_batch=global_batch, grad_reduce_dtype=dtype,
+                  microbatches=(microbatch,) * n, remats=(remat,) * n, shard_params=(True,) * n, execution=execution)
     if best is None or e.step_seconds < best.step_seconds:
       best = e
   return best
