@@ -129,7 +129,7 @@ class PipelinePlan:
   units: tuple[int, ...]
   microbatch: int
   microbatches: int
-  reduce_dtype: str
+  grad_reduce_dtype: str
   recompute: bool = False
 
 
@@ -283,7 +283,7 @@ def main() -> None:
     built = plans[2]
     if built is not None:
       row += (f"  {len(built.stages)} stages [{', '.join(built.stages)}], units {list(built.units)}, "
-              f"{built.microbatches} x microbatch {built.microbatch}, {built.reduce_dtype} reduction, "
+              f"{built.microbatches} x microbatch {built.microbatch}, {built.grad_reduce_dtype} reduction, "
               f"{'forward recomputed' if built.recompute else 'residuals kept'}")
     print(row, flush=True)
   print("ratio = today's best step / the pipeline estimate (> 1: a pipeline would be faster); 1F1B: nothing "

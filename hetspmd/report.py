@@ -175,7 +175,7 @@ def explain_group_text(plan: GroupPlan) -> str:
   lines = [f"group plan: {len(plan.groups)} group program(s), global batch {plan.global_batch}"
            + (f", then {plan.tail_count} microbatch(es) of {plan.tail_microbatch} on every device in the "
               "exchange program" if plan.tail_count else "")
-           + f", gradients' partial sums in {plan.reduce_dtype}"]
+           + f", gradients' partial sums in {plan.grad_reduce_dtype}"]
   for g, group in enumerate(plan.groups):
     lines.append(f"  group {g}: devices {list(group.devices)}, {sum(group.positions)} microbatches of "
                  f"{group.microbatch} ({group.examples} examples), remat {group.remat}"

@@ -180,7 +180,7 @@ def test_a_priced_zero3_plan_runs_exactly():
   priced = price_groups(Costing(cluster, profile, 2, 1.0), layout, {"V100-32GB": 2, "P100-16GB": 1}, "none", 24,
                         zero=3, dtype="bfloat16")
   plan = to_group_plan(cluster, priced)
-  assert plan.zero_stage == 3 and plan.reduce_dtype == "bfloat16" and "parameters and optimizer state" in priced.name
+  assert plan.zero_stage == 3 and plan.grad_reduce_dtype == "bfloat16" and "parameters and optimizer state" in priced.name
   rs = np.random.RandomState(4)
   batches = [jax.tree.map(lambda s: rs.randint(0, 50, s.shape).astype(s.dtype), w.example_batch(24))
              for _ in range(3)]

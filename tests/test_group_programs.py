@@ -703,7 +703,7 @@ def gradients_step(state, batch):
 @pytest.mark.parametrize("tail,shares", [((0, 0), ()), ((1, 1), ()), ((0, 0), SHARES_80_16)],
                          ids=["exchange", "tail", "owners"])
 def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail, shares):
-  """With ``reduce_dtype="bfloat16"`` each device's partial gradient leaves its group program in bfloat16 (half
+  """With ``grad_reduce_dtype="bfloat16"`` each device's partial gradient leaves its group program in bfloat16 (half
   the bytes the exchange reduces, or that are copied to the devices owning state shares) and is summed over the
   8 devices in bfloat16, the loss's sum in float32: every gradient element is within the bound of that
   rounding, gamma(n + 1) of the sum of the examples' gradients' magnitudes (no smaller than the devices'
@@ -711,7 +711,7 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
   require_devices(8)
   groups = PLANS[0]
   size = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
-  plan = group_plan(groups, size, tail=tail, state_shares=shares, reduce_dtype="bfloat16")
+  plan = group_plan(groups, size, tail=tail, state_shares=shares, grad_reduce_dtype="bfloat16")
   rs = np.random.RandomState(0)
   batch = {"x": rs.randn(size, 12).astype(np.float32), "y": rs.randn(size, 4).astype(np.float32)}
   params = _mlp_train_state().params

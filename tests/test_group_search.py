@@ -90,15 +90,15 @@ def test_group_plans_reduce_in_the_dtype_the_search_allows():
                   groups=True)
   assert narrow.plans[0].grad_reduce_dtype == "bfloat16" and narrow.group_plan.grad_reduce_dtype == "bfloat16"
   plan = to_group_plan(cluster, narrow.group_plan)
-  assert plan.reduce_dtype == "bfloat16" and GroupPlan.from_json(json.loads(plan.dumps())) == plan
+  assert plan.grad_reduce_dtype == "bfloat16" and GroupPlan.from_json(json.loads(plan.dumps())) == plan
   assert "cross devices in bfloat16" in plan.summary()
-  assert to_group_plan(cluster, search_groups(cluster, profile, 48, microbatch_sizes(48))).reduce_dtype == "float32"
+  assert to_group_plan(cluster, search_groups(cluster, profile, 48, microbatch_sizes(48))).grad_reduce_dtype == "float32"
   layout = device_groups(cluster, "g", tuple(range(8)), 1)
   priced = {d: price_groups(Costing(cluster, profile, 2, 1.0), layout, {"P100-16GB": 2, "V100-32GB": 4}, "none", 48,
                             dtype=d) for d in ("float32", "bfloat16")}
   assert 0 < priced["bfloat16"].comm_seconds < priced["float32"].comm_seconds
   with pytest.raises(hs.HetSpmdError, match="reduce_dtype must be one of"):
-    group_plan(PLANS[0], 38, reduce_dtype="float16")
+    group_plan(PLANS[0], 38, grad_reduce_dtype="float16")
 
 
 def test_a_searched_group_plan_carries_its_predictions():

@@ -289,7 +289,7 @@ def _exchange(prog: Program, plan: GroupPlan, meshes: GroupMeshes, units: Any, o
   if plan.tail_count:
     count = plan.tail_count
     tail = Layout(meshes.mesh, DATA, plan.tail_microbatch, count, (count,) * len(meshes.devices),
-                  reduce_dtype=plan.reduce_dtype, overlap=True)
+                  reduce_dtype=plan.grad_reduce_dtype, overlap=True)
   order = np.asarray(plan.example_slots(), np.int32) if group_lowering.per_example_outputs(prog) else None
   run = group_lowering.exchange_program(prog, tail, units.common if units else None, sums=not to_owner, order=order)
   free = [i for i in range(n_state) if i not in owner]
@@ -353,14 +353,14 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
   kept = frozenset(kept if order is None else (order[0][j] for j in kept))  # as its own trace numbers them
   split = model_split(state, group, mesh)
   # the gradients leave the last loop in the plan's reduce dtype (with a tail, the tail's reduction narrows them)
-  mask = None if plan.tail_count else group_lowering.narrowed(prog, plan.reduce_dtype)
+  mask = None if plan.tail_count else group_lowering.narrowed(prog, plan.grad_reduce_dtype)
   out, names = [], ()
   for s in range(loops):
     stages = (("constrain", functools.partial(constrained, split)),
               ("widen", functools.partial(widened, wide)),
               ("hold", functools.partial(less_held, own, held)),
               ("reorder", functools.partial(reordered, order)),
-              ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.reduce_dtype)),
+              ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.grad_reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
     run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept), *stages)
     out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))

@@ -34,10 +34,11 @@ from hetspmd._format import quantity
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES, ZERO_STAGES
 
-GROUP_PLAN_VERSION = 6
+GROUP_PLAN_VERSION = 7
 # the JSON versions from_json reads (version 1: no state shares; version 2: no zero_stage, ZeRO-1 under shares;
-# version 3: no reduce_dtype, float32; version 4: no model axis; version 5: no shard_params)
-_READS = (1, 2, 3, 4, 5, 6)
+# version 3: no reduce_dtype, float32; version 4: no model axis; version 5: no shard_params; version 6: the
+# reduction dtype under "reduce_dtype", now "grad_reduce_dtype" as in a single program's plan)
+_READS = (1, 2, 3, 4, 5, 6, 7)
 # the ZeRO stages a group plan runs: 0 replicated, 1 optimizer state in shares, 3 parameters in shares too
 # relative slack on state shares that must add up to 1
 _SHARE_SLACK = 1e-6
@@ -142,7 +143,7 @@ class GroupPlan:
   none to replicate it; ``zero_stage``: what the shares hold, 1 the optimizer state, 3 the parameters as well
   (default: 1 with shares, 0 without).
 
-  ``reduce_dtype``: the dtype the gradients' partial sums cross devices in (float32, or bfloat16 to halve the
+  ``grad_reduce_dtype``: the dtype the gradients' partial sums cross devices in (as :attr:`Plan.grad_reduce_dtype`) (float32, or bfloat16 to halve the
   bytes; every other sum, the metrics' and the loss's, crosses in float32 either way).
 
   ``predicted`` (the search's figures: step seconds, throughput, ...) and ``predicted_per_device`` (per device
@@ -154,7 +155,7 @@ class GroupPlan:
   tail_count: int = 0
   state_shares: tuple[float, ...] = ()
   zero_stage: int | None = None
-  reduce_dtype: str = "float32"
+  grad_reduce_dtype: str = "float32"
   predicted: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
   predicted_per_device: tuple[tuple[str, tuple[float, ...]], ...] = dataclasses.field(default=(), compare=False)
 
@@ -175,9 +176,9 @@ class GroupPlan:
           "zero_stage 1 or 3 beside state_shares (0 replicates the state)"))
     if not self.groups:
       raise InvalidValueError("a group plan needs at least one group")
-    if self.reduce_dtype not in GRAD_REDUCE_DTYPES:
-      raise InvalidValueError(f"a group plan's reduce_dtype must be one of {list(GRAD_REDUCE_DTYPES)}, got "
-                              f"{self.reduce_dtype!r}")
+    if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+      raise InvalidValueError(f"a group plan's grad_reduce_dtype must be one of {list(GRAD_REDUCE_DTYPES)}, got "
+                              f"{self.grad_reduce_dtype!r}")
     if (self.tail_microbatch > 0) != (self.tail_count > 0) or self.tail_microbatch < 0 or self.tail_count < 0:
       raise InvalidValueError(f"a tail needs a positive microbatch and count together, got tail_microbatch="
                               f"{self.tail_microbatch}, tail_count={self.tail_count}")
@@ -284,8 +285,8 @@ class GroupPlan:
       shares = ", ".join(f"{d}: {s:.1%}" for d, s in zip(self.devices, self.state_shares))
       what = "optimizer state" if self.zero_stage == 1 else "parameters and optimizer state"
       lines.append(f"  {what} (ZeRO-{self.zero_stage}) in unpadded shares of whole leaves by device: {shares}")
-    if self.reduce_dtype != "float32":
-      lines.append(f"  gradients' partial sums cross devices in {self.reduce_dtype}")
+    if self.grad_reduce_dtype != "float32":
+      lines.append(f"  gradients' partial sums cross devices in {self.grad_reduce_dtype}")
     if self.tail_count:
       lines.append(f"  tail (in the uniform program, overlapping the reduction): {self.tail_count} microbatch(es) "
                    f"of {self.tail_microbatch} on every device ({self.tail_examples} examples)")
@@ -299,7 +300,7 @@ class GroupPlan:
     return {"version": GROUP_PLAN_VERSION, "global_batch": self.global_batch,
             "tail_microbatch": self.tail_microbatch, "tail_count": self.tail_count,
             "state_shares": list(self.state_shares), "zero_stage": self.zero_stage,
-            "reduce_dtype": self.reduce_dtype,
+            "grad_reduce_dtype": self.grad_reduce_dtype,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
                         "remat": g.remat, "model": g.model, "model_dims": dict(g.model_dims),
                         "shard_params": g.shard_params} for g in self.groups],
@@ -314,7 +315,8 @@ class GroupPlan:
                            int(g.get("model", 1)), g.get("model_dims", ()), g.get("shard_params", False))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
-               tuple(data.get("state_shares", ())), data.get("zero_stage"), data.get("reduce_dtype", "float32"),
+               tuple(data.get("state_shares", ())), data.get("zero_stage"),
+               data.get("grad_reduce_dtype", data.get("reduce_dtype", "float32")),
                tuple(data.get("predicted", {}).items()), tuple(data.get("predicted_per_device", {}).items()))
 
   def dumps(self) -> str:
@@ -342,17 +344,18 @@ class GroupPlan:
 
 def group_plan(groups: Sequence[tuple], global_batch: int, *, tail: tuple[int, int] = (0, 0),
                state_shares: Sequence[float] = (), zero_stage: int | None = None,
-               reduce_dtype: str = "float32") -> GroupPlan:
+               grad_reduce_dtype: str = "float32") -> GroupPlan:
   """``GroupPlan`` from ``(devices, microbatch, counts)``, ``(devices, microbatch, counts, remat)``, ``(devices,
   microbatch, counts, remat, model, model_dims)`` or ``(..., model, model_dims, shard_params)`` tuples
   (:class:`Group`), or :class:`Group` values;
   ``tail``: ``(microbatch, count)`` per device; ``state_shares``: each device's fraction of the state it holds
   (devices in group order), or none to replicate it; ``zero_stage``: 1 (the default with shares) holds the
-  optimizer state in the shares, 3 the parameters too; ``reduce_dtype``: the dtype the gradients' partial sums
-  cross devices in."""
+  optimizer state in the shares, 3 the parameters too; ``grad_reduce_dtype``: the dtype the gradients'
+  partial sums cross devices in."""
   return GroupPlan(tuple(g if isinstance(g, Group) else Group(tuple(g[0]), g[1], tuple(g[2]), *g[3:]) for g in groups),
                    global_batch, *tail,
-                   state_shares=tuple(state_shares), zero_stage=zero_stage, reduce_dtype=reduce_dtype)
+                   state_shares=tuple(state_shares), zero_stage=zero_stage,
+                   grad_reduce_dtype=grad_reduce_dtype)
 
 
 def shares_for(free_bytes: Sequence[float]) -> tuple[float, ...]:

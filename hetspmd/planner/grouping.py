@@ -751,6 +751,6 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
   plan = group_plan(groups, e.global_batch, tail=e.tail,
                     state_shares=tuple(s / sum(shares) for s in shares) if shares else (),
-                    zero_stage=e.zero_stage if shares else None, reduce_dtype=e.grad_reduce_dtype)
+                    zero_stage=e.zero_stage if shares else None, grad_reduce_dtype=e.grad_reduce_dtype)
   return dataclasses.replace(plan, predicted=tuple(predicted.items()),
                              predicted_per_device=tuple((k, tuple(v)) for k, v in per_device.items()))

@@ -66,7 +66,7 @@ class StagePlan:
   transfer_seconds: float       # of one tick's sends, each way
   reduce_seconds: float
   memory_bytes: float           # per device
-  reduce_dtype: str = "float32"  # gradients cross the data axis (and the stages' shared leaves all devices) in it
+  grad_reduce_dtype: str = "float32"  # gradients cross the data axis (and the stages' shared leaves all devices) in it
   counts: tuple[int, ...] = ()  # microbatches per data position, as plan_for(stages=...) spreads them
 
   def to_json(self) -> dict:
@@ -74,7 +74,7 @@ class StagePlan:
             "microbatches": self.microbatches, "counts": list(self.counts), "step_seconds": self.step_seconds,
             "tick_seconds": self.tick_seconds, "transfer_seconds": self.transfer_seconds,
             "reduce_seconds": self.reduce_seconds, "memory_bytes": self.memory_bytes,
-            "grad_reduce_dtype": self.reduce_dtype}
+            "grad_reduce_dtype": self.grad_reduce_dtype}
 
 
 def find_stack(profile) -> Stack | None:
@@ -235,4 +235,4 @@ def describe(plan: StagePlan, cluster: Cluster) -> str:
   return (f"{len(plan.stages)} stages [{', '.join(kinds)}], layers {list(plan.stages)}, "
           f"{plan.microbatches}{' (some positions one fewer)' if len(set(plan.counts)) > 1 else ''} x microbatch "
           f"{plan.microbatch}"
-          + (f", {plan.reduce_dtype} reduction" if plan.reduce_dtype != "float32" else ""))
+          + (f", {plan.grad_reduce_dtype} reduction" if plan.grad_reduce_dtype != "float32" else ""))
