@@ -161,7 +161,7 @@ def main() -> None:
       group_lines.append(f"  {preset} {name} {batch} {dtype}: {grouped.throughput / best.throughput:.2f}x, "
                          f"{grouped.name}; " + ", ".join(
                              f"{k}: mb {m}, remat {r}" for k, m, r in dict.fromkeys(
-                                 zip(grouped.kinds, grouped.microbatches, grouped.remats or (grouped.remat,) * len(
+                                 zip(grouped.kinds, grouped.group.microbatches, grouped.group.remats or (grouped.remat,) * len(
                                      grouped.kinds)))))
     print(f"{preset:<17} {name:<13} {batch:>5} {dtype:>7} {best.throughput / result.ideal_throughput:6.1%} {cells} "
           f"{ceiling} {comm:5.0%} {homog} {tax if tax is not None else math.nan:6.1%} {groups} {seconds:8.2f}  "
@@ -223,8 +223,8 @@ def group_only() -> None:
       continue
     ideal = ideal_throughput(cluster, profile, batch)
     parts = ", ".join(dict.fromkeys(f"{k}: mb {m} x {c}, remat {r}, {s:.1%} of the state"
-                                    for k, m, c, r, s in zip(g.kinds, g.microbatches, g.counts, g.remats,
-                                                             g.state_shares or (0.0,) * len(g.kinds))))
+                                    for k, m, c, r, s in zip(g.kinds, g.group.microbatches, g.counts, g.group.remats,
+                                                             g.group.state_shares or (0.0,) * len(g.kinds))))
     print(f"  {preset} {name} {batch} {dtype}: {g.throughput:.1f} samples/s, {g.throughput / ideal:.1%} of ideal, "
           f"ZeRO-{g.zero_stage}, compute {g.compute_seconds:.2f} s, exposed communication "
           f"{g.comm_seconds - g.hidden_seconds:.2f} s; {g.name}; {parts}", flush=True)

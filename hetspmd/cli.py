@@ -376,19 +376,20 @@ def _group_plan_row(g, best, ideal: float) -> str:
   """The best group plan's row: each kind's microbatch, remat, model axis and state share, the tail, against the
   best plan."""
   n = len(g.kinds)
-  models = [tp.m for tp in g.group_models] or [1] * n
+  part = g.group
+  models = [tp.m for tp in part.group_models] or [1] * n
   sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", model axis {axis}" if axis > 1 else "") + (
       f", {share:.1%} of the {'parameters and ' if g.zero_stage == 3 else ''}optimizer state per device"
       if share else "")
-                    for k, m, r, axis, share in dict.fromkeys(zip(g.kinds, g.microbatches, g.remats or (g.remat,) * n,
-                                                                  models, g.state_shares or (None,) * n)))
-  if g.tail[1]:
-    sizes += f"; a tail of {g.tail[1]} x {g.tail[0]} per device overlapping the reduction"
-  sharded = [k for k, s in dict.fromkeys(zip(g.kinds, g.shard_params)) if s]
+                    for k, m, r, axis, share in dict.fromkeys(zip(g.kinds, part.microbatches, part.remats or (g.remat,) * n,
+                                                                  models, part.state_shares or (None,) * n)))
+  if part.tail[1]:
+    sizes += f"; a tail of {part.tail[1]} x {part.tail[0]} per device overlapping the reduction"
+  sharded = [k for k, s in dict.fromkeys(zip(g.kinds, part.shard_params)) if s]
   if sharded:
     sizes += ("; plain FSDP: one group of every device, its parameters and optimizer state split over them"
-              if g.execution.hybrid and len(g.execution.groups) == 1 else
-              "; hybrid: every group its parameters and optimizer state split over its devices" if g.execution.hybrid
+              if part.execution.hybrid and len(part.execution.groups) == 1 else
+              "; hybrid: every group its parameters and optimizer state split over its devices" if part.execution.hybrid
               else "; parameters sharded (FSDP) on " + ", ".join(sharded))
   if best is None:  # no single program fits
     return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes})")

@@ -64,16 +64,16 @@ def test_the_priced_execution_is_the_plans(pool, form, profile):
     pytest.skip(f"{pool}: no plan of the form {form} (a kind the pool lacks, or one the pricing refuses: a "
                 "sharded group across processes under ZeRO-3)")
   plan = to_group_plan(cluster, priced)
-  assert priced.execution == Execution.of(plan, _processes(cluster))
-  assert priced.execution.hybrid == plan.hybrid  # one process per group: the file says as much as the run
+  assert priced.group.execution == Execution.of(plan, _processes(cluster))
+  assert priced.group.execution.hybrid == plan.hybrid  # one process per group: the file says as much as the run
   sharded, zero, tail = form
-  assert priced.execution.tail == bool(tail[1])
-  assert priced.execution.owners_reduce == (zero > 0 and not tail[1] and priced.execution.one_process)
+  assert priced.group.execution.tail == bool(tail[1])
+  assert priced.group.execution.owners_reduce == (zero > 0 and not tail[1] and priced.group.execution.one_process)
 
 
 def test_the_forms_are_all_met(profile):
   """The table reaches hybrid plans, owners reducing, parts to owners, ZeRO-3 parts and several processes."""
-  seen = [p.execution for pool, form in itertools.product(POOLS, FORMS)
+  seen = [p.group.execution for pool, form in itertools.product(POOLS, FORMS)
           for _, p in [_priced(pool, *form, profile)] if p is not None]
   for field in ("hybrid", "tail", "owners_reduce", "parts_to_owners", "zero3_parts"):
     assert any(getattr(e, field) for e in seen) and not all(getattr(e, field) for e in seen), field
@@ -102,9 +102,9 @@ def test_the_programs_are_built_from_it(pool, form, profile):
   plan = to_group_plan(cluster.replace(jax_device_ids=tuple(d.id for d in jax.devices()[:cluster.num_devices])),
                        priced)
   runtime = GroupedStep.across_processes(dropout_step, plan)
-  assert runtime.execution == priced.execution
+  assert runtime.execution == priced.group.execution
   batch = {"x": np.zeros((BATCH, 6), np.float32), "y": np.zeros((BATCH,), np.int32)}
   built = runtime.prepare(dropout_step, _state(), batch, ())
-  assert bool(built.held_split) == priced.execution.hybrid
-  assert (built.needs is not None) == priced.execution.owners_reduce
-  assert bool(built.part_sums) == (priced.execution.parts_to_owners or priced.execution.hybrid)
+  assert bool(built.held_split) == priced.group.execution.hybrid
+  assert (built.needs is not None) == priced.group.execution.owners_reduce
+  assert bool(built.part_sums) == (priced.group.execution.parts_to_owners or priced.group.execution.hybrid)

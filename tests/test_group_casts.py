@@ -161,7 +161,7 @@ def test_the_search_fits_a_bfloat16_model_no_single_program_fits():
   # float32 rows beside the accumulator fit an L4 only where its group shards its parameters (gathering a layer's
   # bfloat16 casts at a time, not holding them all)
   f32 = group_plan_alone(cluster, profile, 64)
-  assert f32 is None or any(f32.shard_params), f32
+  assert f32 is None or any(f32.group.shard_params), f32
 
 
 def test_a_priced_zero3_plan_runs_exactly():

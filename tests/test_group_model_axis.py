@@ -113,7 +113,10 @@ def test_a_model_axis_round_trips_through_json_and_stays_whole_across_processes(
   plan = group_plan(_groups(2), _batch(_groups(2)))
   again = GroupPlan.from_json(plan.to_json())
   assert again == plan and again.groups[1].model == 2 and dict(again.groups[1].model_dims) == NET_DIMS
-  assert plan.to_json()["version"] == 6  # version 6 added shard_params; a version 5 file (no shard_params) reads too
+  assert plan.to_json()["version"] == 7  # 7 names grad_reduce_dtype; a version 6 or 5 file (no shard_params) reads
+  old = plan.to_json()
+  old["version"], old["reduce_dtype"] = 6, old.pop("grad_reduce_dtype")
+  assert GroupPlan.from_json(old) == plan
   as_pairs = plan.to_json()
   as_pairs["groups"][1]["model_dims"] = [list(pair) for pair in NET_DIMS.items()]  # pairs read as a mapping does
   assert GroupPlan.from_json(as_pairs) == plan
@@ -149,7 +152,7 @@ def test_the_search_gives_a_model_axis_to_the_kind_that_cannot_hold_a_microbatch
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-small"] * 4,
                                custom={"P100-small": small})
   priced = search_groups(cluster, profile, batch, microbatch_sizes(batch), remat_policies=("none",))
-  assert priced is not None and [tp.m for tp in priced.group_models] == [1] * 4 + [2] * 2
+  assert priced is not None and [tp.m for tp in priced.group.group_models] == [1] * 4 + [2] * 2
   assert len(priced.memory_bytes) == len(priced.device_positions) == 8  # per device, as a single program's
   assert "model axis 2 on P100-small" in priced.name
   plan = to_group_plan(cluster, priced)

@@ -233,7 +233,7 @@ def test_the_searched_group_plan_runs_exactly():
   priced = search_groups(cluster, profile, batch, microbatch_sizes(batch))
   plan = to_group_plan(cluster, priced)
   assert len(plan.groups) == 2 and plan.global_batch == batch
-  assert {g.microbatch for g in plan.groups} == set(priced.microbatches)
+  assert {g.microbatch for g in plan.groups} == set(priced.group.microbatches)
   state, ref = _trained(dropout_step, plan, _state, _batches(batch))
   ref.check(state.params, lambda s: s.params)
 
@@ -645,9 +645,9 @@ def test_the_search_gives_each_kind_the_remat_it_needs():
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-small"] * 4,
                                custom={"P100-small": small})
   priced = search_groups(cluster, profile, batch, [m], remat_policies=REMAT_POLICIES)
-  assert priced.remats[0] == "none" and priced.remats[-1] != "none", priced.remats
+  assert priced.group.remats[0] == "none" and priced.group.remats[-1] != "none", priced.group.remats
   plan = to_group_plan(cluster, priced)
-  assert [g.remat for g in plan.groups] == ["none", priced.remats[-1]]
+  assert [g.remat for g in plan.groups] == ["none", priced.group.remats[-1]]
   state, ref = _trained(step_fn, plan, w.init_state, batches)
   ref.check(state)
 

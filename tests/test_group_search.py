@@ -42,7 +42,7 @@ def test_plans_priced_alike_take_the_fewest_microbatches():
   priced = [e for e in priced if e is not None]
   fastest = min(e.step_seconds for e in priced)
   alike = [e for e in priced if e.step_seconds <= fastest * (1 + TIE)]
-  busiest = lambda e: max(c + e.tail[1] for c in e.counts)
+  busiest = lambda e: max(c + e.group.tail[1] for c in e.counts)
   assert best.step_seconds <= fastest * (1 + TIE)
   assert busiest(best) == min(busiest(e) for e in alike)
   assert any(busiest(e) > busiest(best) for e in alike)  # the rule decided something

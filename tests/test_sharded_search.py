@@ -71,7 +71,7 @@ def test_a_kind_that_cannot_join_joins_sharded(deep_profile):
   e = search_groups(cluster, deep_profile, BATCH, sizes, remat_policies=SEARCHED_REMAT,
                     grad_reduce_dtypes=("float32", "bfloat16"))
   tight = [i for i, k in enumerate(e.kinds) if k == "Tight"]
-  assert len(tight) == 4 and all(e.shard_params[i] for i in tight)
+  assert len(tight) == 4 and all(e.group.shard_params[i] for i in tight)
   assert "parameters sharded (FSDP) on Tight" in e.name
   assert all(m <= cluster.devices[d].spec.memory_bytes for d, m in zip(e.device_positions, e.memory_bytes))
   assert sum(e.counts[i] for i in tight) > 0  # the Tight devices take part of the batch
@@ -85,7 +85,7 @@ def test_a_kind_that_cannot_join_joins_sharded(deep_profile):
 def test_one_kind_pool_has_a_sharded_group_plan_and_the_fsdp_baseline(deep_profile):
   cluster = hs.Cluster.parse("1x4xV100-32GB")
   e = search_groups(cluster, deep_profile, BATCH, microbatch_sizes(BATCH), remat_policies=SEARCHED_REMAT)
-  assert e is not None and e.shard_params == (True,) * 4  # unsharded, one group would be the single program
+  assert e is not None and e.group.shard_params == (True,) * 4  # unsharded, one group would be the single program
   plan = to_group_plan(cluster, e)
   assert len(plan.groups) == 1 and plan.groups[0].shard_params
   result = search(cluster, deep_profile, BATCH)
@@ -120,12 +120,12 @@ def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(de
   cluster = hs.Cluster.parse("1x4xRoomy+2x4xTight;inter=10Gbps", devices=specs)
   e = search_groups(cluster, deep_profile, BATCH, microbatch_sizes(BATCH), remat_policies=SEARCHED_REMAT,
                     grad_reduce_dtypes=("float32", "bfloat16"))
-  assert "hybrid" in e.name and all(e.shard_params) and not e.zero_stage
+  assert "hybrid" in e.name and all(e.group.shard_params) and not e.zero_stage
   plan = to_group_plan(cluster, e)
   assert plan.hybrid and not plan.state_shares and [len(g.devices) for g in plan.groups] == [4, 4, 4]
   assert "hybrid: each group holds its parameters and optimizer state split" in explain_group_text(plan)
   held = [sharding.sharded_peak(deep_profile, 4, (m, r), None, None, e.grad_reduce_dtype, state_sharded=True)
-          for m, r in zip(e.microbatches, e.remats)]
+          for m, r in zip(e.group.microbatches, e.group.remats)]
   assert list(e.memory_bytes) == held
   # the exchange: the groups' quarters added across the hosts, nothing sent back
   exchange = sharding.hybrid_exchange_seconds(cluster, [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)], deep_profile,
@@ -172,6 +172,6 @@ def test_the_fsdp_baseline_is_a_group_plan_that_runs_exactly(pool):
   assert result.fastest.throughput >= fsdp.throughput and result.group_plan.throughput >= fsdp.throughput
   plan = to_group_plan(cluster, fsdp)
   assert len(plan.groups) == 1 and plan.groups[0].shard_params and plan.hybrid and len(plan.devices) == 8
-  assert fsdp.execution.hybrid and len(fsdp.execution.groups) == 1
+  assert fsdp.group.execution.hybrid and len(fsdp.group.execution.groups) == 1
   trained, ref = _trained(dropout_step, plan, _state, _batches(48))
   ref.check(trained)

@@ -47,7 +47,7 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL
                                        whole_gather_seconds)
 from hetspmd.planner import sharding
 from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, execution_of, one_process, process_of, shard_groups, shard_size
-from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, device_groups,
+from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, GroupPart, device_groups,
                                      position_seconds)
 
 # combinations of per-kind microbatch sizes priced at most
@@ -211,10 +211,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
       device_positions=blocked.devices, kinds=on, microbatch=max(sizes.values()), counts=counts,
       zero_stage=zero, remat=last, compute_seconds=per_position[busiest] + dispatch, comm_seconds=reduce + gather,
       memory_bytes=per_device, global_batch=global_batch, position_seconds=per_position,
-      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, microbatches=each(sizes),
-      tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
-      group_models=each(tps) if blocked is not layout else (),
-      shard_params=tuple(map(sharded.__contains__, on)) if sharded else (), execution=execution)
+      grad_reduce_dtype=dtype, overlap=hidden > 0, hidden_seconds=hidden, group=GroupPart(
+          each(sizes), tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
+          group_models=each(tps) if blocked is not layout else (),
+          shard_params=tuple(map(sharded.__contains__, on)) if sharded else (), execution=execution))
 
 
 def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParallel], zero: int, tail: int,
@@ -690,9 +690,9 @@ def _fewest_microbatches(e: Evaluated) -> tuple:
   (exact), then the price. A linear cost model
   prices a microbatch of 2m as two of m; on a device the larger one runs larger kernels and fewer loop steps,
   and each extra program adds a round of transfers."""
-  tail = e.tail[1] if e.tail else 0
+  tail = e.group.tail[1]
   counts = [c + tail for c in e.counts]
-  return (max(counts), sum(counts), bool(e.zero_stage), any(e.shard_params), e.grad_reduce_dtype != "float32",
+  return (max(counts), sum(counts), bool(e.zero_stage), any(e.group.shard_params), e.grad_reduce_dtype != "float32",
           e.step_seconds)
 
 
@@ -719,7 +719,8 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   search's predictions (``ideal``: the pool's ideal throughput, for the efficiency): the step, and per device its
   peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
-  tps = e.group_models or (NO_TENSOR_PARALLEL,) * len(e.kinds)
+  part = e.group
+  tps = part.group_models or (NO_TENSOR_PARALLEL,) * len(e.kinds)
   firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
   on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
   groups, shares, order, devices = [], [], [], []
@@ -727,18 +728,18 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   kinds = range(len(e.kinds))
   # a sharded kind's devices one group per process, as the runtime cuts them and the pricing sized them
   # (shard_groups): equal groups that all shard make the plan hybrid in the file too
-  key = lambda i: (e.kinds[i], process[on(i)[0]] if e.shard_params and e.shard_params[i] else None)
-  if e.execution is not None and len(e.execution.groups) == 1:  # one group of every device (the fsdp plan)
+  key = lambda i: (e.kinds[i], process[on(i)[0]] if part.shard_params and part.shard_params[i] else None)
+  if part.execution is not None and len(part.execution.groups) == 1:  # one group of every device (the fsdp plan)
     key = lambda i: None
   for group in dict.fromkeys(key(i) for i in kinds):
     mine = [i for i in kinds if key(i) == group]
     tp = tps[mine[0]]
     each = [i for i in mine for _ in range(tp.m)]  # each of the group's devices' position
     ours = [d for i in mine for d in on(i)]
-    groups.append(([ids[d] for d in ours], e.microbatches[mine[0]], [e.counts[i] for i in each],
-                   e.remats[mine[0]] if e.remats else e.remat, tp.m, tp.model_dims,
-                   bool(e.shard_params and e.shard_params[mine[0]])))
-    shares += [e.state_shares[i] for i in each] if e.state_shares else []
+    groups.append(([ids[d] for d in ours], part.microbatches[mine[0]], [e.counts[i] for i in each],
+                   part.remats[mine[0]] if part.remats else e.remat, tp.m, tp.model_dims,
+                   bool(part.shard_params and part.shard_params[mine[0]])))
+    shares += [part.state_shares[i] for i in each] if part.state_shares else []
     order += each
     devices += ours
   predicted = {"step_seconds": e.step_seconds, "throughput": e.throughput, "compute_seconds": e.compute_seconds,
@@ -749,7 +750,7 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
                 "memory_capacity_bytes": [cluster.devices[d].spec.memory_bytes for d in devices]}
   if e.position_seconds:
     per_device["compute_seconds"] = [e.position_seconds[i] for i in order]
-  plan = group_plan(groups, e.global_batch, tail=e.tail,
+  plan = group_plan(groups, e.global_batch, tail=part.tail,
                     state_shares=tuple(s / sum(shares) for s in shares) if shares else (),
                     zero_stage=e.zero_stage if shares else None, grad_reduce_dtype=e.grad_reduce_dtype)
   return dataclasses.replace(plan, predicted=tuple(predicted.items()),

@@ -53,19 +53,15 @@ class Evaluated:
   overlap: bool = False               # reductions overlapped with the last microbatch's backward pass
   hidden_seconds: float = 0.0         # of comm_seconds: hidden behind that backward pass
   overlap_microbatches: int = 1       # the overlapped last pass runs this many microbatches as one batch
-  microbatches: tuple[int, ...] = ()  # a group plan: each position's own microbatch size (else ``microbatch``)
-  tail: tuple[int, int] = (0, 0)      # a group plan: (microbatch, count) every position runs in the uniform program
-  state_shares: tuple[float, ...] = ()  # a group plan: each position's share of the optimizer state (ZeRO-1)
-  remats: tuple[str, ...] = ()        # a group plan: each position's remat policy (``remat``: the tail's)
-  group_models: tuple[TensorParallel, ...] = ()  # a group plan: each position's model axis (none: one device each)
-  shard_params: tuple[bool, ...] = ()  # a group plan: whether each position's group shards its parameters (FSDP)
-  execution: Any = None               # a group plan: how it runs (hetspmd.plan.execution.Execution), as priced
+  group: GroupPart | None = None      # a group plan's own part; None for a single program
 
   @property
   def examples(self) -> tuple[int, ...]:
     """Examples per data position."""
-    sizes = self.microbatches or (self.microbatch,) * len(self.counts)
-    return tuple(c * m + self.tail[0] * self.tail[1] for c, m in zip(self.counts, sizes))
+    if self.group is None:
+      return tuple(c * self.microbatch for c in self.counts)
+    (size, count), sizes = self.group.tail, self.group.microbatches
+    return tuple(c * m + size * count for c, m in zip(self.counts, sizes))
 
   @property
   def model(self) -> int:
@@ -101,11 +97,29 @@ class Evaluated:
         "zero_stage": self.zero_stage,
         "remat": self.remat,
         "memory_bytes": list(self.memory_bytes),
-        **({"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
-            "state_shares": list(self.state_shares), "remats": list(self.remats)} if self.microbatches else {}),
-        **({"group_models": [tp.m for tp in self.group_models]} if self.group_models else {}),
-        **({"shard_params": list(self.shard_params)} if self.shard_params else {}),
+        **(self.group.to_json() if self.group is not None else {}),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPart:
+  """What a group plan's :class:`Evaluated` adds to the shared core, per data position: its own microbatch
+  size, state share, remat policy, model axis and whether its group shards its parameters; the tail; and how the
+  plan runs (:class:`~hetspmd.plan.execution.Execution`), as priced."""
+
+  microbatches: tuple[int, ...]       # each position's own microbatch size
+  tail: tuple[int, int] = (0, 0)      # (microbatch, count) every position runs in the uniform program
+  state_shares: tuple[float, ...] = ()  # each position's share of the optimizer state (ZeRO-1)
+  remats: tuple[str, ...] = ()        # each position's remat policy (Evaluated.remat: the tail's)
+  group_models: tuple[TensorParallel, ...] = ()  # each position's model axis (none: one device each)
+  shard_params: tuple[bool, ...] = ()  # whether each position's group shards its parameters (FSDP)
+  execution: Any = None               # how it runs, as priced
+
+  def to_json(self) -> dict[str, Any]:
+    return {"microbatches": list(self.microbatches), "tail": {"microbatch": self.tail[0], "count": self.tail[1]},
+            "state_shares": list(self.state_shares), "remats": list(self.remats),
+            **({"group_models": [tp.m for tp in self.group_models]} if self.group_models else {}),
+            **({"shard_params": list(self.shard_params)} if self.shard_params else {})}
 
 
 # --- layouts and tensor-parallel choices -------------------------------------------------

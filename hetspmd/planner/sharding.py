@@ -26,7 +26,7 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, NO_TENSOR_PARALLEL, REDUCE_BY
                                        microbatch_bytes)
 from hetspmd.plan.execution import Execution
 from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, process_of
-from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated
+from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated, GroupPart
 
 # Without ZeRO-3 the runtime keeps the parameters whole on every device between steps (the state is replicated; a
 # group's parts are made from it at each call: hetspmd.lowering.transfers.shard_program), so a sharded group's
@@ -218,7 +218,8 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
                   counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
                   compute_seconds=seconds - exposed + 2 * PROGRAM_DISPATCH_SECONDS, comm_seconds=exposed,
                   memory_bytes=(memory,) * n, global_batch=global_batch, grad_reduce_dtype=dtype,
-                  microbatches=(microbatch,) * n, remats=(remat,) * n, shard_params=(True,) * n, execution=execution)
+                  group=GroupPart((microbatch,) * n, remats=(remat,) * n, shard_params=(True,) * n,
+                                  execution=execution))
     if best is None or e.step_seconds < best.step_seconds:
       best = e
   return best
