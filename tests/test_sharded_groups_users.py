@@ -63,7 +63,7 @@ def linen_state(model: nn.Module, eps: float = 1e-4):
 def split_leaves(runner) -> int:
   """How many state leaves group 0 (the sharded group) takes split over its devices: a leaf the runtime cannot
   split comes into the group whole, which is exact too, so the tests count them."""
-  runner = getattr(runner, "_grouped", runner)  # parallelize's step holds its group programs' runner
+  runner = runner._runner.runtime if hasattr(runner, "_runner") else runner  # parallelize's: its group runtime
   (built,) = runner._built.values()
   return len(built.shards[0].at) if built.shards and built.shards[0] else 0
 

@@ -68,6 +68,7 @@ from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.lowering import transfers
 from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
+from hetspmd.lowering.group_features import explained
 from hetspmd.lowering.group_stages import DATA
 from hetspmd.plan.groups import GroupPlan, split_by_process
 from hetspmd.plan.state_layout import role_of
@@ -200,26 +201,10 @@ class GroupedStep:
       lines += (["  each group's program: " + " -> ".join(chains[0])] if len(set(chains)) == 1 else
                 [f"  group {g}'s program: " + " -> ".join(names) for g, names in enumerate(chains)])
     lines += _sharded_lines(self.plan, self._latest)
-    if self.execution.hybrid:
-      split = f" ({len(self._latest.held_split)} leaves)" if self._latest is not None else ""
-      lines.append(f"  hybrid: every group holds its parameters and optimizer state split over its devices between "
-                   f"steps{split}, each group its own copy (one group: FSDP); each group's program runs its loop; "
-                   "one uniform program over every device adds the groups' parts and updates each part where it "
-                   "is held; a leaf the group's size does not divide is held whole")
-      return "\n".join(lines)
-    if not self.plan.state_shares:
-      lines.append("  state replicated on every device (ZeRO-0); each group's program runs its loop, one uniform "
-                   "program over every device reduces and updates")
-      return "\n".join(lines)
-    three = self.plan.zero_stage == 3
-    lines.append(("  each device sends the parameters it holds to every device; " if three else "  ") +
-                 "each group's program runs its loop; one uniform program over every device reduces the sums and "
-                 "computes what reads no held leaf; each device's own program updates its held leaves" +
-                 (" and keeps the parameters it made" if three else " and sends the parameters it made to every "
-                  "device"))
+    lines += explained(self.plan, self.execution, self._latest)  # each feature's own lines (group_features)
     for built in self._built.values():
       if built.units is not None:
-        lines += _held_lines(built, self.devices, self.plan.state_shares, three)
+        lines += _held_lines(built, self.devices, self.plan.state_shares, self.plan.zero_stage == 3)
     return "\n".join(lines)
 
   def __call__(self, *args: Any) -> Any:
@@ -398,10 +383,6 @@ def _held_lines(built: GroupPrograms, devices: tuple, shares: tuple, three: bool
            f"held per device: {by_device}"]
   held_bytes = built.held_bytes(devices)
   total = sum(held_bytes) or 1
-  if built.casts:
-    names = sorted({str(d) for d in built.casts.values()})
-    lines.append(f"  {len(built.casts)} of {len(built.params)} parameters sent as their {', '.join(names)} "
-                 "casts (the step reads them only so); each device updates the ones it holds as they are")
   lines.append(("  parameter and optimizer-state" if three else "  optimizer-state") +
                " bytes held per device (of its share): " + ", ".join(
       f"{d.id}: {b:,} ({b / total / share:.2f}x)" if share else f"{d.id}: {b:,}"
