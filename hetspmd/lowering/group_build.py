@@ -30,7 +30,8 @@ from hetspmd.lowering import groups as group_lowering
 from hetspmd.lowering.group_stages import (DATA, chain, constrained, donating, group_mesh, less_held, model_split,
                                            narrowed, reordered, returns_state, spread, widened)
 from hetspmd.lowering.program import Layout, Program
-from hetspmd.lowering.transfers import scatter_program, shard_program
+from hetspmd.lowering.param_shards import shard_program
+from hetspmd.lowering.transfers import scatter_program
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.execution import Execution
@@ -166,7 +167,7 @@ class GroupPrograms:
 class SplitParams:
   """The parameters a group takes split over its devices (:attr:`hetspmd.plan.groups.Group.shard_params`): their
   positions among its program's inputs, the program that splits them from whole copies
-  (:func:`hetspmd.lowering.transfers.shard_program`), and the bytes a device holds and gathers of them."""
+  (:func:`hetspmd.lowering.param_shards.shard_program`), and the bytes a device holds and gathers of them."""
 
   at: tuple[int, ...]
   program: Any

@@ -6,7 +6,8 @@ exchange) plus features. Each entry names, for one feature: when a plan has it
 of the group programs it uses (:mod:`hetspmd.lowering.group_stages`; ``loop``
 is the group's loop itself), the role its held leaves take
 (:class:`hetspmd.lowering.group_build.HeldLeaf`), the functions that move its
-values (:mod:`hetspmd.lowering.transfers`), the functions that price it
+values (``module.function`` under :mod:`hetspmd.lowering`: :mod:`~hetspmd.lowering.transfers`,
+:mod:`~hetspmd.lowering.param_shards`), the functions that price it
 (``module.function`` under :mod:`hetspmd.planner`), and its lines in
 ``explain()``. ``explain()`` is made from this table, and a test resolves every
 name in it, so an entry cannot name what does not exist.
@@ -89,20 +90,20 @@ def _sharded(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
 
 FEATURES: tuple[Feature, ...] = (
     Feature("replicated state", lambda plan, ex: not plan.state_shares and not ex.hybrid, ("loop", "spread"), None,
-            ("on",), ("grouping._reduce_seconds",), _replicated),
+            ("transfers.on",), ("grouping._reduce_seconds",), _replicated),
     Feature("memory shares", lambda plan, ex: bool(plan.state_shares), ("hold",), "opt_state",
-            ("held_on", "broadcast", "rows_on"), ("grouping._state_shares", "grouping._gather_seconds"), _shares),
-    Feature("ZeRO-3 parts", lambda plan, ex: ex.zero3_parts, ("loop",), "param", ("parts_on",),
+            ("transfers.held_on", "transfers.broadcast", "transfers.rows_on"), ("grouping._state_shares", "grouping._gather_seconds"), _shares),
+    Feature("ZeRO-3 parts", lambda plan, ex: ex.zero3_parts, ("loop",), "param", ("transfers.parts_on",),
             ("grouping._loop_param_bytes", "grouping._gather_seconds"), _zero3_parts),
     Feature("relays", lambda plan, ex: ex.owners_reduce and relays(plan.state_shares), (), None,
-            ("relayed", "scatter_program"), ("grouping._gather_seconds", "grouping._reduce_seconds"), _relays),
+            ("transfers.relayed", "transfers.scatter_program"), ("grouping._gather_seconds", "grouping._reduce_seconds"), _relays),
     Feature("FSDP within a group", lambda plan, ex: any(s for _, _, s in ex.groups), ("loop",), None,
-            ("shard_program", "ParamShards", "Pieces"),
+            ("param_shards.shard_program", "param_shards.ParamShards", "transfers.Pieces"),
             ("sharding.sharded_kind_cost", "sharding.sharded_peak", "sharding.microbatch_comm_seconds"), _sharded),
-    Feature("hybrid", lambda plan, ex: ex.hybrid, ("loop",), None, ("split_on", "group_part", "part_rows"),
+    Feature("hybrid", lambda plan, ex: ex.hybrid, ("loop",), None, ("transfers.split_on", "transfers.group_part", "transfers.part_rows"),
             ("sharding.hybrid_exchange_seconds",), _hybrid),
     Feature("tail", lambda plan, ex: ex.tail, (), None, (), ("grouping._kind_cost",), _tail),
-    Feature("casts", lambda plan, ex: plan.zero_stage == 3, ("widen",), "param", ("cast_value",),
+    Feature("casts", lambda plan, ex: plan.zero_stage == 3, ("widen",), "param", ("transfers.cast_value",),
             ("grouping._loop_param_bytes",), _casts),
     Feature("model axis", lambda plan, ex: any(g.model > 1 for g in plan.groups), ("constrain", "spread"), None,
             (), ("grouping._model_axis",), _none),

@@ -48,7 +48,8 @@ from hetspmd.lowering.dataflow import labels_forward
 from hetspmd.lowering.loop import LoopContext, between_loops, combined_over, feed_back, one_loop
 from hetspmd.lowering.program import (Layout, Program, is_gradient_accumulated, is_gradient_cut,
                                      narrowable, sum_outputs)
-from hetspmd.lowering.transfers import ParamShards, part_axis
+from hetspmd.lowering.param_shards import ParamShards
+from hetspmd.lowering.transfers import part_axis
 from hetspmd.lowering.weighted import after_loops, before_loops, loop_part
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import padded_length, shard_axis
@@ -329,10 +330,10 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   padded to ``width`` (:func:`example_rows`), with a leading axis of one row per device.
 
   ``shards`` (``{flat input: axis}``, :func:`shardable`'s) runs the loop FSDP-style: each of those inputs is
-  given as its zero-padded value split along ``axis`` over the group (:func:`hetspmd.lowering.transfers.shard_program`),
+  given as its zero-padded value split along ``axis`` over the group (:func:`hetspmd.lowering.param_shards.shard_program`),
   gathered for each reader inside every microbatch, the gradients' sums reduce-scattered onto parts as they
   accumulate,
-  each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.transfers.ParamShards`),
+  each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.param_shards.ParamShards`),
   or its part alone for the sums ``kept`` names (flat, as the loop returns them: :func:`part_sums`).
   The layout must be in lockstep."""
   axis = layout.data_axis
@@ -618,7 +619,7 @@ def _filled(prog: Program, partials: Sequence[Sequence[Any]]) -> list[list[Any]]
 
 def part_sums(prog: Program, common: Sequence[int]) -> dict[int, tuple[int, ...]]:
   """``{flat partial value: its shape}`` of the last loop's sums a group sharding its parameters may hand their
-  owners as parts (:attr:`hetspmd.lowering.transfers.ParamShards.kept`): those no output of ``common`` (the
+  owners as parts (:attr:`hetspmd.lowering.param_shards.ParamShards.kept`): those no output of ``common`` (the
   exchange program's) reads. None in a step of several loops (an earlier loop's sums feed a later one)."""
   if prog.analysis.loops > 1:
     return {}

@@ -109,7 +109,7 @@ class LoopContext:
   buffers: tuple
   count: Any
   start: Any
-  # a group's parameters split over its devices (hetspmd.lowering.transfers.ParamShards): gathered in each
+  # a group's parameters split over its devices (hetspmd.lowering.param_shards.ParamShards): gathered in each
   # microbatch, its sums reduce-scattered into parts and made rows after the loop; the layout is in lockstep
   shards: Any = None
 
@@ -347,7 +347,7 @@ class ScanHooks:
   (``{input position: f(slice, carry)}``) made of an input's slice before the body reads it, and ``ys``
   (``{output position among the stacked outputs: f(slice)}``) made of an output's slice before it is stacked; a
   checkpointed call's ``inner`` (``(shards, {input position: value})``): the parts it takes, gathered for each
-  reader inside it (:meth:`hetspmd.lowering.transfers.ParamShards.inner`), and ``nested``: the ``ys`` of the
+  reader inside it (:meth:`hetspmd.lowering.param_shards.ParamShards.inner`), and ``nested``: the ``ys`` of the
   scans in its body, by equation index."""
 
   slices: dict = dataclasses.field(default_factory=dict)
@@ -449,7 +449,7 @@ class Body:
     return operands.rebuilt(self, var, axis)
 
   def run(self, inputs, offset, m, shards=None, nested: dict | None = None) -> list[Any]:
-    """The body's outputs; ``shards`` (a :class:`hetspmd.lowering.transfers.ParamShards` of its inputs): the
+    """The body's outputs; ``shards`` (a :class:`hetspmd.lowering.param_shards.ParamShards` of its inputs): the
     inputs that are split parameters' parts, gathered for each reader; ``nested``: ``{equation index: ys}`` of
     its scans (:class:`ScanHooks`)."""
     env = dict(zip(self.constvars, self.consts))

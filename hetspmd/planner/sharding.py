@@ -9,7 +9,7 @@ the collectives per microbatch and what of them the backend hides behind compute
 accumulator and the optimizer state sharded over all of them, as a MaxText or Levanter user runs FSDP.
 
 What the pricing assumes of the runtime is named by the constants below, each one line to change when the
-runtime changes (:mod:`hetspmd.lowering.groups`, :class:`hetspmd.lowering.transfers.ParamShards`).
+runtime changes (:mod:`hetspmd.lowering.groups`, :class:`hetspmd.lowering.param_shards.ParamShards`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, process_of
 from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated, GroupPart
 
 # Without ZeRO-3 the runtime keeps the parameters whole on every device between steps (the state is replicated; a
-# group's parts are made from it at each call: hetspmd.lowering.transfers.shard_program), so a sharded group's
+# group's parts are made from it at each call: hetspmd.lowering.param_shards.shard_program), so a sharded group's
 # devices hold them whole beside their parts through the step. Under ZeRO-3 in one process each device holds its
 # share, and a sharded group receives its parts only (hetspmd.lowering.group_build.GroupPrograms.parted).
 WHOLE_PARAMS_HELD = True
