@@ -176,7 +176,7 @@ def test_the_parameters_made_in_shares_are_priced_as_they_are_sent(processes, sh
   assert relays(shares) == (shares[0] == 0.65)
   assert copy_factor([0.65] + [0.05] * 7) == pytest.approx(5.2) and relay_factor([0.65] + [0.05] * 7) == 1.65
   from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, whole_gather_seconds
-  from hetspmd.planner.grouping import _gather_seconds
+  from hetspmd.planner.group_shares import gather_seconds as _gather_seconds
   from hetspmd.planner.pricing import Costing, device_groups
 
   cluster = hs.Cluster.parse(f"2x4xV100-32GB;inter=100Gbps;processes={processes}")

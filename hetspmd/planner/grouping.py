@@ -29,7 +29,6 @@ device is taken, then on all devices, then one without state shares
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from typing import Callable, Sequence
@@ -39,14 +38,14 @@ import numpy as np
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import KindCost, kind_ranks
-from hetspmd.plan.groups import (GroupPlan, copy_factor, group_plan, padded_length, relay_axis, relay_factor,
-                                 relays)
+from hetspmd.plan.groups import GroupPlan, group_plan
 from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
-                                       gradient_reductions, microbatch_bytes,
-                                       whole_gather_seconds)
+                                       gradient_reductions, microbatch_bytes)
 from hetspmd.planner import sharding
-from hetspmd.planner.group_execution import PROGRAM_DISPATCH_SECONDS, execution_of, one_process, process_of, shard_groups, shard_size
+from hetspmd.planner.group_execution import (PROGRAM_DISPATCH_SECONDS, execution_of, one_process, process_of,
+                                             shard_groups, shard_size)
+from hetspmd.planner.group_shares import COPIED, gather_seconds, loop_param_bytes, share_factor, split_fraction
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, GroupPart, device_groups,
                                      position_seconds)
 
@@ -171,7 +170,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   if zero and not shares:
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
-  split = _split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
+  split = split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
   # a sharded group hands each owner its parts of the sums, copied (sharding.PARTS_TO_OWNERS): the owner
   # receives one joined row per sharded group, and one per device of the others
   parts = execution.parts_to_owners and sharding.PARTS_TO_OWNERS
@@ -196,7 +195,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce = _reduce_seconds(costing, layout, dtype, hybrid=hybrid, owner=owner, spread=spread, sums=sums,
                            received=received)
-  gather = _gather_seconds(costing, layout, spread, zero) if zero else 0.0
+  gather = gather_seconds(costing, layout, spread, zero) if zero else 0.0
   hidden = 0.0
   if count:
     kind = blocked.kinds[busiest]
@@ -232,7 +231,7 @@ def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybri
   """The exchange's reduction of the sums in ``dtype``: an all-reduce over every device; in a hybrid plan the
   groups' parts added across the groups (:func:`hetspmd.planner.sharding.hybrid_exchange_seconds`); where each
   owner reduces its own sums, the busiest owner's rows (``spread``: the state's shares per position; ``sums``: how
-  they travel, :func:`_split_fraction`: every device's rows copied to it, the time scaled to the busiest
+  they travel, :func:`split_fraction`: every device's rows copied to it, the time scaled to the busiest
   device's bytes, :func:`hetspmd.plan.groups.copy_factor`; or, where some devices hold much more than the rest,
   reduce-scattered evenly and then made whole on their owner, :func:`hetspmd.plan.groups.relay_factor`), scaled by
   the rows it ``received`` of each sum against one per device (across processes the exchange program reduces
@@ -241,7 +240,7 @@ def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybri
     groups = [g for kind_groups in shard_groups(costing, layout).values() for g in kind_groups]
     return sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
-  return reduce / 2 * _factor(spread, sums) * received / len(layout.groups) if owner else reduce
+  return reduce / 2 * share_factor(spread, sums) * received / len(layout.groups) if owner else reduce
 
 
 def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, int], *, dtype: str,
@@ -320,60 +319,6 @@ def _blocked(cluster: Cluster, layout: DeviceGroups, models: dict[str, int]) -> 
                       layout.memory, tuple(i for b in blocks for i in b))
 
 
-def _gather_seconds(costing: Costing, layout: DeviceGroups, shares: Sequence[float], zero: int) -> float:
-  """Sending the parameters the update programs made to every device (under ZeRO-3 their casts, as the programs
-  take them, in place of whole ones), every leaf whole whether or not the devices divide it, as the runtime
-  does: in one process as copies from each one's device
-  (:func:`hetspmd.plan.groups.copy_factor` of a ring all-gather) or, where one device holds much more than the
-  rest, in two hops (:func:`hetspmd.plan.groups.relay_factor`); across processes one uniform program adds every
-  device's row (the value on its owner, zeros elsewhere), an all-reduce: twice an all-gather's bytes."""
-  gather = whole_gather_seconds(costing.cluster, layout.hosts, costing.profile)
-  if zero == 3:
-    gather *= _loop_param_bytes(costing.profile) / max(costing.profile.param_bytes, 1)
-  if not one_process(costing, layout):
-    return 2.0 * gather
-  return gather * _factor(shares, _split_fraction(costing.profile, shares))
-
-
-def _factor(shares: Sequence[float], split: tuple[float, float, float]) -> float:
-  """Values each device holds in ``shares``, sent to or gathered from every device against a ring: ``split``
-  (:func:`_split_fraction`) gives the fraction of their bytes in two hops (padding included:
-  :func:`hetspmd.plan.groups.relay_factor`) and the fraction copied."""
-  return split[0] * relay_factor(shares) + split[1] * copy_factor(shares)
-
-
-COPIED = (0.0, 1.0, 0.0)  # every value copied: none in two hops, none padded
-
-
-def _split_fraction(profile: StepProfile, shares: Sequence[float]) -> tuple[float, float, float]:
-  """How the values held in ``shares`` travel (one per device): where they take two hops
-  (:func:`hetspmd.plan.groups.relays`), the parameters' elements that do over that many devices
-  (:func:`hetspmd.plan.groups.relay_axis`: all but scalars, empty leaves and those padding would grow too much),
-  padding included; those copied; and those of the leaves that are padded, padding included (each device holds a
-  padded copy of them while it sends them): fractions of all of them (all in two hops, none padded, where the
-  profile has no leaf shapes). :data:`COPIED` otherwise."""
-  if not relays(shares):
-    return COPIED
-  return _split_of(profile.param_leaf_shapes, profile.param_leaf_sizes, len(shares))
-
-
-@functools.lru_cache(maxsize=None)
-def _split_of(shapes: tuple, sizes: tuple, n: int) -> tuple[float, float, float]:
-  total = sum(sizes)
-  if not shapes or not total:
-    return 1.0, 0.0, 0.0
-  moved = copied = padded = 0
-  for shape, size in zip(shapes, sizes):
-    axis = relay_axis(shape, n)
-    if axis is None:
-      copied += size
-    else:
-      sent = size // shape[axis] * padded_length(shape[axis], n)
-      moved += sent
-      padded += sent if shape[axis] % n else 0
-  return moved / total, copied / total, padded / total
-
-
 def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int], tail: tuple[int, int],
                   remats: dict[str, str], owner: bool = False, *, tps: dict[str, TensorParallel] | None = None,
                   zero: int = 1, narrow: bool = False, sharded: frozenset[str] = frozenset(),
@@ -423,7 +368,7 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
 
   Under ZeRO-3 (``zero=3``, data-only) ``share`` is of the parameters and the optimizer state together, and the
   programs hold the parameters as they receive them: the casts of those the step reads only through casts
-  (:func:`_loop_param_bytes`), the others whole. ``narrow``: the group program casts its float32 accumulator to
+  (:func:`loop_param_bytes`), the others whole. ``narrow``: the group program casts its float32 accumulator to
   bfloat16 rows as it ends (a plan without a tail that reduces in bfloat16), so after the loop a device holds
   those rows and the reduced gradients (or the rows it reduces) at half the bytes, and no accumulator."""
   tail_peak = costing.memory(n, tail[0], 0, tail[1], optimizer_share=share, reduced_share=rows) if tail[0] else 0
@@ -449,18 +394,12 @@ def _peak(costing: Costing, n: int, loop: tuple[int, str], tail: tuple[int, str]
   return max(tail_peak, int((p.param_bytes + optimizer + working) * WORKSPACE))
 
 
-def _loop_param_bytes(profile: StepProfile) -> int:
-  """The parameters' bytes as ZeRO-3 group programs receive them: the casts of those the step reads only
-  through casts to a narrower dtype, the others whole."""
-  return profile.param_bytes - profile.castable_param_bytes + profile.cast_param_bytes
-
-
 def _params_held(profile: StepProfile, zero: int, share: float | None) -> float:
   """A device's parameter bytes through a step: whole float32, or under ZeRO-3 as the programs receive them
-  (:func:`_loop_param_bytes`) beside its ``share`` of the float32 ones."""
+  (:func:`loop_param_bytes`) beside its ``share`` of the float32 ones."""
   if zero != 3:
     return profile.param_bytes
-  return _loop_param_bytes(profile) + (share or 0.0) * profile.param_bytes
+  return loop_param_bytes(profile) + (share or 0.0) * profile.param_bytes
 
 
 def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int, share: float | None, *,
@@ -476,7 +415,7 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   if share is None:
     return cost
   spec = costing.cluster.spec_of(kind)
-  received = _loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
+  received = loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
   return cost.with_fixed(costing.fixed[kind] * share + received / spec.write_rate + whole)
 
 
