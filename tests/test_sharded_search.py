@@ -175,3 +175,23 @@ def test_the_fsdp_baseline_is_a_group_plan_that_runs_exactly(pool):
   assert fsdp.group.execution.hybrid and len(fsdp.group.execution.groups) == 1
   trained, ref = _trained(dropout_step, plan, _state, _batches(48))
   ref.check(trained)
+
+
+@pytest.fixture(scope="module")
+def medium_profile():
+  w = models.get("gpt2-medium")
+  return profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+
+
+@pytest.mark.parametrize("pool", ["1x8xA100-80GB", "2x8xA100-80GB;inter=100Gbps;processes=1", "1x8xV100-16GB"])
+def test_one_price_for_plain_fsdp(pool, medium_profile):
+  """Plain FSDP (one group of every device sharding its parameters) has one price: where the group search's plan is
+  that group, it costs what the fsdp baseline costs, to the second and the byte."""
+  profile = medium_profile
+  cluster = hs.Cluster.parse(pool)
+  fsdp = search(cluster, profile, BATCH, top=1, remat_policies=("none", "layers"), groups=True).baselines["fsdp"]
+  grouped = search_groups(cluster, profile, BATCH, microbatch_sizes(BATCH), remat_policies=("none", "layers"))
+  assert len(grouped.group.execution.groups) == 1 and grouped.group.execution == fsdp.group.execution
+  assert (grouped.microbatch, grouped.remat) == (fsdp.microbatch, fsdp.remat)
+  assert grouped.step_seconds == pytest.approx(fsdp.step_seconds, rel=1e-9)
+  assert grouped.memory_bytes == fsdp.memory_bytes
