@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
       "1 - (best / ideal) / (homogeneous_equivalent / its own ideal), how much further the best plan falls short of "
       "the pool's ideal than the equivalent falls short of its own. Also the best group plan (one program per "
       "device kind, each its own microbatch, a kind's parameters sharded over its devices where that lets it join or "
-      "recompute less; where every kind shards, each group holds its state split: hybrid). For a model that scans its layers (the zoo's -scan models), pipeline "
+      "recompute less; where every kind shards, each group holds its state split: hybrid; or the fsdp plan where it is faster). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
   search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
@@ -297,7 +297,8 @@ def _print_search(args: argparse.Namespace, cluster: Cluster, workload, result, 
                            f"best is {result.throughput_vs_homogeneous:.2f}x its throughput)"))
   if result.group_plan is not None:
     print()
-    print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
+    print(f"{'':>2} group programs (one per device kind, each its own microbatch, or the fsdp plan's one group; "
+          "parallelize(plan=...) runs them)")
     print(_group_plan_row(result.group_plan, best, ideal))
   if stage_plans:
     print()
@@ -388,7 +389,7 @@ def _group_plan_row(g, best, ideal: float) -> str:
   sharded = [k for k, s in dict.fromkeys(zip(g.kinds, part.shard_params)) if s]
   if sharded:
     sizes += ("; plain FSDP: one group of every device, its parameters and optimizer state split over them"
-              if part.execution.hybrid and len(part.execution.groups) == 1 else
+              if part.execution.hybrid and part.execution.groups[0][1] == len(g.device_positions) else
               "; hybrid: every group its parameters and optimizer state split over its devices" if part.execution.hybrid
               else "; parameters sharded (FSDP) on " + ", ".join(sharded))
   if best is None:  # no single program fits

@@ -67,9 +67,9 @@ def _beside_the_loop(layout, counts, microbatch, lockstep=False, **plan_options)
   rng = jax.random.key(7)
   step_fn, plain, state0 = _lm1b(batch, layout, counts, microbatch)
   _, other, _ = _lm1b(batch, layout, counts, microbatch, **plan_options)
-  other._lockstep = lockstep or None  # True: as if the compiled loop held a collective-permute
   ref = Reference(step_fn, _lm_state()).run(batches, dropout_rng=rng)
   a, b_ = plain.shard_state(state0), other.shard_state(_lm_state())
+  other._runner._lockstep = lockstep or None  # True: as if the compiled loop held a collective-permute
   for i, b in enumerate(batches):
     a, metrics_a = plain(a, b, dropout_rng=rng)
     b_, metrics_b = other(b_, b, dropout_rng=rng)

@@ -98,7 +98,7 @@ def test_bfloat16_reduction_halves_the_gradient_bytes_and_is_taken_on_a_slow_net
   slow = Cluster.parse("1x4xV100-32GB+1x4xP100-16GB;inter=1Gbps;inter_latency=0us;intra_latency=0us")
   best = search_stages(slow, profile, 64)[0]
   assert best.grad_reduce_dtype == "float32"   # float32 unless asked
-  narrow = price(slow, profile, stack, best.hosts, best.stages, best.microbatch, global_batch=64, reduce_dtype="bfloat16")
+  narrow = price(slow, profile, stack, best.hosts, best.stages, best.microbatch, global_batch=64, grad_reduce_dtype="bfloat16")
   assert narrow.reduce_seconds == pytest.approx(best.reduce_seconds / 2)   # no latency: pure bytes
   assert narrow.step_seconds == pytest.approx(best.step_seconds - best.reduce_seconds / 2)
   chosen = search_stages(slow, profile, 64, grad_reduce_dtypes=("float32", "bfloat16"))[0]

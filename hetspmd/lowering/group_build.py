@@ -56,8 +56,8 @@ class GroupMeshes:
 
   @classmethod
   def of(cls, plan: GroupPlan) -> "GroupMeshes":
-    """The plan's meshes over JAX's devices; a plan naming devices JAX lacks, or a group over several processes,
-    is refused."""
+    """The plan's meshes over JAX's devices and how the plan runs on them (:class:`Execution`); a plan naming
+    devices JAX lacks, or a group over several processes that does not shard its parameters, is refused."""
     by_id = {d.id: d for d in jax.devices()}
     missing = [d for d in plan.devices if d not in by_id]
     if missing:

@@ -8,7 +8,7 @@ kinds of programs built from the same microbatch analysis:
   the group, each device's loop over its own microbatches (the group's
   microbatch size, the device's count) giving that device's partial value of
   every cut, in float32 (the runtime casts the last loop's gradients to the
-  plan's ``reduce_dtype`` when there is no tail: :func:`narrowed`,
+  plan's ``grad_reduce_dtype`` when there is no tail: :func:`narrowed`,
   :func:`narrow`), with a leading axis of one per device. Nothing
   crosses devices, so groups with different shapes run side by side.
 * :func:`exchange_program`, over every device: each cut's partials

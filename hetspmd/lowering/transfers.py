@@ -324,14 +324,15 @@ def _sum_rows(replicated: NamedSharding) -> Callable[[list], list]:
   return jax.jit(lambda rows: [r.sum(axis=0) for r in rows], out_shardings=replicated)
 
 
-def broadcast(owner: dict, local: dict, avals: dict, mesh: Mesh, shares: tuple, call: Callable[..., Any]) -> dict:
+def broadcast(owner: dict, local: dict, avals: dict, mesh: Mesh, shares: tuple, call: Callable[..., Any], *,
+              one_process: bool) -> dict:
   """``{key: value}`` on every device of ``mesh``, for each ``key`` of ``owner`` whose value lives on
   ``owner[key]`` (``local``: this process's values; ``avals``: every value's shape and dtype). In one process each
   is copied from its device, or where some devices hold much more than the rest (``shares``:
   :func:`hetspmd.plan.groups.relays`) sent in two hops (:func:`relayed`); across processes, one uniform program
   adds rows that are the value on its device and zeros on every other (run by ``call(program, rows)``)."""
   replicated = NamedSharding(mesh, P())
-  if jax.process_count() == 1:
+  if one_process:  # the plan's devices are one process's (Execution.one_process)
     if relays(shares):
       return relayed(local, mesh)
     return {k: jax.device_put(x, replicated) for k, x in local.items()}

@@ -1,9 +1,11 @@
 """How a group plan runs, decided once: an :class:`Execution`, made from the plan and the processes that run it.
 
 A :class:`~hetspmd.plan.groups.GroupPlan` says what each group computes; how the
-step then moves its values depends also on the processes: a group's program
-runs in one process (a group spanning several is cut), each device reduces its
-own share's sums only where one process drives them all, and so on. Those
+step then moves its values depends also on the processes: a group whose devices
+run their own trip counts runs in one process (one spanning several is cut), a
+group that shards its parameters runs over every process holding its devices,
+each device reduces its own share's sums only where one process drives them
+all, and so on. Those
 decisions are made here and nowhere else. The search prices this value
 (:func:`hetspmd.planner.grouping.price_groups` makes it from the layout it
 prices), the group lowering builds from it

@@ -32,9 +32,12 @@ def process_of(cluster: Cluster) -> tuple[int, ...]:
 
 
 def shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:
-  """Per kind, the groups its devices on ``layout`` make at run time, smallest first: its devices in each process
-  (:func:`process_of`; the runtime cuts a group where its devices change process,
-  :func:`hetspmd.plan.groups.split_by_process`), each sharding its parameters over its own devices."""
+  """Per kind, the groups its devices on ``layout`` make, smallest first: its devices in each process
+  (:func:`process_of`). The search chooses this cut: a group whose devices run their own trip counts must be one
+  process's (the runtime cuts it: :func:`hetspmd.plan.groups.split_by_process`), and a kind that shards its
+  parameters is written as one group per process too (HSDP, :func:`hetspmd.planner.grouping.to_group_plan`),
+  each sharding over its own devices. Plain FSDP over every device, one group across processes, is priced apart
+  (:func:`hetspmd.planner.sharding.fsdp_baseline`)."""
   key = (tuple(layout.devices), tuple(layout.hosts.items()))
   if key not in costing.shard_groups:
     every, process = costing.cluster.devices, process_of(costing.cluster)

@@ -361,8 +361,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   fsdp = fsdp_baseline(costing, global_batch, sizes, space.remat_policies, space.grad_reduce_dtypes)
   if fsdp is not None:  # a group plan (one group of every device): not among the ranked single programs
     baselines["fsdp"] = fsdp
-    if groups and (grouped is None or fsdp.throughput > grouped.throughput):
-      grouped = fsdp  # the group plans offered include it: the fsdp plan runs
+    if groups:
+      grouped = _faster(grouped, fsdp)  # the group plans offered include it: the fsdp plan runs
   ideal = ideal_throughput(cluster, profile, global_batch)
   homogeneous_ideal = None if not homogeneous else ideal if cluster.is_homogeneous else ideal_throughput(
       cluster.homogeneous_equivalent(), profile, global_batch)
@@ -376,11 +376,23 @@ def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, 
                      progress: Callable[[str], None] | None = None) -> Evaluated | None:
   """The best group plan over the microbatch sizes :func:`search` tries, for a pool where no single program fits
   (:func:`search` then raises :class:`PlanDoesNotFitError`): a group plan holds what each device needs of its own
-  microbatch and its share of the state, which one program cannot give devices of different memory."""
+  microbatch and its share of the state, which one program cannot give devices of different memory. The ``fsdp``
+  plan (one group of every device) is among them."""
   space = SearchSpace(cluster, profile, global_batch, (1,), tuple(remat_policies), tuple(grad_reduce_dtypes),
                       True, True)
-  return search_groups(cluster, profile, global_batch, space.microbatches, remat_policies=space.remat_policies,
-                       grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
+  sizes = space.microbatches
+  grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
+                          grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
+  fsdp = fsdp_baseline(Costing(cluster, profile, sizes[len(sizes) // 2]), global_batch, sizes, space.remat_policies,
+                       space.grad_reduce_dtypes)
+  return _faster(grouped, fsdp)
+
+
+def _faster(a: Evaluated | None, b: Evaluated | None) -> Evaluated | None:
+  """The faster of two plans (either may be None); a tie keeps ``a``."""
+  if a is None or b is None:
+    return a or b
+  return b if b.throughput > a.throughput else a
 
 
 # how much faster than the best single program a group plan must be priced for the search to run it: a group

@@ -196,9 +196,12 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
   ``state_sharded``), gathers per layer and a reduce-scatter per microbatch (:func:`microbatch_comm_seconds` over
   every device), every device running the most microbatches any runs (lockstep), the update on each device's
   part; the group's program and the exchange each dispatched once. The fastest over ``sizes``,
-  ``remat_policies`` and ``dtypes`` that fits every device, or None.
+  ``remat_policies`` and ``dtypes`` that fits every device, or None (and None for one device: nothing to shard
+  over). Its ZeRO stage is 0, as the plan it writes says: the state is held split, in no shares.
   :func:`hetspmd.planner.grouping.to_group_plan` makes it a :class:`~hetspmd.plan.groups.GroupPlan`."""
   cluster, profile, every = costing.cluster, costing.profile, costing.cluster.devices
+  if len(every) < 2:
+    return None
   execution = Execution.made([(set(process_of(cluster)), len(every), True)], zero_stage=0, shares=False, tail=False)
   devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
   n, kinds = len(devices), cluster.kinds
@@ -215,7 +218,7 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
     seconds = per_kind[slowest]
     exposed = most * exposed_seconds(slowest, comm[dtype, remat], plain[slowest].micro)  # the collectives compute leaves
     e = Evaluated(name="fsdp", device_positions=devices, kinds=on, microbatch=microbatch,
-                  counts=even_counts(n, global_batch // microbatch), zero_stage=3, remat=remat,
+                  counts=even_counts(n, global_batch // microbatch), zero_stage=0, remat=remat,
                   compute_seconds=seconds - exposed + 2 * PROGRAM_DISPATCH_SECONDS, comm_seconds=exposed,
                   memory_bytes=(memory,) * n, global_batch=global_batch, grad_reduce_dtype=dtype,
                   group=GroupPart((microbatch,) * n, remats=(remat,) * n, shard_params=(True,) * n,

@@ -143,12 +143,12 @@ def _stage_costs(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequen
 
 
 def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]], stages: Sequence[int],
-          microbatch: int, *, global_batch: int, costs: list | None = None, reduce_dtype: str = "float32"
+          microbatch: int, *, global_batch: int, costs: list | None = None, grad_reduce_dtype: str = "float32"
           ) -> StagePlan | None:
   """One stage plan's predicted step; None when it does not fit memory or the batch does not split into
   microbatches of ``microbatch``, at least one per data position. A batch the positions do not divide is
   spread as :func:`hetspmd.plan.counts.even_counts` spreads it, and runs as many ticks as the most any takes.
-  ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``reduce_dtype``:
+  ``costs``: :func:`_stage_costs` of these hosts at this microbatch, when already known; ``grad_reduce_dtype``:
   the dtype gradients cross in (:func:`hetspmd.lowering.staged` casts them for the wire, accumulation stays float32)."""
   S = len(stages)
   width = sum(cluster.hosts[h].count for h in hosts[0])
@@ -169,8 +169,8 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   others = profile.param_count - stack.stack_params
   block = stack.stack_params / S
   reduce = max(allreduce_seconds(cluster, [p for h in g for p in range(first_of[h], first_of[h + 1])],
-                                 block * REDUCE_BYTES[reduce_dtype]) for g in hosts)
-  reduce += allreduce_seconds(cluster, list(range(cluster.num_devices)), others * REDUCE_BYTES[reduce_dtype])
+                                 block * REDUCE_BYTES[grad_reduce_dtype]) for g in hosts)
+  reduce += allreduce_seconds(cluster, list(range(cluster.num_devices)), others * REDUCE_BYTES[grad_reduce_dtype])
   update = max(float(np.sum(profile.node_seconds(cluster.hosts[h].device, 1)[profile.per_step]))
                for g in hosts for h in g) * (others + block) / max(profile.param_count, 1)
   step = ticks * (tick_f + tick_b + 2 * transfer) + reduce + update
@@ -181,7 +181,7 @@ def price(cluster: Cluster, profile, stack: Stack, hosts: Sequence[Sequence[int]
   if memory * WORKSPACE > min(h.device.memory_bytes for h in cluster.hosts):
     return None
   return StagePlan(tuple(stages), tuple(tuple(g) for g in hosts), microbatch, M, step, tick_f + tick_b + 2 * transfer,
-                   transfer, reduce, memory, reduce_dtype, counts)
+                   transfer, reduce, memory, grad_reduce_dtype, counts)
 
 
 def split_layers(per_layer: Sequence[float], fixed: Sequence[float], layers: int) -> tuple[int, ...]:
@@ -218,7 +218,7 @@ def search_stages(cluster: Cluster, profile, global_batch: int, top: int = 5,
       fixed = [(c[2] + c[3] if s == 0 else 0.0) + (c[4] if s == S - 1 else 0.0) for s, c in enumerate(costs)]
       stages = split_layers(per_layer, fixed, stack.layers)
       priced = [price(cluster, profile, stack, groups, stages, m, global_batch=global_batch, costs=costs,
-                      reduce_dtype=dtype)
+                      grad_reduce_dtype=dtype)
                 for dtype in grad_reduce_dtypes]
       priced = [p for p in priced if p is not None]
       if priced:

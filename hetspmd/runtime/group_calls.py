@@ -117,7 +117,7 @@ def _split(inputs: list, at: tuple, program: Callable[..., Any], call: Callable[
 
 
 def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, masters: dict, *, mesh: Mesh,
-                shares: tuple, call: Callable[..., Any], called: dict) -> None:
+                shares: tuple, call: Callable[..., Any], called: dict, one_process: bool) -> None:
   """Each of this process's devices' update program on its held leaves, its outputs set in ``outputs`` (``call``:
   runs a named program; ``called``: ``{name: (program, ...)}`` of those run before); ``inputs``: the step's flat inputs, the
   batch's None; ``sums``: the reduced sums, or the rows and earlier totals each owner reduces itself;
@@ -158,7 +158,7 @@ def run_updates(built: GroupPrograms, outputs: list, inputs: list, sums: Any, ma
         made[o] = x
   owner = {o: device for device, (outs, _) in built.updates.items() for o in outs if o not in built.kept}
   sent = transfers.broadcast(owner, made, {o: built.out_avals[o] for o in owner}, mesh, shares,
-                             functools.partial(call, "send"))
+                             functools.partial(call, "send"), one_process=one_process)
   for o in sent:
     outputs[o] = sent[o]
 
@@ -179,7 +179,7 @@ def gather_params(built: GroupPrograms, state_leaves: list, meshes: GroupMeshes,
   parted = {i: device for i, device in held.items() if i in built.parted}
   sent = transfers.broadcast({i: d for i, d in held.items() if i not in parted},
                              {i: x for i, x in local.items() if i not in parted}, avals, mesh, shares,
-                             functools.partial(call, "gather"))
+                             functools.partial(call, "gather"), one_process=meshes.execution.one_process)
   sent.update({i: PerGroup(state_leaves[i], _per_group(local[i], built.parted[i], meshes))  # cast, where cast
                for i in parted if i in local})
   return [sent[i] if i in sent else transfers.cast_value(x, casts[i]) if i in casts else x

@@ -286,6 +286,7 @@ class GroupedStep:
       outputs[o] = x
     inputs = state_leaves + [None] * n_batch + everywhere
     calls.run_updates(built, outputs, inputs, sums, masters, mesh=self.mesh, shares=self.plan.state_shares,
+                      one_process=self.execution.one_process,
                       call=self._call, called=self._last)
     return jax.tree.unflatten(built.out_tree, outputs)
 

@@ -59,8 +59,9 @@ class Runner(Protocol):
   def state_shardings(self, state: Any) -> Any:
     """Where the state lives between steps (to restore a checkpoint into)."""
 
-  def shard_batch(self, batch: tuple) -> Any:
-    """The batch arguments (a tuple) placed ahead of the step: what the step takes in the batch's place."""
+  def shard_batch(self, batch: Any) -> Any:
+    """The step's batch argument placed ahead of the step: what the step takes in the batch's place (the single
+    program also takes a tuple of several batch arguments, as a call binds them)."""
 
   def batch_sizes(self) -> set[int]:
     """The leading sizes this process's batch arguments may have."""

@@ -91,8 +91,8 @@ class ParallelStep:
   @property
   def grouped(self) -> bool:
     """Whether the step runs under a :class:`~hetspmd.plan.groups.GroupPlan` (one program per device group:
-    :mod:`hetspmd.runtime.grouped`)."""
-    return self._resolve(None).grouped
+    :mod:`hetspmd.runtime.grouped`); False before the plan is resolved."""
+    return self._runner is not None and self._runner.grouped
 
   def _resolve(self, state: Any, trace: Trace | None = None) -> Runner:
     """The plan form's runner, the plan resolved on ``state`` (and for ``"search"``, the step traced as
@@ -109,15 +109,18 @@ class ParallelStep:
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
-      else:
+      elif requested == "search":
         searched = searched_plan(self, self.cluster or Cluster.from_devices(jax.devices()), state,
                                  self._search_trace(trace))
         plan, runtime, self._note = searched.plan, searched.runtime, searched.note
+      else:
+        raise InvalidValueError(
+            f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
       if plan.global_batch != self.global_batch:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
       _check_plan_kinds(plan, self.cluster)
-      self._runner = RUNNERS[type(plan)].of(self, plan, runtime)
+      self._runner = next(r for form, r in RUNNERS.items() if isinstance(plan, form)).of(self, plan, runtime)
     if state is not None:
       self._runner.check_state(state)
     return self._runner
@@ -375,8 +378,9 @@ def _bound_cluster(cluster: Any) -> Cluster | None:
 
 
 def _check_plan_kinds(plan: Plan | GroupPlan, cluster: Cluster | None) -> None:
-  """Refuses a plan made for other device kinds than ``cluster``'s at the plan's devices."""
-  if not isinstance(plan, Plan) or not plan.device_kinds or cluster is None or cluster.jax_device_ids is None:
+  """Refuses a plan made for other device kinds than ``cluster``'s at the plan's devices (a plan that names its
+  devices' kinds: a group plan names none)."""
+  if not getattr(plan, "device_kinds", ()) or cluster is None or cluster.jax_device_ids is None:
     return
   kind_of = dict(zip(cluster.jax_device_ids, (d.spec.name for d in cluster.devices)))
   here = tuple(kind_of.get(i, "absent") for i in plan.device_ids)
