@@ -66,6 +66,7 @@ def batches(n=3):
 
 PLANS = {
     "auto": "auto",
+    "search": "search",  # the search traces the first call
     # 4 + 4 devices, microbatches of 4 and 2: 16 + 8 examples
     "groups": lambda: group_plan([((0, 1, 2, 3), 4, (1, 1, 1, 1)), ((4, 5, 6, 7), 2, (1, 1, 1, 1))], B),
 }
