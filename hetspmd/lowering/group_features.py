@@ -50,6 +50,8 @@ def _shares(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
 
 
 def _zero3_parts(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
+  if built is not None and not built.parted:
+    return []  # none qualifies: each is read whole by the exchange or another owner's update
   parted = f" ({len(built.parted)} parameters)" if built is not None else ""
   return [f"  ZeRO-3 parameters made on one device reach the groups that shard them as their parts only{parted}"]
 
