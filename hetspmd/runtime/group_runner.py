@@ -38,7 +38,7 @@ class GroupRunner:
 
   @property
   def program_count(self) -> int:
-    return len(self.runtime._built)
+    return self.runtime.program_count
 
   # --- placing ------------------------------------------------------------------
 

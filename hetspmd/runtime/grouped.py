@@ -139,6 +139,11 @@ class GroupedStep:
     return self._meshes.mesh
 
   @property
+  def program_count(self) -> int:
+    """How many argument structures have their programs built."""
+    return len(self._built)
+
+  @property
   def traced(self) -> bool:
     """Whether the step has been traced (a call, or :meth:`prepare`): the held leaves' devices are known."""
     return self._latest is not None
