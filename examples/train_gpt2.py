@@ -229,12 +229,12 @@ def main(argv=None) -> list[dict]:
 
 def searched_plan(step_fn, workload, cluster, args):
   """The search's best plan for ``step_fn`` on ``cluster`` at ``args``' batch and sequence length."""
+  import hetspmd as hs
   from hetspmd.planner.building import plan_from
-  from hetspmd.planner.ranking import search_step
 
-  result = search_step(step_fn, workload.abstract_state(), workload.example_batch(2, args.seq), cluster,
-                       global_batch=args.global_batch, top=1)
-  return plan_from(result.plans[0], cluster, workload.abstract_state(), result.ideal_throughput)
+  found = hs.search(step_fn, workload.abstract_state(), workload.example_batch(2, args.seq), cluster=cluster,
+                    global_batch=args.global_batch, top=1)
+  return plan_from(found.plans[0], cluster, workload.abstract_state(), found.ideal_throughput)
 
 
 def plan_line(plan) -> str:

@@ -36,18 +36,19 @@ from hetspmd.plan.groups import shares_for as shares_for
 from hetspmd.plan.value import Plan as Plan
 from hetspmd.planner.building import plan_for as plan_for
 from hetspmd.planner.building import stage_layers as stage_layers
-from hetspmd.planner.ranking import search_step as search
 from hetspmd.runtime.placement import ShardedBatch as ShardedBatch
 from hetspmd.runtime.grouped import GroupedStep as GroupedStep
 from hetspmd.runtime.grouped import run_groups as run_groups
 from hetspmd.runtime.step import ParallelStep as ParallelStep
 from hetspmd.runtime.step import parallelize as parallelize
+from hetspmd.step_search import StepSearch as StepSearch
+from hetspmd.step_search import search as search
 
 __all__ = [
     "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
     "GroupPlan", "GroupedStep", "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
     "value_and_grad", "group_plan", "run_groups", "shares_for",
-    "search", "weighted",
+    "search", "StepSearch", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "PlanDoesNotFitError", "Role", "TraceError", "UnknownNameError",
     "UnpartitionableError", "__version__", "trace",
 ]

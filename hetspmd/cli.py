@@ -2,8 +2,8 @@
 
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
-    hetspmd search [--model gpt2-small] [--cluster amp-t4-v100] [--global-batch 64] [--out plan.json]
-                   [--group-plan-out groups.json] [--json]
+    hetspmd search [--model gpt2-small | --step FILE_OR_MODULE:FUNCTION] [--cluster amp-t4-v100]
+                   [--global-batch 64] [--out plan.json] [--group-plan-out groups.json] [--json]
     hetspmd explain plan.json [--png plan.png] [--json]
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
@@ -12,7 +12,10 @@ Errors that hetspmd raises on purpose print one line to stderr and exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -31,17 +34,11 @@ from hetspmd.hardware.devices import LINK_PRESETS
 from hetspmd.hardware.profiler import profile as profile_devices
 from hetspmd.passes import Role
 from hetspmd.passes import trace as trace_graph
-from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
-from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.value import Plan
-from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.errors import PlanDoesNotFitError
-from hetspmd.planner.ranking import (BASELINES, GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, chosen_group_plan,
-                                     group_plan_alone, ideal_throughput)
-from hetspmd.planner.ranking import search as search_plans
-from hetspmd.planner.stages import describe, search_stages
+from hetspmd.runtime.searching import single_plan
+from hetspmd.step_search import search as search_step
 
 _si = functools.partial(si, small=".0f")  # counts and rates below a thousand as integers
 
@@ -103,10 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
       "recompute less; where every kind shards, each group holds its state split: hybrid; or the fsdp plan where it is faster). For a model that scans its layers (the zoo's -scan models), pipeline "
       "stage plans too, in a table of their own (stages of whole hosts, layers split by speed).",
       epilog="Cluster spec grammar: " + _GRAMMAR)
-  search.add_argument("--model", default="gpt2-small", help="zoo model name (default: gpt2-small)")
+  search.add_argument("--model", help="zoo model name (default: gpt2-small)")
+  search.add_argument("--step", metavar="FILE_OR_MODULE:FUNCTION",
+                      help="search your own step instead of a zoo model: FUNCTION() takes no arguments and returns "
+                      "(step, args, kwargs), the step as you call it and its arguments (arrays or "
+                      "jax.ShapeDtypeStruct, NNX objects from nnx.eval_shape), e.g. examples/nnx_lm.py:gemma3_1b")
   search.add_argument("--cluster", default="amp-t4-v100",
                       help="preset name, cluster TOML file, or spec (default: amp-t4-v100)")
-  search.add_argument("--global-batch", type=_positive_int, default=64, help="examples per step (default: 64)")
+  search.add_argument("--global-batch", type=_positive_int,
+                      help="examples per step (default: 64 for --model; for --step, the batch argument's size)")
   search.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
   search.add_argument("--top", type=_positive_int, default=5, help="plans to show (default: 5)")
   search.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -232,193 +234,105 @@ def _run_search(args: argparse.Namespace) -> int:
   _check_writable(args.out, "--out")
   _check_writable(args.group_plan_out, "--group-plan-out")
   cluster = Cluster.resolve(args.cluster)
-  workload = models.get(args.model).with_dtype(args.dtype)
-  batch = workload.example_batch(2, args.seq)
-  state = workload.abstract_state()
   start = time.perf_counter()
 
   def progress(message: str) -> None:
     if not args.json:
       print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
 
-
-  dtypes = GRAD_REDUCE_DTYPES if args.grad_reduce_dtype == "search" else (args.grad_reduce_dtype,)
-  progress("tracing the step at two batch sizes")
-  profile = profile_step(workload.make_train_step(), state, batch)
-  try:
-    # the zoo's step differentiates with jax.value_and_grad: only the policies parallelize applies to any step
-    result = search_plans(cluster, profile, args.global_batch, args.top, progress, grad_reduce_dtypes=dtypes,
-                          remat_policies=STEP_REMAT_POLICIES,
-                          overlap=not args.no_overlap, homogeneous=True, groups=True)
-  except PlanDoesNotFitError as e:
-    return _group_plan_only(args, cluster, workload, profile, e, dtypes, progress=progress)
-  stage_plans = search_stages(cluster, profile, args.global_batch, top=3, grad_reduce_dtypes=dtypes,
-                              progress=progress)
-  report = _search_report(args, cluster, workload, batch, result, stage_plans)
-  if args.json:
-    print(json.dumps(report, indent=2))
+  if args.step:
+    if args.model is not None or args.seq or args.dtype != "float32":
+      raise HetSpmdError("--step searches your own step as it is: drop --model, --seq and --dtype (set them in "
+                         "the function that builds the step)")
+    step, step_args, step_kwargs = load_step(args.step)
+    name, dtype, seq = args.step, None, None
   else:
-    _print_search(args, cluster, workload, result, stage_plans, report)
+    workload = models.get(args.model or "gpt2-small").with_dtype(args.dtype)
+    args.global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
+    batch = workload.example_batch(args.global_batch, args.seq)
+    step, step_args, step_kwargs = workload.make_train_step(), (workload.abstract_state(), batch), {}
+    name, dtype = workload.name, args.dtype
+    seq = batch[next(iter(batch))].shape[1] if workload.default_seq else None
+  found = search_step(step, *step_args, cluster=cluster, global_batch=args.global_batch, top=args.top,
+                      progress=progress, overlap=not args.no_overlap, grad_reduce_dtype=args.grad_reduce_dtype,
+                      name=name, **step_kwargs)
+  found = dataclasses.replace(found, subject=dataclasses.replace(found.subject, dtype=dtype, seq=seq))
+  print(json.dumps(found.to_json(), indent=2) if args.json else found)
+  if not args.json and (args.out or args.group_plan_out):
+    print()
   writes = []
   if args.out:
-    writes.append((args.out, "the best plan",
-                   lambda: plan_from(result.plans[0], cluster, state, result.ideal_throughput).save(args.out)))
+    writes.append((args.out, "the best plan", lambda: _write_plan(found, args.out)))
   if args.group_plan_out:
-    writes.append((args.group_plan_out, "the best group plan",
-                   lambda: _write_group_plan(args, cluster, result.group_plan, result.ideal_throughput)))
+    writes.append((args.group_plan_out, "the best group plan", lambda: _write_group_plan(found, args.group_plan_out)))
   return _write_all(args, writes)
 
 
-def _print_search(args: argparse.Namespace, cluster: Cluster, workload, result, stage_plans, report: dict) -> None:
-  """The search's tables: the ranked plans, the baselines, the homogeneous equivalent, group and stage plans."""
-  ideal, best = result.ideal_throughput, result.plans[0]
-  kinds = ", ".join(f"{sum(1 for d in cluster.devices if d.spec.name == k)} {k}" for k in cluster.kinds)
-  print(f"{workload.name} on {cluster} ({cluster.num_devices} devices: {kinds}), global batch {args.global_batch}"
-        + (f", seq {report['seq']}" if report["seq"] else "") + (f", {args.dtype} compute" if args.dtype != "float32"
-                                                                   else ""))
-  print(f"searched {result.candidates} candidates in {result.search_seconds:.2f} s (after tracing); "
-        f"ideal throughput {ideal:.1f} samples/s")
-  print()
-  print(f"{'#':>2} {'plan':<28} {'mb':>4} {'ZeRO':>4} {'remat':>8} {'step s':>8} {'samples/s':>10} {'eff':>6} "
-        f"{'comm s':>7} {'hidden':>7} {'reduce':>6} {'mem/dev':>9}  counts")
-  for i, p in enumerate(result.plans, 1):
-    print(_plan_row(str(i), p, ideal))
-  print()
-  print(f"{'':>2} {'baseline':<28}")
-  for name in BASELINES:
-    if name in result.baselines:
-      b = result.baselines[name]
-      print(_plan_row("", b, ideal, label=f"{name}", suffix=f"  best is {best.throughput / b.throughput:.2f}x"))
-  equivalent = result.homogeneous_equivalent
-  if equivalent is not None:
-    print(_plan_row("", equivalent, ideal, label="homogeneous_equivalent",
-                    suffix=f"  heterogeneity tax {result.heterogeneity_tax:.1%} (the same pool, every device its "
-                           f"mean, reaches {equivalent.throughput / result.homogeneous_ideal:.1%} of its own ideal; "
-                           f"best is {result.throughput_vs_homogeneous:.2f}x its throughput)"))
-  if result.group_plan is not None:
-    print()
-    print(f"{'':>2} group programs (one per device kind, each its own microbatch, or the fsdp plan's one group; "
-          "parallelize(plan=...) runs them)")
-    print(_group_plan_row(result.group_plan, best, ideal))
-  if stage_plans:
-    print()
-    print(f"{'':>2} pipeline stages (the step scans its layers; run with plan_for(..., stages=layers))")
-    for p in stage_plans:
-      print(f"{'':>2} {describe(p, cluster):<60} {p.step_seconds:8.3f} s {args.global_batch / p.step_seconds:10.1f} "
-            f"samples/s {p.memory_bytes / 1e9:6.2f} GB/dev  {best.step_seconds / p.step_seconds:.2f}x the best plan")
-  if args.out or args.group_plan_out:
-    print()
+DEFAULT_GLOBAL_BATCH = 64  # --model's, where --global-batch is not given (--step reads the step's batch)
 
 
-def _search_report(args: argparse.Namespace, cluster: Cluster, workload, batch, result, stage_plans) -> dict:
-  """The search's ``--json`` report: plans, baselines, the homogeneous equivalent, the group plan, stage plans."""
-  ideal, best = result.ideal_throughput, result.plans[0]
-  return {
-      "model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
-      "global_batch": args.global_batch, "dtype": args.dtype, "seq": batch[next(iter(batch))].shape[1] if workload.default_seq else None,
-      "plans": [p.to_json(ideal) for p in result.plans],
-      "baselines": {name: {**result.baselines[name].to_json(ideal), "speedup_of_best": best.throughput /
-                           result.baselines[name].throughput} for name in BASELINES if name in result.baselines},
-      "homogeneous_equivalent": (None if result.homogeneous_equivalent is None else
-                                 result.homogeneous_equivalent.to_json(ideal)),
-      "heterogeneity_tax": result.heterogeneity_tax, "throughput_vs_homogeneous": result.throughput_vs_homogeneous,
-      "homogeneous_ideal_throughput": result.homogeneous_ideal,
-      "group_plan": (None if result.group_plan is None else
-                     {**result.group_plan.to_json(ideal), "speedup_over_best": result.group_plan.throughput /
-                      best.throughput, "parallelize": {
-                          "margin": GROUP_PLAN_MARGIN, "priced_past_margin": chosen_group_plan(result) is not None,
-                          "conditions": GROUP_PLAN_CONDITIONS}}),
-      "ideal_throughput": ideal, "search_seconds": result.search_seconds, "candidates": result.candidates,
-      "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds} for p in stage_plans],
-  }
+def load_step(spec: str) -> tuple[Any, tuple, dict]:
+  """``FILE_OR_MODULE:FUNCTION`` imported and called: ``(step, args, kwargs)``, the step as the user calls it and
+  its arguments. Each way it can fail names the file or module and the function, and says what was expected."""
+  where, sep, function = spec.rpartition(":")
+  if not sep or not where or not function.isidentifier():
+    raise HetSpmdError(f"--step {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION, such as "
+                       "examples/nnx_lm.py:gemma3_1b or mypackage.train:search_inputs")
+  try:
+    if where.endswith(".py") or os.sep in where:
+      if not Path(where).is_file():
+        raise HetSpmdError(f"--step {spec!r}: no file {where!r}")
+      name = Path(where).stem if Path(where).stem not in sys.modules else f"_hetspmd_step_{Path(where).stem}"
+      loaded = importlib.util.spec_from_file_location(name, where)
+      module = importlib.util.module_from_spec(loaded)
+      sys.modules[name] = module  # as an import registers it (dataclasses look their module up there)
+      sys.path.insert(0, str(Path(where).resolve().parent))  # the file's own imports, as python FILE finds them
+      try:
+        loaded.loader.exec_module(module)
+      except BaseException:
+        del sys.modules[name]
+        raise
+      finally:
+        sys.path.pop(0)
+    else:
+      module = importlib.import_module(where)
+  except HetSpmdError:
+    raise
+  except Exception as e:  # noqa: BLE001 (the user's module: any error it raises on import is reported)
+    raise HetSpmdError(f"--step {spec!r}: importing {where!r} failed: {type(e).__name__}: {e}") from e
+  make = getattr(module, function, None)
+  if not callable(make):
+    raise HetSpmdError(f"--step {spec!r}: {where!r} has no function {function!r}"
+                       + ("" if make is None else f" (it is a {type(make).__name__})"))
+  expected = ("it must take no arguments and return (step, args, kwargs): the train step as you call it, a tuple "
+              "of its positional arguments (arrays or jax.ShapeDtypeStruct, NNX objects from nnx.eval_shape) and "
+              "a dict of its keyword arguments")
+  try:
+    made = make()
+  except TypeError as e:
+    raise HetSpmdError(f"--step {spec!r}: calling {function}() failed ({e}); {expected}") from e
+  if not (isinstance(made, tuple) and len(made) == 3 and callable(made[0]) and isinstance(made[1], (tuple, list))
+          and isinstance(made[2], dict)):
+    got = f"a tuple of {len(made)}" if isinstance(made, tuple) else f"a {type(made).__name__}"
+    raise HetSpmdError(f"--step {spec!r}: {function}() returned {got}; {expected}")
+  return made[0], tuple(made[1]), made[2]
 
 
-def _group_plan_only(args: argparse.Namespace, cluster: Cluster, workload, profile, error: Exception,
-                     dtypes: tuple[str, ...], *, progress=None) -> int:
-  """Where no single program fits: the best group plan, which holds each device's own microbatch and share of the
-  state, or the error when none fits either."""
-  grouped = group_plan_alone(cluster, profile, args.global_batch, grad_reduce_dtypes=dtypes, progress=progress,
-                             remat_policies=STEP_REMAT_POLICIES)
-  if grouped is None:
-    raise error
-  ideal = ideal_throughput(cluster, profile, args.global_batch)
-  writes = ([(args.group_plan_out, "the best group plan", lambda: _write_group_plan(args, cluster, grouped, ideal))]
-            if args.group_plan_out else [])
-  written = 0 if not args.out else 1  # the single program asked for: none fits
-  if args.json:
-    print(json.dumps({"model": workload.name, "cluster": str(cluster), "devices": cluster.num_devices,
-                      "global_batch": args.global_batch, "dtype": args.dtype, "seq": args.seq, "plans": [],
-                      "baselines": {}, "homogeneous_equivalent": None, "heterogeneity_tax": None,
-                      "throughput_vs_homogeneous": None, "homogeneous_ideal_throughput": None,
-                      "no_single_program": str(error), "group_plan": grouped.to_json(ideal),
-                      "ideal_throughput": ideal, "search_seconds": None, "candidates": 0, "stage_plans": []},
-                     indent=2))
-    return _write_all(args, writes) or written
-  print(f"{workload.name} on {cluster}, global batch {args.global_batch}"
-        + (f", {args.dtype} compute" if args.dtype != "float32" else "") + f"; ideal throughput {ideal:.1f} samples/s")
-  print(f"\nno single program fits ({error})\n")
-  print(f"{'':>2} group programs (one per device kind, each its own microbatch; parallelize(plan=...) runs them)")
-  print(_group_plan_row(grouped, None, ideal))
-  if args.out:
-    print(f"nothing written to {args.out}: no single program fits (--group-plan-out FILE writes the group plan)",
-          file=sys.stderr)
-  return _write_all(args, writes) or written
+def _write_plan(found, path: str) -> None:
+  """The best single program to ``path``."""
+  if not found.plans:
+    raise HetSpmdError(f"no single program fits ({found.priced.error}); --group-plan-out FILE writes the group "
+                       "plan that fits")
+  single_plan(found.plans[0], found.cluster, found.state, found.ideal_throughput).save(path)
 
 
-def _write_group_plan(args: argparse.Namespace, cluster: Cluster, priced, ideal: float) -> None:
-  if priced is None:
-    raise HetSpmdError(f"no group plan fits {args.model} on {cluster} at global batch {args.global_batch} (one "
-                       "device kind, or replicated and shared state both too large): nothing written to "
-                       f"{args.group_plan_out}")
-  to_group_plan(cluster, priced, ideal).save(args.group_plan_out)
-
-
-def _group_plan_row(g, best, ideal: float) -> str:
-  """The best group plan's row: each kind's microbatch, remat, model axis and state share, the tail, against the
-  best plan."""
-  n = len(g.kinds)
-  part = g.group
-  models = [tp.m for tp in part.group_models] or [1] * n
-  sizes = ", ".join(f"{k}: mb {m}, remat {r}" + (f", model axis {axis}" if axis > 1 else "") + (
-      f", {share:.1%} of the {'parameters and ' if g.zero_stage == 3 else ''}optimizer state per device"
-      if share else "")
-                    for k, m, r, axis, share in dict.fromkeys(zip(g.kinds, part.microbatches, part.remats or (g.remat,) * n,
-                                                                  models, part.state_shares or (None,) * n)))
-  if part.tail[1]:
-    sizes += f"; a tail of {part.tail[1]} x {part.tail[0]} per device overlapping the reduction"
-  sharded = [k for k, s in dict.fromkeys(zip(g.kinds, part.shard_params)) if s]
-  if sharded:
-    sizes += ("; plain FSDP: one group of every device, its parameters and optimizer state split over them"
-              if part.execution.hybrid and part.execution.groups[0][1] == len(g.device_positions) else
-              "; hybrid: every group its parameters and optimizer state split over its devices" if part.execution.hybrid
-              else "; parameters sharded (FSDP) on " + ", ".join(sharded))
-  if best is None:  # no single program fits
-    return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes})")
-  ratio = g.throughput / best.throughput
-  chosen = (f"parallelize(plan='search') runs group plans priced {GROUP_PLAN_MARGIN:.2f}x or more "
-            f"{GROUP_PLAN_CONDITIONS}")
-  return _plan_row("", g, ideal, label="best group plan", suffix=f"  ({sizes}; {ratio:.2f}x the best plan: "
-                   f"{chosen})")
-
-
-def _plan_row(rank: str, p, ideal: float, label: str | None = None, suffix: str = "") -> str:
-  counts = _counts_summary(p.kinds, p.counts)
-  if p.overlap_microbatches > 1:
-    counts += f"; last {p.overlap_microbatches} as one pass"
-  return (f"{rank:>2} {(label or p.name)[:28]:<28} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} "
-          f"{p.step_seconds:8.3f} {p.throughput:10.1f} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} "
-          f"{p.hidden_seconds:7.3f} {_DTYPE_SHORT[p.grad_reduce_dtype]:>6} {_si(max(p.memory_bytes), 'B'):>9}  "
-          f"{counts}{suffix}")
-
-
-_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16"}
-
-
-def _counts_summary(kinds, counts) -> str:
-  groups: dict[tuple[str, int], int] = {}
-  for k, c in zip(kinds, counts):
-    groups[(k, c)] = groups.get((k, c), 0) + 1
-  return ", ".join(f"{n}x{k}:{c}" for (k, c), n in groups.items())
+def _write_group_plan(found, path: str) -> None:
+  """The best group plan to ``path``."""
+  if found.group_plan is None:
+    raise HetSpmdError(f"no group plan fits {found.subject.name} on {found.cluster} at global batch "
+                       f"{found.subject.global_batch} (one device kind, or replicated and shared state both too "
+                       "large)")
+  to_group_plan(found.cluster, found.group_plan, found.ideal_throughput).save(path)
 
 
 def _run_explain(args: argparse.Namespace) -> int:

@@ -207,6 +207,7 @@ class Graph:
   total_transcendentals: float = 0.0
   total_bytes: int = 0
   scans: tuple[ScanCall, ...] = ()  # the scans outside every loop, in program order
+  jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)  # the closed jaxpr it was read from
 
   def __post_init__(self):
     for position, node in enumerate(self.nodes):

@@ -30,7 +30,8 @@ LAYERS = (
     ("lowering", ("hetspmd.lowering",)),
     ("runtime", ("hetspmd.runtime",)),
     ("models", ("hetspmd.models",)),
-    ("facade", ("hetspmd", "hetspmd.__main__", "hetspmd.cli", "hetspmd.report")),
+    ("facade", ("hetspmd", "hetspmd.__main__", "hetspmd.cli", "hetspmd.report", "hetspmd.search_report",
+                 "hetspmd.step_search")),
 )
 MAX_FUNCTION_LINES = 80
 MAX_POSITIONAL = 6

@@ -20,9 +20,8 @@ from hetspmd.planner.pricing import evaluate as evaluate
 from hetspmd.planner.ranking import BASELINES as BASELINES
 from hetspmd.planner.ranking import SearchResult as SearchResult
 from hetspmd.planner.ranking import search as search
-from hetspmd.planner.ranking import search_step as search_step
 from hetspmd.planner.stages import StagePlan as StagePlan
 from hetspmd.planner.stages import search_stages as search_stages
 
 __all__ = ["BASELINES", "Evaluated", "OVERLAP_EFFICIENCY", "SearchResult", "StagePlan", "evaluate", "plan_for",
-           "plan_from", "search", "search_stages", "search_step", "stage_layers"]
+           "plan_from", "search", "search_stages", "stage_layers"]

@@ -77,10 +77,8 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
 from hetspmd.planner.grouping import search_groups
 from hetspmd.planner.sharding import fsdp_baseline
-from hetspmd.errors import HetSpmdError, InvalidValueError, PlanDoesNotFitError
+from hetspmd.errors import HetSpmdError, PlanDoesNotFitError
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.frontend import named_axes
-from hetspmd.passes.profile import profile_step
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import balanced_counts, divisors as all_divisors, even_counts, proportional_counts
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
@@ -409,12 +407,12 @@ GROUP_PLAN_CONDITIONS = ("in one process, on the pool's own JAX devices, with no
                          "programs take")
 
 
-def searches_group_plans(cluster: Cluster, specs: Any, processes: int) -> bool:
-  """Whether ``parallelize(plan="search")`` prices group plans for a step on ``cluster``: on JAX's devices, with
-  no ``specs`` (group programs place the state by their own shares), in one process (a group plan takes the
-  global batch on every process, a single program each process's own examples, and the search's choice must not
-  change what the caller passes)."""
-  return not specs and cluster.jax_device_ids is not None and processes == 1
+def searches_group_plans(specs: Any, processes: int, bound: bool = True) -> bool:
+  """Whether ``parallelize(plan="search")`` prices group plans for a step: on the pool's own JAX devices
+  (``bound``: a cluster bound to them, as ``parallelize`` binds a spec), with no ``specs`` (group programs place
+  the state by their own shares), in one process (a group plan takes the global batch on every process, a
+  single program each process's own examples, and the search's choice must not change what the caller passes)."""
+  return not specs and bound and processes == 1
 
 
 def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -> Evaluated | None:
@@ -491,28 +489,3 @@ SINGLE_PROGRAM_BASELINES = ("dp_even", "dp_proportional", "fastest_only", "best_
 # and fsdp (hetspmd.planner.sharding.fsdp_baseline: every device, an even batch, the parameters and optimizer state
 # sharded over all of them, gathered per layer), where it fits
 BASELINES = SINGLE_PROGRAM_BASELINES + ("fsdp",)
-
-
-# --- from a step function --------------------------------------------------------------
-
-
-def search_step(fn: Callable[..., Any], state: Any, batch: Any, cluster: Cluster, *, global_batch: int,
-                top: int = 5, progress: Callable[[str], None] | None = None,
-                models: Sequence[int] | None = None, grad_reduce_dtypes: Sequence[str] = ("float32",),
-                overlap: bool = True, fuse_overlap: bool = True, homogeneous: bool = False) -> SearchResult:
-  """``hetspmd.search``: trace ``fn(state, batch)``, cost it, and rank plans for ``cluster``; with
-  ``homogeneous``, also the best plan of the pool's homogeneous equivalent (``result.heterogeneity_tax``).
-
-  ``fuse_overlap=False`` for a step with per-microbatch batch statistics (BatchNorm under
-  ``batch_stats="local"``): a fused overlapped pass would compute them over several microbatches.
-  """
-  if not isinstance(global_batch, int) or global_batch < 1:
-    raise InvalidValueError(f"global_batch must be a positive integer, got {global_batch!r}")
-  if not isinstance(top, int) or top < 1:
-    raise InvalidValueError(f"top (how many plans to rank) must be a positive integer, got {top!r}")
-  if progress:
-    progress("tracing the step at two batch sizes")
-  fn = named_axes.binding(fn, None)  # a pmap-style step: its collectives over the global batch
-  return search(cluster, profile_step(fn, state, batch), global_batch, top, progress, models,
-                grad_reduce_dtypes=grad_reduce_dtypes, overlap=overlap, fuse_overlap=fuse_overlap,
-                homogeneous=homogeneous)

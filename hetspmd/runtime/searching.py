@@ -11,6 +11,7 @@ program, and says why).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -20,17 +21,19 @@ import numpy as np
 from hetspmd import lowering
 from hetspmd._dtypes import traced_dtype
 from hetspmd.autodiff import recording_calls
-from hetspmd.errors import HetSpmdError, TraceError
+from hetspmd.errors import HetSpmdError, PlanDoesNotFitError, TraceError
 from hetspmd.hardware.cluster import Cluster
-from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
-from hetspmd.passes.profile import PROFILE_BATCHES, profile_step, with_batch
+from hetspmd.passes.profile import profile_step
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, chosen_group_plan,
-                                     search, searches_group_plans)
+from hetspmd.planner.pricing import Evaluated
+from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, SearchResult,
+                                     chosen_group_plan, group_plan_alone, ideal_throughput, search,
+                                     searches_group_plans)
+from hetspmd.planner.stages import search_stages
 from hetspmd.runtime.grouped import GroupedStep
 
 
@@ -44,38 +47,109 @@ class Searched:
   note: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Priced:
+  """What the search priced for a traced step, and which of it ``parallelize(plan="search")`` runs.
+
+  ``result``: the ranked single programs, baselines and (where priced) the homogeneous equivalent and best group
+  plan; None where no single program fits, and then ``group_plan`` is the best group plan alone.
+  ``choice``: the plan ``parallelize(plan="search")`` runs on this pool from ``processes`` processes (the best
+  single program, or the group plan where it is priced :data:`GROUP_PLAN_MARGIN` times ahead and group plans
+  run there); None where it runs none (no single program fits, and group plans do not run there). ``note``: why
+  the choice is, or is not, a group plan. ``remat_policies``: the policies priced (the step's remat rule)."""
+
+  result: SearchResult | None
+  group_plan: Evaluated | None
+  stage_plans: tuple
+  choice: Evaluated | None
+  note: str
+  processes: int
+  remat_policies: tuple[str, ...]
+  ideal_throughput: float
+  trace_seconds: float
+  error: str = ""  # why no single program fits, where none does
+
+  @property
+  def grouped(self) -> bool:
+    """Whether the choice is the group plan."""
+    return self.choice is not None and self.choice is self.group_plan
+
+
+def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes: int, top: int = 1,
+               every_form: bool = False, overlap: bool = True,
+               progress: Callable[[str], None] | None = None) -> Priced:
+  """The search over ``step`` (a ``ParallelStep``: its options) traced as ``trace`` on ``state``, and its choice
+  for a pool run from ``processes`` processes. ``parallelize(plan="search")`` prices what it may run: the
+  single programs, and group plans where they run (:func:`searches_group_plans`). ``every_form``
+  (``hetspmd.search``, ``hetspmd search``): group plans, the homogeneous equivalent and stage plans too, the
+  choice made by the same rule."""
+  fn, batch = trace.state_batch(), trace.batch
+  # hetspmd.search prices a pool as parallelize would run it: bound to JAX's devices there
+  considered = searches_group_plans(step.specs, processes, cluster.jax_device_ids is not None or every_form)
+  runs_groups = step.group_plans and considered
+  say = progress or (lambda message: None)
+  say("tracing the step at two batch sizes")
+  start = time.perf_counter()
+  with recording_calls() as calls:  # the loss-checkpointing policies are applied by hetspmd.value_and_grad only
+    profile = step_traced(lambda: profile_step(fn, state, batch), batch)
+  traced = time.perf_counter() - start
+  policies = SEARCHED_REMAT if calls else STEP_REMAT_POLICIES
+  dtypes = GRAD_REDUCE_DTYPES if step.grad_reduce_dtype == "search" else (step.grad_reduce_dtype,)
+  groups = runs_groups or every_form
+  ideal = ideal_throughput(cluster, profile, step.global_batch)
+  try:
+    result = search(cluster, profile, step.global_batch, top=top, progress=progress, remat_policies=policies,
+                    recompute=_recompute(step.batch_stats, profile, state, batch), grad_reduce_dtypes=dtypes,
+                    overlap=overlap, fuse_overlap=not _per_microbatch_statistics(step.batch_stats, profile, state, batch),
+                    homogeneous=every_form, groups=groups)
+  except PlanDoesNotFitError as e:
+    alone = group_plan_alone(cluster, profile, step.global_batch, remat_policies=policies,
+                             grad_reduce_dtypes=dtypes, progress=progress) if groups else None
+    if alone is None:
+      raise
+    note = ("no single program fits, so the group plan runs" if runs_groups else
+            f"no single program fits; the group plan fits, but the search runs group plans {GROUP_PLAN_CONDITIONS}")
+    return Priced(None, alone, (), alone if runs_groups else None, note, processes, policies, ideal, traced, str(e))
+  stages = tuple(search_stages(cluster, profile, step.global_batch, top=3, grad_reduce_dtypes=dtypes,
+                               progress=progress)) if every_form else ()
+  grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN) if runs_groups else None
+  note = _group_verdict(step.group_plans, cluster, result, grouped is not None, considered)
+  return Priced(result, result.group_plan, stages, grouped or result.plans[0], note, processes, policies,
+                result.ideal_throughput, traced)
+
+
 def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
   """The search's best plan for ``step`` (a ``ParallelStep``) traced as ``trace`` (a :class:`~hetspmd.runtime.runner.Trace`: the
   step as ``f(state, batch, rest, kwargs)``, the batch it is called with), and for a group plan its runtime (its
   programs built: the plan is final before anything is placed on its devices)."""
-  fn, batch = trace.state_batch(), trace.batch
-  considered = searches_group_plans(cluster, step.specs, jax.process_count())
-  with recording_calls() as calls:  # the loss-checkpointing policies are applied by hetspmd.value_and_grad only
-    profile = step_traced(lambda: profile_step(fn, state, batch), batch)
-  result = search(cluster, profile, step.global_batch, top=1,
-                  remat_policies=SEARCHED_REMAT if calls else STEP_REMAT_POLICIES,
-                  recompute=_recompute(step.batch_stats, fn, state, batch),
-                  grad_reduce_dtypes=(GRAD_REDUCE_DTYPES if step.grad_reduce_dtype == "search"
-                                      else (step.grad_reduce_dtype,)),
-                  fuse_overlap=not _per_microbatch_statistics(step.batch_stats, fn, state, batch),
-                  groups=step.group_plans and considered)
-  plan = plan_from(result.plans[0], cluster, state, result.ideal_throughput)
-  if step.specs:
-    chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=step.specs,
-                              model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
-    plan = plan.replace(state_specs=chosen)
-  grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN)
-  note = _group_verdict(step.group_plans, cluster, result, grouped is not None, considered)
-  if grouped is None:
-    return Searched(plan, None, note)
-  runtime = GroupedStep.across_processes(step.fn, to_group_plan(cluster, grouped, result.ideal_throughput),
+  priced = price_step(step, cluster, state, trace, processes=jax.process_count())
+  if priced.choice is None:
+    raise PlanDoesNotFitError(priced.error)
+  if not priced.grouped:
+    return Searched(single_plan(priced.choice, cluster, state, priced.ideal_throughput, step.specs), None,
+                    priced.note)
+  runtime = GroupedStep.across_processes(step.fn, to_group_plan(cluster, priced.choice, priced.ideal_throughput),
                                          batch_stats=step.batch_stats, donate_state=step.donate_state)
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
     runtime.prepare(trace.f, state, global_abstract(trace.batch, step.global_batch), trace.rest,
                     graphdef=trace.graphdef, static=trace.static)
   except HetSpmdError as e:
-    return Searched(plan, None, f"the search's group plan does not run this step, so it runs as one program: {e}")
-  return Searched(runtime.plan, runtime, note)
+    if priced.result is None:
+      raise PlanDoesNotFitError(f"{priced.error}; and the group plan that fits does not run this step: {e}") from e
+    return Searched(single_plan(priced.result.plans[0], cluster, state, priced.ideal_throughput, step.specs), None,
+                    f"the search's group plan does not run this step, so it runs as one program: {e}")
+  return Searched(runtime.plan, runtime, priced.note)
+
+
+def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float, specs: Any = None) -> Any:
+  """The runnable :class:`~hetspmd.plan.value.Plan` of a priced single program, the leaves ``specs`` name kept
+  as given."""
+  plan = plan_from(evaluated, cluster, state, ideal)
+  if not specs:
+    return plan
+  chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=specs,
+                            model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
+  return plan.replace(state_specs=chosen)
 
 
 def global_abstract(batch: Any, global_batch: int) -> Any:
@@ -88,6 +162,10 @@ def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, chosen: boo
   """Why the search's plan is, or is not, a group plan."""
   if result.group_plan is not None:
     ratio = result.group_plan.throughput / result.plans[0].throughput
+    if not (group_plans and considered):
+      why = (f"the search runs them {GROUP_PLAN_CONDITIONS}" if group_plans else
+             "parallelize(..., group_plans=False) runs single programs only")
+      return f"the best group plan was priced {ratio:.2f}x this plan, but it does not run here: {why}"
     return (f"chosen by the search: priced {ratio:.2f}x the best single program" if chosen else
             f"the best group plan was priced {ratio:.2f}x this plan") + (
                 f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
@@ -96,20 +174,20 @@ def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, chosen: boo
   return ""
 
 
-def _recompute(batch_stats: str, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> float:
+def _recompute(batch_stats: str, profile: Any, state: Any, batch: Any) -> float:
   """With exact batch statistics, the extra forward work of their loops (1.0 otherwise)."""
   if batch_stats != "exact":
     return 1.0
-  analysis, inputs = _profile_analysis(fn, state, batch, "exact")
+  analysis, inputs = _profile_analysis(profile, state, batch, "exact")
   return lowering.recompute_factor(analysis, inputs)
 
 
-def _per_microbatch_statistics(batch_stats: str, fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> bool:
+def _per_microbatch_statistics(batch_stats: str, profile: Any, state: Any, batch: Any) -> bool:
   """Whether the step normalises by statistics of each microbatch (BatchNorm, ``batch_stats="local"``),
   which a fused overlapped pass would compute over several microbatches at once."""
   if batch_stats != "local":
     return False
-  analysis, _ = _profile_analysis(fn, state, batch, "local")
+  analysis, _ = _profile_analysis(profile, state, batch, "local")
   return any(c.local for c in analysis.cuts)
 
 
@@ -138,11 +216,11 @@ def step_traced(run: Callable[[], Any], batch: Any, leading: int = 1, global_bat
     raise TraceError(f"the step raised {type(e).__name__} {where}: {str(e).rstrip('.')}. {advice}") from e
 
 
-def _profile_analysis(fn: Callable[[Any, Any], Any], state: Any, batch: Any, batch_stats: str):
-  """The microbatch analysis of ``fn`` traced at the profile's batch size, and its batch inputs."""
-  size = PROFILE_BATCHES[-1]
-  closed = jx.make_closed_jaxpr(fn, jx.to_abstract(state), with_batch(batch, size))
+def _profile_analysis(profile: Any, state: Any, batch: Any, batch_stats: str):
+  """The microbatch analysis of the step at the profile's larger batch size (the jaxpr its trace read), and its
+  batch inputs."""
+  size, graph = profile.trace_batches[-1], profile.traces[-1]
   leaves = jax.tree.leaves(state)
   inputs = range(len(leaves), len(leaves) + len(jax.tree.leaves(batch)))
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(traced_dtype(x), jnp.floating)]  # statistics live here
-  return analyse(closed, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs
+  return analyse(graph.jaxpr, inputs, size, batch_stats=batch_stats, float_state_inputs=floats), inputs

@@ -37,7 +37,7 @@ from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, 
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
 from hetspmd.runtime.runner import Runner, Trace
-from hetspmd.runtime.searching import searched_plan
+from hetspmd.runtime.searching import Priced, price_step, searched_plan
 from hetspmd.runtime.single import SingleRunner
 
 
@@ -205,6 +205,19 @@ class ParallelStep:
       self._resolve_call(Arguments.of(self, args), args, kwargs)
     return self._runner.call(args, kwargs)
 
+  def price(self, cluster: Cluster, args: tuple, kwargs: dict, **options: Any) -> tuple[Priced, Any]:
+    """The search over one call's arguments (arrays or abstract values: nothing is placed or run), bound as a
+    call binds them, with every plan form priced (``hetspmd.search``); and the call's train state.
+    ``options``: :func:`~hetspmd.runtime.searching.price_step`'s."""
+
+    def priced(args: tuple, kwargs: dict) -> tuple[Priced, Any]:
+      parts = Arguments.of(self, args)
+      trace = Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
+      trace = dataclasses.replace(trace, rest=jax.tree.map(_placeholder, trace.rest))
+      return price_step(self, cluster, parts.state, trace, every_form=True, **options), parts.state
+
+    return self._with_static(priced, args, kwargs)
+
   def lower(self, *args: Any, **kwargs: Any):
     """The ``jax.stages.Lowered`` program for these arguments (a single program's plan)."""
 
@@ -233,6 +246,12 @@ class ParallelStep:
 
 
 RUNNERS = {Plan: SingleRunner, GroupPlan: GroupRunner}  # a plan's type -> its form's runner
+
+
+def _placeholder(x: Any) -> Any:
+  """An abstract argument beside the state and batch (a key, a rate) as zeros, for the search's trace to close
+  over: the search reads shapes, never these values."""
+  return jax.numpy.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
 
 
 def _concreteness_error(static: StaticArgs, scalars: list, args: tuple, kwargs: dict,

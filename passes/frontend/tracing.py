@@ -26,6 +26,8 @@ allocated or computed), then walks the jaxpr once:
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
@@ -84,7 +86,7 @@ def trace(fn: Callable[..., Any], *args: Any, roles: Mapping[int | str, Any] | N
   outputs = tuple(
       GraphOutput(i, out_paths[i] if i < len(out_paths) else f"out{i}", tensor_type(var), ref)
       for i, (var, ref) in enumerate(zip(jx.outvars(closed), out_refs)))
-  return builder.graph(inputs, outputs)
+  return dataclasses.replace(builder.graph(inputs, outputs), jaxpr=closed)
 
 
 class _Builder:

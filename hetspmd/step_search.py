@@ -1,0 +1,220 @@
+"""``hetspmd.search``: price every plan form for a step, called as ``parallelize`` would call it, on any pool.
+
+``search(step, *args, cluster=..., global_batch=..., **kwargs)`` binds ``args`` and ``kwargs`` exactly as a
+call of ``parallelize(step, ...)`` binds them (NNX objects in place, a Linen ``TrainState``, ``pmap``-era
+collectives, static arguments, ``jax.jit``/``nnx.jit``-wrapped steps), at abstract shapes where they are
+abstract (``jax.ShapeDtypeStruct``s, models from ``nnx.eval_shape``): nothing is allocated. It prices single
+programs, the baselines, the homogeneous equivalent, group plans and stage plans, and says which plan
+``parallelize(plan="search")`` runs: the same remat rule, the same margin for a group plan, for the processes
+that run the pool. The result prints as ``hetspmd search``'s table, gives its JSON, explains and saves its
+choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+
+from hetspmd import report
+from hetspmd import search_report
+from hetspmd.errors import InvalidValueError
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.plan.groups import GroupPlan
+from hetspmd.plan.value import Plan
+from hetspmd.planner.grouping import to_group_plan
+from hetspmd.runtime.binding import is_dynamic, is_graph_node
+from hetspmd.runtime.searching import Priced, global_abstract, single_plan
+from hetspmd.runtime.step import parallelize
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class StepSearch:
+  """What :func:`search` found for a step on a pool. ``print`` shows the table ``hetspmd search`` prints;
+  :meth:`to_json` gives its ``--json`` object; :attr:`best` is the plan ``parallelize(plan="search")`` runs,
+  ready to run or :meth:`save`; :attr:`priced` holds every priced plan
+  (:class:`~hetspmd.runtime.searching.Priced`)."""
+
+  subject: search_report.Subject
+  cluster: Cluster
+  priced: Priced
+  state: Any  # the train state's abstract values (what a single program's plan is made for)
+  specs: Any = None
+
+  # --- what was priced ---------------------------------------------------------------------
+
+  @property
+  def plans(self) -> tuple:
+    """The ranked single programs, best first (empty where none fits)."""
+    return () if self.priced.result is None else self.priced.result.plans
+
+  @property
+  def baselines(self) -> dict:
+    return {} if self.priced.result is None else self.priced.result.baselines
+
+  @property
+  def group_plan(self):
+    """The best group plan priced (None where none fits)."""
+    return self.priced.group_plan
+
+  @property
+  def stage_plans(self) -> tuple:
+    return self.priced.stage_plans
+
+  @property
+  def ideal_throughput(self) -> float:
+    return self.priced.ideal_throughput
+
+  @property
+  def heterogeneity_tax(self) -> float | None:
+    return None if self.priced.result is None else self.priced.result.heterogeneity_tax
+
+  @property
+  def form(self) -> str | None:
+    """``"single program"`` or ``"group plan"``: what ``parallelize(plan="search")`` runs (None: it runs no plan
+    here, and :attr:`best` is the group plan that fits)."""
+    return search_report.choice_form(self.priced)
+
+  # --- the choice ----------------------------------------------------------------------------
+
+  @functools.cached_property
+  def best(self) -> Plan | GroupPlan:
+    """The plan ``parallelize(plan="search")`` runs, as a value ``parallelize(plan=...)`` takes (devices by JAX
+    id where the cluster is bound to JAX's devices, else by cluster position). Where it runs none (no single
+    program fits, and group plans do not run from this many processes), the group plan that fits."""
+    priced, ideal = self.priced, self.priced.ideal_throughput
+    chosen = priced.choice if priced.choice is not None else priced.group_plan
+    if chosen is priced.group_plan:
+      return to_group_plan(self.cluster, chosen, ideal)
+    return single_plan(chosen, self.cluster, self.state, ideal, self.specs)
+
+  def explain(self) -> str:
+    """The best plan in words, as ``hetspmd explain`` shows its file, and why it is the choice."""
+    best = self.best
+    text = report.explain_group_text(best) if isinstance(best, GroupPlan) else report.explain_text(best)
+    return text + "\n\n" + search_report.choice_line(self.priced)
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes :attr:`best` to ``path``, the file ``parallelize(plan=path)`` runs (``hetspmd explain`` reads it)."""
+    self.best.save(path)
+
+  def to_json(self) -> dict[str, Any]:
+    """``hetspmd search --json``'s object (the same keys)."""
+    return search_report.to_json(self.subject, self.cluster, self.priced)
+
+  def __str__(self) -> str:
+    return search_report.table(self.subject, self.cluster, self.priced)
+
+  def __repr__(self) -> str:
+    best = self.plans[0] if self.plans else self.group_plan
+    return (f"StepSearch({self.subject.name!r} on {self.cluster}: {len(self.plans)} plan(s), best "
+            f"{best.throughput:.4g} samples/s; parallelize(plan='search') runs {self.form or 'no plan'})")
+
+
+def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global_batch: int | None = None,
+           top: int = 5, progress: Callable[[str], None] | None = None, overlap: bool = True, specs: Any = None,
+           batch_argnums: Any = None, batch_stats: str = "local", grad_reduce_dtype: str = "float32",
+           axis_name: Any = None, group_plans: bool = True, static_argnums: Any = None,
+           static_argnames: Any = None, name: str | None = None, **kwargs: Any) -> StepSearch:
+  """Prices every plan form for ``step(*args, **kwargs)`` on ``cluster`` and says which one
+  ``parallelize(step, cluster=..., plan="search", ...)`` runs.
+
+  ``step``, ``args`` and ``kwargs`` are what a call of ``parallelize(step, ...)`` takes: the train state (a
+  pytree, or NNX objects) and the batch beside any other arguments. Any of them may be abstract
+  (``jax.ShapeDtypeStruct``, models from ``nnx.eval_shape``): only shapes and dtypes are read.
+
+  Args:
+    cluster: keyword only: a :class:`Cluster` (``Cluster.emulate`` or ``from_devices`` for JAX's devices, or
+      any pool described, to plan for hardware not at hand), or a preset name, cluster TOML file or spec.
+    global_batch: examples per step; default the leading size of the batch argument (``batch_argnums``, or the
+      first argument beside the state whose arrays all lead with one size). A batch of another size (a small
+      example batch) is read for its shapes, as ``parallelize``'s ``example_batch``.
+    top: how many single programs to rank.
+    progress: called with a line of text as the search goes.
+    overlap: overlap gradient reductions with the last microbatch's backward pass (as every plan does).
+    name: what the table calls the step (default its function's name).
+    specs, batch_argnums, batch_stats, grad_reduce_dtype, axis_name, group_plans, static_argnums,
+      static_argnames: as :func:`hetspmd.parallelize`'s.
+
+  The earlier form ``search(fn, state, batch, cluster, global_batch=...)`` still works: a :class:`Cluster`
+  passed last by position, with no ``cluster=``, is the cluster, never a step argument.
+  """
+  if not callable(step):
+    raise InvalidValueError(f"search() needs the train step (a callable) first, got {step!r}")
+  args, pool = _split_cluster(args, cluster)
+  if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+    raise InvalidValueError(f"top (how many plans to rank) must be a positive integer, got {top!r}")
+  at = batch_index(args, batch_argnums)
+  size = _leading(args[at]).pop() if at is not None else None
+  if global_batch is None:
+    if size is None:
+      raise InvalidValueError("search() could not tell the batch from the step's arguments (no argument beside "
+                              "the state whose arrays all lead with one size): pass global_batch= or batch_argnums=")
+    global_batch = size
+  elif size is not None and size != global_batch and batch_argnums is None:  # an example batch: its shapes
+    args = args[:at] + (global_abstract(args[at], global_batch),) + args[at + 1:]
+  front = parallelize(step, cluster=pool, plan="search", global_batch=global_batch, donate_state=False, specs=specs,
+                      batch_argnums=batch_argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
+                      axis_name=axis_name, group_plans=group_plans, static_argnums=static_argnums,
+                      static_argnames=static_argnames)
+  priced, state = front.price(pool, args, kwargs, processes=pool_processes(pool), top=top, overlap=overlap,
+                              progress=progress)
+  subject = search_report.Subject(name or getattr(step, "__name__", type(step).__name__), global_batch)
+  return StepSearch(subject, pool, priced, jx.to_abstract(state), specs)
+
+
+def _split_cluster(args: tuple, cluster: Any) -> tuple[tuple, Cluster]:
+  """The step's arguments and the pool: ``cluster=``, or (the earlier form) a :class:`Cluster` passed last by
+  position. A cluster among the step's arguments beside ``cluster=`` is refused: it would be passed to the step."""
+  given = [i for i, a in enumerate(args) if isinstance(a, Cluster)]
+  if cluster is _MISSING:
+    if not given or given[-1] != len(args) - 1:
+      raise InvalidValueError("search() needs the pool as a keyword: hetspmd.search(step, *args, cluster=..., "
+                              "global_batch=...), the step's arguments as parallelize would take them, e.g. "
+                              "hetspmd.search(train_step, state, batch, cluster='4xV100-32GB+4xP100-16GB')")
+    return args[:-1], args[-1]
+  if given:
+    raise InvalidValueError(f"search() got a Cluster as the step's argument {given[0]} and cluster= too: pass the "
+                            "pool once, as cluster=..., and only the step's own arguments by position")
+  if isinstance(cluster, Cluster):
+    return args, cluster
+  if not isinstance(cluster, (str, os.PathLike)):
+    raise InvalidValueError(f"cluster must be a Cluster, or a preset name, cluster TOML file or spec such as "
+                            f"'4xV100-32GB+4xP100-16GB', got {cluster!r}")
+  return args, Cluster.resolve(os.fspath(cluster))
+
+
+def pool_processes(cluster: Cluster) -> int:
+  """How many JAX processes run ``cluster``: this run's where it is bound to JAX's devices; else as it says
+  (``processes=N``), or one per host."""
+  if cluster.jax_device_ids is not None:
+    return jax.process_count()
+  return cluster.processes or len(cluster.hosts)
+
+
+def batch_index(args: tuple, batch_argnums: Any = None) -> int | None:
+  """Which of a call's arguments is the batch, as the search reads it: ``batch_argnums``' first, or the first
+  argument beside NNX objects and a functional step's state (its first argument with arrays) whose arrays all
+  lead with one size; None where none does."""
+  if batch_argnums is not None:
+    first = batch_argnums if isinstance(batch_argnums, int) else tuple(batch_argnums)[0]
+    ok = isinstance(first, int) and -len(args) <= first < len(args) and len(_leading(args[first])) == 1
+    return first % len(args) if ok else None
+  plain = [i for i, a in enumerate(args) if not is_graph_node(a) and _leading(a)]
+  has_graph = any(is_graph_node(a) for a in args)
+  for i in plain[0 if has_graph else 1:]:  # a functional step's state comes first
+    if len(_leading(args[i])) == 1 and all(jax.numpy.ndim(x) >= 1 for x in jax.tree.leaves(args[i])
+                                            if is_dynamic(x)):
+      return i
+  return None
+
+
+def _leading(tree: Any) -> set[int]:
+  """The leading sizes of ``tree``'s arrays (abstract ones too)."""
+  return {x.shape[0] for x in jax.tree.leaves(tree) if is_dynamic(x) and getattr(x, "shape", ()) != ()}

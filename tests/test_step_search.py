@@ -1,0 +1,229 @@
+"""``hetspmd.search`` takes what ``parallelize`` takes, and ``hetspmd search --step`` searches a user's own step.
+
+Steps shaped as Flax's examples shape them (NNX in place with Rngs and metrics, a Linen ``TrainState`` with
+lm1b's settings beside the batch, a ``pmap``-era step, a jitted step) are searched at abstract shapes; the
+search's choice is the one ``parallelize(plan="search")`` makes and runs; its plan saved runs exactly; the table
+fits a terminal; the JSON from Python and from the command line have the same keys; each bad call says what to
+pass instead.
+"""
+
+import functools
+import json
+import os
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import hetspmd as hs
+import hetspmd.runtime.searching as search_module
+from hetspmd import models
+from hetspmd.cli import main
+from hetspmd.plan.options import STEP_REMAT_POLICIES
+from hetspmd.planner.ranking import GROUP_PLAN_MARGIN, SEARCHED_REMAT
+
+from conftest import require_devices
+from exactness import Reference
+from test_group_programs import _batches, _state, dropout_step
+from test_parallelize_groups import TinyLM, _Config, _lm1b_batches, lm1b_signature_step
+from test_pmap_steps import make_state, pmap_train_step
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+sys.path.insert(0, EXAMPLES)
+import nnx_lm  # noqa: E402  (examples/nnx_lm.py, as a user's own module)
+
+POOL = "1x4xA100-80GB+1x4xV100-32GB;processes=1"
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _lm1b_abstract_state():
+  def make():
+    model = TinyLM()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), train=False)["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-3))
+  return jax.eval_shape(make)
+
+
+def _nnx_inputs():
+  step, args, kwargs = nnx_lm.tiny()
+  return step, args, kwargs
+
+
+def _linen_inputs():
+  batch = _abstract(_lm1b_batches(24)[0])
+  rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  return lm1b_signature_step, (_lm1b_abstract_state(), batch, _Config(0.1), lambda step: 1e-3, rng), {}
+
+
+def _pmap_inputs():
+  batch = {"image": jax.ShapeDtypeStruct((32, 8, 8, 3), jnp.float32), "label": jax.ShapeDtypeStruct((32,), jnp.int32)}
+  return pmap_train_step, (jax.eval_shape(make_state), batch), {}
+
+
+def _jitted_inputs():
+  step, args, kwargs = _linen_inputs()
+  return jax.jit(step, static_argnums=(2, 3)), args, kwargs
+
+
+STEPS = {"nnx in place": _nnx_inputs, "linen lm1b": _linen_inputs, "pmap era": _pmap_inputs,
+         "jitted": _jitted_inputs}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_steps_shaped_as_flax_writes_them_are_searched_at_abstract_shapes(name):
+  """Every form is priced (single programs, baselines, the homogeneous equivalent, the group plan); the global
+  batch is read from the batch; the table fits a terminal; the choice is a plan that names this pool's kinds."""
+  step, args, kwargs = STEPS[name]()
+  found = hs.search(step, *args, cluster=POOL, **kwargs)
+  assert found.plans and found.subject.global_batch == jax.tree.leaves(args[3 if name == "nnx in place" else 1])[0].shape[0]
+  assert found.group_plan is not None and found.priced.result.homogeneous_equivalent is not None
+  assert set(found.baselines) >= {"dp_even", "dp_proportional", "fastest_only", "best_homogeneous"}
+  assert found.form == "single program" or found.form == "group plan"
+  lines = str(found).splitlines()
+  assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+  assert len(lines) <= 40, len(lines)
+  assert set(found.best.device_kinds if isinstance(found.best, hs.Plan) else ()) <= {"A100-80GB", "V100-32GB"}
+  assert "parallelize(plan='search') from 1 process runs" in " ".join(str(found).split())
+  assert found.priced.remat_policies == STEP_REMAT_POLICIES  # no hetspmd.value_and_grad: none or layers only
+
+
+def test_a_step_using_hetspmd_value_and_grad_is_priced_with_every_policy_parallelize_applies():
+  w = models.get("mlp-tiny")
+  plain = hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), cluster=POOL)
+  ours = hs.search(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(32), cluster=POOL)
+  assert plain.priced.remat_policies == STEP_REMAT_POLICIES and ours.priced.remat_policies == SEARCHED_REMAT
+
+
+@pytest.mark.parametrize("margin", [GROUP_PLAN_MARGIN, 0.0], ids=["default-margin", "group-plan-taken"])
+def test_the_choice_is_parallelize_s_and_its_saved_plan_runs_exactly(margin, monkeypatch, tmp_path):
+  """On 8 emulated devices, ``search``'s best is the plan ``parallelize(plan="search")`` resolves for the same
+  step and batch (a single program, or with the margin at 0 the group plan); saved, it runs exactly."""
+  require_devices(8)
+  monkeypatch.setattr(search_module, "GROUP_PLAN_MARGIN", margin)
+  pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
+  batches = _batches(48)
+  found = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool)
+  step = hs.parallelize(dropout_step, cluster=pool, plan="search", global_batch=48)
+  step(_state(), batches[0])
+  assert found.form == ("group plan" if margin == 0.0 else "single program") and step.grouped == (margin == 0.0)
+  assert found.best.to_json() == step.plan.to_json()
+  path = tmp_path / "plan.json"
+  found.save(path)
+  ref = Reference(dropout_step, _state()).run(batches)
+  saved = hs.parallelize(dropout_step, plan=str(path), global_batch=48)
+  state = saved.shard_state(_state())
+  for i, batch in enumerate(batches):
+    state, metrics = saved(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  explained = found.explain()
+  assert explained.startswith("group plan:" if margin == 0.0 else "mesh ") and "parallelize(plan='search')" in explained
+
+
+def test_the_pool_s_processes_decide_whether_a_group_plan_would_run():
+  """A pool of two hosts is run from two processes (one per host, unless it says processes=1): there
+  ``parallelize(plan="search")`` runs single programs, whatever the group plan is priced at, and says so."""
+  step, args, kwargs = _nnx_inputs()
+  two = hs.search(step, *args, cluster="1x4xA100-80GB+1x4xV100-32GB", **kwargs)
+  assert two.priced.processes == 2 and two.form == "single program"
+  assert "does not run here" in two.priced.note and two.to_json()["choice"]["processes"] == 2
+
+
+def test_the_earlier_call_still_works_and_a_cluster_never_becomes_a_step_argument():
+  w = models.get("mlp-tiny")
+  pool = hs.Cluster.resolve(POOL)
+  earlier = hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(2), pool, global_batch=32)
+  now = hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), cluster=pool)
+  assert earlier.plans[0] == now.plans[0]
+  with pytest.raises(hs.InvalidValueError, match=r"Cluster as the step's argument 2 and cluster= too"):
+    hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), pool, cluster=pool)
+  with pytest.raises(hs.InvalidValueError, match=r"needs the pool as a keyword: hetspmd.search\(step, \*args, "
+                                                 r"cluster=\.\.\."):
+    hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), POOL)  # a string is never the pool
+  with pytest.raises(hs.InvalidValueError, match="could not tell the batch"):
+    hs.search(w.make_train_step(), w.abstract_state(), cluster=pool)
+  with pytest.raises(hs.InvalidValueError, match="top .* positive integer"):
+    hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), cluster=pool, top=0)
+
+
+def _cli_json(argv, capsys):
+  assert main(argv + ["--json"]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_the_cli_searches_a_step_from_a_file_with_the_keys_python_gives(tmp_path, capsys):
+  path = os.path.join(EXAMPLES, "nnx_lm.py")
+  report = _cli_json(["search", "--step", f"{path}:tiny", "--cluster", POOL, "--group-plan-out",
+                      str(tmp_path / "g.json"), "--out", str(tmp_path / "p.json")], capsys)
+  step, args, kwargs = nnx_lm.tiny()
+  found = hs.search(step, *args, cluster=POOL, **kwargs)
+  assert set(report) == set(found.to_json())
+  assert report["global_batch"] == 16 and report["group_plan"] is not None and report["plans"]
+  assert [p["microbatch_counts"] for p in report["plans"]] == [list(p.counts) for p in found.plans]
+  assert hs.GroupPlan.load(tmp_path / "g.json").global_batch == 16 and hs.Plan.load(tmp_path / "p.json")
+  assert main(["search", "--step", f"{path}:tiny", "--cluster", POOL]) == 0
+  table = capsys.readouterr().out.splitlines()
+  assert max(len(line) for line in table) <= 100 and table[0].startswith(f"{path}:tiny on")
+
+
+def test_a_zoo_model_searched_by_name_and_as_a_user_s_step_gives_the_same_plans(tmp_path, capsys):
+  """``--model gpt2-tiny`` and the same step written in a user's file (``--step``): the same ranked plans, the
+  same remat rule, the same group plan."""
+  user = tmp_path / "my_model.py"
+  user.write_text(textwrap.dedent("""
+      from hetspmd import models
+
+      def inputs():
+          w = models.get("gpt2-tiny")
+          return w.make_train_step(), (w.abstract_state(), w.example_batch(32)), {}
+  """))
+  argv = ["search", "--cluster", "amp-t4-v100", "--global-batch", "32"]
+  zoo = _cli_json(argv + ["--model", "gpt2-tiny"], capsys)
+  mine = _cli_json(argv + ["--step", f"{user}:inputs"], capsys)
+  assert set(zoo) == set(mine) and zoo["remat_policies"] == mine["remat_policies"] == list(STEP_REMAT_POLICIES)
+  slow = ("search_seconds", "trace_seconds")
+  for key in ("plans", "baselines", "group_plan", "homogeneous_equivalent", "choice"):
+    assert zoo[key] == mine[key], key
+  named = ("model", "seq", "dtype")  # the zoo's name and settings; a user's step says none
+  assert {k: v for k, v in zoo.items() if k not in slow + named} == {
+      k: v for k, v in mine.items() if k not in slow + named}
+
+
+def _fails(argv, capsys):
+  assert main(argv) == 2
+  return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body,spec,message", [
+    ("", "nope.py:inputs", r"no file 'nope.py'"),
+    ("", "no_colon", r"expected FILE.py:FUNCTION or MODULE:FUNCTION"),
+    ("def other():\n  return None\n", "{file}:inputs", r"has no function 'inputs'"),
+    ("raise ImportError('torch is missing')\n", "{file}:inputs", r"importing '.*user.py' failed: ImportError: torch"),
+    ("def inputs():\n  return 3\n", "{file}:inputs", r"inputs\(\) returned a int; it must take no arguments and "
+                                                     r"return \(step, args, kwargs\)"),
+    ("def inputs(x):\n  return x\n", "{file}:inputs", r"calling inputs\(\) failed .*must take no arguments"),
+    ("def inputs():\n  return (print, (1,))\n", "{file}:inputs", r"returned a tuple of 2"),
+    ("inputs = 3\n", "{file}:inputs", r"has no function 'inputs' \(it is a int\)"),
+])
+def test_a_bad_step_spec_names_the_file_and_function_and_says_what_was_expected(body, spec, message, tmp_path,
+                                                                               capsys):
+  user = tmp_path / "user.py"
+  user.write_text(body)
+  err = _fails(["search", "--step", spec.format(file=user), "--cluster", POOL], capsys)
+  assert f"--step '{spec.format(file=user)}'" in err
+  import re
+  assert re.search(message, err), err
+
+
+def test_step_refuses_the_zoo_s_options(capsys):
+  err = _fails(["search", "--step", "x.py:f", "--model", "gpt2-tiny"], capsys)
+  assert "drop --model, --seq and --dtype" in err
