@@ -126,10 +126,19 @@ _HEADER = (f"{'#':>2} {'plan':<27} {'mb':>4} {'ZeRO':>4} {'remat':>8} {'step s':
 
 def _row(rank: str, label: str, p: Any, below: str, ideal: float) -> list[str]:
   """A plan's columns, then ``below`` (its counts, or how it compares) wrapped under it."""
-  head = (f"{rank:>2} {label[:27]:<27} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} {p.step_seconds:8.3g} "
-          f"{p.throughput:9.4g} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} {p.hidden_seconds:6.3f} "
+  head = (f"{rank:>2} {label[:27]:<27} {p.microbatch:>4} {p.zero_stage:>4} {p.remat:>8} "
+          f"{_fixed(p.step_seconds, 8, 3)} {_fixed(p.throughput, 9, 1)} {p.throughput / ideal:6.1%} {p.comm_seconds:7.3f} {p.hidden_seconds:6.3f} "
           f"{_si(max(p.memory_bytes), 'B'):>9}")
   return [head] + _wrap(below, indent=_INDENT)
+
+
+def _fixed(value: float, width: int, places: int) -> str:
+  """``value`` with ``places`` decimals in ``width`` columns, or in three significant figures where that would not
+  fit or would show no digit."""
+  text = f"{value:.{places}f}"
+  if len(text) > width or (value and abs(value) < 10 ** -places):
+    text = f"{value:.3g}"
+  return f"{text:>{width}}"
 
 
 def _counts(p: Any) -> str:
