@@ -227,3 +227,32 @@ def test_a_bad_step_spec_names_the_file_and_function_and_says_what_was_expected(
 def test_step_refuses_the_zoo_s_options(capsys):
   err = _fails(["search", "--step", "x.py:f", "--model", "gpt2-tiny"], capsys)
   assert "drop --model, --seq and --dtype" in err
+
+
+def test_where_no_single_program_fits_the_search_runs_the_group_plan_that_does(monkeypatch):
+  """With the single programs made not to fit (the search raising as it does when none fits), ``plan="search"``
+  runs the group plan that fits, exactly, and says why; ``hetspmd.search`` says the same, and from two processes,
+  where group plans do not run, says that no plan runs while ``best`` is the group plan."""
+  require_devices(8)
+
+  def nothing_fits(*args, **kwargs):
+    raise hs.PlanDoesNotFitError("no plan fits: every single program was made not to, for this test")
+
+  monkeypatch.setattr(search_module, "search", nothing_fits)
+  pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
+  batches = _batches(48)
+  ref = Reference(dropout_step, _state()).run(batches)
+  step = hs.parallelize(dropout_step, cluster=pool, plan="search", global_batch=48)
+  state = _state()
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state.params, lambda s: s.params)
+  assert step.grouped and "no single program fits, so the group plan runs" in step.explain()
+  found = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool)
+  assert found.form == "group plan" and found.plans == () and found.to_json()["no_single_program"]
+  assert "no single program fits: no plan fits" in " ".join(str(found).split())
+  apart = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]),
+                    cluster="1x3xV100-32GB+1x5xP100-16GB")
+  assert apart.form is None and isinstance(apart.best, hs.GroupPlan)
+  assert "runs no plan" in " ".join(str(apart).split())
