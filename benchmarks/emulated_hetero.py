@@ -141,7 +141,6 @@ WORKER = PRELUDE.format(devices=1) + textwrap.dedent("""
     profile = profile_step(workload.make_train_step(), workload.abstract_state(), workload.example_batch(2))
     grouped = to_group_plan(cluster, search_groups(cluster, profile, global_batch, [microbatch // 2, microbatch]))
     host_batch = workload.synthetic_batch(7, batch=global_batch)
-    mine = lambda plan: slice(0, plan.examples_per_position()[0]) if rank == 0 else slice(plan.examples_per_position()[0], None)
     result = {"speeds_flops": [float(s[0]) for s in speeds], "rates": [float(s[1]) for s in speeds],
               "bandwidths": [float(s[3]) for s in speeds], "read_bandwidths": [float(s[4]) for s in speeds],
               "alone_rates": [float(s[2]) for s in speeds], "reduce_s": max(float(s[5]) for s in speeds),
@@ -149,14 +148,15 @@ WORKER = PRELUDE.format(devices=1) + textwrap.dedent("""
     for name, plan in plans.items():
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=global_batch)
       st = step.shard_state(workload.init_state(0))
-      sb = step.shard_batch({k: v[mine(plan)] for k, v in host_batch.items()})
+      sb = step.shard_batch({k: v[step.process_examples()] for k, v in host_batch.items()})
       st, m = step(st, sb); jax.block_until_ready(m)
       times = []
       for _ in range(steps):
         t = time.perf_counter(); st, m = step(st, sb); jax.block_until_ready(m); times.append(time.perf_counter() - t)
       result[name] = {"counts": list(plan.microbatch_counts), "median_s": statistics.median(times)}
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=grouped, global_batch=global_batch)
-    st, sb = step.shard_state(workload.init_state(0)), step.shard_batch(host_batch)
+    st = step.shard_state(workload.init_state(0))
+    sb = step.shard_batch({k: v[step.process_examples()] for k, v in host_batch.items()})
     st, m = step(st, sb); jax.block_until_ready(m)
     times = []
     for _ in range(steps):
@@ -201,7 +201,8 @@ WORKER_SHARDED = PRELUDE.format(devices=2) + textwrap.dedent("""
       plan = group_plan([Group(tuple(ids[0]), microbatch, tuple(counts[:2]), shard_params=sharded),
                          Group(tuple(ids[1]), microbatch, tuple(counts[2:]), shard_params=sharded)], batch)
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), plan=plan, global_batch=batch)
-      st, sb = step.shard_state(workload.init_state(0)), step.shard_batch(host_batch)
+      st = step.shard_state(workload.init_state(0))
+      sb = step.shard_batch({k: v[step.process_examples()] for k, v in host_batch.items()})
       for _ in range(2):
         st, m = step(st, sb); jax.block_until_ready(m)
       runs[name] = [step, st, sb, []]

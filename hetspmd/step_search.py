@@ -28,7 +28,8 @@ from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.value import Plan
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.runtime.binding import is_dynamic, is_graph_node
-from hetspmd.runtime.searching import Priced, global_abstract, single_plan
+from hetspmd.runtime.placement import global_abstract
+from hetspmd.runtime.searching import Priced, single_plan
 from hetspmd.runtime.step import parallelize
 
 _MISSING = object()

@@ -60,7 +60,8 @@ def group_child(module: str = "test_group_programs") -> str:
   """The start of a child script (for :func:`run_processes`) that runs a step under groups: the tests' folder
   on the path, the backend started with this process's devices (before conftest asks for 8), ``module``
   imported as ``t``; ``ids``: each process's device ids; ``local(x)``: this process's first shard of ``x`` as
-  NumPy (None where it holds none); ``reference(step, state, batches)``: the one-device reference, run on this
+  NumPy (None where it holds none); ``fed(step, batch)``: the examples of ``batch`` this process feeds ``step``;
+  ``reference(step, state, batches)``: the one-device reference, run on this
   process's first device."""
   return textwrap.dedent(f"""
       import json, sys
@@ -72,6 +73,7 @@ def group_child(module: str = "test_group_programs") -> str:
 
       ids = [[d.id for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
       local = lambda x: np.asarray(x.addressable_shards[0].data) if x.addressable_shards else None
+      fed = lambda step, batch: jax.tree.map(lambda x: np.asarray(x)[step.process_examples()], batch)
 
       def reference(step, state, batches):
         return Reference(step, state, jit=jax.jit(step, device=jax.local_devices()[0])).run(batches)

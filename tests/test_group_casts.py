@@ -128,7 +128,7 @@ def test_two_processes_send_casts():
       step = run_groups(t.half_step, plan, donate_state=True)
       state = step.shard_state(t._half_state())
       for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, fed(step, batch))
         ref.check_metrics(jax.tree.map(local, metrics), i)
       mine = jax.tree.map(local, state.params)
       ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, ref.single.params,

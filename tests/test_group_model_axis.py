@@ -200,7 +200,7 @@ def test_two_processes_one_with_a_model_axis_group():
         step = run_groups(t.dropout_step, plan)
         state = step.shard_state(t._state())
         for i, batch in enumerate(batches):
-          state, metrics = step(state, batch)
+          state, metrics = step(state, fed(step, batch))
           ref.check_metrics(jax.tree.map(local, metrics), i)
         mine = jax.tree.map(local, (state.params, state.opt_state))
         ref.check(jax.tree.map(lambda m, r: r if m is None else m, mine, (ref.single.params, ref.single.opt_state),

@@ -132,7 +132,7 @@ def test_two_processes_return_the_global_batchs_logits():
         step = run_groups(t.with_logits, plan)
         state = step.shard_state(t._state())
         for i, batch in enumerate(batches):
-          state, metrics = step(state, batch)
+          state, metrics = step(state, fed(step, batch))
           ref.check_metrics(jax.tree.map(local, metrics), i)
       print(json.dumps({{"logits": list(local(metrics["logits"]).shape)}}))
   """), num_processes=2, devices_per_process=4, timeout=240)

@@ -523,7 +523,7 @@ def test_two_processes_each_run_their_own_group():
         step = run_groups(t.dropout_step, plan)
         state = step.shard_state(t._state())
         for i, batch in enumerate(batches):
-          state, metrics = step(state, step.shard_batch(batch) if shares else batch)
+          state, metrics = step(state, step.shard_batch(fed(step, batch)) if shares else fed(step, batch))
           ref.check_metrics(jax.tree.map(local, metrics), i)
         mine = jax.tree.map(local, (state.params, state.opt_state))
         held = [m is not None for m in jax.tree.leaves(mine, is_leaf=lambda x: x is None)]

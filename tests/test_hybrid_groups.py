@@ -165,7 +165,7 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
       step = run_groups(t.linen_step, plan)
       state = step.shard_state(make())
       for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, fed(step, batch))
         ref.check_metrics(jax.tree.map(here, metrics), i)
       ref.check(jax.tree.map(here, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
       split = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
@@ -194,7 +194,7 @@ def test_plain_fsdp_over_two_processes_is_one_group_and_matches_one_device():
       step = GroupedStep.across_processes(t.linen_step, plan)
       state = step.shard_state(make())
       for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, fed(step, batch))
         ref.check_metrics(jax.tree.map(whole, metrics), i)
       ref.check(jax.tree.map(whole, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
       spans = [len({d.process_index for d in x.sharding.device_set}) for x in jax.tree.leaves(state.params)]

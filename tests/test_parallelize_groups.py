@@ -330,7 +330,7 @@ def test_two_processes_run_a_group_plan_whose_groups_span_them():
       step = hs.parallelize(t.dropout_step, plan=plan, global_batch=30)
       state = t._state()
       for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, fed(step, batch))
         ref.check_metrics(jax.tree.map(local, metrics), i)
       ref.check(jax.tree.map(local, state.params), lambda s: s.params)
       print(json.dumps({"groups": len(step.plan.groups),

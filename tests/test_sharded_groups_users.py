@@ -356,7 +356,7 @@ def test_two_processes_one_sharded_group_each_match_one_device():
       step = run_groups(t.linen_step, plan)
       state = step.shard_state(make())
       for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, fed(step, batch))
         ref.check_metrics(jax.tree.map(local, metrics), i)
       mine = jax.tree.map(local, (state.params, state.opt_state))
       ref.check(mine, lambda s: (s.params, s.opt_state))

@@ -129,13 +129,17 @@ def test_the_choice_is_parallelize_s_and_its_saved_plan_runs_exactly(margin, mon
   assert explained.startswith("group plan:" if margin == 0.0 else "mesh ") and "parallelize(plan='search')" in explained
 
 
-def test_the_pool_s_processes_decide_whether_a_group_plan_would_run():
-  """A pool of two hosts is run from two processes (one per host, unless it says processes=1): there
-  ``parallelize(plan="search")`` runs single programs, whatever the group plan is priced at, and says so."""
+def test_a_pool_of_several_processes_runs_group_plans_too(monkeypatch):
+  """A pool of two hosts is run from two processes (one per host unless it says processes=1): group plans run
+  there as in one process, so the choice follows the margin alone; the JSON says for how many processes it
+  holds."""
   step, args, kwargs = _nnx_inputs()
+  monkeypatch.setattr(search_module, "GROUP_PLAN_MARGIN", 0.0)
   two = hs.search(step, *args, cluster="1x4xA100-80GB+1x4xV100-32GB", **kwargs)
-  assert two.priced.processes == 2 and two.form == "single program"
-  assert "does not run here" in two.priced.note and two.to_json()["choice"]["processes"] == 2
+  assert two.priced.processes == 2 and two.form == "group plan" and "chosen by the search" in two.priced.note
+  assert two.to_json()["choice"] == {"form": "group plan", "processes": 2, "note": two.priced.note}
+  monkeypatch.setattr(search_module, "GROUP_PLAN_MARGIN", 1e9)
+  assert hs.search(step, *args, cluster="1x4xA100-80GB+1x4xV100-32GB", **kwargs).form == "single program"
 
 
 def test_the_earlier_call_still_works_and_a_cluster_never_becomes_a_step_argument():
@@ -231,8 +235,8 @@ def test_step_refuses_the_zoo_s_options(capsys):
 
 def test_where_no_single_program_fits_the_search_runs_the_group_plan_that_does(monkeypatch):
   """With the single programs made not to fit (the search raising as it does when none fits), ``plan="search"``
-  runs the group plan that fits, exactly, and says why; ``hetspmd.search`` says the same, and from two processes,
-  where group plans do not run, says that no plan runs while ``best`` is the group plan."""
+  runs the group plan that fits, exactly, and says why; ``hetspmd.search`` says the same; with ``specs``, where
+  group plans do not run, it says that no plan runs while ``best`` is the group plan."""
   require_devices(8)
 
   def nothing_fits(*args, **kwargs):
@@ -252,7 +256,42 @@ def test_where_no_single_program_fits_the_search_runs_the_group_plan_that_does(m
   found = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool)
   assert found.form == "group plan" and found.plans == () and found.to_json()["no_single_program"]
   assert "no single program fits: no plan fits" in " ".join(str(found).split())
-  apart = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]),
-                    cluster="1x3xV100-32GB+1x5xP100-16GB")
+  apart = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool,
+                    specs={"Dense_0/kernel": jax.sharding.PartitionSpec()})
   assert apart.form is None and isinstance(apart.best, hs.GroupPlan)
   assert "runs no plan" in " ".join(str(apart).split())
+
+
+def test_two_processes_search_and_run_a_group_plan_each_feeding_its_own_examples():
+  """2 processes x 4 CPU devices over gloo, V100s on one and P100s on the other: ``plan="search"`` prices group
+  plans there (the margin at 0, so the group plan runs; the model wide enough that it gives both processes work), resolved from ``example_batch`` before the first call;
+  each process feeds only ``batch[step.process_examples()]``, a disjoint part of the global batch together
+  covering it, and the step matches one device. The whole global batch is refused with the way to pass it."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import hetspmd as hs
+      import hetspmd.runtime.searching as searching
+
+      searching.GROUP_PLAN_MARGIN = 0.0
+      pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
+      batches = t._batches(128)  # wide enough to be priced over both processes' devices
+      ref = reference(t.dropout_step, t._state(4096), batches)
+      step = hs.parallelize(t.dropout_step, cluster=pool, plan="search", global_batch=128, example_batch=batches[0])
+      state = step.shard_state(t._state(4096))
+      examples = step.process_examples()
+      try:
+        step(state, batches[0])
+        refused = ""
+      except hs.HetSpmdError as e:
+        refused = str(e)
+      for i, batch in enumerate(batches):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(local, metrics), i)
+      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+      print(json.dumps({"grouped": step.grouped, "examples": examples.tolist(), "refused": refused}))
+  """), num_processes=2, devices_per_process=4, timeout=240)
+  assert all(r["grouped"] for r in results)
+  mine = [set(r["examples"]) for r in results]
+  assert not mine[0] & mine[1] and mine[0] | mine[1] == set(range(128)) and all(mine)
+  assert all("batch[step.process_examples()]" in r["refused"] for r in results), results

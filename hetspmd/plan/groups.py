@@ -30,6 +30,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from hetspmd._format import quantity
 from hetspmd.errors import InvalidValueError
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, REMAT_POLICIES, ZERO_STAGES
@@ -237,6 +239,20 @@ class GroupPlan:
     """Each device's first tail example (devices in group order)."""
     first = self.global_batch - self.tail_examples
     return tuple(first + i * self.tail_count * self.tail_microbatch for i in range(len(self.devices)))
+
+  def examples_of(self, devices: Any) -> np.ndarray:
+    """The global batch's examples that ``devices`` (device ids: one process's) run, ascending: each data
+    position's, where one of its devices is among them, and each of those devices' tail examples. A process
+    feeds these, in this order (:meth:`hetspmd.runtime.grouped.GroupedStep.shard_batch`)."""
+    mine = set(devices)
+    ranges = []
+    for group, starts in zip(self.groups, self.starts()):
+      for p, (count, start) in enumerate(zip(group.positions, starts)):
+        if mine.intersection(group.devices[p * group.model:(p + 1) * group.model]):
+          ranges.append(np.arange(start, start + count * group.microbatch))
+    size = self.tail_count * self.tail_microbatch
+    ranges += [np.arange(s, s + size) for d, s in zip(self.devices, self.tail_starts()) if d in mine]
+    return np.unique(np.concatenate(ranges)) if ranges else np.zeros((0,), np.int64)
 
   def starts(self) -> tuple[tuple[int, ...], ...]:
     """Per group, each data position's first example of the global batch (one per device where the group has

@@ -403,16 +403,15 @@ GROUP_PLAN_MARGIN = 1.05
 
 # where parallelize(plan="search") prices group plans at all, beside the margin (searches_group_plans); and what
 # group programs refuse at run time (hetspmd.lowering.groups.check), where the step then runs as one program
-GROUP_PLAN_CONDITIONS = ("in one process, on the pool's own JAX devices, with no specs, for a step their "
-                         "programs take")
+GROUP_PLAN_CONDITIONS = "on the pool's own JAX devices, with no specs, for a step their programs take"
 
 
-def searches_group_plans(specs: Any, processes: int, bound: bool = True) -> bool:
+def searches_group_plans(specs: Any, bound: bool = True) -> bool:
   """Whether ``parallelize(plan="search")`` prices group plans for a step: on the pool's own JAX devices
   (``bound``: a cluster bound to them, as ``parallelize`` binds a spec), with no ``specs`` (group programs place
-  the state by their own shares), in one process (a group plan takes the global batch on every process, a
-  single program each process's own examples, and the search's choice must not change what the caller passes)."""
-  return not specs and bound and processes == 1
+  the state by their own shares). In one process or several: each process feeds the examples its devices run,
+  under either form (``step.process_examples()``)."""
+  return not specs and bound
 
 
 def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -> Evaluated | None:

@@ -424,9 +424,15 @@ def batch_arguments(args: tuple, graph_args: tuple[int, ...], global_batch: int,
   if not found:
     described = ", ".join(f"argument {i}: leading dims {sorted(set(map(str, leading_sizes(a))))[:4]}"
                           for i, a in enumerate(args) if i not in graph_args)
-    raise HetSpmdError(f"no argument of the step is a batch of {global_batch} examples (every array with a "
-                       f"leading axis of {global_batch}); got {described or 'no array arguments'}. Pass "
-                       "the global batch, or name it with parallelize(..., batch_argnums=(i,))")
+    sizes = " or ".join(map(str, sorted(expected)))
+    where = ("the global batch" if expected == {global_batch} else
+             "this process's examples, batch[step.process_examples()]")
+    across = ("; across processes each passes only its own examples, known once the plan is: call "
+              "step.shard_state(state) first (plan='search' traces example_batch=), then feed "
+              "batch[step.process_examples()]" if jax.process_count() > 1 and expected == {global_batch} else "")
+    raise HetSpmdError(f"no argument of the step is a batch of {sizes} examples (every array with a "
+                       f"leading axis of {sizes}); got {described or 'no array arguments'}. Pass "
+                       f"{where}, or name it with parallelize(..., batch_argnums=(i,)){across}")
   return tuple(found)
 
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.runtime.binding import Arguments
 from hetspmd.runtime.grouped import GroupedStep
-from hetspmd.runtime.placement import GroupedBatch, check_live
+from hetspmd.runtime.placement import GroupedBatch, check_live, global_abstract
 from hetspmd.runtime.runner import Trace
-from hetspmd.runtime.searching import global_abstract
 
 
 @dataclasses.dataclass
@@ -64,7 +65,10 @@ class GroupRunner:
     return self.runtime.shard_batch((batch,))
 
   def batch_sizes(self) -> set[int]:
-    return {self.plan.global_batch}  # every process passes the whole global batch
+    return {len(self.process_examples())}
+
+  def process_examples(self) -> np.ndarray:
+    return self.runtime.process_examples()
 
   def _trace_for_state(self, state: Any) -> None:
     """The step traced on ``example_batch``, where the state's layout comes from the trace and there is none yet."""

@@ -45,8 +45,8 @@ devices calls: plain FSDP over several hosts is one such group. Each process
 dispatches only the programs of the groups it holds devices of, and its own
 devices' updates; the exchange program spans them all, and the parameters an
 update makes reach every device through one uniform program that adds each
-device's row (the value on its maker, zeros elsewhere). Every process passes
-the whole global batch.
+device's row (the value on its maker, zeros elsewhere). Each process passes
+only the examples its devices run (:meth:`GroupedStep.process_examples`).
 
 It takes functional steps, ``step(state, batch, *rest) -> outputs`` (a Linen
 ``TrainState``), and NNX steps that update their objects in place,
@@ -75,7 +75,8 @@ from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime import group_calls as calls
 from hetspmd.runtime.binding import (batch_arguments, distinct_leaves, is_graph_node, positional_function,
                                      static_bound)
-from hetspmd.runtime.placement import GroupedBatch, check_global_batch, group_buffers, tail_buffers
+from hetspmd.runtime.placement import (GroupedBatch, check_global_batch, check_process_batch, global_abstract,
+                                       group_buffers, tail_buffers)
 
 
 @dataclasses.dataclass
@@ -222,7 +223,7 @@ class GroupedStep:
       if len(args) < 2:
         raise InvalidValueError("a functional step is called as step(state, batch, *rest)")
       return self.run(self.fn, args[0], args[1], args[2:])
-    batch_at = batch_arguments(args, graph, self.plan.global_batch)[0]
+    batch_at = batch_arguments(args, graph, self.plan.global_batch, {len(self.process_examples())})[0]
     objects = tuple(args[i] for i in graph)
     graphdef, state = nnx.split(objects)
     f = positional_function(self.fn, len(args), graph_args=graph, graphdef=graphdef, batch_argnums=(batch_at,),
@@ -233,18 +234,27 @@ class GroupedStep:
     nnx.update(objects, new_state)
     return out
 
+  def process_examples(self) -> np.ndarray:
+    """The global batch's examples this process feeds, ascending (every example in one process): its devices'
+    data positions' and tail examples (:meth:`~hetspmd.plan.groups.GroupPlan.examples_of`)."""
+    return self.plan.examples_of(d.id for d in jax.local_devices())
+
   def shard_batch(self, batch: Any) -> GroupedBatch:
-    """``batch`` (the global batch, on every process) placed for this plan ahead of the step: this process's
-    groups' microbatch buffers and the tail's. Pass it to the step in the batch's place, as
-    ``ParallelStep.shard_batch``'s result."""
-    check_global_batch(batch, self.plan.global_batch)
-    plan, leaves = self.plan, jax.tree.leaves(batch)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)), batch)
-    groups = {g: group_buffers(plan.groups[g], plan.starts()[g], self._meshes.groups[g], leaves)
+    """``batch`` (this process's examples, :meth:`process_examples`, in that order: the global batch in one
+    process) placed for this plan ahead of the step: this process's groups' microbatch buffers and the tail's.
+    Pass it to the step in the batch's place, as ``ParallelStep.shard_batch``'s result."""
+    plan, examples = self.plan, self.process_examples()
+    check_process_batch(batch, len(examples), plan.global_batch)
+    leaves, mine = jax.tree.leaves(batch), {d.id for d in jax.local_devices()}
+    row = lambda start, devices: int(np.searchsorted(examples, start)) if mine.intersection(devices) else None
+    starts = [[row(s, g.devices[p * g.model:(p + 1) * g.model]) for p, s in enumerate(firsts)]
+              for g, firsts in zip(plan.groups, plan.starts())]
+    groups = {g: group_buffers(plan.groups[g], starts[g], self._meshes.groups[g], leaves)
               for g, local in enumerate(self._local) if local}
-    tail = (tail_buffers(plan.tail_count, plan.tail_microbatch, plan.tail_starts(), self.mesh, leaves)
+    tail = (tail_buffers(plan.tail_count, plan.tail_microbatch,
+                         [row(s, (d,)) for d, s in zip(plan.devices, plan.tail_starts())], self.mesh, leaves)
             if plan.tail_count else [None] * len(leaves))
-    return GroupedBatch(abstract, groups, tail)
+    return GroupedBatch(global_abstract(batch, plan.global_batch), groups, tail)
 
   def prepare(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
               static: Any = ()) -> GroupPrograms:
@@ -259,8 +269,8 @@ class GroupedStep:
     """One step of ``fn(state, batch, *rest)`` (``batch``: the global batch, or placed by :meth:`shard_batch`);
     ``graphdef``: the NNX objects' whose state ``state`` is, ``static``: a key for the values bound into ``fn``
     (both part of the programs' cache key). Leaves of ``rest`` that are not arrays are bound as constants."""
-    placed = batch if isinstance(batch, GroupedBatch) else None
-    batch = placed.abstract if placed is not None else batch
+    placed = batch if isinstance(batch, GroupedBatch) else self.shard_batch(batch)
+    batch = placed.abstract
     fn, rest, found = static_bound(fn, rest)
     built = self._programs(fn, state, batch, rest, (graphdef, static, found))
     leaves = jax.tree.leaves((state, batch, rest))
@@ -274,7 +284,6 @@ class GroupedStep:
       state_leaves = calls.held_parts(built, state_leaves, self._meshes)
     others = leaves[n_state + n_batch:]
     free = [i for i in range(n_state) if i not in built.owner]  # the state leaves every device has
-    placed = placed or self.shard_batch(jax.tree.unflatten(jax.tree.structure(batch), leaves[n_state:n_state + n_batch]))
     joined, earlier, examples = calls.run_loops(built, self._meshes, self._counts, self._call,
                                                 state=[state_leaves[i] for i in free], buffers=placed.groups,
                                                 others=others)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from hetspmd._dtypes import traced_dtype
 from hetspmd._pytree import leaves_with_paths
 from hetspmd.errors import HetSpmdError, InvalidValueError
 from hetspmd.plan.value import Plan
@@ -91,6 +92,12 @@ class GroupedBatch:
   tail: list
 
 
+def global_abstract(batch: Any, global_batch: int) -> Any:
+  """``batch``'s arrays as abstract values leading with ``global_batch``."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((global_batch,) + tuple(np.shape(x)[1:]), traced_dtype(x)),
+                      batch)
+
+
 def check_global_batch(batch: Any, global_batch: int) -> None:
   """Refuses a batch any of whose arrays does not lead with ``global_batch``."""
   for x in jax.tree.leaves(batch):
@@ -99,29 +106,58 @@ def check_global_batch(batch: Any, global_batch: int) -> None:
                               f"shape {np.shape(x)}")
 
 
+def check_process_batch(batch: Any, examples: int, global_batch: int) -> None:
+  """Refuses a batch any of whose arrays does not lead with this process's ``examples`` (of ``global_batch``):
+  a process passes only its own examples, ``step.process_examples()``."""
+  for path, x in leaves_with_paths(batch):
+    if np.shape(x)[:1] != (examples,):
+      whole = " (the whole global batch)" if np.shape(x)[:1] == (global_batch,) else ""
+      raise InvalidValueError(
+          f"batch leaf {path or '<root>'!r} has shape {np.shape(x)}{whole}; this process runs {examples} of the "
+          f"global batch's {global_batch} examples: pass only those, batch[step.process_examples()], in that "
+          "order")
+
+
+def on_mesh(values: np.ndarray, mesh: Any, spec: Any) -> jax.Array:
+  """``values`` (the global array) placed over ``mesh`` as ``spec`` says, from this process's shards of it only:
+  what other processes' devices hold is theirs to place (here it may be zeros)."""
+  return jax.make_array_from_callback(values.shape, NamedSharding(mesh, spec), lambda index: values[index])
+
+
 def group_buffers(group: Any, starts: Any, mesh: Any, batch_leaves: list) -> list:
   """A group's padded microbatch buffers ``[positions * max_count, microbatch, ...]`` of each batch array
-  (``starts``: each position's first example), sharded over its mesh's ``data`` axis."""
+  (``starts``: each position's first example in the arrays, None for a position another process feeds),
+  sharded over its mesh's ``data`` axis."""
   out = []
   for x in batch_leaves:
     x = np.asarray(x)
     buf = np.zeros((len(group.positions) * group.max_count, group.microbatch) + x.shape[1:], x.dtype)
     for i, (c, s) in enumerate(zip(group.positions, starts)):
-      rows = x[s:s + c * group.microbatch].reshape((c, group.microbatch) + x.shape[1:])
-      buf[i * group.max_count:i * group.max_count + c] = rows
-    out.append(jax.device_put(buf, NamedSharding(mesh, P("data"))))
+      if s is not None:
+        buf[i * group.max_count:i * group.max_count + c] = x[s:s + c * group.microbatch].reshape(
+            (c, group.microbatch) + x.shape[1:])
+    out.append(on_mesh(buf, mesh, P("data")))
   return out
 
 
 def tail_buffers(count: int, size: int, starts: Any, mesh: Any, batch_leaves: list) -> list:
   """The tail's microbatch buffers ``[devices * count, size, ...]`` over every device of ``mesh`` (``starts``:
-  each device's first tail example)."""
+  each device's first tail example in the arrays, None for a device another process feeds)."""
   out = []
   for x in batch_leaves:
     x = np.asarray(x)
-    rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) for s in starts]
-    out.append(jax.device_put(np.concatenate(rows), NamedSharding(mesh, P("data"))))
+    rows = [x[s:s + count * size].reshape((count, size) + x.shape[1:]) if s is not None else
+            np.zeros((count, size) + x.shape[1:], x.dtype) for s in starts]
+    out.append(on_mesh(np.concatenate(rows), mesh, P("data")))
   return out
+
+
+def process_examples(plan: Plan, mesh: Any) -> np.ndarray:
+  """The global batch's examples this process feeds a single program, in order: those of the data positions it
+  hosts, in position order."""
+  firsts = np.cumsum((0,) + plan.examples_per_position())
+  ranges = [np.arange(firsts[i], firsts[i + 1]) for i in local_positions(mesh, plan)]
+  return np.concatenate(ranges) if ranges else np.zeros((0,), np.int64)
 
 
 DONATED = ("the state passed to the step was donated to an earlier call (parallelize(donate_state=True): its "

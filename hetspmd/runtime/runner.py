@@ -66,6 +66,9 @@ class Runner(Protocol):
   def batch_sizes(self) -> set[int]:
     """The leading sizes this process's batch arguments may have."""
 
+  def process_examples(self) -> Any:
+    """The global batch's examples this process feeds, in the order it feeds them (an integer array)."""
+
   def call(self, args: tuple, kwargs: dict) -> Any:
     """One step on a call's arguments (``nnx.cached_partial``'s objects first, static ones marked)."""
 

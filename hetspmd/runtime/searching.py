@@ -35,6 +35,7 @@ from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, S
                                      searches_group_plans)
 from hetspmd.planner.stages import search_stages
 from hetspmd.runtime.grouped import GroupedStep
+from hetspmd.runtime.placement import global_abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   choice made by the same rule."""
   fn, batch = trace.state_batch(), trace.batch
   # hetspmd.search prices a pool as parallelize would run it: bound to JAX's devices there
-  considered = searches_group_plans(step.specs, processes, cluster.jax_device_ids is not None or every_form)
+  considered = searches_group_plans(step.specs, cluster.jax_device_ids is not None or every_form)
   runs_groups = step.group_plans and considered
   say = progress or (lambda message: None)
   say("tracing the step at two batch sizes")
@@ -150,12 +151,6 @@ def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float
   chosen = auto_state_specs(state, plan.axis_names, plan.mesh_shape, plan.zero_stage, specs=specs,
                             model_specs=dict(plan.state_specs), zero_shards=plan.zero_shards)
   return plan.replace(state_specs=chosen)
-
-
-def global_abstract(batch: Any, global_batch: int) -> Any:
-  """``batch``'s arrays as abstract values leading with ``global_batch``."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((global_batch,) + tuple(np.shape(x)[1:]), traced_dtype(x)),
-                      batch)
 
 
 def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, chosen: bool, considered: bool) -> str:

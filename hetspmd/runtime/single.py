@@ -25,7 +25,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.value import Plan
 from hetspmd.runtime.binding import Call, distinct_leaves
-from hetspmd.runtime.placement import (ShardedBatch, check_live, local_positions, positions_array,
+from hetspmd.runtime.placement import (ShardedBatch, check_live, positions_array, process_examples,
                                        shard_batch)
 from hetspmd.runtime.searching import step_traced
 
@@ -86,10 +86,10 @@ class SingleRunner:
     return shard_batch(self.plan, self._mesh, batch)
 
   def batch_sizes(self) -> set[int]:
-    if jax.process_count() == 1:
-      return {self.plan.global_batch}
-    per_position = self.plan.examples_per_position()
-    return {sum(per_position[i] for i in local_positions(self._mesh, self.plan))}
+    return {len(self.process_examples())}
+
+  def process_examples(self) -> np.ndarray:
+    return process_examples(self.plan, self._mesh)
 
   # --- running ------------------------------------------------------------------
 

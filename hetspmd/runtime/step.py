@@ -169,15 +169,24 @@ class ParallelStep:
     """Host batch → padded per-device microbatch buffers and counts.
 
     With one process, ``batch`` is the global batch (leading axis
-    ``global_batch``). With several, each process passes only the examples
-    of the data positions it hosts, in position order (a group plan: the
-    whole global batch on every process).
+    ``global_batch``). With several, each process passes only its own
+    examples, ``batch[step.process_examples()]``, under either plan form.
     """
     return self._resolve(None).shard_batch(batch)
 
+  def process_examples(self) -> np.ndarray:
+    """The global batch's examples this process passes, in the order it passes them: indices into the global
+    batch, so that a loader feeds ``batch[step.process_examples()]`` (one process: every example, in order).
+    The plan must be resolved: a given plan, or ``"auto"``/``"search"`` after :meth:`shard_state` (a search
+    traces ``example_batch``)."""
+    return self._resolve(None).process_examples()
+
   def batch_sizes(self) -> set[int]:
-    """The leading sizes this process's batch arguments may have."""
-    return {self.global_batch} if self._runner is None else self._runner.batch_sizes()
+    """The leading sizes this process's batch arguments may have (a plan made from the state: the global batch
+    until it is made)."""
+    if self._runner is None and isinstance(self.requested_plan, str) and self.requested_plan in ("auto", "search"):
+      return {self.global_batch}
+    return self._resolve(None).batch_sizes()
 
   # --- running -------------------------------------------------------------------
 
@@ -303,7 +312,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     cluster: the devices, bound to JAX (``Cluster.from_devices``, ``.emulate``), or a preset, TOML file or
       spec string for ``jax.devices()`` in order; default ``Cluster.from_devices(jax.devices())``.
     plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
-      (:mod:`hetspmd.runtime.grouped`: the global batch on every process), or
+      (:mod:`hetspmd.runtime.grouped`), or
       a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
       on the state and ``example_batch`` (or the first call's batch) and takes
       the best plan, or the best group plan where it is priced at least
