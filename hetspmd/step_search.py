@@ -95,6 +95,13 @@ class StepSearch:
       return to_group_plan(self.cluster, chosen, ideal)
     return single_plan(chosen, self.cluster, self.state, ideal, self.specs)
 
+  @property
+  def best_group_plan(self) -> GroupPlan | None:
+    """The best group plan priced, as a value ``parallelize(plan=...)`` runs (None where none fits), whether or
+    not it is the choice."""
+    g = self.priced.group_plan
+    return None if g is None else to_group_plan(self.cluster, g, self.priced.ideal_throughput)
+
   def explain(self) -> str:
     """The best plan in words, as ``hetspmd explain`` shows its file, and why it is the choice."""
     best = self.best

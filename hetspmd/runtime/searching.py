@@ -102,7 +102,8 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
     result = search(cluster, profile, step.global_batch, top=top, progress=progress, remat_policies=policies,
                     recompute=_recompute(step.batch_stats, profile, state, batch), grad_reduce_dtypes=dtypes,
                     overlap=overlap, fuse_overlap=not _per_microbatch_statistics(step.batch_stats, profile, state, batch),
-                    homogeneous=every_form, groups=groups)
+                    homogeneous=every_form, groups=groups,
+                    every_process=cluster.jax_device_ids is not None and processes > 1)
   except PlanDoesNotFitError as e:
     alone = group_plan_alone(cluster, profile, step.global_batch, remat_policies=policies,
                              grad_reduce_dtypes=dtypes, progress=progress) if groups else None
