@@ -295,3 +295,21 @@ def test_two_processes_search_and_run_a_group_plan_each_feeding_its_own_examples
   mine = [set(r["examples"]) for r in results]
   assert not mine[0] & mine[1] and mine[0] | mine[1] == set(range(128)) and all(mine)
   assert all("batch[step.process_examples()]" in r["refused"] for r in results), results
+
+
+def test_a_running_job_s_search_leaves_no_process_without_devices():
+  """Under a job whose processes all run, each plan the search offers holds devices of every process (a process
+  left out could not take part); without the rule the best plan leaves the slower host idle."""
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.group_execution import process_of
+  from hetspmd.planner.ranking import search
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  pool = hs.Cluster.parse("1x4xA100-80GB+1x4xT4")
+  processes = process_of(pool)
+  free = search(pool, profile, 32, top=20)
+  assert any({processes[d] for d in p.device_positions} != {0, 1} for p in free.plans)
+  kept = search(pool, profile, 32, top=20, every_process=True)
+  assert kept.plans and all({processes[d] for d in p.device_positions} == {0, 1} for p in kept.plans)
+  assert all({processes[d] for d in b.device_positions} == {0, 1} for b in kept.baselines.values())
