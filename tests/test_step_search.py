@@ -74,8 +74,13 @@ def _jitted_inputs():
   return jax.jit(step, static_argnums=(2, 3)), args, kwargs
 
 
+def _nnx_jitted_inputs():
+  step, args, kwargs = _nnx_inputs()
+  return nnx.jit(step, static_argnums=(5, 6)), args, kwargs
+
+
 STEPS = {"nnx in place": _nnx_inputs, "linen lm1b": _linen_inputs, "pmap era": _pmap_inputs,
-         "jitted": _jitted_inputs}
+         "jitted": _jitted_inputs, "nnx jitted": _nnx_jitted_inputs}
 
 
 @pytest.mark.parametrize("name", list(STEPS))
@@ -84,7 +89,7 @@ def test_steps_shaped_as_flax_writes_them_are_searched_at_abstract_shapes(name):
   batch is read from the batch; the table fits a terminal; the choice is a plan that names this pool's kinds."""
   step, args, kwargs = STEPS[name]()
   found = hs.search(step, *args, cluster=POOL, **kwargs)
-  assert found.plans and found.subject.global_batch == jax.tree.leaves(args[3 if name == "nnx in place" else 1])[0].shape[0]
+  assert found.plans and found.subject.global_batch == jax.tree.leaves(args[3 if name.startswith("nnx") else 1])[0].shape[0]
   assert found.group_plan is not None and found.priced.result.homogeneous_equivalent is not None
   assert set(found.baselines) >= {"dp_even", "dp_proportional", "fastest_only", "best_homogeneous"}
   assert found.form == "single program" or found.form == "group plan"
