@@ -48,6 +48,9 @@ BENCHES = (
           "equivalent): 0.5 / 1 s at 64 devices, 2 / 3 s at 1024; three kinds 1.5 s and 6 s. The plans are "
           "predicted; the seconds are measured here.",
           slow=True),
+    Bench("step_search", (), "measured",
+          "`hetspmd search --step` on a Gemma-3-1B-shaped NNX step written as Flax's example writes it: seconds "
+          "end to end (a fresh process, tracing included), the median of 3, against the goal of 15 s."),
     Bench("published", (), "published",
           "The cost model against published step times (NVIDIA's BERT-large on 8 V100s, AMP's and Cephalo's "
           "measured runs): predicted, measured, and their ratio, each source in the script."),

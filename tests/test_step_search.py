@@ -318,3 +318,28 @@ def test_a_running_job_s_search_leaves_no_process_without_devices():
   kept = search(pool, profile, 32, top=20, every_process=True)
   assert kept.plans and all({processes[d] for d in p.device_positions} == {0, 1} for p in kept.plans)
   assert all({processes[d] for d in b.device_positions} == {0, 1} for b in kept.baselines.values())
+
+
+def test_processes_that_search_different_plans_are_refused_not_left_waiting():
+  """2 processes told different pools (the kinds swapped on one): each finds another plan, and each is refused
+  with the way out before any program runs, instead of waiting in a collective."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import hetspmd as hs
+
+      kinds = ["V100-32GB"] * 2 + ["P100-16GB"] * 2
+      if jax.process_index() == 1:
+        kinds = kinds[::-1]
+      pool = hs.Cluster.emulate(jax.devices(), kinds=kinds)
+      batches = t._batches(64)
+      step = hs.parallelize(t.dropout_step, cluster=pool, plan="search", global_batch=64, example_batch=batches[0])
+      try:
+        step.shard_state(t._state())
+        said = ""
+      except hs.HetSpmdError as e:
+        said = str(e)
+      print(json.dumps({"said": said}))
+  """), num_processes=2, devices_per_process=2, timeout=180)
+  assert all("the processes searched different plans" in r["said"] and "plan='plan.json'" in r["said"]
+             for r in results), results

@@ -11,12 +11,15 @@ program, and says why).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hetspmd import lowering
 from hetspmd._dtypes import traced_dtype
@@ -123,7 +126,29 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
 def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
   """The search's best plan for ``step`` (a ``ParallelStep``) traced as ``trace`` (a :class:`~hetspmd.runtime.runner.Trace`: the
   step as ``f(state, batch, rest, kwargs)``, the batch it is called with), and for a group plan its runtime (its
-  programs built: the plan is final before anything is placed on its devices)."""
+  programs built: the plan is final before anything is placed on its devices). Across processes, every process
+  must have found the same plan (the same pool, step and batch shapes): one that did not is refused here rather
+  than left to wait in a collective the others never run."""
+  searched = _searched_plan(step, cluster, state, trace)
+  if jax.process_count() > 1:
+    check_same_plan(searched.plan)
+  return searched
+
+
+def check_same_plan(plan: Any) -> None:
+  """Refuses a plan that not every process holds (compared by a digest of its JSON, gathered from each)."""
+  text = json.dumps(plan.to_json(), sort_keys=True)
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)
+  every = np.asarray(multihost_utils.process_allgather(digest)).ravel()
+  if len(set(every.tolist())) > 1:
+    raise HetSpmdError(f"the processes searched different plans ({len(set(every.tolist()))} distinct; this is process "
+                       f"{jax.process_index()}): give every process the same cluster (Cluster.from_devices(jax.devices())"
+                       ", all processes' devices), the same step and the same example_batch shapes, or search once and "
+                       "load the saved plan in every process (plan='plan.json')")
+
+
+def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
+  """:func:`searched_plan` in this process."""
   priced = price_step(step, cluster, state, trace, processes=jax.process_count())
   if priced.choice is None:
     raise PlanDoesNotFitError(priced.error)
