@@ -305,3 +305,37 @@ def test_parallelize_places_a_hybrid_plans_state_split_before_the_first_call():
     state, metrics = step(state, batch)
     ref.check_metrics(metrics, i)
   ref.check(state.params, lambda s: s.params)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hybrid"])
+def test_groups_spanning_four_processes_of_one_device_shard_their_parameters(layout):
+  """4 processes x 1 CPU device (one process per device, as one process per GPU runs): plain FSDP as one group
+  over all four, or a hybrid plan of two groups each spanning two processes; every process feeds only its own
+  examples, and the metrics (and FSDP's whole state) match one device."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent(f"""
+      from jax.experimental import multihost_utils
+      from hetspmd.plan.groups import Group, group_plan
+      from hetspmd.runtime.grouped import GroupedStep
+
+      whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      every = tuple(i for p in ids for i in p)
+      groups = ([Group(every, 2, (2, 1, 2, 1), shard_params=True)] if {layout!r} == "fsdp" else
+                [Group(every[:2], 2, (2, 1), shard_params=True), Group(every[2:], 2, (1, 2), shard_params=True)])
+      plan = group_plan(groups, 12)
+      data = t.batches(12, steps=2)
+      ref = reference(t.linen_step, make(), data)
+      step = GroupedStep.across_processes(t.linen_step, plan)
+      state = step.shard_state(make())
+      for i, batch in enumerate(data):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(whole, metrics), i)
+      if {layout!r} == "fsdp":
+        ref.check(jax.tree.map(whole, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
+      print(json.dumps({{"groups": len(step.plan.groups), "hybrid": step.execution.hybrid,
+                        "examples": len(step.process_examples())}}))
+  """), num_processes=4, devices_per_process=1, timeout=240)
+  assert all(r["groups"] == (1 if layout == "fsdp" else 2) and r["hybrid"] for r in results), results
+  assert sum(r["examples"] for r in results) == 12 and all(0 < r["examples"] < 12 for r in results)
