@@ -11,7 +11,7 @@ or from Python::
     step, args, kwargs = gemma3_1b()
     print(hetspmd.search(step, *args, cluster="1x8xA100-80GB+1x8xV100-32GB;inter=100Gbps", **kwargs))
 
-``tiny()`` is the same model, small and concrete, to run.
+``tiny()`` is the same model, small: a search in seconds (``objects(...)`` makes the model to run).
 """
 
 from __future__ import annotations
@@ -158,6 +158,6 @@ def gemma3_1b():
 
 
 def tiny():
-  """A small model of the same shape (two layers, one global), for a quick search or a run."""
+  """A small model of the same shape (two layers, one global), abstract as ``gemma3_1b()``'s: a quick search."""
   return search_inputs(Config(vocab=256, width=32, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=64, window=4,
                               global_every=2, dtype="float32"), batch=16, seq=16)

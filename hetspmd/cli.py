@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -286,14 +287,16 @@ def load_step(spec: str) -> tuple[Any, tuple, dict]:
       loaded = importlib.util.spec_from_file_location(name, where)
       module = importlib.util.module_from_spec(loaded)
       sys.modules[name] = module  # as an import registers it (dataclasses look their module up there)
-      sys.path.insert(0, str(Path(where).resolve().parent))  # the file's own imports, as python FILE finds them
+      folder = str(Path(where).resolve().parent)
+      sys.path.insert(0, folder)  # the file's own imports, as python FILE finds them
       try:
         loaded.loader.exec_module(module)
       except BaseException:
         del sys.modules[name]
         raise
       finally:
-        sys.path.pop(0)
+        if folder in sys.path:
+          sys.path.remove(folder)
     else:
       module = importlib.import_module(where)
   except HetSpmdError:
@@ -308,9 +311,12 @@ def load_step(spec: str) -> tuple[Any, tuple, dict]:
               "of its positional arguments (arrays or jax.ShapeDtypeStruct, NNX objects from nnx.eval_shape) and "
               "a dict of its keyword arguments")
   try:
-    made = make()
+    inspect.signature(make).bind()
   except TypeError as e:
-    raise HetSpmdError(f"--step {spec!r}: calling {function}() failed ({e}); {expected}") from e
+    raise HetSpmdError(f"--step {spec!r}: {function}() cannot be called without arguments ({e}); {expected}") from e
+  except ValueError:  # no signature to read: call it and see
+    pass
+  made = make()
   if not (isinstance(made, tuple) and len(made) == 3 and callable(made[0]) and isinstance(made[1], (tuple, list))
           and isinstance(made[2], dict)):
     got = f"a tuple of {len(made)}" if isinstance(made, tuple) else f"a {type(made).__name__}"

@@ -180,7 +180,11 @@ def choice_line(priced: Any) -> str:
   """What ``parallelize(plan="search")`` runs from this search, and why."""
   processes = f"{priced.processes} process{'es' if priced.processes != 1 else ''}"
   form = choice_form(priced)
-  what = ("no plan" if form is None else "the group plan" if form == "group plan" else "plan 1, a single program")
+  plans = priced.result.plans if priced.result is not None else ()
+  rank = next((i for i, p in enumerate(plans, 1) if p is priced.choice), None)
+  what = ("no plan" if form is None else
+          "the group plan (where its programs take the step; else the best single program)" if form == "group plan"
+          else f"plan {rank}, a single program" if rank else "a single program not among those shown")
   note = f" ({priced.note})" if priced.note else ""
   return f"parallelize(plan='search') from {processes} runs {what}{note}"
 

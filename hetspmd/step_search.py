@@ -27,7 +27,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.value import Plan
 from hetspmd.planner.grouping import to_group_plan
-from hetspmd.runtime.binding import is_dynamic, is_graph_node
+from hetspmd.runtime.binding import is_dynamic, is_graph_node, unbound
 from hetspmd.runtime.placement import global_abstract
 from hetspmd.runtime.searching import Priced, single_plan
 from hetspmd.runtime.step import parallelize
@@ -75,6 +75,24 @@ class StepSearch:
   @property
   def heterogeneity_tax(self) -> float | None:
     return None if self.priced.result is None else self.priced.result.heterogeneity_tax
+
+  @property
+  def homogeneous_equivalent(self):
+    """The best plan of the pool with every device its mean (None where no single program fits)."""
+    return None if self.priced.result is None else self.priced.result.homogeneous_equivalent
+
+  @property
+  def throughput_vs_homogeneous(self) -> float | None:
+    return None if self.priced.result is None else self.priced.result.throughput_vs_homogeneous
+
+  @property
+  def search_seconds(self) -> float | None:
+    """The search's seconds after tracing (:attr:`Priced.trace_seconds`: the tracing's)."""
+    return None if self.priced.result is None else self.priced.result.search_seconds
+
+  @property
+  def candidates(self) -> int:
+    return 0 if self.priced.result is None else self.priced.result.candidates
 
   @property
   def form(self) -> str | None:
@@ -142,7 +160,8 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
       any pool described, to plan for hardware not at hand), or a preset name, cluster TOML file or spec.
     global_batch: examples per step; default the leading size of the batch argument (``batch_argnums``, or the
       first argument beside the state whose arrays all lead with one size). A batch of another size (a small
-      example batch) is read for its shapes, as ``parallelize``'s ``example_batch``.
+      example batch) is read for its shapes, as ``parallelize``'s ``example_batch`` (a batch of several
+      arguments: name them all in ``batch_argnums``).
     top: how many single programs to rank.
     progress: called with a line of text as the search goes.
     overlap: overlap gradient reductions with the last microbatch's backward pass (as every plan does).
@@ -155,18 +174,24 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
   """
   if not callable(step):
     raise InvalidValueError(f"search() needs the train step (a callable) first, got {step!r}")
+  earlier = cluster is _MISSING
   args, pool = _split_cluster(args, cluster)
+  _check_keywords(kwargs, earlier)
   if not isinstance(top, int) or isinstance(top, bool) or top < 1:
     raise InvalidValueError(f"top (how many plans to rank) must be a positive integer, got {top!r}")
-  at = batch_index(args, batch_argnums)
+  objects = bool(unbound(step)[1])  # an nnx.cached_partial's objects come before the call's arguments
+  at = batch_index(args, batch_argnums, objects)
   size = _leading(args[at]).pop() if at is not None else None
   if global_batch is None:
     if size is None:
       raise InvalidValueError("search() could not tell the batch from the step's arguments (no argument beside "
                               "the state whose arrays all lead with one size): pass global_batch= or batch_argnums=")
     global_batch = size
-  elif size is not None and size != global_batch and batch_argnums is None:  # an example batch: its shapes
-    args = args[:at] + (global_abstract(args[at], global_batch),) + args[at + 1:]
+  elif size is not None and size != global_batch:  # an example batch, read for its shapes: each of its arguments
+    batch = {at} if batch_argnums is None else {i % len(args) for i in (
+        (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)}
+    args = tuple(global_abstract(a, global_batch) if i in batch and _leads_with(a, size) else a
+                 for i, a in enumerate(args))
   front = parallelize(step, cluster=pool, plan="search", global_batch=global_batch, donate_state=False, specs=specs,
                       batch_argnums=batch_argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
                       axis_name=axis_name, group_plans=group_plans, static_argnums=static_argnums,
@@ -175,6 +200,30 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
                               progress=progress)
   subject = search_report.Subject(name or getattr(step, "__name__", type(step).__name__), global_batch)
   return StepSearch(subject, pool, priced, jx.to_abstract(state), specs)
+
+
+# hetspmd.search's keywords before it took the step's own arguments, and what took their place
+_EARLIER_KEYWORDS = {"grad_reduce_dtypes": "grad_reduce_dtype='search' lets the search pick the dtype",
+                     "homogeneous": "the homogeneous equivalent is always priced now",
+                     "models": "every model-axis size is priced", "fuse_overlap": "batch_stats= decides it"}
+
+
+def _check_keywords(kwargs: dict, earlier: bool) -> None:
+  """Refuses a :class:`Cluster` among the step's keyword arguments, and (the earlier call's form) keywords
+  ``search`` no longer takes, which would otherwise reach the step."""
+  for key, value in kwargs.items():
+    if isinstance(value, Cluster):
+      raise InvalidValueError(f"search() got a Cluster as the step's keyword argument {key!r}: pass the pool as "
+                              "cluster=..., and only the step's own arguments beside it")
+    if earlier and key in _EARLIER_KEYWORDS:
+      raise InvalidValueError(f"search() no longer takes {key}= ({_EARLIER_KEYWORDS[key]}); the call is "
+                              "hetspmd.search(step, *args, cluster=..., global_batch=..., **step_kwargs)")
+
+
+def _leads_with(tree: Any, size: int) -> bool:
+  """Whether every array of ``tree`` leads with ``size`` (at least one axis each)."""
+  leaves = [x for x in jax.tree.leaves(tree) if is_dynamic(x)]
+  return bool(leaves) and all(getattr(x, "shape", ())[:1] == (size,) for x in leaves)
 
 
 def _split_cluster(args: tuple, cluster: Any) -> tuple[tuple, Cluster]:
@@ -206,17 +255,18 @@ def pool_processes(cluster: Cluster) -> int:
   return cluster.processes or len(cluster.hosts)
 
 
-def batch_index(args: tuple, batch_argnums: Any = None) -> int | None:
+def batch_index(args: tuple, batch_argnums: Any = None, objects: bool = False) -> int | None:
   """Which of a call's arguments is the batch, as the search reads it: ``batch_argnums``' first, or the first
   argument beside NNX objects and a functional step's state (its first argument with arrays) whose arrays all
-  lead with one size; None where none does."""
+  lead with one size; None where none does. ``objects``: the step is an ``nnx.cached_partial`` whose NNX objects
+  (its state) are bound ahead of ``args``."""
   if batch_argnums is not None:
     first = batch_argnums if isinstance(batch_argnums, int) else tuple(batch_argnums)[0]
     ok = isinstance(first, int) and -len(args) <= first < len(args) and len(_leading(args[first])) == 1
     return first % len(args) if ok else None
   plain = [i for i, a in enumerate(args) if not is_graph_node(a) and _leading(a)]
-  has_graph = any(is_graph_node(a) for a in args)
-  for i in plain[0 if has_graph else 1:]:  # a functional step's state comes first
+  has_state = objects or any(is_graph_node(a) for a in args)
+  for i in plain[0 if has_state else 1:]:  # a functional step's state comes first
     if len(_leading(args[i])) == 1 and all(jax.numpy.ndim(x) >= 1 for x in jax.tree.leaves(args[i])
                                             if is_dynamic(x)):
       return i

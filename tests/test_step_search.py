@@ -158,6 +158,11 @@ def test_the_earlier_call_still_works_and_a_cluster_never_becomes_a_step_argumen
   with pytest.raises(hs.InvalidValueError, match=r"needs the pool as a keyword: hetspmd.search\(step, \*args, "
                                                  r"cluster=\.\.\."):
     hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), POOL)  # a string is never the pool
+  assert earlier.homogeneous_equivalent is not None and earlier.candidates > 0 and earlier.search_seconds > 0
+  with pytest.raises(hs.InvalidValueError, match=r"no longer takes homogeneous= .*hetspmd.search\(step, \*args, "):
+    hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(2), pool, global_batch=32, homogeneous=True)
+  with pytest.raises(hs.InvalidValueError, match="a Cluster as the step's keyword argument 'pool'"):
+    hs.search(w.make_train_step(), w.abstract_state(), w.example_batch(32), cluster=pool, pool=pool)
   with pytest.raises(hs.InvalidValueError, match="could not tell the batch"):
     hs.search(w.make_train_step(), w.abstract_state(), cluster=pool)
   with pytest.raises(hs.InvalidValueError, match="top .* positive integer"):
@@ -219,7 +224,7 @@ def _fails(argv, capsys):
     ("raise ImportError('torch is missing')\n", "{file}:inputs", r"importing '.*user.py' failed: ImportError: torch"),
     ("def inputs():\n  return 3\n", "{file}:inputs", r"inputs\(\) returned a int; it must take no arguments and "
                                                      r"return \(step, args, kwargs\)"),
-    ("def inputs(x):\n  return x\n", "{file}:inputs", r"calling inputs\(\) failed .*must take no arguments"),
+    ("def inputs(x):\n  return x\n", "{file}:inputs", r"inputs\(\) cannot be called without arguments .*must take no arguments"),
     ("def inputs():\n  return (print, (1,))\n", "{file}:inputs", r"returned a tuple of 2"),
     ("inputs = 3\n", "{file}:inputs", r"has no function 'inputs' \(it is a int\)"),
 ])
@@ -315,7 +320,7 @@ def test_a_running_job_s_search_leaves_no_process_without_devices():
   processes = process_of(pool)
   free = search(pool, profile, 32, top=20)
   assert any({processes[d] for d in p.device_positions} != {0, 1} for p in free.plans)
-  kept = search(pool, profile, 32, top=20, every_process=True)
+  kept = search(pool, profile, 32, top=20, every_process=processes)
   assert kept.plans and all({processes[d] for d in p.device_positions} == {0, 1} for p in kept.plans)
   assert all({processes[d] for d in b.device_positions} == {0, 1} for b in kept.baselines.values())
 
@@ -343,3 +348,16 @@ def test_processes_that_search_different_plans_are_refused_not_left_waiting():
   """), num_processes=2, devices_per_process=2, timeout=180)
   assert all("the processes searched different plans" in r["said"] and "plan='plan.json'" in r["said"]
              for r in results), results
+
+
+def test_a_step_bound_by_cached_partial_is_searched_with_a_small_example_batch():
+  """``nnx.cached_partial(step, model, optimizer, ...)``: its objects are the state, so the first argument of
+  the call is the batch, here a small example batch read for its shapes at ``global_batch``."""
+  step, args, kwargs = _nnx_inputs()
+  model, optimizer, rngs, batch, metrics, smoothing, pad = args
+  bound = nnx.cached_partial(step, model, optimizer, rngs)
+  small = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype), batch)
+  found = hs.search(bound, small, metrics, smoothing, pad, cluster=POOL, global_batch=16)
+  assert found.subject.global_batch == 16 and found.plans
+  whole = hs.search(step, *args, cluster=POOL, **kwargs)
+  assert [p.counts for p in found.plans] == [p.counts for p in whole.plans]

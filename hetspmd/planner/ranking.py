@@ -75,7 +75,6 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
-from hetspmd.planner.group_execution import process_of
 from hetspmd.planner.grouping import search_groups
 from hetspmd.planner.sharding import fsdp_baseline
 from hetspmd.errors import HetSpmdError, PlanDoesNotFitError
@@ -190,7 +189,7 @@ class SearchSpace:
   grad_reduce_dtypes: tuple[str, ...]
   overlap: bool
   fuse_overlap: bool
-  every_process: bool = False  # every candidate holds devices of every process (a job whose processes all run)
+  every_process: tuple[int, ...] | None = None  # each device's process: every candidate holds devices of each
 
   @property
   def microbatches(self) -> list[int]:
@@ -218,7 +217,7 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
   prop = lambda kinds, costs: proportional_counts([peak[k] for k in kinds], total)
   sets = device_sets(space.cluster, space.profile, microbatch)
   if space.every_process:  # a set that leaves a running process without devices cannot run there
-    processes = process_of(space.cluster)
+    processes = space.every_process
     sets = {name: ids for name, ids in sets.items() if {processes[i] for i in ids} == set(processes)}
   fastest = space.fastest_kind
   for m in space.model_sizes:
@@ -310,7 +309,7 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
            remat_policies: Sequence[str] = SEARCHED_REMAT, recompute: float = 1.0,
            grad_reduce_dtypes: Sequence[str] = ("float32",), overlap: bool = True,
            fuse_overlap: bool = True, homogeneous: bool = False, groups: bool = False,
-           every_process: bool = False) -> SearchResult:
+           every_process: Sequence[int] | None = None) -> SearchResult:
   """Ranks device-weighted plans and evaluates the baselines (see module docstring).
 
   ``grad_reduce_dtypes``: the dtypes gradients may cross ``data`` in (data-only meshes; ``("float32",
@@ -326,9 +325,9 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   ``homogeneous``: also search the pool's homogeneous equivalent (``SearchResult.homogeneous_equivalent``; a pool
   of one kind is its own), for the heterogeneity tax. ``groups``: also price group plans (one program per device
   kind, each its own microbatch: :func:`hetspmd.planner.grouping.search_groups`), reported apart
-  (``SearchResult.group_plan``; :mod:`hetspmd.runtime.grouped` runs them). ``every_process``: only plans that
-  give every process of the cluster devices (a job whose processes are all running: one left without devices
-  could not take part).
+  (``SearchResult.group_plan``; :mod:`hetspmd.runtime.grouped` runs them). ``every_process``: each device's process
+  (by cluster position), where only plans that give every process devices may run (a job whose processes are all
+  running: one left without devices could not take part).
   """
   start = time.perf_counter()
   unknown = [d for d in grad_reduce_dtypes if d not in REDUCE_BYTES]
@@ -338,7 +337,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   space = SearchSpace(cluster, profile, global_batch,
                       tuple(m for m in model_sizes(cluster) if (models is None or m in models)
                             and (m == 1 or tensor_parallel)),
-                      tuple(remat_policies), tuple(grad_reduce_dtypes), overlap, fuse_overlap, every_process)
+                      tuple(remat_policies), tuple(grad_reduce_dtypes), overlap, fuse_overlap,
+                      None if every_process is None else tuple(every_process))
   sizes = space.microbatches
   costing = Costing(cluster, profile, sizes[len(sizes) // 2], recompute)
   layouts = functools.lru_cache(maxsize=None)(lambda positions, m: device_groups(cluster, "", positions, m))

@@ -81,8 +81,8 @@ from hetspmd.runtime.placement import (GroupedBatch, check_global_batch, check_p
 
 @dataclasses.dataclass
 class GroupedStep:
-  """A functional train step bound to a :class:`GroupPlan`; call it as ``step(state, batch, *rest)`` with the
-  global batch (host arrays leading with ``plan.global_batch``). It places values, calls the programs
+  """A functional train step bound to a :class:`GroupPlan`; call it as ``step(state, batch, *rest)`` with this
+  process's examples (:meth:`process_examples`; the global batch in one process). It places values, calls the programs
   :func:`hetspmd.lowering.group_build.build` makes (once per argument structure) and explains them."""
 
   fn: Callable[..., Any]
@@ -266,7 +266,8 @@ class GroupedStep:
 
   def run(self, fn: Callable[..., Any], state: Any, batch: Any, rest: tuple, *, graphdef: Any = None,
           static: Any = ()) -> Any:
-    """One step of ``fn(state, batch, *rest)`` (``batch``: the global batch, or placed by :meth:`shard_batch`);
+    """One step of ``fn(state, batch, *rest)`` (``batch``: this process's examples, or placed by
+    :meth:`shard_batch`);
     ``graphdef``: the NNX objects' whose state ``state`` is, ``static``: a key for the values bound into ``fn``
     (both part of the programs' cache key). Leaves of ``rest`` that are not arrays are bound as constants."""
     placed = batch if isinstance(batch, GroupedBatch) else self.shard_batch(batch)

@@ -31,10 +31,11 @@ from hetspmd.passes.profile import profile_step
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.planner.building import plan_from
+from hetspmd.planner.group_execution import process_of
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.pricing import Evaluated
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, SearchResult,
-                                     chosen_group_plan, group_plan_alone, ideal_throughput, search,
+                                     group_plan_alone, ideal_throughput, search,
                                      searches_group_plans)
 from hetspmd.planner.stages import search_stages
 from hetspmd.runtime.grouped import GroupedStep
@@ -101,26 +102,55 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   dtypes = GRAD_REDUCE_DTYPES if step.grad_reduce_dtype == "search" else (step.grad_reduce_dtype,)
   groups = runs_groups or every_form
   ideal = ideal_throughput(cluster, profile, step.global_batch)
-  try:
-    result = search(cluster, profile, step.global_batch, top=top, progress=progress, remat_policies=policies,
-                    recompute=_recompute(step.batch_stats, profile, state, batch), grad_reduce_dtypes=dtypes,
-                    overlap=overlap, fuse_overlap=not _per_microbatch_statistics(step.batch_stats, profile, state, batch),
-                    homogeneous=every_form, groups=groups,
-                    every_process=cluster.jax_device_ids is not None and processes > 1)
+  whole = device_processes(cluster) if processes > 1 else None  # a job's processes all run: the choice holds each
+  covers = lambda e: whole is None or {whole[d] for d in e.device_positions} == set(whole)
+  options = dict(remat_policies=policies, grad_reduce_dtypes=dtypes, overlap=overlap,
+                 recompute=_recompute(step.batch_stats, profile, state, batch),
+                 fuse_overlap=not _per_microbatch_statistics(step.batch_stats, profile, state, batch))
+  try:  # a bound pool's ranking holds only plans its running processes can run; a described pool's, every plan
+    result = search(cluster, profile, step.global_batch, top=top, progress=progress, homogeneous=every_form,
+                    groups=groups, every_process=whole if cluster.jax_device_ids is not None else None, **options)
   except PlanDoesNotFitError as e:
     alone = group_plan_alone(cluster, profile, step.global_batch, remat_policies=policies,
                              grad_reduce_dtypes=dtypes, progress=progress) if groups else None
     if alone is None:
       raise
-    note = ("no single program fits, so the group plan runs" if runs_groups else
-            f"no single program fits; the group plan fits, but the search runs group plans {GROUP_PLAN_CONDITIONS}")
-    return Priced(None, alone, (), alone if runs_groups else None, note, processes, policies, ideal, traced, str(e))
+    runs = runs_groups and covers(alone)
+    note = ("no single program fits, so the group plan runs" if runs else
+            "no single program fits; the group plan fits, but it leaves a process without devices" if runs_groups
+            else f"no single program fits; the group plan fits, but the search runs group plans {GROUP_PLAN_CONDITIONS}")
+    return Priced(None, alone, (), alone if runs else None, note, processes, policies, ideal, traced, str(e))
   stages = tuple(search_stages(cluster, profile, step.global_batch, top=3, grad_reduce_dtypes=dtypes,
                                progress=progress)) if every_form else ()
-  grouped = chosen_group_plan(result, GROUP_PLAN_MARGIN) if runs_groups else None
-  note = _group_verdict(step.group_plans, cluster, result, grouped is not None, considered)
-  return Priced(result, result.group_plan, stages, grouped or result.plans[0], note, processes, policies,
-                result.ideal_throughput, traced)
+  best = next((p for p in result.plans if covers(p)), None) or _covering(cluster, profile, step.global_batch,
+                                                                          whole, options)
+  group = result.group_plan if result.group_plan is not None and covers(result.group_plan) else None
+  grouped = (group if runs_groups and group is not None and (
+      best is None or group.throughput >= GROUP_PLAN_MARGIN * best.throughput) else None)
+  note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered)
+  if best is not result.plans[0] and best is not None:
+    note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
+            "some runs" + (f"; {note}" if note else ""))
+  return Priced(result, result.group_plan, stages, grouped or best, note, processes, policies,
+                result.ideal_throughput, traced,
+                "" if grouped or best else "no plan that fits gives every one of the job's processes devices")
+
+
+def device_processes(cluster: Cluster) -> tuple[int, ...]:
+  """Each device's process, by cluster position: JAX's where the cluster is bound to its devices, else as the
+  cluster describes them (:func:`~hetspmd.planner.group_execution.process_of`)."""
+  if cluster.jax_device_ids is None:
+    return process_of(cluster)
+  index = {d.id: d.process_index for d in jax.devices()}
+  return tuple(index.get(i, 0) for i in cluster.jax_device_ids)
+
+
+def _covering(cluster: Cluster, profile: Any, global_batch: int, whole: Any, options: dict) -> Any:
+  """The best single program that gives every process devices (None where none fits)."""
+  try:
+    return search(cluster, profile, global_batch, top=1, every_process=whole, **options).plans[0]
+  except PlanDoesNotFitError:
+    return None
 
 
 def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
@@ -179,10 +209,11 @@ def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float
   return plan.replace(state_specs=chosen)
 
 
-def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, chosen: bool, considered: bool) -> str:
-  """Why the search's plan is, or is not, a group plan."""
-  if result.group_plan is not None:
-    ratio = result.group_plan.throughput / result.plans[0].throughput
+def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, best: Any, chosen: bool, considered: bool
+                   ) -> str:
+  """Why the search's plan is, or is not, a group plan (``best``: the single program that runs, None if none)."""
+  if result.group_plan is not None and best is not None:
+    ratio = result.group_plan.throughput / best.throughput
     if not (group_plans and considered):
       why = (f"the search runs them {GROUP_PLAN_CONDITIONS}" if group_plans else
              "parallelize(..., group_plans=False) runs single programs only")
