@@ -144,7 +144,13 @@ def test_a_pool_of_several_processes_runs_group_plans_too(monkeypatch):
   assert two.priced.processes == 2 and two.form == "group plan" and "chosen by the search" in two.priced.note
   assert two.to_json()["choice"] == {"form": "group plan", "processes": 2, "note": two.priced.note}
   monkeypatch.setattr(search_module, "GROUP_PLAN_MARGIN", 1e9)
-  assert hs.search(step, *args, cluster="1x4xA100-80GB+1x4xV100-32GB", **kwargs).form == "single program"
+  single = hs.search(step, *args, cluster="1x4xA100-80GB+1x4xV100-32GB", **kwargs)
+  assert single.form == "single program"
+  # the table ranks plans that leave a host idle; the choice of a job of two processes gives each devices
+  hosts = {d: d // 4 for d in range(8)}
+  assert any({hosts[d] for d in p.device_positions} == {0} for p in single.plans)
+  assert {hosts[d] for d in single.priced.choice.device_positions} == {0, 1}
+  assert single.best.device_kinds and set(single.best.device_kinds) == {"A100-80GB", "V100-32GB"}
 
 
 def test_the_earlier_call_still_works_and_a_cluster_never_becomes_a_step_argument():
