@@ -207,7 +207,8 @@ def test_nnx_stages_train_in_place_like_one_device(model_name, stages):
 
 @pytest.mark.timeout(300)
 def test_stages_on_two_processes():
-  """Each process holds one stage (4 devices, the data axis inside it) and feeds the whole batch; the
+  """Each process holds one stage (4 devices, the data axis inside it) and feeds the whole batch, as
+  ``process_examples()`` says (every data position spans both stages); the
   activations and cotangents between the stages cross gloo. 7 examples: the last data position runs one
   microbatch fewer."""
   import textwrap
@@ -240,10 +241,12 @@ def test_stages_on_two_processes():
       params = multihost_utils.process_allgather(state.params, tiled=True)
       over = excess(params, ref.single.params, ref.ref64.params)
       over.update(excess(losses, [m["loss"] for m in ref.single_metrics], [m["loss"] for m in ref.ref64_metrics]))
-      print(json.dumps({{"over": {{k: v[0] for k, v in over.items() if v[0] > 0}}}}))
+      print(json.dumps({{"over": {{k: v[0] for k, v in over.items() if v[0] > 0}},
+                        "examples": step.process_examples().tolist()}}))
   """), num_processes=2, devices_per_process=4, timeout=240)
   for r in results:  # parameters and losses as close to float64 as exactness asks
     assert r["over"] == {}, r
+    assert r["examples"] == list(range(7))  # every stage sees every example: process_examples() says so
 
 
 @pytest.mark.parametrize("kinds,layers,expected", [
