@@ -367,3 +367,19 @@ def test_a_step_bound_by_cached_partial_is_searched_with_a_small_example_batch()
   assert found.subject.global_batch == 16 and found.plans
   whole = hs.search(step, *args, cluster=POOL, **kwargs)
   assert [p.counts for p in found.plans] == [p.counts for p in whole.plans]
+
+
+def test_a_running_job_s_group_plans_leave_no_process_without_devices():
+  """Three kinds on three processes: the group search's device sets of the fastest kinds only are skipped in a
+  running job, so the group plan offered holds devices of each process."""
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.group_execution import process_of
+  from hetspmd.planner.ranking import search
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  pool = hs.Cluster.parse("1x2xA100-80GB+1x2xV100-32GB+1x2xT4")
+  processes = process_of(pool)
+  kept = search(pool, profile, 48, top=3, groups=True, every_process=processes)
+  assert kept.group_plan is not None
+  assert {processes[d] for d in kept.group_plan.device_positions} == {0, 1, 2}

@@ -422,9 +422,10 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
 def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, sizes: Sequence[int], *,
                   remat_policies: Sequence[str] = ("none",), recompute: float = 1.0,
                   grad_reduce_dtypes: Sequence[str] = ("float32",),
-                  progress: Callable[[str], None] | None = None) -> Evaluated | None:
+                  progress: Callable[[str], None] | None = None,
+                  every_process: Sequence[int] | None = None) -> Evaluated | None:
   """The fastest group plan of one group per device kind, over the devices of every kind or of the fastest two
-  or more kinds, each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
+  or more kinds (``every_process``: each device's process, where a set must hold devices of each), each kind's microbatch in ``sizes`` and the gradients crossing devices in one of
   ``grad_reduce_dtypes``; None if none fits. A pool of one kind has only its sharded group plans (one group
   holding its parameters split over every device: plain FSDP; unsharded, it would be one program). Of the
   plans priced within ``TIE`` of the fastest, over every device set, the one :func:`_fewest_microbatches`
@@ -439,7 +440,10 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
   for n in range(len(kinds), 1 if len(kinds) > 1 else 0, -1):
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
-    layout = device_groups(cluster, name, tuple(d.id for d in cluster.devices if d.spec.name in chosen), 1)
+    ids = tuple(d.id for d in cluster.devices if d.spec.name in chosen)
+    if every_process is not None and {every_process[i] for i in ids} != set(every_process):
+      continue  # a running process would hold no device
+    layout = device_groups(cluster, name, ids, 1)
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,
                                  dtypes=tuple(grad_reduce_dtypes), progress=progress, only_sharded=len(kinds) == 1))
   return min(near, key=_fewest_microbatches) if near else None

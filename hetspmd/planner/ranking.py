@@ -364,7 +364,8 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
   grouped = None
   if groups:
     grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
-                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
+                            recompute=recompute, grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress,
+                            every_process=space.every_process)
   baselines = dict(tally.best)
   fsdp = fsdp_baseline(costing, global_batch, sizes, space.remat_policies, space.grad_reduce_dtypes)
   if fsdp is not None:  # a group plan (one group of every device): not among the ranked single programs
@@ -381,18 +382,20 @@ def search(cluster: Cluster, profile: StepProfile, global_batch: int, top: int =
 def group_plan_alone(cluster: Cluster, profile: StepProfile, global_batch: int, *,
                      remat_policies: Sequence[str] = SEARCHED_REMAT,
                      grad_reduce_dtypes: Sequence[str] = ("float32",),
-                     progress: Callable[[str], None] | None = None) -> Evaluated | None:
+                     progress: Callable[[str], None] | None = None, recompute: float = 1.0,
+                     every_process: Sequence[int] | None = None) -> Evaluated | None:
   """The best group plan over the microbatch sizes :func:`search` tries, for a pool where no single program fits
   (:func:`search` then raises :class:`PlanDoesNotFitError`): a group plan holds what each device needs of its own
   microbatch and its share of the state, which one program cannot give devices of different memory. The ``fsdp``
-  plan (one group of every device) is among them."""
+  plan (one group of every device) is among them. ``recompute`` and ``every_process``: as :func:`search`'s."""
   space = SearchSpace(cluster, profile, global_batch, (1,), tuple(remat_policies), tuple(grad_reduce_dtypes),
                       True, True)
   sizes = space.microbatches
   grouped = search_groups(cluster, profile, global_batch, sizes, remat_policies=space.remat_policies,
-                          grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress)
-  fsdp = fsdp_baseline(Costing(cluster, profile, sizes[len(sizes) // 2]), global_batch, sizes, space.remat_policies,
-                       space.grad_reduce_dtypes)
+                          grad_reduce_dtypes=space.grad_reduce_dtypes, progress=progress, recompute=recompute,
+                          every_process=every_process)
+  fsdp = fsdp_baseline(Costing(cluster, profile, sizes[len(sizes) // 2], recompute), global_batch, sizes,
+                       space.remat_policies, space.grad_reduce_dtypes)
   return _faster(grouped, fsdp)
 
 

@@ -111,8 +111,9 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
     result = search(cluster, profile, step.global_batch, top=top, progress=progress, homogeneous=every_form,
                     groups=groups, every_process=whole if cluster.jax_device_ids is not None else None, **options)
   except PlanDoesNotFitError as e:
-    alone = group_plan_alone(cluster, profile, step.global_batch, remat_policies=policies,
-                             grad_reduce_dtypes=dtypes, progress=progress) if groups else None
+    alone = group_plan_alone(cluster, profile, step.global_batch, remat_policies=policies, grad_reduce_dtypes=dtypes,
+                             progress=progress, recompute=options["recompute"],
+                             every_process=whole if cluster.jax_device_ids is not None else None) if groups else None
     if alone is None:
       raise
     runs = runs_groups and covers(alone)
