@@ -383,3 +383,32 @@ def test_a_running_job_s_group_plans_leave_no_process_without_devices():
   kept = search(pool, profile, 48, top=3, groups=True, every_process=processes)
   assert kept.group_plan is not None
   assert {processes[d] for d in kept.group_plan.device_positions} == {0, 1, 2}
+
+
+def test_two_processes_resolve_an_nnx_step_s_plan_before_the_first_call():
+  """An NNX step in place across 2 processes: ``plan="search"`` is made from a call's arguments without running
+  it (``step.resolve(model, optimizer, abstract batch)``), so each process knows its examples before the first
+  call, then feeds only those; the parameters match one device."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import hetspmd as hs
+      from flax import nnx
+      from exactness import NnxReference, assert_exact
+
+      pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
+      batches = t._batches(48)
+      ref = NnxReference(t.nnx_train_step, t.nnx_objects()).run(batches)
+      model, optimizer = t.nnx_objects()
+      step = hs.parallelize(t.nnx_train_step, cluster=pool, plan="search", global_batch=48)
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
+      step.resolve(model, optimizer, shapes)
+      examples = step.process_examples()
+      for batch in batches:
+        step(model, optimizer, fed(step, batch))
+      params = lambda m: nnx.state(m, nnx.Param)
+      assert_exact(jax.tree.map(local, params(model)), params(ref.single[0]), params(ref.ref64[0]), what="params")
+      print(json.dumps({"examples": examples.tolist()}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  mine = [set(r["examples"]) for r in results]
+  assert not mine[0] & mine[1] and mine[0] | mine[1] == set(range(48)) and all(mine)

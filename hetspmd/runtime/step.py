@@ -174,11 +174,24 @@ class ParallelStep:
     """
     return self._resolve(None).shard_batch(batch)
 
+  def resolve(self, *args: Any, **kwargs: Any) -> Plan | GroupPlan:
+    """Makes the plan from a call's arguments without running the step, and returns it: what the first call
+    would do before it runs (NNX objects are placed, as ``nnx.jit`` leaves them). The batch may be abstract
+    (``jax.ShapeDtypeStruct``s leading with ``global_batch``). Across processes, a step whose plan is made from
+    its call (``plan="search"`` on an NNX step) is resolved so, then fed ``batch[step.process_examples()]``."""
+
+    def resolved(args: tuple, kwargs: dict) -> Any:
+      if self._runner is None:
+        self._resolve_call(Arguments.of(self, args), args, kwargs)
+      return self._runner.plan
+
+    return self._with_static(resolved, args, kwargs)
+
   def process_examples(self) -> np.ndarray:
     """The global batch's examples this process passes, in the order it passes them: indices into the global
     batch, so that a loader feeds ``batch[step.process_examples()]`` (one process: every example, in order).
     The plan must be resolved: a given plan, or ``"auto"``/``"search"`` after :meth:`shard_state` (a search
-    traces ``example_batch``)."""
+    traces ``example_batch``) or :meth:`resolve`."""
     return self._resolve(None).process_examples()
 
   def batch_sizes(self) -> set[int]:
