@@ -93,6 +93,9 @@ def table(subject: Subject, cluster: Cluster, priced: Any) -> str:
     lines += ["", _HEADER]
     for i, p in enumerate(result.plans, 1):
       lines += _row(str(i), p.name, p, _counts(p), ideal)
+    if _unranked(priced):
+      lines += _row("", "runs: " + priced.choice.name, priced.choice,
+                    f"the best plan giving every process devices; {_counts(priced.choice)}", ideal)
     lines += ["", f"{'':>2} baseline"]
     best = result.plans[0]
     for name in BASELINES:
@@ -122,6 +125,14 @@ def table(subject: Subject, cluster: Cluster, priced: Any) -> str:
 
 _HEADER = (f"{'#':>2} {'plan':<27} {'mb':>4} {'ZeRO':>4} {'remat':>8} {'step s':>8} {'samples/s':>9} {'eff':>6} "
            f"{'comm s':>7} {'hidden':>6} {'mem/dev':>9}")
+
+
+def _unranked(priced: Any) -> bool:
+  """Whether the choice is a single program the ranked plans do not show (the best that gives every process
+  devices, where each ranked one leaves a process idle)."""
+  result, choice = priced.result, priced.choice
+  return (result is not None and choice is not None and choice is not priced.group_plan
+          and all(p is not choice for p in result.plans))
 
 
 def _row(rank: str, label: str, p: Any, below: str, ideal: float) -> list[str]:
@@ -184,7 +195,7 @@ def choice_line(priced: Any) -> str:
   rank = next((i for i, p in enumerate(plans, 1) if p is priced.choice), None)
   what = ("no plan" if form is None else
           "the group plan (where its programs take the step; else the best single program)" if form == "group plan"
-          else f"plan {rank}, a single program" if rank else "a single program not among those shown")
+          else f"plan {rank}, a single program" if rank else "the single program shown as 'runs:' below the plans")
   note = f" ({priced.note})" if priced.note else ""
   return f"parallelize(plan='search') from {processes} runs {what}{note}"
 

@@ -151,6 +151,10 @@ def test_a_pool_of_several_processes_runs_group_plans_too(monkeypatch):
   assert any({hosts[d] for d in p.device_positions} == {0} for p in single.plans)
   assert {hosts[d] for d in single.priced.choice.device_positions} == {0, 1}
   assert single.best.device_kinds and set(single.best.device_kinds) == {"A100-80GB", "V100-32GB"}
+  lines = str(single).splitlines()
+  assert len(lines) <= 40 and max(len(line) for line in lines) <= 100
+  if all(p is not single.priced.choice for p in single.plans):  # the choice is shown, marked, below the ranking
+    assert any(line.strip().startswith("runs: ") for line in lines)
 
 
 def test_the_earlier_call_still_works_and_a_cluster_never_becomes_a_step_argument():
