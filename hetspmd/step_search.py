@@ -29,7 +29,7 @@ from hetspmd.plan.value import Plan
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.runtime.binding import is_dynamic, is_graph_node, unbound
 from hetspmd.runtime.placement import global_abstract
-from hetspmd.runtime.searching import Priced, single_plan
+from hetspmd.runtime.searching import Priced, device_processes, single_plan
 from hetspmd.runtime.step import parallelize
 
 _MISSING = object()
@@ -249,10 +249,10 @@ def _split_cluster(args: tuple, cluster: Any) -> tuple[tuple, Cluster]:
 
 def pool_processes(cluster: Cluster) -> int:
   """How many JAX processes run ``cluster``: this run's where it is bound to JAX's devices; else as it says
-  (``processes=N``), or one per host."""
+  (``processes=N``), or one per host (:func:`~hetspmd.runtime.searching.device_processes`)."""
   if cluster.jax_device_ids is not None:
     return jax.process_count()
-  return cluster.processes or len(cluster.hosts)
+  return len(set(device_processes(cluster)))
 
 
 def batch_index(args: tuple, batch_argnums: Any = None, objects: bool = False) -> int | None:

@@ -10,6 +10,8 @@ groups the runtime runs (:func:`shard_groups`), and makes from them the same
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.plan.execution import Execution
 from hetspmd.planner.pricing import Costing, DeviceGroups
@@ -29,6 +31,12 @@ def process_of(cluster: Cluster) -> tuple[int, ...]:
     return tuple(d.host for d in devices)
   run = max(1, len(devices) // processes)
   return tuple(i // run for i in range(len(devices)))
+
+
+def holds_every_process(positions: Sequence[int], processes: Sequence[int]) -> bool:
+  """Whether the devices at ``positions`` include one of each process (``processes``: each device's, by cluster
+  position): a plan on them leaves no running process without devices."""
+  return {processes[i] for i in positions} == set(processes)
 
 
 def shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:

@@ -43,8 +43,8 @@ from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL, TensorParallel,
                                        gradient_reductions, microbatch_bytes)
 from hetspmd.planner import sharding
-from hetspmd.planner.group_execution import (PROGRAM_DISPATCH_SECONDS, execution_of, one_process, process_of,
-                                             shard_groups, shard_size)
+from hetspmd.planner.group_execution import (PROGRAM_DISPATCH_SECONDS, execution_of, holds_every_process, one_process,
+                                             process_of, shard_groups, shard_size)
 from hetspmd.planner.group_shares import COPIED, gather_seconds, loop_param_bytes, share_factor, split_fraction
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, GroupPart, device_groups,
                                      position_seconds)
@@ -441,7 +441,7 @@ def search_groups(cluster: Cluster, profile: StepProfile, global_batch: int, siz
     chosen = set(by_speed[:n])
     name = "group programs by kind" + ("" if n == len(kinds) else f" (fastest {n} kinds)")
     ids = tuple(d.id for d in cluster.devices if d.spec.name in chosen)
-    if every_process is not None and {every_process[i] for i in ids} != set(every_process):
+    if every_process is not None and not holds_every_process(ids, every_process):
       continue  # a running process would hold no device
     layout = device_groups(cluster, name, ids, 1)
     near = _near(near + _near_on(costing, layout, global_batch, sizes, remat_policies, one_loop=recompute <= 1.0,

@@ -75,6 +75,7 @@ import numpy as np
 
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.data_axis import NO_TENSOR_PARALLEL, REDUCE_BYTES, memory_per_device
+from hetspmd.planner.group_execution import holds_every_process
 from hetspmd.planner.grouping import search_groups
 from hetspmd.planner.sharding import fsdp_baseline
 from hetspmd.errors import HetSpmdError, PlanDoesNotFitError
@@ -217,8 +218,7 @@ def candidates(space: SearchSpace, microbatch: int, layouts: Callable[[str, tupl
   prop = lambda kinds, costs: proportional_counts([peak[k] for k in kinds], total)
   sets = device_sets(space.cluster, space.profile, microbatch)
   if space.every_process:  # a set that leaves a running process without devices cannot run there
-    processes = space.every_process
-    sets = {name: ids for name, ids in sets.items() if {processes[i] for i in ids} == set(processes)}
+    sets = {name: ids for name, ids in sets.items() if holds_every_process(ids, space.every_process)}
   fastest = space.fastest_kind
   for m in space.model_sizes:
     groups = {name: layouts(name, positions, m) for name, positions in sets.items()}

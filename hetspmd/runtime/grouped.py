@@ -94,6 +94,7 @@ class GroupedStep:
   _local: tuple = dataclasses.field(init=False, repr=False)  # per group: whether this process runs it
   _counts: tuple = dataclasses.field(init=False, repr=False)  # per group: (counts, starts) placed, or None
   _tail: tuple = dataclasses.field(init=False, repr=False)  # the tail's (counts, starts) over every device
+  _examples: np.ndarray = dataclasses.field(init=False, repr=False)  # this process's, ascending
   _built: dict = dataclasses.field(init=False, repr=False, default_factory=dict)  # {argument key: GroupPrograms}
   _latest: GroupPrograms | None = dataclasses.field(init=False, repr=False, default=None)
   _last: dict = dataclasses.field(init=False, repr=False, default_factory=dict)  # {name: (program, arguments)}
@@ -113,6 +114,7 @@ class GroupedStep:
                                                            self._local))
     mesh = self._meshes.mesh
     self._tail = (on(mesh, [self.plan.tail_count] * mesh.size), on(mesh, self.plan.tail_starts()))
+    self._examples = self.plan.examples_of(d.id for d in jax.local_devices())
 
   @classmethod
   def across_processes(cls, fn: Callable[..., Any], plan: GroupPlan, **options: Any) -> "GroupedStep":
@@ -237,7 +239,7 @@ class GroupedStep:
   def process_examples(self) -> np.ndarray:
     """The global batch's examples this process feeds, ascending (every example in one process): its devices'
     data positions' and tail examples (:meth:`~hetspmd.plan.groups.GroupPlan.examples_of`)."""
-    return self.plan.examples_of(d.id for d in jax.local_devices())
+    return self._examples
 
   def shard_batch(self, batch: Any) -> GroupedBatch:
     """``batch`` (this process's examples, :meth:`process_examples`, in that order: the global batch in one

@@ -31,7 +31,7 @@ from hetspmd.passes.profile import profile_step
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.state_layout import auto_state_specs
 from hetspmd.planner.building import plan_from
-from hetspmd.planner.group_execution import process_of
+from hetspmd.planner.group_execution import holds_every_process, process_of
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.planner.pricing import Evaluated
 from hetspmd.planner.ranking import (GROUP_PLAN_CONDITIONS, GROUP_PLAN_MARGIN, SEARCHED_REMAT, SearchResult,
@@ -103,7 +103,7 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   groups = runs_groups or every_form
   ideal = ideal_throughput(cluster, profile, step.global_batch)
   whole = device_processes(cluster) if processes > 1 else None  # a job's processes all run: the choice holds each
-  covers = lambda e: whole is None or {whole[d] for d in e.device_positions} == set(whole)
+  covers = lambda e: whole is None or holds_every_process(e.device_positions, whole)
   options = dict(remat_policies=policies, grad_reduce_dtypes=dtypes, overlap=overlap,
                  recompute=_recompute(step.batch_stats, profile, state, batch),
                  fuse_overlap=not _per_microbatch_statistics(step.batch_stats, profile, state, batch))

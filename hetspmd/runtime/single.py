@@ -45,6 +45,7 @@ class SingleRunner:
   _lockstep: bool | None = dataclasses.field(init=False, repr=False, default=None)  # from the first program
   _devices: frozenset = dataclasses.field(init=False, repr=False)  # the mesh's (the state must lie on them)
   _last: tuple | None = dataclasses.field(init=False, repr=False, default=None)  # (program, abstract arguments)
+  _examples: np.ndarray = dataclasses.field(init=False, repr=False)  # this process's, in the order it feeds them
 
   @classmethod
   def of(cls, front: Any, plan: Plan, runtime: None = None) -> "SingleRunner":
@@ -53,6 +54,7 @@ class SingleRunner:
   def __post_init__(self):
     self._mesh = self.plan.mesh()
     self._devices = frozenset(self._mesh.devices.flat)
+    self._examples = process_examples(self.plan, self._mesh)
 
   @property
   def lockstep(self) -> bool | None:
@@ -89,7 +91,7 @@ class SingleRunner:
     return {len(self.process_examples())}
 
   def process_examples(self) -> np.ndarray:
-    return process_examples(self.plan, self._mesh)
+    return self._examples
 
   # --- running ------------------------------------------------------------------
 
