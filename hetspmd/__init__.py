@@ -30,6 +30,7 @@ from hetspmd.passes import Graph as Graph
 from hetspmd.passes import Role as Role
 from hetspmd.passes import trace as trace
 from hetspmd.plan.annotations import annotated_specs as annotated_specs
+from hetspmd.plan.balance import Rebalance as Rebalance
 from hetspmd.plan.groups import GroupPlan as GroupPlan
 from hetspmd.plan.groups import group_plan as group_plan
 from hetspmd.plan.groups import shares_for as shares_for
@@ -46,7 +47,7 @@ from hetspmd.step_search import search as search
 
 __all__ = [
     "annotated_specs", "Cluster", "DeviceSpec", "HetMesh", "Host", "Link", "enumerate_layouts", "profile",
-    "GroupPlan", "GroupedStep", "ParallelStep", "Plan", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
+    "GroupPlan", "GroupedStep", "ParallelStep", "Plan", "Rebalance", "ShardedBatch", "Weighted", "grad", "parallelize", "plan_for", "stage_layers",
     "value_and_grad", "group_plan", "run_groups", "shares_for",
     "search", "StepSearch", "weighted",
     "Graph", "HetSpmdError", "InvalidValueError", "PlanDoesNotFitError", "Role", "TraceError", "UnknownNameError",

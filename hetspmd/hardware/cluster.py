@@ -125,6 +125,7 @@ class Cluster:
   name: str = ""
   jax_device_ids: tuple[int, ...] | None = None
   processes: int | None = None
+  calibration: Any = None  # a hetspmd.hardware.calibration.Calibration: the step's measured times per kind
 
   def __post_init__(self):
     if not self.hosts:
@@ -143,6 +144,16 @@ class Cluster:
 
   def replace(self, **changes: Any) -> "Cluster":
     return dataclasses.replace(self, **changes)
+
+  def calibrated(self, calibration: Any) -> "Cluster":
+    """This cluster priced on ``calibration`` (a :class:`~hetspmd.hardware.calibration.Calibration`, or None to
+    drop one): its kinds' compute takes the step's measured times (:mod:`hetspmd.hardware.calibration`)."""
+    if calibration is not None:
+      unknown = [k for k in calibration.kind_names if k not in self.kinds]
+      if unknown:
+        raise InvalidValueError(f"the calibration times kinds {unknown} that this cluster does not have "
+                                f"(it has {', '.join(self.kinds)})")
+    return dataclasses.replace(self, calibration=calibration)
 
   # --- views -------------------------------------------------------------
 

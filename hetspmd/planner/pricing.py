@@ -209,7 +209,10 @@ class Costing:
     self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
-    self.fixed = {k: profile.step_fixed_seconds(s) for k, s in self.specs.items()}
+    self.measured = {k: cluster.calibration.of(k) for k in cluster.kinds} if cluster.calibration else {}
+    self.measured = {k: t for k, t in self.measured.items() if t is not None}
+    self.fixed = {k: self.measured[k].fixed if k in self.measured else profile.step_fixed_seconds(s)
+                  for k, s in self.specs.items()}
     self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
     self._spaces: dict[int, strategies.StrategySpace] = dict(profile.strategy_spaces)
@@ -245,10 +248,25 @@ class Costing:
     return self._backward[key]
 
   def node_seconds(self, kind: str, microbatch: int) -> np.ndarray:
+    """Seconds of each per-microbatch node in one microbatch: predicted, or where the cluster carries the step's
+    measured times for ``kind`` (:mod:`hetspmd.hardware.calibration`), the prediction scaled to them."""
     key = (kind, microbatch)
     if key not in self._node_seconds:
-      self._node_seconds[key] = self.profile.node_seconds(self.specs[kind], microbatch) * ~self.profile.per_step
+      seconds = self.profile.node_seconds(self.specs[kind], microbatch) * ~self.profile.per_step
+      self._node_seconds[key] = seconds * self.measured_scale(kind, microbatch, seconds)
     return self._node_seconds[key]
+
+  def measured_scale(self, kind: str, microbatch: int, seconds: np.ndarray) -> float:
+    """Measured over predicted seconds of one microbatch of ``kind`` (1 without a measurement): the prediction
+    as the measurement ran it, under its remat policy and with the gradient accumulation."""
+    timing = self.measured.get(kind)
+    plain = float(seconds.sum())
+    if timing is None or plain <= 0:
+      return 1.0
+    again = float(seconds[self.profile.recomputed(timing.remat)].sum())
+    accumulate = self.profile.accumulate_seconds(self.specs[kind])
+    compute = timing.micro(microbatch) - accumulate
+    return max(compute, 0.1 * timing.micro(microbatch)) / ((plain + again) * self.recompute)
 
   def space(self, m: int) -> strategies.StrategySpace:
     """Prepared by :func:`hetspmd.passes.profile.profile_step` for :data:`hetspmd.passes.profile.MODEL_SIZES`; built here (once)
@@ -271,10 +289,12 @@ class Costing:
     return self._frontiers[m]
 
   def first_extra(self, kind: str, microbatch: int) -> float:
-    """The first microbatch's extra seconds over a later one (writes to fresh memory), without tensor parallelism."""
+    """The first microbatch's extra seconds over a later one (writes to fresh memory), without tensor parallelism
+    (measured, it is part of the per-step seconds)."""
     key = (kind, microbatch)
     if key not in self._first:
-      self._first[key] = self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch)
+      self._first[key] = (0.0 if kind in self.measured
+                          else self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch))
     return self._first[key]
 
   def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:

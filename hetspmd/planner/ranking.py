@@ -463,7 +463,9 @@ def _top(plans: Sequence[Evaluated], top: int) -> tuple[Evaluated, ...]:
 def ideal_throughput(cluster: Cluster, profile: StepProfile, global_batch: int) -> float:
   """Every device busy on its own share of the batch, with no communication: the sum of their throughputs."""
   share = max(1, global_batch // cluster.num_devices)
-  per_kind = {k: share / profile.microbatch_seconds(cluster.spec_of(k), share) for k in cluster.kinds}
+  measured = cluster.calibration.of if cluster.calibration is not None else lambda kind: None
+  per_kind = {k: share / (measured(k).micro(share) if measured(k) is not None
+                          else profile.microbatch_seconds(cluster.spec_of(k), share)) for k in cluster.kinds}
   return sum(per_kind[d.spec.name] for d in cluster.devices)
 
 

@@ -35,7 +35,9 @@ from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for
 from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, unbound
 from hetspmd.runtime.group_runner import GroupRunner
-from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
+from hetspmd.plan.balance import as_option
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, process_examples
+from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
 from hetspmd.runtime.searching import Priced, price_step, searched_plan
 from hetspmd.runtime.single import SingleRunner
@@ -66,6 +68,7 @@ class ParallelStep:
   axis_name: tuple[str, ...] | None = None  # the step's collective axis names (pmap style); None: found on trace
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
+  rebalancer: Rebalancer | None = None  # parallelize(..., rebalance=...): microbatches moved while training
   _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
   _note: str = ""  # the search's word on why the plan is (or is not) a group plan
 
@@ -187,12 +190,18 @@ class ParallelStep:
 
     return self._with_static(resolved, args, kwargs)
 
-  def process_examples(self) -> np.ndarray:
+  def process_examples(self, ahead: int = 0) -> np.ndarray:
     """The global batch's examples this process passes, in the order it passes them: indices into the global
     batch, so that a loader feeds ``batch[step.process_examples()]`` (one process: every example, in order).
     The plan must be resolved: a given plan, or ``"auto"``/``"search"`` after :meth:`shard_state` (a search
-    traces ``example_batch``) or :meth:`resolve`."""
-    return self._resolve(None).process_examples()
+    traces ``example_batch``) or :meth:`resolve`. ``ahead``: for the call that many calls after the next one
+    (with ``rebalance=``, new counts are known ``lag`` calls before they run)."""
+    runner = self._resolve(None)
+    counts = self.rebalancer.counts_at(ahead) if self.rebalancer is not None else None
+    if counts is None or counts == runner.plan.microbatch_counts:
+      return runner.process_examples()
+    plan = runner.plan.replace(microbatch_counts=counts)
+    return process_examples(plan, plan.mesh())
 
   def batch_sizes(self) -> set[int]:
     """The leading sizes this process's batch arguments may have (a plan made from the state: the global batch
@@ -225,7 +234,22 @@ class ParallelStep:
   def _call(self, args: tuple, kwargs: dict) -> Any:
     if self._runner is None:
       self._resolve_call(Arguments.of(self, args), args, kwargs)
+    if self.rebalancer is not None:
+      self.rebalancer.before_call(self, args, kwargs)
     return self._runner.call(args, kwargs)
+
+  @property
+  def history(self) -> list[dict]:
+    """With ``rebalance=``: one dict per measurement (the call, the counts in force, each kind's measured
+    seconds per microbatch and per step, each position's measured compute beside the plan's prediction, and the
+    counts moved to and from which call); ``[]`` without. :meth:`write_history` writes them as JSON lines."""
+    return list(self.rebalancer.history) if self.rebalancer is not None else []
+
+  def write_history(self, path: Any) -> None:
+    """:attr:`history` as JSON lines (one measurement a line), for plotting."""
+    if self.rebalancer is None:
+      raise HetSpmdError("write_history records rebalancing: parallelize(..., rebalance=True) keeps a history")
+    self.rebalancer.write_history(path)
 
   def price(self, cluster: Cluster, args: tuple, kwargs: dict, **options: Any) -> tuple[Priced, Any]:
     """The search over one call's arguments (arrays or abstract values: nothing is placed or run), bound as a
@@ -264,6 +288,8 @@ class ParallelStep:
       notes.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
     if self._note:
       notes.append(f"  note: {self._note}")
+    if self.rebalancer is not None:
+      notes += self.rebalancer.describe()
     return self._resolve(None).explain(notes)
 
 
@@ -299,7 +325,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 global_batch: int, microbatch: int | None = None, donate_state: bool = True,
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
                 batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
-                group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None):
+                group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None,
+                rebalance: Any = None):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -366,13 +393,18 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       :mod:`hetspmd.passes.frontend.named_axes`).
     group_plans: ``False``: ``plan="search"`` takes single programs only.
     static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
+    rebalance: ``True`` or a :class:`hetspmd.Rebalance`: every ``every`` calls, time each kind's share of the
+      step on one of its devices and move microbatches between data positions when the measured imbalance
+      costs more than ``threshold`` (damped, with hysteresis; :mod:`hetspmd.runtime.rebalancing`). Single
+      programs whose positions are one device each. ``step.history`` holds the measurements.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
+  option = as_option(rebalance)
   wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
-      cluster=_bound_cluster(cluster), requested_plan=plan, global_batch=global_batch, microbatch=microbatch,
-      donate_state=donate_state, specs=specs, example_batch=example_batch, batch_stats=batch_stats,
-      grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
+      rebalancer=Rebalancer(option) if option is not None else None, cluster=_bound_cluster(cluster),
+      requested_plan=plan, global_batch=global_batch, microbatch=microbatch, donate_state=donate_state,
+      specs=specs, example_batch=example_batch, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
   return wrap if fn is None else wrap(fn)
 
 

@@ -1,0 +1,162 @@
+"""Timing the step's own work on each device kind: the measurements behind a
+:class:`~hetspmd.hardware.calibration.Calibration` and behind rebalancing while training.
+
+A kind is timed on one of its devices, the step run there alone as the plan runs it: the same microbatch loop,
+microbatch size, remat policy and dtypes, compiled for one device (a one-device
+:class:`~hetspmd.plan.value.Plan`). Each size is run at two microbatch counts, each the median of a few runs
+after a warm-up, so the difference is one microbatch's seconds and the rest the step's per-step seconds
+(:func:`~hetspmd.hardware.calibration.fit_points`). Outputs are dropped: nothing is written back to the state or
+to NNX objects, and no buffer is donated. The state is read where it lies: a device holding a whole replica
+(data parallelism) is timed on it without a copy.
+
+Across processes each process times the kinds of its own devices, and the times are gathered so every process
+holds the same numbers (:func:`gathered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from hetspmd.errors import HetSpmdError
+from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.hardware.cluster import Cluster
+from hetspmd.planner.building import plan_for
+from hetspmd.runtime.binding import Arguments
+
+COUNTS = (1, 3)   # microbatch counts each size is timed at
+REPEATS = 3       # timed runs per (size, count), after one warm-up
+
+
+@dataclasses.dataclass
+class KindTimer:
+  """Times one device's share of the step for ``front`` (a :class:`~hetspmd.runtime.step.ParallelStep`): one
+  one-device runner per (microbatch, count), built once and kept, so a later timing compiles nothing."""
+
+  front: Any
+  device: Any
+  remat: str = "none"
+  _runners: dict = dataclasses.field(default_factory=dict, repr=False)
+  _placed: dict = dataclasses.field(default_factory=dict, repr=False)  # (position, shape, dtype) -> copy here
+  fingerprint: str | None = None
+
+  def runs(self, args: tuple, kwargs: dict, sizes: Sequence[int], counts: Sequence[int] = COUNTS,
+           repeats: int = REPEATS) -> list[tuple[int, int, float]]:
+    """``(microbatch, count, median seconds)`` for each size and count, the step run on this device alone on the
+    call's arguments (``args`` as the front binds them: static ones marked), its batch cut (or repeated) to
+    ``count x microbatch`` examples."""
+    at = Arguments.of(self.front, args).batch_argnums
+    found = []
+    for size in sizes:
+      for count in counts:
+        runner = self._runner(size, count, at, args)
+        cut = tuple(_examples(a, count * size) if i in at else a for i, a in enumerate(args))
+        found.append((size, count, statistics.median(runner.timed(cut, kwargs, self._here, repeats))))
+        if self.fingerprint is None:
+          self.fingerprint = fingerprint(runner.analysis.jaxpr)
+    return found
+
+  def timing(self, kind: str, args: tuple, kwargs: dict, sizes: Sequence[int], **options: Any) -> KindTiming:
+    points, fixed = fit_points(self.runs(args, kwargs, sizes, **options))
+    return KindTiming(kind, points, fixed, self.remat)
+
+  def _runner(self, size: int, count: int, batch_argnums: tuple[int, ...], args: tuple) -> Any:
+    from hetspmd.runtime.single import SingleRunner
+
+    key = (size, count)
+    if key not in self._runners:
+      state = Arguments.of(self.front, args).state
+      plan = plan_for(Cluster.emulate([self.device], kinds=["cpu"]), state, global_batch=size * count,
+                      microbatch=size, counts=(count,), remat=self.remat)
+      front = dataclasses.replace(self.front, requested_plan=plan, global_batch=plan.global_batch, bound=(),
+                                  donate_state=False, example_batch=None, batch_argnums=batch_argnums, cluster=None,
+                                  rebalancer=None, _runner=None, _note="")
+      self._runners[key] = SingleRunner(front, plan)
+    return self._runners[key]
+
+  def _here(self, leaves: Sequence[Any]) -> list:
+    """The call's leaves on this device: a whole replica already here as it is, else a copy. Copies are kept by
+    position and shape and reused at the next timing (values do not change a step's time), so a state that is
+    not replicated here is copied once."""
+    out = []
+    for k, x in enumerate(leaves):
+      if not isinstance(x, jax.Array):
+        out.append(x)
+        continue
+      whole = next((s.data for s in x.addressable_shards if s.device == self.device and s.data.shape == x.shape),
+                   None)
+      if whole is not None:
+        out.append(whole)
+        continue
+      key = (k, x.shape, str(x.dtype))
+      if key not in self._placed:
+        if not x.is_fully_addressable:
+          raise HetSpmdError(f"timing device {self.device} needs each state leaf whole on it, but a leaf of shape "
+                             f"{x.shape} is split across processes: time a data-parallel plan (ZeRO-0), or "
+                             "calibrate before sharding the state (hetspmd.calibrate)")
+        self._placed[key] = jax.device_put(x, self.device)
+      out.append(self._placed[key])
+    return out
+
+
+def _examples(batch: Any, n: int) -> Any:
+  """``batch``'s first ``n`` examples (repeated from the start where it has fewer)."""
+
+  def cut(x):
+    if not hasattr(x, "shape") or not np.ndim(x):
+      return x
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      raise HetSpmdError("timing the step needs this process's batch as host arrays (or arrays it holds whole), "
+                         "not a global array split across processes")
+    rows = np.arange(n) % x.shape[0]
+    return np.asarray(x)[rows]
+
+  return jax.tree.map(cut, batch)
+
+
+def fingerprint(jaxpr: Any) -> str:
+  """The step's identity for a calibration: its equations' primitives in order and its inputs' dtypes, which do
+  not change with the batch size."""
+  names = " ".join(jx.primitive_name(e) for e in jx.equations(jaxpr))
+  dtypes = " ".join(str(getattr(v, "aval", v)).split("[")[0] for v in jaxpr.jaxpr.invars)
+  return hashlib.sha256(f"{names}|{dtypes}".encode()).hexdigest()
+
+
+def local_kind_devices(device_ids: Sequence[int], kinds: Sequence[str]) -> dict[str, Any]:
+  """``{kind: the first of this process's devices of that kind}`` among a plan's devices."""
+  local = {d.id: d for d in jax.local_devices()}
+  found: dict[str, Any] = {}
+  for i, kind in zip(device_ids, kinds):
+    if i in local and kind not in found:
+      found[kind] = local[i]
+  return found
+
+
+def gathered(kinds: Sequence[str], mine: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+  """``{kind: (seconds per microbatch, seconds per step)}`` over every process: each process's own kinds'
+  times gathered, the slowest process's taken for a kind several processes time (every process gets the same
+  numbers, so decisions made from them agree)."""
+  rows = np.array([[*mine[k], 1.0] if k in mine else [0.0, 0.0, 0.0] for k in kinds], np.float64)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, len(kinds), 3)
+  else:
+    every = rows[None]
+  out = {}
+  for j, kind in enumerate(kinds):
+    timed = every[:, j, 2] > 0
+    if timed.any():
+      out[kind] = (float(every[timed, j, 0].max()), float(every[timed, j, 1].max()))
+  return out
+
+
+def now() -> float:
+  return time.perf_counter()

@@ -1,0 +1,171 @@
+"""Rebalancing a running single program: measure each kind's share of the step, move microbatches, keep going.
+
+Inside one SPMD program a device's loop end is not visible (fast devices wait in the reduction), so every
+``Rebalance.every`` calls each process times its kinds' share of the step on one of their devices
+(:class:`~hetspmd.runtime.calibrating.KindTimer`: one microbatch count and three, at the plan's microbatch
+size and remat policy), the times are gathered across processes, and the damped controller
+(:mod:`hetspmd.plan.balance`) decides. New counts run as the same plan with other ``microbatch_counts``: each
+set of counts builds its program once (kept, so returning to earlier counts compiles nothing). Across processes
+a decision at one call applies ``max(lag, 1)`` calls later, so each process's loader can ask for its next
+examples first (``step.process_examples(ahead=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from hetspmd.errors import HetSpmdError
+from hetspmd.plan.balance import Balance, Rebalance, update
+from hetspmd.runtime.calibrating import KindTimer, gathered, local_kind_devices
+
+WARN_ABOVE = 0.25  # measured against predicted: a warning past this relative difference
+
+
+@dataclasses.dataclass
+class Rebalancer:
+  """A front's rebalancing (``parallelize(..., rebalance=...)``): the controller's state, what is scheduled,
+  the runners of each set of counts, and the history of measurements."""
+
+  option: Rebalance
+  balance: Balance | None = None
+  calls: int = 0
+  pending: dict = dataclasses.field(default_factory=dict)   # call number -> counts that call runs
+  history: list = dataclasses.field(default_factory=list)   # one dict per measurement
+  _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
+  _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
+  _warned: bool = False
+
+  def before_call(self, front: Any, args: tuple, kwargs: dict) -> None:
+    """Before call ``calls + 1`` of ``front`` (its plan resolved): the counts due now put in force, and a
+    measurement where one is due."""
+    runner = front._runner
+    plan = runner.plan
+    _check_plan(plan, runner)
+    if self.balance is None:
+      self.balance = Balance(plan.microbatch_counts, _position_kinds(plan))
+      self._runners[plan.microbatch_counts] = runner
+    self.calls += 1
+    if self.calls in self.pending:
+      self._apply(front, self.pending.pop(self.calls))
+    if (self.calls - 1) % self.option.every == 0:
+      self._measure(front, args, kwargs)
+
+  def counts_at(self, ahead: int) -> tuple[int, ...] | None:
+    """The counts the call ``ahead`` calls after the next one runs (None: the plan's)."""
+    if self.balance is None:
+      return None
+    counts, upto = self.balance.counts, self.calls + 1 + ahead
+    for at in sorted(self.pending):
+      if at <= upto:
+        counts = self.pending[at]
+    return counts
+
+  @property
+  def compiles(self) -> int:
+    """Programs built over every set of counts run so far."""
+    return sum(r.program_count for r in self._runners.values())
+
+  def write_history(self, path: str | Path) -> None:
+    Path(path).write_text("".join(json.dumps(h) + "\n" for h in self.history))
+
+  def describe(self) -> list[str]:
+    o = self.option
+    lines = [f"  rebalancing: every {o.every} call(s), threshold {o.threshold:.0%}, smoothing {o.smoothing}, "
+             f"{o.confirm} agreeing measurement(s) to move, applied {o.lag} call(s) later; "
+             f"{len(self._runners)} set(s) of counts run, {self.compiles} program(s) built"]
+    for h in self.history[-6:]:
+      kinds = "; ".join(f"{k} {v['microbatch_seconds'] * 1e3:.3g} ms a microbatch + {v['step_seconds'] * 1e3:.3g} ms"
+                        for k, v in h["measured"].items())
+      moved = f" -> {h['moved_to']} from call {h['applies_at']}" if h["moved_to"] else ""
+      lines.append(f"    call {h['call']}: counts {h['counts']}{moved}; {kinds}")
+      lines.append("      busiest position's compute: measured " + f"{h['measured_step_seconds'] * 1e3:.3g} ms"
+                   + (f", predicted {h['predicted_step_seconds'] * 1e3:.3g} ms" if h.get("predicted_step_seconds")
+                      else ""))
+    return lines
+
+  def _apply(self, front: Any, counts: tuple[int, ...]) -> None:
+    if counts not in self._runners:
+      runner = front._runner
+      self._runners[counts] = type(runner).of(front, runner.plan.replace(microbatch_counts=counts))
+    front._runner = self._runners[counts]
+
+  def timed(self, front: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]]:
+    """``{kind: (seconds per microbatch, seconds per step)}`` of every kind of the plan: this process's kinds
+    timed on one of their devices at the plan's microbatch size, gathered across processes."""
+    plan = front._runner.plan
+    mine = {}
+    for kind, device in local_kind_devices(plan.device_ids, _device_kinds(plan)).items():
+      if kind not in self._timers:
+        self._timers[kind] = KindTimer(front, device, plan.remat)
+      timing = self._timers[kind].timing(kind, args, kwargs, [plan.microbatch])
+      mine[kind] = (timing.points[0][1], timing.fixed)
+    return gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
+
+  def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
+    plan = front._runner.plan
+    measured = self.timed(front, args, kwargs)
+    before = self.balance
+    self.balance = update(before, measured, self.option)
+    entry = self._entry(plan, measured, before)
+    if self.balance.counts != before.counts:
+      at = self.calls + max(self.option.lag, 1 if jax.process_count() > 1 else 0)
+      entry.update(moved_to=list(self.balance.counts), applies_at=at)
+      if at == self.calls:
+        self._apply(front, self.balance.counts)
+      else:
+        self.pending[at] = self.balance.counts
+    self.history.append(entry)
+    self._warn(entry)
+
+  def _entry(self, plan: Any, measured: dict, before: Balance) -> dict:
+    """One history line: per kind the measured seconds per microbatch and per step, and per data position its
+    measured compute under the counts in force (``fixed + micro x count``) beside the plan's prediction where
+    the plan carries one and still runs its own counts."""
+    predicted = dict(plan.predicted_per_position).get("compute_seconds") if plan.microbatch_counts == before.counts \
+        else None
+    positions = [fixed + micro * c if c else 0.0
+                 for c, (micro, fixed) in zip(before.counts, (measured[k] for k in before.kinds))]
+    entry = {"call": self.calls, "counts": list(before.counts),
+             "measured": {k: {"microbatch_seconds": m, "step_seconds": f} for k, (m, f) in measured.items()},
+             "position_seconds": positions, "measured_step_seconds": max(positions),
+             "moved_to": None, "applies_at": None}
+    if predicted:
+      entry["predicted_position_seconds"] = list(predicted)
+      entry["predicted_step_seconds"] = max(predicted)
+    return entry
+
+  def _warn(self, entry: dict) -> None:
+    predicted = entry.get("predicted_step_seconds")
+    if self._warned or not predicted:
+      return
+    off = entry["measured_step_seconds"] / predicted - 1
+    if abs(off) > WARN_ABOVE:
+      self._warned = True
+      warnings.warn(f"the step's measured compute ({entry['measured_step_seconds'] * 1e3:.3g} ms on its busiest "
+                    f"device) is {off:+.0%} off the plan's prediction ({predicted * 1e3:.3g} ms): the plan was made "
+                    "on other speeds; rebalancing moves the microbatches, and a calibrated search "
+                    "(parallelize(..., calibrate=True)) plans on measured ones", stacklevel=4)
+
+
+def _device_kinds(plan: Any) -> tuple[str, ...]:
+  return plan.device_kinds or tuple(f"position {p}" for p in range(plan.mesh_shape[0]) for _ in range(
+      plan.mesh_shape[1]))
+
+
+def _position_kinds(plan: Any) -> tuple[str, ...]:
+  """Each data position's kind (the plan's device kinds; a plan that names none: each position its own)."""
+  return _device_kinds(plan)[::plan.mesh_shape[1]]
+
+
+def _check_plan(plan: Any, runner: Any) -> None:
+  if runner.grouped or plan.stages or plan.mesh_shape[1] != 1:
+    raise HetSpmdError("rebalance= moves microbatches between the data positions of a single program whose "
+                       "positions are one device each (no model axis, no pipeline stages); this plan is "
+                       + ("a group plan" if runner.grouped else "staged" if plan.stages
+                          else f"{plan.mesh_shape[1]} devices per position") + ": drop rebalance=")

@@ -1,0 +1,290 @@
+"""Measured balance: the controller (pure), timing a kind's share of the step, and rebalancing a running step.
+
+The controller's cases are generated over positions, kinds and noise; the running step's moves are driven by
+scripted measurements (the emulated devices are one CPU, so their own times say nothing about balance), and
+every rebalanced run is checked against one device in float64 (tests/exactness.py).
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd as hs
+from exactness import Reference
+from hetspmd import models
+from hetspmd.errors import HetSpmdError, InvalidValueError
+from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
+from hetspmd.models.mlp import MLPConfig
+from hetspmd.plan.balance import Balance, Rebalance, update
+from hetspmd.plan.counts import KindCost, balanced_counts
+from hetspmd.runtime.rebalancing import Rebalancer
+
+# (kinds per position, true (seconds per microbatch, per step) per kind, total microbatches)
+POOLS = [
+    (("a", "b"), {"a": (1.0, 0.5), "b": (2.0, 0.5)}, 32),
+    (("a", "a", "b", "b", "c"), {"a": (1.0, 0.2), "b": (1.7, 0.3), "c": (3.1, 0.1)}, 32),
+    (("a", "b"), {"a": (1.0, 0.05), "b": (1.6, 0.05)}, 32),
+    (("a", "b", "b"), {"a": (0.4, 0.0), "b": (1.0, 0.2)}, 48),
+]
+
+
+def _noisy(true, rng, noise=0.1):
+  return {k: (m * rng.uniform(1 - noise, 1 + noise), f * rng.uniform(1 - noise, 1 + noise))
+          for k, (m, f) in true.items()}
+
+
+def _balanced(kinds, true, total):
+  return balanced_counts(list(kinds), {k: KindCost(*v) for k, v in true.items()}, total)
+
+
+def _truth(kinds, true, counts):
+  return Balance(counts, kinds, tuple((k, *v, 0.0) for k, v in true.items()))
+
+
+@pytest.mark.parametrize("kinds,true,total", POOLS)
+def test_noise_does_not_oscillate(kinds, true, total):
+  """From the balanced counts, 200 measurements with independent +-10% noise on every time: at most two moves,
+  and every split held is within 5% of the balanced step by the true times (where two splits tie, noise may
+  pick the other one)."""
+  start = _balanced(kinds, true, total)
+  truth = _truth(kinds, true, start)
+  for seed in range(10):
+    rng, balance, moves = np.random.default_rng(seed), Balance(start, kinds), 0
+    for _ in range(200):
+      before = balance.counts
+      balance = update(balance, _noisy(true, rng), Rebalance())
+      moves += balance.counts != before
+      assert truth.seconds(start) / truth.seconds(balance.counts) >= 0.95, (seed, balance.counts)
+    assert moves <= 2, f"seed {seed}: {moves} moves"
+
+
+@pytest.mark.parametrize("kinds,true,total", POOLS)
+def test_wrong_counts_move_to_balance(kinds, true, total):
+  """From even counts, a noisy pool reaches within 5% of the balanced step time after ``confirm`` measurements,
+  and stays there."""
+  even = tuple(np.diff(np.linspace(0, total, len(kinds) + 1).round().astype(int)).tolist())
+  best = _balanced(kinds, true, total)
+  truth = _truth(kinds, true, best)
+  rng, balance = np.random.default_rng(0), Balance(even, kinds)
+  history = []
+  for _ in range(12):
+    balance = update(balance, _noisy(true, rng), Rebalance())
+    history.append(truth.seconds(best) / truth.seconds(balance.counts))
+  assert min(history[Rebalance().confirm - 1:]) >= 0.95, history
+  if truth.seconds(best) / truth.seconds(even) < 0.95:
+    assert history[0] == truth.seconds(best) / truth.seconds(even), "one measurement must not move the counts"
+
+
+@pytest.mark.parametrize("kinds,true,total", POOLS)
+def test_drift_is_followed(kinds, true, total):
+  """One kind slows by 1.8x: within 8 noisy measurements the counts are within 5% of the new balance."""
+  slow = kinds[-1]
+  drifted = {k: (m * 1.8, f) if k == slow else (m, f) for k, (m, f) in true.items()}
+  best = _balanced(kinds, drifted, total)
+  truth = _truth(kinds, drifted, best)
+  rng = np.random.default_rng(1)
+  balance = _truth(kinds, true, _balanced(kinds, true, total))
+  reached = None
+  for i in range(12):
+    balance = update(balance, _noisy(drifted, rng), Rebalance())
+    if reached is None and truth.seconds(best) / truth.seconds(balance.counts) >= 0.95:
+      reached = i + 1
+  assert reached is not None and reached <= 8, reached
+
+
+def test_the_decision_is_a_function_of_the_measurements():
+  kinds, true, total = POOLS[1]
+  runs = []
+  for _ in range(2):
+    rng, balance, seen = np.random.default_rng(5), Balance((7, 7, 6, 6, 6), kinds), []
+    for _ in range(10):
+      balance = update(balance, _noisy(true, rng, 0.3), Rebalance(confirm=1, threshold=0.0))
+      seen.append(balance.counts)
+    runs.append(seen)
+  assert runs[0] == runs[1]
+  assert len(set(runs[0])) > 1  # the case moves at all
+
+
+@pytest.mark.parametrize("field,value", [("every", 0), ("threshold", 1.0), ("smoothing", 0.0), ("confirm", 0),
+                                         ("lag", -1), ("every", 1.5)])
+def test_rebalance_options_are_checked(field, value):
+  with pytest.raises(InvalidValueError, match=f"Rebalance.{field} must be"):
+    Rebalance(**{field: value})
+
+
+def test_a_measurement_needs_every_kind():
+  with pytest.raises(InvalidValueError, match=r"\['b'\] missing"):
+    update(Balance((1, 1), ("a", "b")), {"a": (1.0, 0.0)}, Rebalance())
+
+
+# --- calibration values ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a,b,fixed", [(0.0, 1e-3, 0.01), (2e-3, 5e-4, 0.0), (1e-4, 1e-5, 0.2)])
+def test_fit_points_recovers_a_line(a, b, fixed):
+  runs = [(m, c, fixed + c * (a + b * m)) for m in (8, 32) for c in (1, 3)]
+  points, got_fixed = fit_points(runs)
+  timing = KindTiming("k", points, got_fixed)
+  assert got_fixed == pytest.approx(fixed, abs=1e-12)
+  assert timing.line() == pytest.approx((a, b), rel=1e-9, abs=1e-15)
+  assert timing.micro(16) == pytest.approx(a + 16 * b, rel=1e-9)
+
+
+def test_calibration_round_trips_and_is_checked(tmp_path):
+  cal = Calibration("f" * 64, (KindTiming("V100-32GB", ((8, 1e-3), (16, 1.8e-3)), 0.01),))
+  cal.save(tmp_path / "c.json")
+  assert Calibration.load(tmp_path / "c.json") == cal
+  with pytest.raises(InvalidValueError, match="another step"):
+    cal.check_step("0" * 64)
+  with pytest.raises(InvalidValueError, match="does not have"):
+    hs.Cluster.parse("2xA100-80GB").calibrated(cal)
+  with pytest.raises(InvalidValueError, match="positive microbatch"):
+    KindTiming("k", ((0, 1.0),))
+
+
+def test_a_calibrated_cluster_prices_compute_as_measured():
+  """The search prices a kind's microbatch at its measured seconds, whatever the datasheet says: a pool of two
+  kinds measured equally fast splits evenly, and the P100 measured 3x faster takes three quarters."""
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.ranking import search
+
+  w = dataclasses.replace(models.get("mlp"), name="m", config=MLPConfig((256, 512, 10)))
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  cluster = hs.Cluster.parse("1xA100-80GB+1xP100-16GB")
+  fp = "0" * 64
+  shares = {}
+  for name, times in {"datasheet": None, "equal": (1e-3, 1e-3), "swapped": (3e-3, 1e-3)}.items():
+    c = cluster if times is None else cluster.calibrated(Calibration(fp, (
+        KindTiming("A100-80GB", ((32, times[0]),), 1e-4), KindTiming("P100-16GB", ((32, times[1]),), 1e-4))))
+    best = search(c, profile, 1024, top=1, remat_policies=("none",)).plans[0]
+    examples = dict.fromkeys(("A100-80GB", "P100-16GB"), 0)
+    for kind, n in zip(best.kinds, best.examples):
+      examples[kind] += n
+    shares[name] = examples["P100-16GB"] / 1024
+  assert shares["datasheet"] < 0.25
+  assert shares["equal"] == pytest.approx(0.5, abs=0.04)
+  assert shares["swapped"] == pytest.approx(0.75, abs=0.04)
+
+
+# --- a running step -----------------------------------------------------------------------------------------------
+
+
+def _workload():
+  return dataclasses.replace(models.get("mlp"), name="mlp-rebalance", config=MLPConfig((32, 64, 10)))
+
+
+def _scripted(times):
+  """A Rebalancer.timed that returns the next of ``times`` (``{kind: (micro, fixed)}``) at each measurement."""
+  it = iter(times)
+  return lambda self, front, args, kwargs: next(it)
+
+
+def test_rebalanced_steps_stay_exact_and_compile_once_per_counts(monkeypatch):
+  """Scripted measurements move the counts [12, 4] -> [4, 12] -> [12, 4], each after two measurements agree:
+  each set builds its program once
+  (going back compiles nothing), each step matches one device in float64, and the history says what moved."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  slow_p100 = {"V100-32GB": (1e-3, 1e-4), "P100-16GB": (3e-3, 1e-4)}
+  slow_v100 = {"V100-32GB": (3e-3, 1e-4), "P100-16GB": (1e-3, 1e-4)}
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([slow_v100] * 2 + [slow_p100] * 4))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  batches = [w.synthetic_batch(i, batch=64) for i in range(6)]
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  counts = []
+  for i, batch in enumerate(batches):
+    state, metrics = step(state, batch)
+    counts.append(step.plan.microbatch_counts)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert counts == [(12, 4), (4, 12), (4, 12), (12, 4), (12, 4), (12, 4)]
+  assert step.rebalancer.compiles == 2
+  moved = [(h["call"], h["moved_to"], h["applies_at"]) for h in step.history if h["moved_to"]]
+  assert moved == [(2, [4, 12], 2), (4, [12, 4], 4)]
+  assert "rebalancing: every 1 call(s)" in step.explain() and "-> [12, 4] from call 4" in step.explain()
+
+
+def test_lag_tells_the_loader_ahead(monkeypatch, tmp_path):
+  """With lag=2 a decision at call 2 runs from call 4; process_examples(ahead=...) and the plan say so, and the
+  history is written as JSON lines."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 9))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, lag=2))
+  state = step.shard_state(w.init_state(0))
+  batch = w.synthetic_batch(0, batch=64)
+  seen = []
+  for _ in range(5):
+    seen.append((step.plan.microbatch_counts, step.rebalancer.counts_at(1)))
+    state, _ = step(state, batch)
+  # before call 3 (after the decision at call 2): the next call still runs [12, 4], the one after [4, 12]
+  assert seen[2] == ((12, 4), (4, 12)) and step.plan.microbatch_counts == (4, 12)
+  assert len(step.process_examples()) == 64  # one process: every example, whatever the counts
+  step.write_history(tmp_path / "h.jsonl")
+  lines = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
+  assert [line["call"] for line in lines] == [1, 2, 3, 4, 5]
+  assert lines[1]["moved_to"] == [4, 12] and lines[1]["applies_at"] == 4
+
+
+def test_timing_a_kind_measures_and_leaves_nnx_objects_alone():
+  """The real measurement: each kind timed on its device gives positive seconds, and timing an NNX step writes
+  nothing back (the objects after a rebalanced call equal those after a plain one)."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  import optax
+  from flax import nnx
+
+  def make():
+    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  def train_step(model, optimizer, batch):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.integers(0, 4, 32).astype(np.int32)}
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  runs = {}
+  for name, rebalance in (("plain", None), ("timed", Rebalance(every=1))):
+    model, optimizer = make()
+    plan = hs.plan_for(cluster, nnx.state((model, optimizer)), global_batch=32, microbatch=4, counts=(4, 4))
+    step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=32, rebalance=rebalance)
+    step(model, optimizer, batch)
+    runs[name] = (jax.device_get(nnx.state(model)), step)
+  np.testing.assert_array_equal(*[np.concatenate([np.ravel(x) for x in jax.tree.leaves(runs[n][0])])
+                                  for n in ("plain", "timed")])
+  (entry,) = runs["timed"][1].history
+  assert set(entry["measured"]) == {"V100-32GB", "P100-16GB"}
+  assert all(v["microbatch_seconds"] > 0 and v["step_seconds"] >= 0 for v in entry["measured"].values())
+
+
+def test_rebalance_refuses_what_it_cannot_move():
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:4], kinds=["V100-32GB"] * 4)
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, layout=(2, 2), microbatch=4)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=True)
+  with pytest.raises(HetSpmdError, match="2 devices per position: drop rebalance="):
+    step(step.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))
+  with pytest.raises(InvalidValueError, match="rebalance must be"):
+    hs.parallelize(w.make_train_step(), global_batch=64, rebalance="yes")
