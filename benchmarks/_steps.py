@@ -13,18 +13,24 @@ import time
 from typing import Any, Sequence
 
 
-def run_slowed_pair(worker: str, worker_args: Sequence[Any], slowdown_seconds: int) -> dict:
+def run_slowed_pair(worker: str, worker_args: Sequence[Any], slowdown_seconds: int, switch: str | None = None
+                    ) -> dict:
   """Runs ``worker`` (a script taking ``rank port *worker_args``) as two processes pinned to cores 0 and 1, with a
-  busy loop sharing core 1 for at most ``slowdown_seconds``; the JSON line rank 0 prints last. Exits with a
-  message when the machine lacks ``taskset`` or a second core, or a worker fails."""
+  busy loop sharing core 1 for at most ``slowdown_seconds``; the JSON line rank 0 prints last. With ``switch`` (a
+  file path, passed to the workers as ``HETSPMD_BUSY_SWITCH``), the loop spins only while that file exists, so a
+  worker can slow and free core 1 mid-run. Exits with a message when the machine lacks ``taskset`` or a second
+  core, or a worker fails."""
   if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
     sys.exit("needs taskset and at least 2 cores")
+  spin = "pass" if switch is None else f"time.sleep(0.001) if not os.path.exists({switch!r}) else None"
   busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c",
-                           f"import time\nend = time.time() + {slowdown_seconds}\nwhile time.time() < end: pass"])
+                           f"import os, time\nend = time.time() + {slowdown_seconds}\nwhile time.time() < end: {spin}"])
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if switch is not None:
+    env["HETSPMD_BUSY_SWITCH"] = switch
   workers = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, "-c", worker, str(rank), str(port),
                                *map(str, worker_args)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]

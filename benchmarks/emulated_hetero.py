@@ -46,6 +46,7 @@ step.
 from __future__ import annotations
 
 import argparse
+import statistics
 import textwrap
 
 # Both workers' start: ``{devices}`` CPU devices per process, gloo, the benchmark's MLP, and alone_rate(devices): the
@@ -216,6 +217,115 @@ WORKER_SHARDED = PRELUDE.format(devices=2) + textwrap.dedent("""
 """)
 
 
+# A wrong prior, then measured balance: the slowed pair planned as if equal (or swapped), run with and without
+# rebalancing; then core 1 is freed mid-run (drift). Rank 0 switches the busy loop through HETSPMD_BUSY_SWITCH.
+WORKER_ADAPTIVE = PRELUDE.format(devices=1) + textwrap.dedent("""
+    import pathlib
+    switch = pathlib.Path(os.environ["HETSPMD_BUSY_SWITCH"])
+    prior, every, drift_steps = sys.argv[6], int(sys.argv[7]), int(sys.argv[8])
+    def slow(on):  # rank 0 flips the busy loop; both wait at a collective so each sees the same load after
+      if rank == 0:
+        switch.touch() if on else switch.unlink(missing_ok=True)
+      time.sleep(0.2); multihost_utils.sync_global_devices("switch")
+    device = jax.local_devices()[0]
+    slow(True)
+    slowed = [float(r) for r in np.ravel(multihost_utils.process_allgather(np.array([alone_rate([device])])))]
+    slow(False)
+    freed = [float(r) for r in np.ravel(multihost_utils.process_allgather(np.array([alone_rate([device])])))]
+    cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB", "P100-16GB"])  # two kinds: one per process
+    total = batch // microbatch
+    weights = {"equal": [1.0, 1.0], "swapped": slowed[::-1]}[prior]
+    counts = hs.plan.proportional_counts(weights, total)
+    host_batch = workload.synthetic_batch(7, batch=batch)
+    result = {"slowed_alone_rates": slowed, "freed_alone_rates": freed, "prior_counts": list(counts)}
+    for mode in ("static", "rebalanced"):
+      rebalance = hs.Rebalance(every=every, confirm=2, threshold=0.08, lag=1) if mode == "rebalanced" else None
+      plan = hs.plan_for(cluster, workload.init_state(0), global_batch=batch, microbatch=microbatch, counts=counts)
+      step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan,
+                            global_batch=batch, rebalance=rebalance)
+      st = step.shard_state(workload.init_state(0))
+      st, m = step(st, {k: v[step.process_examples()] for k, v in host_batch.items()}); jax.block_until_ready(m)
+      times, counts_seen = [], []
+      phases = (("slowed", steps), ("freed", drift_steps)) if mode == "rebalanced" else (("slowed", steps),)
+      for phase, n in phases:
+        slow(phase == "slowed")
+        for _ in range(n):
+          b = {k: v[step.process_examples()] for k, v in host_batch.items()}
+          t = time.perf_counter(); st, m = step(st, b); jax.block_until_ready(m); times.append(time.perf_counter() - t)
+          counts_seen.append(list(step.plan.microbatch_counts))
+      result[mode] = {"times": times, "counts": counts_seen, "compiles": step.rebalancer.compiles if rebalance else 1,
+                      "history": step.history}
+    slow(False)
+    print(json.dumps(result))
+""")
+
+
+def adaptive_rows(args) -> None:
+  """A wrong prior, static against rebalanced, then drift (the busy loop stops mid-run)."""
+  import json
+  import tempfile
+  from pathlib import Path
+
+  from _steps import run_slowed_pair
+
+  switch = str(Path(tempfile.mkdtemp()) / "busy")
+  result = run_slowed_pair(WORKER_ADAPTIVE, (args.batch, args.steps, args.microbatch, args.prior, args.every,
+                                             args.steps), args.slowdown_seconds, switch=switch)
+  ideal = args.batch / sum(result["slowed_alone_rates"])
+  freed_ideal = args.batch / sum(result["freed_alone_rates"])
+  static, adaptive = result["static"], result["rebalanced"]
+  n = args.steps
+
+  def reached(times, goal_ideal, first_call):
+    """Steps until every later step that does not measure is at >= 90% of the ideal (``first_call``: the call
+    number of ``times[0]``; call 1 is the warm-up, and calls 1, 1 + every, ... measure)."""
+    fractions = [goal_ideal / t for t in times]
+    plain = [i for i in range(len(times)) if (first_call + i - 1) % args.every]
+    for j, i in enumerate(plain):
+      if all(fractions[k] >= 0.9 for k in plain[j:]):
+        return i + 1, fractions
+    return None, fractions
+
+  to_balance, fractions = reached(adaptive["times"][:n], ideal, 2)
+  after_drift, freed_fractions = reached(adaptive["times"][n:], freed_ideal, 2 + n)
+  tail = max(1, n // 2)
+  out = {"prior": args.prior, "prior_counts": result["prior_counts"],
+         "static_fraction": ideal / statistics.median(static["times"]),
+         "rebalanced_fraction": ideal / statistics.mean(adaptive["times"][n - tail:n]),
+         "steps_to_balance": to_balance,
+         "drift_fraction": freed_ideal / statistics.mean(adaptive["times"][-tail:]),
+         "steps_after_drift": after_drift,
+         "counts": adaptive["counts"], "compiles": adaptive["compiles"],
+         "measured": [{"call": h["call"], "microbatch_seconds": {k: v["microbatch_seconds"] for k, v in h["measured"].items()},
+                       "moved_to": h["moved_to"]} for h in adaptive["history"]]}
+  print(f"2 processes x 1 CPU device, core 1 shared with a busy loop; global batch {args.batch}, microbatch "
+        f"{args.microbatch}; prior {args.prior!r}: counts {result['prior_counts']}; rebalancing measures every "
+        f"{args.every} call(s) (each kind's share of the step timed on its device: one microbatch and two, twice each), "
+        "measurement to move (threshold 8% plus the measurements' spread), applied one call later")
+  print(f"whole step alone, slowed: {result['slowed_alone_rates'][0]:.0f} and {result['slowed_alone_rates'][1]:.0f}"
+        f" examples/s; freed: {result['freed_alone_rates'][0]:.0f} and {result['freed_alone_rates'][1]:.0f}")
+  print(f"{'step':>5} {'static s':>9} {'of ideal':>9} {'rebalanced s':>13} {'of ideal':>9} {'counts':>10}")
+  for i in range(n):
+    print(f"{i + 1:5d} {static['times'][i]:9.3f} {ideal / static['times'][i]:9.1%} {adaptive['times'][i]:13.3f} "
+          f"{fractions[i]:9.1%} {str(adaptive['counts'][i]):>10}")
+  print("core 1 freed (drift); step ideal now", f"{freed_ideal:.3f} s")
+  for i in range(n, len(adaptive["times"])):
+    print(f"{i + 1:5d} {'':>9} {'':>9} {adaptive['times'][i]:13.3f} {freed_fractions[i - n]:9.1%} "
+          f"{str(adaptive['counts'][i]):>10}")
+  print(f"static plan on the {args.prior} prior: {out['static_fraction']:.1%} of the step ideal (median); rebalanced: "
+        f"{out['rebalanced_fraction']:.1%} (mean of the last {tail} slowed steps, measuring steps included); every "
+        f"step that does not measure at >= 90% from step {to_balance} (goal: within 5: {'met' if to_balance and to_balance <= 5 else 'NOT met'})")
+  print(f"after the drift: {out['drift_fraction']:.1%} of the new step ideal (mean of the last {tail}), every step at "
+        f">= 90% from step {after_drift} after it (goal: within 5: "
+        f"{'met' if after_drift and after_drift <= 5 else 'NOT met'}); {out['compiles']} program(s) built")
+  for h in out["measured"]:
+    print(f"  measured at call {h['call']}: " + ", ".join(f"{k} {v * 1e3:.1f} ms a microbatch"
+                                                      for k, v in h["microbatch_seconds"].items())
+          + (f" -> counts {h['moved_to']}" if h["moved_to"] else ""))
+  if args.json:
+    print(json.dumps(out))
+
+
 def sharded_rows(args) -> None:
   """The group plan against the same plan with each group sharding its parameters (two devices per process)."""
   from _steps import run_slowed_pair
@@ -247,7 +357,15 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=7)
   parser.add_argument("--slowdown-seconds", type=int, default=240)
   parser.add_argument("--sharded-only", action="store_true", help="run only the sharded-group comparison")
+  parser.add_argument("--adaptive", action="store_true",
+                      help="plan on a wrong prior, run it static and rebalanced, then free core 1 mid-run")
+  parser.add_argument("--prior", choices=("equal", "swapped"), default="equal",
+                      help="with --adaptive: the speeds the plan is made on")
+  parser.add_argument("--every", type=int, default=3, help="with --adaptive: calls between measurements")
+  parser.add_argument("--json", action="store_true", help="with --adaptive: end with one JSON line")
   args = parser.parse_args()
+  if args.adaptive:
+    return adaptive_rows(args)
   if args.sharded_only:
     return sharded_rows(args)
   from _steps import run_slowed_pair

@@ -60,7 +60,7 @@ class KindTiming:
     times = [t for _, t in self.points]
     if len(set(sizes)) < 2:
       return 0.0, sum(times) / sum(sizes)
-    n, mean_m, mean_t = len(sizes), sum(sizes) / len(sizes), sum(times) / len(times)
+    mean_m, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
     b = (sum((m - mean_m) * (t - mean_t) for m, t in zip(sizes, times))
          / sum((m - mean_m) ** 2 for m in sizes))
     if b <= 0:  # noise on a flat curve: no slope to extrapolate with

@@ -110,15 +110,17 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
     estimate.append((k, (1 - a) * was_micro + a * micro, (1 - a) * was_fixed + a * fixed,
                      (1 - a) * spread + a * off))
   kinds = tuple(dict.fromkeys(balance.kinds))
-  row = tuple(x for k in kinds for x in measured[k])
   now = dataclasses.replace(balance, estimate=tuple(estimate))
-  target = balanced_counts(list(now.kinds), now.costs(), sum(now.counts))
-  if target == now.counts or now.seconds(now.counts) < (1 + option.threshold + now.spread) * now.seconds(target):
+  # each measurement judges the counts on its own times (the smoothed estimate would creep past a real change in
+  # steps each below the threshold); noise is answered by the spread margin and by ``confirm``
+  raw = dataclasses.replace(now, estimate=tuple((k, *measured[k], 0.0) for k in kinds))
+  target = balanced_counts(list(now.kinds), raw.costs(), sum(now.counts))
+  if target == now.counts or raw.seconds(now.counts) < (1 + option.threshold + now.spread) * raw.seconds(target):
     return dataclasses.replace(now, proposal=None, agreed=0, recent=())
-  recent = now.recent + (row,)
+  recent = now.recent + (tuple(x for k in kinds for x in measured[k]),)
   if len(recent) < option.confirm:
     return dataclasses.replace(now, proposal=target, agreed=len(recent), recent=recent)
-  # the imbalance held: the smoothed estimate lags a real change, so start again from these measurements' mean
+  # the imbalance held: the estimate starts again from these measurements' mean, and the counts balance it
   mean = np.mean(np.array(recent), axis=0)
   fresh = tuple((k, float(mean[2 * i]), float(mean[2 * i + 1]), spread)
                 for i, (k, *_, spread) in enumerate(now.estimate))

@@ -2,7 +2,7 @@
 
 Inside one SPMD program a device's loop end is not visible (fast devices wait in the reduction), so every
 ``Rebalance.every`` calls each process times its kinds' share of the step on one of their devices
-(:class:`~hetspmd.runtime.calibrating.KindTimer`: one microbatch count and three, at the plan's microbatch
+(:class:`~hetspmd.runtime.calibrating.KindTimer`: one microbatch and two, at the plan's microbatch
 size and remat policy), the times are gathered across processes, and the damped controller
 (:mod:`hetspmd.plan.balance`) decides. New counts run as the same plan with other ``microbatch_counts``: each
 set of counts builds its program once (kept, so returning to earlier counts compiles nothing). Across processes

@@ -106,9 +106,10 @@ class SingleRunner:
                        self._starts())
     return call.finish(outputs)
 
-  def timed(self, args: tuple, kwargs: dict, here: Callable[[list], list], repeats: int) -> list[float]:
-    """Seconds of ``repeats`` runs of the program on the call's arguments, after one untimed run (which
-    compiles), the state and other arguments moved with ``here`` (onto this plan's devices), no buffer donated
+  def timed(self, args: tuple, kwargs: dict, here: Callable[[list], list], repeats: int,
+            warm: bool = True) -> list[float]:
+    """Seconds of ``repeats`` runs of the program on the call's arguments, after one untimed run where
+    ``warm`` (the first, which compiles), the state and other arguments moved with ``here`` (onto this plan's devices), no buffer donated
     and nothing written back: the outputs are dropped. For timing a kind (:mod:`hetspmd.runtime.calibrating`)."""
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     compiled = self._executable(call)
@@ -116,7 +117,8 @@ class SingleRunner:
     n_batch = len(call.batch_inputs)
     state, others = here(state), others[:n_batch] + here(others[n_batch:])
     run = lambda: jax.block_until_ready(compiled(state, others, call.batch.counts, self._starts()))
-    run()
+    if warm:
+      run()
     seconds = []
     for _ in range(repeats):
       start = time.perf_counter()
