@@ -30,6 +30,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
 from hetspmd.runtime.binding import Arguments
+from hetspmd.runtime.single import SingleRunner
 
 COUNTS = (1, 2)   # microbatch counts each size is timed at
 REPEATS = 2       # timed runs per (size, count), after one warm-up the first time (which compiles)
@@ -69,8 +70,6 @@ class KindTimer:
     return KindTiming(kind, points, fixed, self.remat)
 
   def _runner(self, size: int, count: int, batch_argnums: tuple[int, ...], args: tuple) -> Any:
-    from hetspmd.runtime.single import SingleRunner
-
     key = (size, count)
     if key not in self._runners:
       state = Arguments.of(self.front, args).state

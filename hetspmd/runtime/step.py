@@ -361,14 +361,11 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       device on the data axis, microbatches in proportion to peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
-    donate_state: let XLA reuse the input state's buffers for the new state
-      the step returns (none if it returns none; under group state shares,
-      only the optimizer state's).
-    specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match
-      (``"auto"`` and ``"search"`` plans), e.g. ``hetspmd.annotated_specs(params,
-      rules)`` to respect a model's own sharding annotations.
-    example_batch: for ``plan="search"``: the batch's structure, as arrays or
-      ``jax.ShapeDtypeStruct``s with any leading batch size.
+    donate_state: let XLA reuse the input state's buffers for the new state the step returns (none if it
+      returns none; under group state shares, only the optimizer state's).
+    specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match (``"auto"`` and ``"search"``
+      plans), e.g. ``hetspmd.annotated_specs(params, rules)`` to respect a model's own sharding annotations.
+    example_batch: for ``plan="search"``: the batch's structure, as arrays or ``jax.ShapeDtypeStruct``s.
     batch_argnums: the positional argument(s) holding the batch (counted
       among the call's own arguments, after any ``nnx.cached_partial``
       binds); default every argument all of whose arrays lead with
@@ -393,10 +390,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       :mod:`hetspmd.passes.frontend.named_axes`).
     group_plans: ``False``: ``plan="search"`` takes single programs only.
     static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
-    rebalance: ``True`` or a :class:`hetspmd.Rebalance`: every ``every`` calls, time each kind's share of the
-      step on one of its devices and move microbatches between data positions when the measured imbalance
-      costs more than ``threshold`` (damped, with hysteresis; :mod:`hetspmd.runtime.rebalancing`). Single
-      programs whose positions are one device each. ``step.history`` holds the measurements.
+    rebalance: ``True`` or a :class:`hetspmd.Rebalance`: move a single program's microbatches while training,
+      from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
