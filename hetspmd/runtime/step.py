@@ -365,7 +365,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       returns none; under group state shares, only the optimizer state's).
     specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match (``"auto"`` and ``"search"``
       plans), e.g. ``hetspmd.annotated_specs(params, rules)`` to respect a model's own sharding annotations.
-    example_batch: for ``plan="search"``: the batch's structure, as arrays or ``jax.ShapeDtypeStruct``s.
+    example_batch: for ``plan="search"``: the batch's structure, arrays or ``ShapeDtypeStruct``s, any leading size.
     batch_argnums: the positional argument(s) holding the batch (counted
       among the call's own arguments, after any ``nnx.cached_partial``
       binds); default every argument all of whose arrays lead with
