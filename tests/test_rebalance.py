@@ -109,7 +109,7 @@ def test_the_decision_is_a_function_of_the_measurements():
 
 
 @pytest.mark.parametrize("field,value", [("every", 0), ("threshold", 1.0), ("smoothing", 0.0), ("confirm", 0),
-                                         ("lag", -1), ("every", 1.5)])
+                                         ("lag", -1), ("every", 1.5), ("measure", "wall")])
 def test_rebalance_options_are_checked(field, value):
   with pytest.raises(InvalidValueError, match=f"Rebalance.{field} must be"):
     Rebalance(**{field: value})
@@ -195,7 +195,7 @@ def test_rebalanced_steps_stay_exact_and_compile_once_per_counts(monkeypatch):
   monkeypatch.setattr(Rebalancer, "timed", _scripted([slow_v100] * 2 + [slow_p100] * 4))
   plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, measure="device"))
   batches = [w.synthetic_batch(i, batch=64) for i in range(6)]
   ref = Reference(w.make_train_step(), w.init_state(0))
   state = step.shard_state(w.init_state(0))
@@ -223,7 +223,7 @@ def test_lag_tells_the_loader_ahead(monkeypatch, tmp_path):
   monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 9))
   plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, lag=2))
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, lag=2, measure="device"))
   state = step.shard_state(w.init_state(0))
   batch = w.synthetic_batch(0, batch=64)
   seen = []
@@ -263,7 +263,7 @@ def test_timing_a_kind_measures_and_leaves_nnx_objects_alone():
   batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.integers(0, 4, 32).astype(np.int32)}
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
   runs = {}
-  for name, rebalance in (("plain", None), ("timed", Rebalance(every=1))):
+  for name, rebalance in (("plain", None), ("timed", Rebalance(every=1, measure="device"))):
     model, optimizer = make()
     plan = hs.plan_for(cluster, nnx.state((model, optimizer)), global_batch=32, microbatch=4, counts=(4, 4))
     step = hs.parallelize(train_step, cluster=cluster, plan=plan, global_batch=32, rebalance=rebalance)
@@ -274,6 +274,34 @@ def test_timing_a_kind_measures_and_leaves_nnx_objects_alone():
   (entry,) = runs["timed"][1].history
   assert set(entry["measured"]) == {"V100-32GB", "P100-16GB"}
   assert all(v["microbatch_seconds"] > 0 and v["step_seconds"] >= 0 for v in entry["measured"].values())
+
+
+def test_loops_timed_inside_the_step(monkeypatch):
+  """measure='loop': each position's loop is timed by host callbacks inside the program, with no extra run; the
+  first measurement follows the first call, the clocked program stays exact against one device, and the
+  measurements the controller gets are each kind's seconds per microbatch."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  timed = []
+  monkeypatch.setattr(Rebalancer, "timed", lambda self, *a: timed.append(1) or pytest.fail("timed a device"))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(10, 6))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=2, measure="loop", threshold=0.9))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  for i in range(5):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = jax.block_until_ready(step(state, batch))
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert [h["call"] for h in step.history] == [2, 3, 5]  # due at 1 (owed until a loop ran), 3, 5
+  for h in step.history:
+    assert set(h["measured"]) == {"V100-32GB", "P100-16GB"}
+    assert all(v["microbatch_seconds"] > 0 and v["step_seconds"] == 0 for v in h["measured"].values())
+  assert not timed
 
 
 def test_rebalance_refuses_what_it_cannot_move():

@@ -48,6 +48,9 @@ class Layout:
   # layers per pipeline stage (hetspmd.lowering.staged): the mesh's ``stage_axis`` cuts the step's layer scan
   stages: tuple[int, ...] = ()
   stage_axis: str = "stage"
+  # host callbacks ``start(position) -> int32 0`` and ``end(position, value) -> int32 0`` around each position's
+  # microbatch loop (hetspmd.runtime.rebalancing.LoopClock): its own loop's time, read with no extra work
+  clock: Any = None
 
   @property
   def positions(self) -> int:

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from hetspmd.lowering.collectives import reduce_over_data
@@ -128,6 +129,28 @@ def _scatter_dims(prog: Program, layout: Layout, cut_outs: Sequence[Any]) -> tup
   return scatter, [scatter_dim_of(prog, v, layout.data_split) if split else None for v in prog.accumulated]
 
 
+def _clock_start(layout: Layout, count: Any) -> Any:
+  """``count`` made to wait for ``layout.clock.start(position)`` (which returns 0), so the loop starts after it."""
+  position = jax.lax.axis_index(layout.data_axis)
+  return count + io_callback(layout.clock.start, jax.ShapeDtypeStruct((), jnp.int32), position)
+
+
+def _clock_end(layout: Layout, partials: list) -> list:
+  """``partials`` with their first array made to wait for ``layout.clock.end(position, value)`` (called with one
+  element of it, so after the loop has made it, and before the reduction over data that waits for every
+  position)."""
+  first = next(((i, j) for i, part in enumerate(partials) for j, x in enumerate(part) if jnp.size(x)), None)
+  if first is None:
+    return partials
+  i, j = first
+  x = partials[i][j]
+  position = jax.lax.axis_index(layout.data_axis)
+  zero = io_callback(layout.clock.end, jax.ShapeDtypeStruct((), jnp.int32), position, jnp.ravel(x)[0])
+  partials = [list(part) for part in partials]
+  partials[i][j] = x + zero.astype(x.dtype)
+  return partials
+
+
 def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
   """The weighted loops inside a ``shard_map`` manual over ``data``: every cut's total, reduced over ``data``, and
   the per-example outputs' padded buffers (with the accumulated values, when the program has any)."""
@@ -140,14 +163,20 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
   reduce = functools.partial(reduce_over_data, axis=axis, single=single, data_only=data_only,
                              dtype=layout.reduce_dtype)
 
+  # JAX calls back from a shard_map only where every mesh axis is manual: a mesh of the data axis alone
+  clocked = layout.clock is not None and not single and data_only and prog.analysis.loops == 1
+
   def per_device(values, buffers, counts, starts, extra):
     outer = dict(zip(ops.inputs, values))
-    ctx = LoopContext(prog, layout, cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0])
+    count = _clock_start(layout, counts[0]) if clocked else counts[0]
+    ctx = LoopContext(prog, layout, cut_outs, ops.batch_vars, tuple(buffers), count, starts[0])
     totals: dict[int, list] = {}
     pe_result = []
     for s in range(prog.analysis.loops):
       mine = [k for k, c in enumerate(cut_outs) if c.loop == s]
       partials, outs = one_loop(ctx, s, outer, mine, ops.pe_outs if s == final else ())
+      if clocked:
+        partials = _clock_end(layout, partials)
       if s == final and extra:  # other programs' partial values of the same sums
         kinds = [cut_outs[k].reduce for k in mine] + ["sum"] * (len(partials) - len(mine))
         partials = [[combiner(r)(p, e[0]) for p, e in zip(part, rows)]
@@ -180,7 +209,8 @@ def loop_part(prog: Program, layout: Layout, ops: LoopOperands):
   if single:
     return per_device(list(ops.values), list(ops.buffers), ops.counts, ops.starts, ops.extra)
   mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(P(), P(axis), P(axis), P(axis), P(axis)),
-                         out_specs=out_specs, axis_names={axis}, check_vma=False)
+                         out_specs=out_specs, axis_names=set(layout.mesh.axis_names) if clocked else {axis},
+                         check_vma=False)
   totals, pe = mapped(list(ops.values), list(ops.buffers), ops.counts, ops.starts, [list(e) for e in ops.extra])
   return [[t.astype(prog.eqns[c.index].outvars[j].aval.dtype)
            for t, j in zip(tt, sum_outputs(prog.analysis.decisions[c.index]))]

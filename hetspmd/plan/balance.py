@@ -43,6 +43,10 @@ class Rebalance:
     confirm: measurements in a row that must find the counts in force off balance before they move.
     lag: calls between the decision and the call that runs the new counts; a data loader that reads ahead
       learns each process's new examples this many calls early (``step.process_examples(ahead=k)``).
+    measure: ``"loop"``: each position's microbatch loop is timed inside the step (a host callback before
+      and after it: no extra work, but a host round trip per device each call); ``"device"``: each kind's
+      share of the step is timed on one of its devices between calls (a few of its microbatches each
+      measurement); ``"auto"``: ``"loop"`` on CPU, ``"device"`` elsewhere.
   """
 
   every: int = 8
@@ -50,15 +54,17 @@ class Rebalance:
   smoothing: float = 0.3
   confirm: int = 3
   lag: int = 0
+  measure: str = "auto"
 
   def __post_init__(self):
     checks = {"every": isinstance(self.every, int) and self.every >= 1,
               "threshold": isinstance(self.threshold, (int, float)) and 0 <= self.threshold < 1,
               "smoothing": isinstance(self.smoothing, (int, float)) and 0 < self.smoothing <= 1,
               "confirm": isinstance(self.confirm, int) and self.confirm >= 1,
-              "lag": isinstance(self.lag, int) and self.lag >= 0}
+              "lag": isinstance(self.lag, int) and self.lag >= 0,
+              "measure": self.measure in ("auto", "loop", "device")}
     wanted = {"every": "an int >= 1", "threshold": "a number in [0, 1)", "smoothing": "a number in (0, 1]",
-              "confirm": "an int >= 1", "lag": "an int >= 0"}
+              "confirm": "an int >= 1", "lag": "an int >= 0", "measure": "'auto', 'loop' or 'device'"}
     for name, ok in checks.items():
       if not ok:
         raise InvalidValueError(f"Rebalance.{name} must be {wanted[name]}, got {getattr(self, name)!r}")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.plan.balance import Balance, Rebalance, update
@@ -37,13 +39,23 @@ class Rebalancer:
   calls: int = 0
   pending: dict = dataclasses.field(default_factory=dict)   # call number -> counts that call runs
   history: list = dataclasses.field(default_factory=list)   # one dict per measurement
+  clock: LoopClock = dataclasses.field(default_factory=lambda: LoopClock())
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
+  _loops: dict = dataclasses.field(default_factory=dict, repr=False)    # position -> [seconds, microbatches]
+  _ran: tuple = ()     # the counts the last call ran
+  _owed: bool = False  # a measurement was due before the loops had been timed
   _warned: bool = False
 
+  def clock_for(self, mesh: Any) -> LoopClock | None:
+    """The clock a program over ``mesh`` times its loops with, where this rebalancing measures loops."""
+    platform = mesh.devices.flat[0].platform
+    loop = self.option.measure == "loop" or (self.option.measure == "auto" and platform == "cpu")
+    return self.clock if loop and mesh.shape[mesh.axis_names[0]] > 1 else None
+
   def before_call(self, front: Any, args: tuple, kwargs: dict) -> None:
-    """Before call ``calls + 1`` of ``front`` (its plan resolved): the counts due now put in force, and a
-    measurement where one is due."""
+    """Before call ``calls + 1`` of ``front`` (its plan resolved): the last call's loop times kept, the counts
+    due now put in force, and a measurement where one is due."""
     runner = front._runner
     plan = runner.plan
     _check_plan(plan, runner)
@@ -51,10 +63,12 @@ class Rebalancer:
       self.balance = Balance(plan.microbatch_counts, _position_kinds(plan))
       self._runners[plan.microbatch_counts] = runner
     self.calls += 1
+    self._keep_loops()
     if self.calls in self.pending:
       self._apply(front, self.pending.pop(self.calls))
-    if (self.calls - 1) % self.option.every == 0:
+    if (self.calls - 1) % self.option.every == 0 or self._owed:
       self._measure(front, args, kwargs)
+    self._ran = front._runner.plan.microbatch_counts
 
   def counts_at(self, ahead: int) -> tuple[int, ...] | None:
     """The counts the call ``ahead`` calls after the next one runs (None: the plan's)."""
@@ -107,9 +121,41 @@ class Rebalancer:
       mine[kind] = (timing.points[0][1], timing.fixed)
     return gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
 
+  def _keep_loops(self) -> None:
+    """The loop times the last call's program recorded (a position with no microbatch says nothing)."""
+    for position, seconds in self.clock.take().items():
+      count = self._ran[position] if position < len(self._ran) else 0
+      if count:
+        kept = self._loops.setdefault(position, [0.0, 0])
+        kept[0] += seconds
+        kept[1] += count
+
+  def looped(self, front: Any) -> dict[str, tuple[float, float]] | None:
+    """``{kind: (seconds per microbatch, 0)}`` from the loops timed inside the step since the last measurement
+    (each kind its slowest position's mean), gathered across processes; None where the loops are not timed
+    (another measure, a lockstep loop, several loops) or some kind has no timed loop yet."""
+    runner = front._runner
+    if runner.lockstep or self.clock_for(runner._mesh) is None or not self.clock.used:
+      return None
+    kinds = self.balance.kinds
+    mine: dict[str, tuple[float, float]] = {}
+    for position, (seconds, count) in self._loops.items():
+      micro = seconds / count
+      if micro > mine.get(kinds[position], (0.0, 0.0))[0]:
+        mine[kinds[position]] = (micro, 0.0)
+    found = gathered(tuple(dict.fromkeys(kinds)), mine)
+    if len(found) < len(set(kinds)):
+      return None
+    self._loops = {}
+    return found
+
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
     plan = front._runner.plan
-    measured = self.timed(front, args, kwargs)
+    if self.clock_for(front._runner._mesh) is not None and not front._runner.lockstep and not self.calls - 1:
+      self._owed = True  # the loops are timed as the step runs: the first measurement follows the first call
+      return
+    measured = self.looped(front) or self.timed(front, args, kwargs)
+    self._owed = False
     before = self.balance
     self.balance = update(before, measured, self.option)
     entry = self._entry(plan, measured, before)
@@ -151,6 +197,32 @@ class Rebalancer:
                     f"device) is {off:+.0%} off the plan's prediction ({predicted * 1e3:.3g} ms): the plan was made "
                     "on other speeds; rebalancing moves the microbatches, and a calibrated search "
                     "(parallelize(..., calibrate=True)) plans on measured ones", stacklevel=4)
+
+
+@dataclasses.dataclass(eq=False)
+class LoopClock:
+  """Host callbacks a single program calls around each data position's microbatch loop
+  (:attr:`hetspmd.lowering.program.Layout.clock`): the loop's seconds per position, read after the call."""
+
+  _open: dict = dataclasses.field(default_factory=dict)
+  _done: dict = dataclasses.field(default_factory=dict)
+  used: bool = False  # a program has called it
+
+  def start(self, position: Any) -> np.int32:
+    self._open[int(position)] = time.perf_counter()
+    self.used = True
+    return np.int32(0)
+
+  def end(self, position: Any, value: Any) -> np.int32:
+    begun = self._open.pop(int(position), None)
+    if begun is not None:
+      self._done[int(position)] = time.perf_counter() - begun
+    return np.int32(0)
+
+  def take(self) -> dict[int, float]:
+    """The loops finished since the last take, ``{position: seconds}``."""
+    done, self._done = self._done, {}
+    return done
 
 
 def _device_kinds(plan: Any) -> tuple[str, ...]:

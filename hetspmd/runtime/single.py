@@ -177,7 +177,8 @@ class SingleRunner:
     layout = lowering.Layout(mesh, plan.data_axis, plan.microbatch, plan.max_count, plan.microbatch_counts,
                              data_split=plan.data_split_leaves(call.state), reduce_dtype=plan.grad_reduce_dtype,
                              overlap=plan.overlap_reduction, overlap_microbatches=plan.overlap_microbatches,
-                             stages=plan.stages)
+                             stages=plan.stages,
+                             clock=front.rebalancer.clock_for(mesh) if front.rebalancer is not None else None)
 
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
