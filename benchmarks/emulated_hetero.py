@@ -245,9 +245,13 @@ WORKER_ADAPTIVE = PRELUDE.format(devices=1) + textwrap.dedent("""
     counts = hs.plan.proportional_counts(weights, total)
     host_batch = workload.synthetic_batch(7, batch=batch)
     result = {"slowed_alone_rates": slowed, "freed_alone_rates": freed, "prior_counts": list(counts)}
-    for mode in ("static", "rebalanced"):
+    # the best static split: counts in proportion to each device's measured rate training alone, slowed
+    best = hs.plan.proportional_counts(slowed, total)
+    result["best_counts"] = list(best)
+    for mode in ("static", "best static", "rebalanced"):
       rebalance = hs.Rebalance(every=every, lag=1) if mode == "rebalanced" else None
-      plan = hs.plan_for(cluster, workload.init_state(0), global_batch=batch, microbatch=microbatch, counts=counts)
+      plan = hs.plan_for(cluster, workload.init_state(0), global_batch=batch, microbatch=microbatch,
+                         counts=best if mode == "best static" else counts)
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan,
                             global_batch=batch, rebalance=rebalance)
       st = step.shard_state(workload.init_state(0))
@@ -282,6 +286,7 @@ def adaptive_rows(args) -> None:
   freed_ideal = args.batch / sum(result["freed_alone_rates"])
   static, adaptive = result["static"], result["rebalanced"]
   n = args.steps
+  total = args.batch // args.microbatch
 
   def reached(times, goal_ideal):
     """Steps until this one and every later one is at >= 90% of the ideal (None: never)."""
@@ -293,9 +298,13 @@ def adaptive_rows(args) -> None:
 
   to_balance, fractions = reached(adaptive["times"][:n], ideal)
   after_drift, freed_fractions = reached(adaptive["times"][n:], freed_ideal)
+  best = statistics.median(result["best static"]["times"])
+  near = next((i + 1 for i in range(n) if all(t <= 1.05 * best for t in adaptive["times"][i:n])), None)
   tail = max(1, n // 2)
   out = {"prior": args.prior, "prior_counts": result["prior_counts"],
          "static_fraction": ideal / statistics.median(static["times"]),
+         "best_static_fraction": ideal / best, "best_counts": result["best_counts"],
+         "steps_to_best_static": near,
          "rebalanced_fraction": ideal / statistics.mean(adaptive["times"][n - tail:n]),
          "steps_to_balance": to_balance,
          "drift_fraction": freed_ideal / statistics.mean(adaptive["times"][-tail:]),
@@ -317,6 +326,9 @@ def adaptive_rows(args) -> None:
   for i in range(n, len(adaptive["times"])):
     print(f"{i + 1:5d} {'':>9} {'':>9} {adaptive['times'][i]:13.3f} {freed_fractions[i - n]:9.1%} "
           f"{str(adaptive['counts'][i]):>10}")
+  print(f"best static split {result['best_counts']} (each device's measured rate alone): "
+        f"{out['best_static_fraction']:.1%} of the step ideal (median), the most a split of {total} microbatches "
+        f"reaches here; rebalanced within 5% of it from step {near}")
   print(f"static plan on the {args.prior} prior: {out['static_fraction']:.1%} of the step ideal (median); rebalanced: "
         f"{out['rebalanced_fraction']:.1%} (mean of the last {tail} slowed steps); every step at >= 90% from step "
         f"{to_balance} (goal: within 5: {'met' if to_balance and to_balance <= 5 else 'NOT met'})")

@@ -316,3 +316,48 @@ def test_rebalance_refuses_what_it_cannot_move():
     step(step.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))
   with pytest.raises(InvalidValueError, match="rebalance must be"):
     hs.parallelize(w.make_train_step(), global_batch=64, rebalance="yes")
+
+
+# --- calibrating before the search -------------------------------------------------------------------------------
+
+
+def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
+  """step.calibrate(...) times every kind of the cluster on its own device at two sizes; the calibration saves,
+  loads, and a search given it (parallelize(calibrate=...)) plans on a cluster that carries it, exact against one
+  device. calibrate='auto' leaves emulated kinds (CPU devices named V100 and P100) uncalibrated."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  batch = w.synthetic_batch(0, batch=64)
+  probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
+  cal = probe.calibrate(w.init_state(0), batch)
+  assert set(cal.kind_names) == {"V100-32GB", "P100-16GB"}
+  assert all(len(t.points) == 2 and all(s > 0 for _, s in t.points) and t.fixed >= 0 for t in cal.kinds)
+  assert len(cal.fingerprint) == 64 and probe.calibration is None  # asked for, not kept
+  cal.save(tmp_path / "cal.json")
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
+                        calibrate=str(tmp_path / "cal.json"))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state, metrics = step(w.init_state(0), batch)
+  ref.step(batch)
+  ref.check_metrics(metrics, 0)
+  ref.check(state)
+  assert step.calibration == cal
+  auto = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
+  auto(w.init_state(0), batch)
+  assert auto.calibration is None
+  with pytest.raises(InvalidValueError, match="calibrate must be"):
+    hs.parallelize(w.make_train_step(), global_batch=64, calibrate="sometimes")
+
+
+def test_calibrate_true_measures_before_the_search():
+  """calibrate=True on emulated kinds: the first call times both kinds, then searches on the measured cluster."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
+                        calibrate=True, example_batch=w.synthetic_batch(0, batch=8))
+  step.shard_state(w.init_state(0))  # the plan is made here, from step(state, example_batch)
+  assert step.calibration is not None and set(step.calibration.kind_names) == {"V100-32GB", "P100-16GB"}

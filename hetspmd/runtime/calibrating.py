@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.hardware.calibration import KindTiming, fit_points
+from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
@@ -156,8 +157,6 @@ def gathered(kinds: Sequence[str], mine: dict[str, tuple[float, float]]) -> dict
   numbers, so decisions made from them agree)."""
   rows = np.array([[*mine[k], 1.0] if k in mine else [0.0, 0.0, 0.0] for k in kinds], np.float64)
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
     every = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, len(kinds), 3)
   else:
     every = rows[None]
@@ -171,3 +170,68 @@ def gathered(kinds: Sequence[str], mine: dict[str, tuple[float, float]]) -> dict
 
 def now() -> float:
   return time.perf_counter()
+
+
+def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int], *,
+              counts: Sequence[int] = (1, 3), repeats: int = 3) -> Calibration:
+  """The step's own times on each kind of ``cluster`` (a cluster bound to JAX devices): this process times each
+  of its kinds on one device at every microbatch size in ``sizes`` (a size that fails there, out of memory, is
+  left out), and every process gathers every kind's points."""
+  if cluster.jax_device_ids is None:
+    raise HetSpmdError("calibrating times the step on the cluster's devices: give a cluster bound to JAX devices "
+                       "(Cluster.from_devices, Cluster.emulate)")
+  kinds = tuple(cluster.kinds)
+  devices = local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices])
+  timers = {kind: KindTimer(front, device) for kind, device in devices.items()}
+  points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
+  fixed: dict[str, list[float]] = {k: [] for k in kinds}
+  fingerprint_ = ""
+  for size in sorted(set(sizes)):
+    mine = {}
+    for kind, timer in timers.items():
+      try:
+        (point,), step_seconds = fit_points(timer.runs(args, kwargs, [size], counts, repeats))
+      except jax.errors.JaxRuntimeError:  # this size does not fit the device
+        continue
+      mine[kind] = (point[1], step_seconds)
+      fingerprint_ = fingerprint_ or timer.fingerprint or ""
+    for kind, (micro, step_seconds) in gathered(kinds, mine).items():
+      points[kind].append((size, micro))
+      fixed[kind].append(step_seconds)
+  timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k])) for k in kinds if points[k])
+  if not timings:
+    raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices")
+  return Calibration(_agreed_fingerprint(fingerprint_), timings)
+
+
+def _agreed_fingerprint(mine: str) -> str:
+  """This process's fingerprint of the step, or (where it timed nothing) another process's: the first one any
+  process has."""
+  if jax.process_count() == 1:
+    return mine
+  row = np.frombuffer(mine.encode().ljust(64, b"\0")[:64], np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, 64)
+  found = next((r for r in every if r.any()), row)
+  return bytes(found).rstrip(b"\0").decode()
+
+
+def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]) -> tuple[int, ...]:
+  """Two microbatch sizes to calibrate at: the largest candidate within an even share of the batch, and the
+  largest within a quarter of it (the line ``a + b x microbatch`` is fitted through them)."""
+  share = max(1, global_batch // max(1, devices))
+  within = [m for m in sorted(candidates) if m <= share] or [min(candidates)]
+  top = within[-1]
+  low = [m for m in within if m <= max(1, top // 4)] or [within[0]]
+  return tuple(sorted({low[-1], top}))
+
+
+def wanted(option: Any, cluster: Any) -> bool:
+  """Whether ``parallelize(..., calibrate=option)`` times the step before its search: ``True``/``False``, or
+  ``"auto"``: on real accelerators, and on clusters whose every kind was measured (``hetspmd profile``,
+  ``Cluster.from_profile``); not where CPU devices stand in for other kinds by name."""
+  if option in (True, False):
+    return bool(option)
+  if cluster.jax_device_ids is None:
+    return False
+  platforms = {d.platform for d in jax.devices() if d.id in set(cluster.jax_device_ids)}
+  return platforms != {"cpu"} or all(cluster.spec_of(k).measured for k in cluster.kinds)

@@ -42,8 +42,6 @@ class Rebalancer:
   clock: LoopClock = dataclasses.field(default_factory=lambda: LoopClock())
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
-  _loops: dict = dataclasses.field(default_factory=dict, repr=False)    # position -> [seconds, microbatches]
-  _ran: tuple = ()     # the counts the last call ran
   _owed: bool = False  # a measurement was due before the loops had been timed
   _warned: bool = False
 
@@ -63,12 +61,12 @@ class Rebalancer:
       self.balance = Balance(plan.microbatch_counts, _position_kinds(plan))
       self._runners[plan.microbatch_counts] = runner
     self.calls += 1
-    self._keep_loops()
+    self.clock.keep()
     if self.calls in self.pending:
       self._apply(front, self.pending.pop(self.calls))
     if (self.calls - 1) % self.option.every == 0 or self._owed:
       self._measure(front, args, kwargs)
-    self._ran = front._runner.plan.microbatch_counts
+    self.clock.ran = front._runner.plan.microbatch_counts
 
   def counts_at(self, ahead: int) -> tuple[int, ...] | None:
     """The counts the call ``ahead`` calls after the next one runs (None: the plan's)."""
@@ -121,15 +119,6 @@ class Rebalancer:
       mine[kind] = (timing.points[0][1], timing.fixed)
     return gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
 
-  def _keep_loops(self) -> None:
-    """The loop times the last call's program recorded (a position with no microbatch says nothing)."""
-    for position, seconds in self.clock.take().items():
-      count = self._ran[position] if position < len(self._ran) else 0
-      if count:
-        kept = self._loops.setdefault(position, [0.0, 0])
-        kept[0] += seconds
-        kept[1] += count
-
   def looped(self, front: Any) -> dict[str, tuple[float, float]] | None:
     """``{kind: (seconds per microbatch, 0)}`` from the loops timed inside the step since the last measurement
     (each kind its slowest position's mean), gathered across processes; None where the loops are not timed
@@ -139,14 +128,13 @@ class Rebalancer:
       return None
     kinds = self.balance.kinds
     mine: dict[str, tuple[float, float]] = {}
-    for position, (seconds, count) in self._loops.items():
-      micro = seconds / count
+    for position, micro in self.clock.per_microbatch().items():
       if micro > mine.get(kinds[position], (0.0, 0.0))[0]:
         mine[kinds[position]] = (micro, 0.0)
     found = gathered(tuple(dict.fromkeys(kinds)), mine)
     if len(found) < len(set(kinds)):
       return None
-    self._loops = {}
+    self.clock.sums = {}
     return found
 
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
@@ -207,6 +195,8 @@ class LoopClock:
   _open: dict = dataclasses.field(default_factory=dict)
   _done: dict = dataclasses.field(default_factory=dict)
   used: bool = False  # a program has called it
+  ran: tuple = ()     # the counts the last call ran
+  sums: dict = dataclasses.field(default_factory=dict)  # position -> [seconds, microbatches] kept since read
 
   def start(self, position: Any) -> np.int32:
     self._open[int(position)] = time.perf_counter()
@@ -219,10 +209,20 @@ class LoopClock:
       self._done[int(position)] = time.perf_counter() - begun
     return np.int32(0)
 
-  def take(self) -> dict[int, float]:
-    """The loops finished since the last take, ``{position: seconds}``."""
+  def keep(self) -> None:
+    """The loops the last call's program finished, added to :attr:`sums` (a position with no microbatch says
+    nothing)."""
     done, self._done = self._done, {}
-    return done
+    for position, seconds in done.items():
+      count = self.ran[position] if position < len(self.ran) else 0
+      if count:
+        kept = self.sums.setdefault(position, [0.0, 0])
+        kept[0] += seconds
+        kept[1] += count
+
+  def per_microbatch(self) -> dict[int, float]:
+    """``{position: seconds per microbatch}`` over the loops kept."""
+    return {p: seconds / count for p, (seconds, count) in self.sums.items()}
 
 
 def _device_kinds(plan: Any) -> tuple[str, ...]:

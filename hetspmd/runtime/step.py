@@ -27,16 +27,19 @@ import jax
 import numpy as np
 
 from hetspmd.errors import HetSpmdError, InvalidValueError, TraceError, closest
+from hetspmd.hardware.calibration import Calibration
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for
+from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, unbound
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.plan.balance import as_option
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, process_examples
+from hetspmd.runtime import calibrating
 from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
 from hetspmd.runtime.searching import Priced, price_step, searched_plan
@@ -69,6 +72,8 @@ class ParallelStep:
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
   rebalancer: Rebalancer | None = None  # parallelize(..., rebalance=...): microbatches moved while training
+  calibrating: Any = "auto"  # parallelize(..., calibrate=...): True, False or "auto" (calibrating.wanted)
+  calibration: Calibration | None = None  # the step's measured times the search prices on (given, or measured)
   _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
   _note: str = ""  # the search's word on why the plan is (or is not) a group plan
 
@@ -113,8 +118,10 @@ class ParallelStep:
         plan = plan_for(cluster, state, global_batch=self.global_batch, microbatch=self.microbatch,
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
       elif requested == "search":
-        searched = searched_plan(self, self.cluster or Cluster.from_devices(jax.devices()), state,
-                                 self._search_trace(trace))
+        cluster = self.cluster or Cluster.from_devices(jax.devices())
+        if self.calibration is None and calibrating.wanted(self.calibrating, cluster):
+          self.calibration = self._calibrate_example(state, cluster)
+        searched = searched_plan(self, cluster.calibrated(self.calibration), state, self._search_trace(trace))
         plan, runtime, self._note = searched.plan, searched.runtime, searched.note
       else:
         raise InvalidValueError(
@@ -129,14 +136,45 @@ class ParallelStep:
     return self._runner
 
   def _resolve_call(self, parts: Arguments, args: tuple, kwargs: dict) -> None:
-    """The plan resolved on a call's arguments (the search traces the step on them); NNX objects are then placed
-    in place, as ``nnx.jit`` would leave them."""
+    """The plan resolved on a call's arguments (the search traces the step on them, and where calibrating,
+    times it on them first); NNX objects are then placed in place, as ``nnx.jit`` would leave them."""
     from flax import nnx
 
+    if self.requested_plan == "search" and self.calibration is None:
+      cluster = self.cluster or Cluster.from_devices(jax.devices())
+      if calibrating.wanted(self.calibrating, cluster):
+        self.calibration = self._calibrated(self, args, kwargs, cluster)
     runner = self._resolve(parts.state, Trace.of(self, parts.function(self.fn, len(args)), parts.batch,
                                                  (parts.rest, kwargs), parts.graphdef))
     if parts.graph_args:
       nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
+
+  def calibrate(self, *args: Any, cluster: Cluster | None = None, sizes: Any = None, **kwargs: Any) -> Calibration:
+    """The step's own times on each kind of ``cluster`` (default the step's, or JAX's devices), measured on
+    these arguments (a call's: the state and a batch of any size, repeated where it has fewer examples): per
+    kind, seconds per microbatch at ``sizes`` (default two the search would try) and per step. Pass the result
+    to ``parallelize(..., calibrate=...)`` or ``Cluster.calibrated``, or ``save`` it. Nothing is run on the
+    state in place."""
+    cluster = cluster or self.cluster or Cluster.from_devices(jax.devices())
+    return self._with_static(lambda a, k: self._calibrated(self, a, k, cluster, sizes), args, kwargs)
+
+  def _calibrated(self, front: "ParallelStep", args: tuple, kwargs: dict, cluster: Cluster,
+                  sizes: Any = None) -> Calibration:
+    if sizes is None:
+      sizes = calibrating.calibration_sizes(self.global_batch, cluster.num_devices,
+                                            microbatch_sizes(self.global_batch))
+    return calibrating.calibrate(front, args, kwargs, cluster, sizes)
+
+  def _calibrate_example(self, state: Any, cluster: Cluster) -> Calibration | None:
+    """A calibration on ``step(state, example_batch)`` where the plan is made before any call; None where no
+    example batch says what the step takes."""
+    if self.example_batch is None or self.bound or isinstance(self.example_batch, (tuple, list)):
+      if self.calibrating is True:
+        raise HetSpmdError("calibrate=True times the step on a call's arguments: call the step first (or "
+                           "step.resolve(...)), or pass example_batch= for a step(state, batch)")
+      return None
+    front = dataclasses.replace(self, batch_argnums=(1,), rebalancer=None, _runner=None)
+    return self._calibrated(front, (state, self.example_batch), {}, cluster)
 
   def _search_trace(self, trace: Trace | None) -> Trace:
     """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:
@@ -326,7 +364,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
                 batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
                 group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None,
-                rebalance: Any = None):
+                rebalance: Any = None, calibrate: Any = "auto"):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
@@ -375,14 +413,11 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       per-device BatchNorm in data-parallel training, and the new running
       averages the mean of the microbatches'; ``"exact"``: the global
       batch's, each computed in an extra loop over the microbatches.
-    grad_reduce_dtype: the dtype gradients cross the data axis in (``"auto"``
-      and ``"search"`` plans; a given plan carries its own): ``"float32"``
-      (exact), ``"bfloat16"`` (half the bytes; each element within a few
-      units of bfloat16's roundoff of the sum of the positions' magnitudes),
-      or ``"search"`` (``plan="search"`` only: the search picks float32 or
-      bfloat16 per plan, by cost). Accumulation over microbatches stays
-      float32 either way. ``"search"`` plans overlap the reduction with each
-      position's last microbatch.
+    grad_reduce_dtype: the dtype gradients cross the data axis in (``"auto"`` and ``"search"`` plans; a given
+      plan carries its own): ``"float32"`` (exact), ``"bfloat16"`` (half the bytes; each element within a few
+      units of bfloat16's roundoff of the sum of the positions' magnitudes), or ``"search"`` (the search picks
+      per plan, by cost, and overlaps the reduction with each position's last microbatch). Accumulation over
+      microbatches stays float32 either way.
     axis_name: a ``jax.pmap``-style step's collective axis name(s)
       (``lax.pmean(grads, 'batch')``); default: found from the step. It runs
       as the one replica of the global batch, so its collectives mean "over
@@ -392,12 +427,17 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
     rebalance: ``True`` or a :class:`hetspmd.Rebalance`: move a single program's microbatches while training,
       from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
+    calibrate: for ``plan="search"``: time the step on each kind first and search on those times
+      (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (accelerators and measured clusters),
+      or a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
   option = as_option(rebalance)
+  given = _calibration(calibrate)
   wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
       rebalancer=Rebalancer(option) if option is not None else None, cluster=_bound_cluster(cluster),
+      calibrating=calibrate if given is None else False, calibration=given,
       requested_plan=plan, global_batch=global_batch, microbatch=microbatch, donate_state=donate_state,
       specs=specs, example_batch=example_batch, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
   return wrap if fn is None else wrap(fn)
@@ -419,6 +459,19 @@ def _batch_argnums(batch_argnums: Any, bound: int) -> tuple[int, ...] | None:
   if batch_argnums is None:
     return None
   return tuple(i + bound for i in ((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums))
+
+
+def _calibration(calibrate: Any) -> Calibration | None:
+  """``parallelize``'s ``calibrate``: a given calibration (a value or its JSON file), else None after checking the
+  option."""
+  if isinstance(calibrate, Calibration):
+    return calibrate
+  if isinstance(calibrate, (bool, np.bool_)) or calibrate == "auto":
+    return None
+  if isinstance(calibrate, (str, os.PathLike)) and pathlib.Path(calibrate).is_file():
+    return Calibration.load(calibrate)
+  raise InvalidValueError(f"calibrate must be True, False, 'auto', a Calibration or the path of a saved one, got "
+                          f"{calibrate!r}")
 
 
 def _check_flags(**flags: Any) -> None:
