@@ -35,6 +35,11 @@ class Bench:
   source: str  # "predicted", "measured" or "published"
   what: str
   slow: bool = False  # minutes of a busy loop on a second core, or a long search
+  script: str = ""  # benchmarks/<script>.py when it is not the name (one script, two sections)
+
+  @property
+  def path(self) -> str:
+    return f"benchmarks/{self.script or self.name}.py"
 
 
 BENCHES = (
@@ -93,6 +98,11 @@ BENCHES = (
           "the uniform split and the step ideal (goal: 90% of the step ideal); then two devices per process, the "
           "group plan against the same plan with each group sharding its parameters (goal: within 5 points).",
           slow=True),
+    Bench("emulated_hetero_adaptive", ("--adaptive", "--steps", "10"), "measured",
+          "The same slowed pair planned as if equally fast: the static split, the best static split (each "
+          "device's measured rate) and the same plan rebalanced while training (hetspmd.Rebalance, loop times "
+          "read inside the step); then the busy loop stops mid-run (goals: 90% of the step ideal within 5 steps, "
+          "again within 5 steps of the drift).", slow=True, script="emulated_hetero"),
     Bench("pipeline_hetero", (), "measured",
           "Two processes (gloo), one core slowed by a busy loop: pipeline layers split evenly and by measured "
           "speed, predicted against measured.", slow=True),
@@ -102,14 +112,14 @@ MARK = "<!-- benchmark: {} -->"
 
 
 def command(bench: Bench) -> str:
-  return " ".join(["python", f"benchmarks/{bench.name}.py", *bench.args])
+  return " ".join(["python", bench.path, *bench.args])
 
 
 def run(bench: Bench, timeout: float) -> tuple[str, float, str | None]:
   """The benchmark's standard output, its seconds, and why it has no figures (None when it ran)."""
   start = time.perf_counter()
   try:
-    done = subprocess.run([sys.executable, f"benchmarks/{bench.name}.py", *bench.args], cwd=ROOT,
+    done = subprocess.run([sys.executable, bench.path, *bench.args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
     return "", time.perf_counter() - start, f"skipped: ran past {timeout:.0f} s on this machine"

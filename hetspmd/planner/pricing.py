@@ -211,7 +211,9 @@ class Costing:
                   for k in cluster.kinds}
     self.measured = {k: cluster.calibration.of(k) for k in cluster.kinds} if cluster.calibration else {}
     self.measured = {k: t for k, t in self.measured.items() if t is not None}
-    self.fixed = {k: self.measured[k].fixed if k in self.measured else profile.step_fixed_seconds(s)
+    # a kind is timed on one device, its host's others idle: where they share compute, busy is this much slower
+    self.alone = {k: max(h.alone_speedup for h in cluster.hosts if h.device.name == k) for k in cluster.kinds}
+    self.fixed = {k: self.measured[k].fixed * self.alone[k] if k in self.measured else profile.step_fixed_seconds(s)
                   for k, s in self.specs.items()}
     self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
@@ -258,15 +260,16 @@ class Costing:
 
   def measured_scale(self, kind: str, microbatch: int, seconds: np.ndarray) -> float:
     """Measured over predicted seconds of one microbatch of ``kind`` (1 without a measurement): the prediction
-    as the measurement ran it, under its remat policy and with the gradient accumulation."""
+    as the measurement ran it, under its remat policy and with the gradient accumulation, and the measurement
+    as the device runs beside the others of its host (timed alone, it is ``alone_speedup`` times faster)."""
     timing = self.measured.get(kind)
     plain = float(seconds.sum())
     if timing is None or plain <= 0:
       return 1.0
     again = float(seconds[self.profile.recomputed(timing.remat)].sum())
     accumulate = self.profile.accumulate_seconds(self.specs[kind])
-    compute = timing.micro(microbatch) - accumulate
-    return max(compute, 0.1 * timing.micro(microbatch)) / ((plain + again) * self.recompute)
+    micro = timing.micro(microbatch) * self.alone[kind]
+    return max(micro - accumulate, 0.1 * micro) / ((plain + again) * self.recompute)
 
   def space(self, m: int) -> strategies.StrategySpace:
     """Prepared by :func:`hetspmd.passes.profile.profile_step` for :data:`hetspmd.passes.profile.MODEL_SIZES`; built here (once)
