@@ -333,8 +333,8 @@ def adaptive_rows(args) -> None:
   print(f"static plan on the {args.prior} prior: {out['static_fraction']:.1%} of the step ideal (median); rebalanced: "
         f"{out['rebalanced_fraction']:.1%} (mean of the last {tail} slowed steps); at >= 90% from step {to_balance} "
         f"(median of the rest) (goal: within 5: {'met' if to_balance and to_balance <= 5 else 'NOT met'})")
-  print(f"after the drift: {out['drift_fraction']:.1%} of the new step ideal (mean of the last {tail}), every step at "
-        f">= 90% from step {after_drift} after it (goal: within 5: "
+  print(f"after the drift: {out['drift_fraction']:.1%} of the new step ideal (mean of the last {tail}); at >= 90% "
+        f"from step {after_drift} after it (median of the rest) (goal: within 5: "
         f"{'met' if after_drift and after_drift <= 5 else 'NOT met'}); {out['compiles']} program(s) built")
   for h in [h for i, h in enumerate(out["measured"]) if i == 0 or h["moved_to"]]:  # the first and the moves
     print(f"  measured at call {h['call']}: " + ", ".join(f"{k} {v * 1e3:.1f} ms a microbatch"

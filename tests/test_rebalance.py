@@ -361,3 +361,67 @@ def test_calibrate_true_measures_before_the_search():
                         calibrate=True, example_batch=w.synthetic_batch(0, batch=8))
   step.shard_state(w.init_state(0))  # the plan is made here, from step(state, example_batch)
   assert step.calibration is not None and set(step.calibration.kind_names) == {"V100-32GB", "P100-16GB"}
+
+
+# --- group plans ------------------------------------------------------------------------------------------------
+
+
+def _group_plan(counts, microbatch=4, global_batch=64):
+  from hetspmd.plan.groups import Group, group_plan
+
+  return group_plan([Group((d.id,), microbatch, (c,)) for d, c in zip(jax.devices()[:2], counts)], global_batch)
+
+
+def test_group_plans_rebalance_exactly(monkeypatch):
+  """A group plan of two one-device groups: scripted group times move [12 | 4] to [4 | 12]; the rebalanced steps
+  match one device in float64, the examples each process feeds follow the counts, and the groups' programs are
+  built once per set of counts."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  slow_first = {"group 0": (3e-3, 0.0), "group 1": (1e-3, 0.0)}
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: dict(slow_first))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=_group_plan((12, 4)), global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  counts = []
+  for i in range(4):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    counts.append(tuple(c for g in step.plan.groups for c in g.counts))
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert counts == [(12, 4), (4, 12), (4, 12), (4, 12)]
+  assert step.grouped and len(step.process_examples()) == 64
+  assert [h["moved_to"] for h in step.history if h["moved_to"]] == [[4, 12]]
+
+
+def test_group_programs_are_timed_as_they_run():
+  """The group clock times each group's program from its inputs ready to its outputs ready: every group gets a
+  positive time each call, and the first measurement follows the first call."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=_group_plan((8, 8)), global_batch=64,
+                        rebalance=Rebalance(every=1, threshold=0.9))
+  state = step.shard_state(w.init_state(0))
+  for i in range(3):
+    state, _ = jax.block_until_ready(step(state, w.synthetic_batch(i, batch=64)))
+  assert [h["call"] for h in step.history] == [2, 3]
+  for h in step.history:
+    assert set(h["measured"]) == {"group 0", "group 1"}
+    assert all(v["microbatch_seconds"] > 0 for v in h["measured"].values())
+
+
+def test_group_plans_that_cannot_move_are_refused():
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  from hetspmd.plan.groups import Group, group_plan
+
+  w = _workload()
+  plan = group_plan([Group((jax.devices()[0].id,), 8, (4,)), Group((jax.devices()[1].id,), 4, (8,))], 64)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64, rebalance=True)
+  with pytest.raises(HetSpmdError, match=r"microbatches of \[4, 8\]: drop rebalance="):
+    step(step.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))

@@ -30,8 +30,11 @@ class GroupRunner:
   @classmethod
   def of(cls, front: Any, plan: GroupPlan, runtime: GroupedStep | None = None) -> "GroupRunner":
     """``runtime``: the plan's, already built by the search's probe; else made here."""
-    return cls(front, runtime or GroupedStep.across_processes(front.fn, plan, batch_stats=front.batch_stats,
-                                                               donate_state=front.donate_state))
+    clock = front.rebalancer.group_clock if front.rebalancer is not None else None
+    runtime = runtime or GroupedStep.across_processes(front.fn, plan, batch_stats=front.batch_stats,
+                                                      donate_state=front.donate_state)
+    runtime.clock = clock
+    return cls(front, runtime)
 
   @property
   def plan(self) -> GroupPlan:

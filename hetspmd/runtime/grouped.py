@@ -90,6 +90,7 @@ class GroupedStep:
   example_batch: Any = None
   batch_stats: str = "exact"
   donate_state: bool = False
+  clock: Any = None  # a GroupClock (hetspmd.runtime.rebalancing): each group program's time, as it runs
   _meshes: GroupMeshes = dataclasses.field(init=False, repr=False)
   _local: tuple = dataclasses.field(init=False, repr=False)  # per group: whether this process runs it
   _counts: tuple = dataclasses.field(init=False, repr=False)  # per group: (counts, starts) placed, or None
@@ -345,7 +346,10 @@ class GroupedStep:
       self._last[name] = (program, jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
           args))
-    return program(*args)
+    out = program(*args)
+    if self.clock is not None and name.startswith("group ") and name[6:].isdigit():  # a one-loop group's program
+      self.clock.watch(int(name[6:]), args, out)
+    return out
 
   def _placed(self, built: GroupPrograms, i: int, x: Any) -> Any:
     """State leaf ``i`` where the plan keeps it: a held optimizer-state leaf whole on its owner (a handle with no

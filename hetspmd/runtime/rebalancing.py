@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +25,8 @@ import numpy as np
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.plan.balance import Balance, Rebalance, update
+from hetspmd.plan.groups import GroupPlan
+from hetspmd.runtime import placement
 from hetspmd.runtime.calibrating import KindTimer, gathered, local_kind_devices
 
 WARN_ABOVE = 0.25  # measured against predicted: a warning past this relative difference
@@ -40,6 +43,7 @@ class Rebalancer:
   pending: dict = dataclasses.field(default_factory=dict)   # call number -> counts that call runs
   history: list = dataclasses.field(default_factory=list)   # one dict per measurement
   clock: LoopClock = dataclasses.field(default_factory=lambda: LoopClock())
+  group_clock: GroupClock = dataclasses.field(default_factory=lambda: GroupClock())
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
   _owed: bool = False  # a measurement was due before the loops had been timed
@@ -58,15 +62,15 @@ class Rebalancer:
     plan = runner.plan
     _check_plan(plan, runner)
     if self.balance is None:
-      self.balance = Balance(plan.microbatch_counts, _position_kinds(plan))
-      self._runners[plan.microbatch_counts] = runner
+      self.balance = Balance(plan_counts(plan), _position_kinds(plan))
+      self._runners[plan_counts(plan)] = runner
     self.calls += 1
     self.clock.keep()
     if self.calls in self.pending:
       self._apply(front, self.pending.pop(self.calls))
     if (self.calls - 1) % self.option.every == 0 or self._owed:
       self._measure(front, args, kwargs)
-    self.clock.ran = front._runner.plan.microbatch_counts
+    self.clock.ran = plan_counts(front._runner.plan)
 
   def counts_at(self, ahead: int) -> tuple[int, ...] | None:
     """The counts the call ``ahead`` calls after the next one runs (None: the plan's)."""
@@ -101,10 +105,20 @@ class Rebalancer:
                       else ""))
     return lines
 
+  def process_examples(self, runner: Any, ahead: int) -> np.ndarray:
+    """This process's examples for the call ``ahead`` calls after the next one."""
+    counts = self.counts_at(ahead)
+    if counts is None or counts == plan_counts(runner.plan):
+      return runner.process_examples()
+    plan = with_counts(runner.plan, counts)
+    if isinstance(plan, GroupPlan):
+      return plan.examples_of(d.id for d in jax.local_devices())
+    return placement.process_examples(plan, plan.mesh())
+
   def _apply(self, front: Any, counts: tuple[int, ...]) -> None:
     if counts not in self._runners:
       runner = front._runner
-      self._runners[counts] = type(runner).of(front, runner.plan.replace(microbatch_counts=counts))
+      self._runners[counts] = type(runner).of(front, with_counts(runner.plan, counts))
     front._runner = self._runners[counts]
 
   def timed(self, front: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]]:
@@ -119,12 +133,22 @@ class Rebalancer:
       mine[kind] = (timing.points[0][1], timing.fixed)
     return gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
 
+  def grouped(self, front: Any) -> dict[str, tuple[float, float]] | None:
+    """``{group label: (seconds per microbatch, 0)}`` from the group programs' times as they ran in the last
+    call (each its time over its longest count), gathered across processes; None until every group has one."""
+    plan = front._runner.plan
+    mine = {}
+    for g, seconds in self.group_clock.take().items():
+      mine[f"group {g}"] = (seconds / plan.groups[g].max_count, 0.0)
+    found = gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
+    return found if len(found) == len(plan.groups) else None
+
   def looped(self, front: Any) -> dict[str, tuple[float, float]] | None:
     """``{kind: (seconds per microbatch, 0)}`` from the loops timed inside the step since the last measurement
     (each kind its slowest position's mean), gathered across processes; None where the loops are not timed
     (another measure, a lockstep loop, several loops) or some kind has no timed loop yet."""
     runner = front._runner
-    if runner.lockstep or self.clock_for(runner._mesh) is None or not self.clock.used:
+    if runner.grouped or runner.lockstep or self.clock_for(runner._mesh) is None or not self.clock.used:
       return None
     kinds = self.balance.kinds
     mine: dict[str, tuple[float, float]] = {}
@@ -138,11 +162,18 @@ class Rebalancer:
     return found
 
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
-    plan = front._runner.plan
-    if self.clock_for(front._runner._mesh) is not None and not front._runner.lockstep and not self.calls - 1:
+    runner = front._runner
+    plan = runner.plan
+    if runner.grouped:
+      measured = self.grouped(front)
+      if measured is None:  # the programs are timed as they run: the first measurement follows the first call
+        self._owed = True
+        return
+    elif self.clock_for(runner._mesh) is not None and not runner.lockstep and self.calls == 1:
       self._owed = True  # the loops are timed as the step runs: the first measurement follows the first call
       return
-    measured = self.looped(front) or self.timed(front, args, kwargs)
+    else:
+      measured = self.looped(front) or self.timed(front, args, kwargs)
     self._owed = False
     before = self.balance
     self.balance = update(before, measured, self.option)
@@ -161,8 +192,8 @@ class Rebalancer:
     """One history line: per kind the measured seconds per microbatch and per step, and per data position its
     measured compute under the counts in force (``fixed + micro x count``) beside the plan's prediction where
     the plan carries one and still runs its own counts."""
-    predicted = dict(plan.predicted_per_position).get("compute_seconds") if plan.microbatch_counts == before.counts \
-        else None
+    predicted = (dict(getattr(plan, "predicted_per_position", ())).get("compute_seconds")
+                 if plan_counts(plan) == before.counts else None)
     positions = [fixed + micro * c if c else 0.0
                  for c, (micro, fixed) in zip(before.counts, (measured[k] for k in before.kinds))]
     entry = {"call": self.calls, "counts": list(before.counts),
@@ -225,19 +256,82 @@ class LoopClock:
     return {p: seconds / count for p, (seconds, count) in self.sums.items()}
 
 
+@dataclasses.dataclass(eq=False)
+class GroupClock:
+  """Each group program's seconds as it runs (:class:`~hetspmd.runtime.grouped.GroupedStep` hands it each
+  group's call): a thread per call waits for the program's inputs, then for its outputs (``is_ready``)."""
+
+  poll: float = 0.0005
+  _done: dict = dataclasses.field(default_factory=dict)
+  _threads: list = dataclasses.field(default_factory=list)
+
+  def watch(self, group: int, inputs: Any, outputs: Any) -> None:
+    arrays = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    thread = threading.Thread(target=self._time, args=(group, arrays(inputs), arrays(outputs)), daemon=True)
+    thread.start()
+    self._threads.append(thread)
+
+  def _time(self, group: int, inputs: list, outputs: list) -> None:
+    while not all(x.is_ready() for x in inputs):
+      time.sleep(self.poll)
+    start = time.perf_counter()
+    while not all(x.is_ready() for x in outputs):
+      time.sleep(self.poll)
+    self._done[group] = time.perf_counter() - start
+
+  def take(self) -> dict[int, float]:
+    """``{group: seconds}`` of the calls watched since the last take (waiting for them to finish)."""
+    for thread in self._threads:
+      thread.join()
+    self._threads = []
+    done, self._done = self._done, {}
+    return done
+
+
+def plan_counts(plan: Any) -> tuple[int, ...]:
+  """The microbatch counts the controller moves: a single program's per position, a group plan's per device in
+  group order."""
+  if isinstance(plan, GroupPlan):
+    return tuple(c for g in plan.groups for c in g.counts)
+  return plan.microbatch_counts
+
+
+def with_counts(plan: Any, counts: tuple[int, ...]) -> Any:
+  """``plan`` with ``counts`` (as :func:`plan_counts` lists them)."""
+  if not isinstance(plan, GroupPlan):
+    return plan.replace(microbatch_counts=counts)
+  groups, at = [], 0
+  for g in plan.groups:
+    groups.append(dataclasses.replace(g, counts=tuple(counts[at:at + len(g.counts)])))
+    at += len(g.counts)
+  return dataclasses.replace(plan, groups=tuple(groups))
+
+
 def _device_kinds(plan: Any) -> tuple[str, ...]:
   return plan.device_kinds or tuple(f"position {p}" for p in range(plan.mesh_shape[0]) for _ in range(
       plan.mesh_shape[1]))
 
 
 def _position_kinds(plan: Any) -> tuple[str, ...]:
-  """Each data position's kind (the plan's device kinds; a plan that names none: each position its own)."""
+  """Each data position's kind (the plan's device kinds; a plan that names none: each position its own); under a
+  group plan each device's group (a group runs one program, timed as a whole)."""
+  if isinstance(plan, GroupPlan):
+    return tuple(f"group {g}" for g, group in enumerate(plan.groups) for _ in group.counts)
   return _device_kinds(plan)[::plan.mesh_shape[1]]
 
 
 def _check_plan(plan: Any, runner: Any) -> None:
-  if runner.grouped or plan.stages or plan.mesh_shape[1] != 1:
+  if runner.grouped:
+    sizes = {g.microbatch for g in plan.groups}
+    bad = [g for g, group in enumerate(plan.groups) if group.model > 1 or group.shard_params]
+    if len(sizes) > 1 or bad:
+      raise HetSpmdError("rebalance= moves microbatches between a group plan's devices where every group runs "
+                         "one device per position (no model axis, no shard_params) at one microbatch size; this "
+                         "plan's groups " + (f"{bad} do not" if bad else f"run microbatches of {sorted(sizes)}")
+                         + ": drop rebalance=")
+    return
+  if plan.stages or plan.mesh_shape[1] != 1:
     raise HetSpmdError("rebalance= moves microbatches between the data positions of a single program whose "
                        "positions are one device each (no model axis, no pipeline stages); this plan is "
-                       + ("a group plan" if runner.grouped else "staged" if plan.stages
-                          else f"{plan.mesh_shape[1]} devices per position") + ": drop rebalance=")
+                       + ("staged" if plan.stages else f"{plan.mesh_shape[1]} devices per position")
+                       + ": drop rebalance=")

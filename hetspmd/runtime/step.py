@@ -38,7 +38,7 @@ from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, unbound
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.plan.balance import as_option
-from hetspmd.runtime.placement import GroupedBatch, ShardedBatch, process_examples
+from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
 from hetspmd.runtime import calibrating
 from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
@@ -235,11 +235,9 @@ class ParallelStep:
     traces ``example_batch``) or :meth:`resolve`. ``ahead``: for the call that many calls after the next one
     (with ``rebalance=``, new counts are known ``lag`` calls before they run)."""
     runner = self._resolve(None)
-    counts = self.rebalancer.counts_at(ahead) if self.rebalancer is not None else None
-    if counts is None or counts == runner.plan.microbatch_counts:
+    if self.rebalancer is None:
       return runner.process_examples()
-    plan = runner.plan.replace(microbatch_counts=counts)
-    return process_examples(plan, plan.mesh())
+    return self.rebalancer.process_examples(runner, ahead)
 
   def batch_sizes(self) -> set[int]:
     """The leading sizes this process's batch arguments may have (a plan made from the state: the global batch
