@@ -248,22 +248,28 @@ WORKER_ADAPTIVE = PRELUDE.format(devices=1) + textwrap.dedent("""
     # the best static split: counts in proportion to each device's measured rate training alone, slowed
     best = hs.plan.proportional_counts(slowed, total)
     result["best_counts"] = list(best)
-    for mode in ("static", "best static", "rebalanced"):
-      rebalance = hs.Rebalance(every=every, confirm=2, lag=1) if mode == "rebalanced" else None
-      plan = hs.plan_for(cluster, workload.init_state(0), global_batch=batch, microbatch=microbatch,
-                         counts=best if mode == "best static" else counts)
+    from hetspmd.plan.groups import Group, group_plan
+    ids = [d.id for d in jax.devices()]
+    for mode in ("static", "best static", "rebalanced", "group plan, rebalanced"):
+      rebalance = hs.Rebalance(every=every, confirm=2, lag=1) if "rebalanced" in mode else None
+      if mode.startswith("group"):  # one group per process, the prior's counts: each group's program timed as it runs
+        plan = group_plan([Group((i,), microbatch, (c,)) for i, c in zip(ids, counts)], batch)
+      else:
+        plan = hs.plan_for(cluster, workload.init_state(0), global_batch=batch, microbatch=microbatch,
+                           counts=best if mode == "best static" else counts)
       step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan,
                             global_batch=batch, rebalance=rebalance)
       st = step.shard_state(workload.init_state(0))
       st, m = step(st, {k: v[step.process_examples()] for k, v in host_batch.items()}); jax.block_until_ready(m)
       times, counts_seen = [], []
-      phases = (("slowed", steps), ("freed", drift_steps)) if mode == "rebalanced" else (("slowed", steps),)
+      phases = (("slowed", steps), ("freed", drift_steps)) if "rebalanced" in mode else (("slowed", steps),)
       for phase, n in phases:
         slow(phase == "slowed")
         for _ in range(n):
           b = {k: v[step.process_examples()] for k, v in host_batch.items()}
           t = time.perf_counter(); st, m = step(st, b); jax.block_until_ready(m); times.append(time.perf_counter() - t)
-          counts_seen.append(list(step.plan.microbatch_counts))
+          counts_seen.append([c for g in step.plan.groups for c in g.counts] if step.grouped
+                             else list(step.plan.microbatch_counts))
       result[mode] = {"times": times, "counts": counts_seen, "compiles": step.rebalancer.compiles if rebalance else 1,
                       "history": step.history}
     slow(False)
@@ -284,9 +290,10 @@ def adaptive_rows(args) -> None:
                                              args.steps), args.slowdown_seconds, switch=switch)
   ideal = args.batch / sum(result["slowed_alone_rates"])
   freed_ideal = args.batch / sum(result["freed_alone_rates"])
-  static, adaptive = result["static"], result["rebalanced"]
+  static = result["static"]
   n = args.steps
   total = args.batch // args.microbatch
+  best = statistics.median(result["best static"]["times"])
 
   def reached(times, goal_ideal):
     """Steps until one at >= 90% of the ideal from which the rest of the phase holds a median >= 90% (a noisy
@@ -294,52 +301,58 @@ def adaptive_rows(args) -> None:
     fractions = [goal_ideal / t for t in times]
     for i in range(len(times)):
       if fractions[i] >= 0.9 and statistics.median(fractions[i:]) >= 0.9:
-        return i + 1, fractions
-    return None, fractions
+        return i + 1
+    return None
 
-  to_balance, fractions = reached(adaptive["times"][:n], ideal)
-  after_drift, freed_fractions = reached(adaptive["times"][n:], freed_ideal)
-  best = statistics.median(result["best static"]["times"])
-  near = next((i + 1 for i in range(n) if all(t <= 1.05 * best for t in adaptive["times"][i:n])), None)
+  def summary(run):
+    times = run["times"]
+    return {"rebalanced_fraction": ideal / statistics.mean(times[n - tail:n]),
+            "steps_to_balance": reached(times[:n], ideal),
+            "steps_to_best_static": next((i + 1 for i in range(n) if all(t <= 1.05 * best for t in times[i:n])),
+                                         None),
+            "drift_fraction": freed_ideal / statistics.mean(times[-tail:]),
+            "steps_after_drift": reached(times[n:], freed_ideal),
+            "counts": run["counts"], "compiles": run["compiles"],
+            "measured": [{"call": h["call"], "moved_to": h["moved_to"],
+                          "microbatch_seconds": {k: v["microbatch_seconds"] for k, v in h["measured"].items()}}
+                         for h in run["history"]]}
+
   tail = max(1, n // 2)
+  single, grouped = summary(result["rebalanced"]), summary(result["group plan, rebalanced"])
   out = {"prior": args.prior, "prior_counts": result["prior_counts"],
          "static_fraction": ideal / statistics.median(static["times"]),
-         "best_static_fraction": ideal / best, "best_counts": result["best_counts"],
-         "steps_to_best_static": near,
-         "rebalanced_fraction": ideal / statistics.mean(adaptive["times"][n - tail:n]),
-         "steps_to_balance": to_balance,
-         "drift_fraction": freed_ideal / statistics.mean(adaptive["times"][-tail:]),
-         "steps_after_drift": after_drift,
-         "counts": adaptive["counts"], "compiles": adaptive["compiles"],
-         "measured": [{"call": h["call"], "microbatch_seconds": {k: v["microbatch_seconds"] for k, v in h["measured"].items()},
-                       "moved_to": h["moved_to"]} for h in adaptive["history"]]}
+         "best_static_fraction": ideal / best, "best_counts": result["best_counts"], **single, "group_plan": grouped}
   print(f"2 processes x 1 CPU device, core 1 shared with a busy loop; global batch {args.batch}, microbatch "
         f"{args.microbatch}; prior {args.prior!r}: counts {result['prior_counts']}; hetspmd.Rebalance(every="
-        f"{args.every}, confirm=2, lag=1): on CPU each position's microbatch loop is timed inside the step, two "
-        "measurements in a row must find the split off balance, and new counts run one call after the decision")
+        f"{args.every}, confirm=2, lag=1): two measurements in a row must find the split off balance, and new counts "
+        "run one call after the decision. The single program's loops are timed inside the step (host callbacks), "
+        "the group plan's programs (one group per process) as they run")
   print(f"whole step alone, slowed: {result['slowed_alone_rates'][0]:.0f} and {result['slowed_alone_rates'][1]:.0f}"
         f" examples/s; freed: {result['freed_alone_rates'][0]:.0f} and {result['freed_alone_rates'][1]:.0f}")
-  print(f"{'step':>5} {'static s':>9} {'of ideal':>9} {'rebalanced s':>13} {'of ideal':>9} {'counts':>10}")
-  for i in range(n):
-    print(f"{i + 1:5d} {static['times'][i]:9.3f} {ideal / static['times'][i]:9.1%} {adaptive['times'][i]:13.3f} "
-          f"{fractions[i]:9.1%} {str(adaptive['counts'][i]):>10}")
-  print("core 1 freed (drift); step ideal now", f"{freed_ideal:.3f} s")
-  for i in range(n, len(adaptive["times"])):
-    print(f"{i + 1:5d} {'':>9} {'':>9} {adaptive['times'][i]:13.3f} {freed_fractions[i - n]:9.1%} "
-          f"{str(adaptive['counts'][i]):>10}")
-  print(f"best static split {result['best_counts']} (each device's measured rate alone): "
-        f"{out['best_static_fraction']:.1%} of the step ideal (median), the most a split of {total} microbatches "
-        f"reaches here; rebalanced within 5% of it from step {near}")
-  print(f"static plan on the {args.prior} prior: {out['static_fraction']:.1%} of the step ideal (median); rebalanced: "
-        f"{out['rebalanced_fraction']:.1%} (mean of the last {tail} slowed steps); at >= 90% from step {to_balance} "
-        f"(median of the rest) (goal: within 5: {'met' if to_balance and to_balance <= 5 else 'NOT met'})")
-  print(f"after the drift: {out['drift_fraction']:.1%} of the new step ideal (mean of the last {tail}); at >= 90% "
-        f"from step {after_drift} after it (median of the rest) (goal: within 5: "
-        f"{'met' if after_drift and after_drift <= 5 else 'NOT met'}); {out['compiles']} program(s) built")
-  for h in [h for i, h in enumerate(out["measured"]) if i == 0 or h["moved_to"]]:  # the first and the moves
-    print(f"  measured at call {h['call']}: " + ", ".join(f"{k} {v * 1e3:.1f} ms a microbatch"
-                                                      for k, v in h["microbatch_seconds"].items())
-          + (f" -> counts {h['moved_to']}" if h["moved_to"] else ""))
+  print(f"{'step':>5} {'static':>14} {'single program, rebalanced':>35} {'group plan, rebalanced':>35}")
+  runs = (result["rebalanced"], result["group plan, rebalanced"])
+  for i in range(2 * n):
+    goal = ideal if i < n else freed_ideal
+    if i == n:
+      print(f"core 1 freed (drift); step ideal now {freed_ideal:.3f} s")
+    first = f"{static['times'][i]:7.3f} {ideal / static['times'][i]:6.1%}" if i < n else ""
+    cells = [f"{r['times'][i]:7.3f} {goal / r['times'][i]:6.1%} {str(r['counts'][i]):>20}" for r in runs]
+    print(f"{i + 1:5d} {first:>14} {cells[0]:>35} {cells[1]:>35}")
+  print(f"static split on the {args.prior} prior: {out['static_fraction']:.1%} of the step ideal (median); best static "
+        f"split {result['best_counts']} (each device's measured rate alone): {out['best_static_fraction']:.1%}, the "
+        f"most a split of {total} microbatches reaches here")
+  for name, r in (("single program", single), ("group plan", grouped)):
+    print(f"{name}, rebalanced: {r['rebalanced_fraction']:.1%} (mean of the last {tail} slowed steps), at >= 90% from "
+          f"step {r['steps_to_balance']} (median of the rest; goal: within 5: "
+          f"{'met' if r['steps_to_balance'] and r['steps_to_balance'] <= 5 else 'NOT met'}), within 5% of the best "
+          f"static split from step {r['steps_to_best_static']}; after the drift {r['drift_fraction']:.1%} of the new "
+          f"step ideal, at >= 90% from step {r['steps_after_drift']} after it (goal: within 5: "
+          f"{'met' if r['steps_after_drift'] and r['steps_after_drift'] <= 5 else 'NOT met'}); "
+          f"{r['compiles']} program(s) built")
+    for h in [h for i, h in enumerate(r["measured"]) if i == 0 or h["moved_to"]]:  # the first and the moves
+      print(f"  measured at call {h['call']}: " + ", ".join(f"{k} {v * 1e3:.1f} ms a microbatch"
+                                                        for k, v in h["microbatch_seconds"].items())
+            + (f" -> counts {h['moved_to']}" if h["moved_to"] else ""))
   if args.json:
     print(json.dumps(out))
 
