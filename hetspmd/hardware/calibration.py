@@ -36,12 +36,15 @@ class KindTiming:
     fixed: seconds per step besides the microbatches on one device (the optimizer update, the first
       microbatch's extra over a later one, the program's dispatch).
     remat: the remat policy the points were measured under.
+    devices: how many devices of the kind ran together while timed (one data-parallel program over them, whose
+      gradient reduction is part of ``fixed``).
   """
 
   kind: str
   points: tuple[tuple[int, float], ...]
   fixed: float = 0.0
   remat: str = "none"
+  devices: int = 1
 
   def __post_init__(self):
     if not self.points:
@@ -79,12 +82,12 @@ class KindTiming:
 
   def to_json(self) -> dict[str, Any]:
     return {"kind": self.kind, "points": [[m, t] for m, t in self.points], "fixed": self.fixed,
-            "remat": self.remat}
+            "remat": self.remat, "devices": self.devices}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "KindTiming":
     return cls(str(data["kind"]), tuple((int(m), float(t)) for m, t in data["points"]), float(data["fixed"]),
-               str(data.get("remat", "none")))
+               str(data.get("remat", "none")), int(data.get("devices", 1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,8 @@ class Calibration:
     lines = []
     for t in self.kinds:
       points = ", ".join(f"{m}: {s * 1e3:.3g} ms" for m, s in t.points)
-      lines.append(f"{t.kind}: per microbatch {points}; per step {t.fixed * 1e3:.3g} ms (remat {t.remat})")
+      lines.append(f"{t.kind}: per microbatch {points}; per step {t.fixed * 1e3:.3g} ms (remat {t.remat}, "
+                   f"{t.devices} device(s) together)")
     return lines
 
 

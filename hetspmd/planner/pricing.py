@@ -211,9 +211,7 @@ class Costing:
                   for k in cluster.kinds}
     self.measured = {k: cluster.calibration.of(k) for k in cluster.kinds} if cluster.calibration else {}
     self.measured = {k: t for k, t in self.measured.items() if t is not None}
-    # a kind is timed on one device, its host's others idle: where they share compute, busy is this much slower
-    self.alone = {k: max(h.alone_speedup for h in cluster.hosts if h.device.name == k) for k in cluster.kinds}
-    self.fixed = {k: self.measured[k].fixed * self.alone[k] if k in self.measured else profile.step_fixed_seconds(s)
+    self.fixed = {k: self._measured_fixed(k) if k in self.measured else profile.step_fixed_seconds(s)
                   for k, s in self.specs.items()}
     self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)
     self._node_seconds: dict[tuple[str, int], np.ndarray] = {}
@@ -228,6 +226,17 @@ class Costing:
     self._memory: dict[tuple, int] = {}
     self.sharded_comm: dict[tuple, float] = {}  # hetspmd.planner.grouping._sharded_comm's
     self.shard_groups: dict[tuple, dict] = {}  # hetspmd.planner.group_execution.shard_groups
+
+  def _measured_fixed(self, kind: str) -> float:
+    """A kind's measured per-step seconds without the gradient reduction its timing program ran over its devices
+    (hetspmd.runtime.calibrating times a kind's devices together): the search prices communication itself."""
+    timing = self.measured[kind]
+    if timing.devices < 2:
+      return timing.fixed
+    host = next(h for h, host in enumerate(self.cluster.hosts) if host.device.name == kind)
+    reduce = gradient_seconds(self.cluster, {host: min(timing.devices, self.cluster.hosts[host].count)},
+                              self.profile, NO_TENSOR_PARALLEL, 0, REDUCE_BYTES["float32"])
+    return max(timing.fixed - reduce, 0.0)
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -260,15 +269,14 @@ class Costing:
 
   def measured_scale(self, kind: str, microbatch: int, seconds: np.ndarray) -> float:
     """Measured over predicted seconds of one microbatch of ``kind`` (1 without a measurement): the prediction
-    as the measurement ran it, under its remat policy and with the gradient accumulation, and the measurement
-    as the device runs beside the others of its host (timed alone, it is ``alone_speedup`` times faster)."""
+    as the measurement ran it, under its remat policy and with the gradient accumulation."""
     timing = self.measured.get(kind)
     plain = float(seconds.sum())
     if timing is None or plain <= 0:
       return 1.0
     again = float(seconds[self.profile.recomputed(timing.remat)].sum())
     accumulate = self.profile.accumulate_seconds(self.specs[kind])
-    micro = timing.micro(microbatch) * self.alone[kind]
+    micro = timing.micro(microbatch)
     return max(micro - accumulate, 0.1 * micro) / ((plain + again) * self.recompute)
 
   def space(self, m: int) -> strategies.StrategySpace:

@@ -464,8 +464,7 @@ def ideal_throughput(cluster: Cluster, profile: StepProfile, global_batch: int) 
   """Every device busy on its own share of the batch, with no communication: the sum of their throughputs."""
   share = max(1, global_batch // cluster.num_devices)
   measured = cluster.calibration.of if cluster.calibration is not None else lambda kind: None
-  alone = {k: max(h.alone_speedup for h in cluster.hosts if h.device.name == k) for k in cluster.kinds}
-  per_kind = {k: share / (measured(k).micro(share) * alone[k] if measured(k) is not None
+  per_kind = {k: share / (measured(k).micro(share) if measured(k) is not None
                           else profile.microbatch_seconds(cluster.spec_of(k), share)) for k in cluster.kinds}
   return sum(per_kind[d.spec.name] for d in cluster.devices)
 

@@ -24,27 +24,32 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
-from hetspmd.runtime.binding import Arguments
+from hetspmd.runtime.binding import Arguments, batch_arguments, is_graph_node, leading_sizes
 from hetspmd.runtime.single import SingleRunner
 
-COUNTS = (1, 2)   # microbatch counts each size is timed at
+COUNTS = (2, 3)   # microbatch counts each size is timed at (one microbatch runs without a loop: another program)
 REPEATS = 2       # timed runs per (size, count), after one warm-up the first time (which compiles)
 
 
 @dataclasses.dataclass
 class KindTimer:
-  """Times one device's share of the step for ``front`` (a :class:`~hetspmd.runtime.step.ParallelStep`): one
-  one-device runner per (microbatch, count), built once and kept, so a later timing compiles nothing."""
+  """Times a device's share of the step for ``front`` (a :class:`~hetspmd.runtime.step.ParallelStep`): one
+  runner per (microbatch, count), built once and kept, so a later timing compiles nothing. ``together``: more
+  devices of the kind that run the same share at the same time, as a uniform data-parallel program (every
+  device ``count`` microbatches): on a host whose devices share compute (emulated CPU devices) a device is only
+  as fast as it is beside the others, and the reduction the program ends with falls in the per-step seconds."""
 
   front: Any
   device: Any
   remat: str = "none"
+  together: tuple = ()
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)
   _placed: dict = dataclasses.field(default_factory=dict, repr=False)  # (position, shape, dtype) -> copy here
   fingerprint: str | None = None
@@ -54,13 +59,13 @@ class KindTimer:
     """``(microbatch, count, median seconds)`` for each size and count, the step run on this device alone on the
     call's arguments (``args`` as the front binds them: static ones marked), its batch cut (or repeated) to
     ``count x microbatch`` examples."""
-    at = Arguments.of(self.front, args).batch_argnums
+    at = batch_positions(self.front, args)
     found = []
     for size in sizes:
       for count in counts:
         first = (size, count) not in self._runners
         runner = self._runner(size, count, at, args)
-        cut = tuple(_examples(a, count * size) if i in at else a for i, a in enumerate(args))
+        cut = tuple(_examples(a, count * size * self.width) if i in at else a for i, a in enumerate(args))
         found.append((size, count, statistics.median(runner.timed(cut, kwargs, self._here, repeats, warm=first))))
         if self.fingerprint is None:
           self.fingerprint = fingerprint(runner.analysis.jaxpr)
@@ -73,25 +78,31 @@ class KindTimer:
   def _runner(self, size: int, count: int, batch_argnums: tuple[int, ...], args: tuple) -> Any:
     key = (size, count)
     if key not in self._runners:
-      state = Arguments.of(self.front, args).state
-      plan = plan_for(Cluster.emulate([self.device], kinds=["cpu"]), state, global_batch=size * count,
-                      microbatch=size, counts=(count,), remat=self.remat)
+      state = Arguments.of(dataclasses.replace(self.front, batch_argnums=batch_argnums), args).state
+      devices = [self.device, *self.together]
+      plan = plan_for(Cluster.emulate(devices, kinds=["cpu"] * len(devices)), state,
+                      global_batch=size * count * len(devices), microbatch=size, counts=(count,) * len(devices),
+                      remat=self.remat)
       front = dataclasses.replace(self.front, requested_plan=plan, global_batch=plan.global_batch, bound=(),
                                   donate_state=False, example_batch=None, batch_argnums=batch_argnums, cluster=None,
                                   rebalancer=None, _runner=None, _note="")
       self._runners[key] = SingleRunner(front, plan)
     return self._runners[key]
 
+  @property
+  def width(self) -> int:
+    return 1 + len(self.together)
+
   def _here(self, leaves: Sequence[Any]) -> list:
-    """The call's leaves on this device: a whole replica already here as it is, else a copy. Copies are kept by
-    position and shape and reused at the next timing (values do not change a step's time), so a state that is
-    not replicated here is copied once."""
+    """The call's leaves on the timed devices: on one device, a whole replica already there as it is; else a
+    copy (replicated over the devices). Copies are kept by position and shape and reused at the next timing
+    (values do not change a step's time), so a state that is not replicated there is copied once."""
     out = []
     for k, x in enumerate(leaves):
       if not isinstance(x, jax.Array):
         out.append(x)
         continue
-      whole = _replica_on(x, self.device)
+      whole = _replica_on(x, self.device) if not self.together else None
       if whole is not None:
         out.append(whole)
         continue
@@ -101,9 +112,28 @@ class KindTimer:
           raise HetSpmdError(f"timing device {self.device} needs each state leaf whole on it, but a leaf of shape "
                              f"{x.shape} is split across processes: time a data-parallel plan (ZeRO-0), or "
                              "calibrate before sharding the state (hetspmd.calibrate)")
-        self._placed[key] = jax.device_put(x, self.device)
+        self._placed[key] = jax.device_put(x, self.device if not self.together else NamedSharding(
+            Mesh(np.array([self.device, *self.together]), ("all",)), PartitionSpec()))
       out.append(self._placed[key])
     return out
+
+
+def batch_positions(front: Any, args: tuple) -> tuple[int, ...]:
+  """The call's batch arguments, whatever their size: ``batch_argnums``, the global batch, or else the
+  arguments whose arrays all lead with one size (the smallest such size that some argument has)."""
+  if front.batch_argnums is not None:
+    return front.batch_argnums
+  graph = tuple(i for i, a in enumerate(args) if is_graph_node(a))
+  try:
+    return batch_arguments(args, graph, front.global_batch)
+  except HetSpmdError:
+    sizes = sorted({n for i, a in enumerate(args) if i not in graph for n in leading_sizes(a) if n is not None})
+    for n in sizes:
+      try:
+        return batch_arguments(args, graph, n)
+      except HetSpmdError:
+        continue
+    raise
 
 
 def _replica_on(x: jax.Array, device: Any) -> jax.Array | None:
@@ -141,14 +171,15 @@ def fingerprint(jaxpr: Any) -> str:
   return hashlib.sha256(f"{names}|{dtypes}".encode()).hexdigest()
 
 
-def local_kind_devices(device_ids: Sequence[int], kinds: Sequence[str]) -> dict[str, Any]:
-  """``{kind: the first of this process's devices of that kind}`` among a plan's devices."""
+def local_kind_devices(device_ids: Sequence[int], kinds: Sequence[str], every: bool = False) -> dict[str, Any]:
+  """``{kind: the first of this process's devices of that kind}`` among a plan's devices (``every``: a list of
+  all of them)."""
   local = {d.id: d for d in jax.local_devices()}
-  found: dict[str, Any] = {}
+  found: dict[str, list] = {}
   for i, kind in zip(device_ids, kinds):
-    if i in local and kind not in found:
-      found[kind] = local[i]
-  return found
+    if i in local:
+      found.setdefault(kind, []).append(local[i])
+  return found if every else {kind: devices[0] for kind, devices in found.items()}
 
 
 def gathered(kinds: Sequence[str], mine: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
@@ -173,16 +204,17 @@ def now() -> float:
 
 
 def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int], *,
-              counts: Sequence[int] = (1, 3), repeats: int = 3) -> Calibration:
+              counts: Sequence[int] = (2, 4), repeats: int = 5) -> Calibration:
   """The step's own times on each kind of ``cluster`` (a cluster bound to JAX devices): this process times each
-  of its kinds on one device at every microbatch size in ``sizes`` (a size that fails there, out of memory, is
+  of its kinds on all its devices of that kind at once (:class:`KindTimer` ``together``), at every microbatch
+  size in ``sizes`` (a size that fails there, out of memory, is
   left out), and every process gathers every kind's points."""
   if cluster.jax_device_ids is None:
     raise HetSpmdError("calibrating times the step on the cluster's devices: give a cluster bound to JAX devices "
                        "(Cluster.from_devices, Cluster.emulate)")
   kinds = tuple(cluster.kinds)
-  devices = local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices])
-  timers = {kind: KindTimer(front, device) for kind, device in devices.items()}
+  every = local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True)
+  timers = {kind: KindTimer(front, devices[0], together=tuple(devices[1:])) for kind, devices in every.items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   fixed: dict[str, list[float]] = {k: [] for k in kinds}
   fingerprint_ = ""
@@ -198,7 +230,11 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
     for kind, (micro, step_seconds) in gathered(kinds, mine).items():
       points[kind].append((size, micro))
       fixed[kind].append(step_seconds)
-  timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k])) for k in kinds if points[k])
+  width = {k: len(every[k]) if k in every else 0 for k in kinds}
+  widths = np.asarray(multihost_utils.process_allgather(np.array([width[k] for k in kinds]))).reshape(-1, len(kinds)) \
+      if jax.process_count() > 1 else np.array([[width[k] for k in kinds]])
+  timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k]), devices=int(widths[:, j].max()))
+                  for j, k in enumerate(kinds) if points[k])
   if not timings:
     raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices")
   return Calibration(_agreed_fingerprint(fingerprint_), timings)
