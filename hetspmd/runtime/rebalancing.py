@@ -47,7 +47,6 @@ class Rebalancer:
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
   _owed: bool = False  # a measurement was due before the loops had been timed
-  _warned: bool = False
 
   def clock_for(self, mesh: Any) -> LoopClock | None:
     """The clock a program over ``mesh`` times its loops with, where this rebalancing measures loops."""
@@ -207,11 +206,11 @@ class Rebalancer:
 
   def _warn(self, entry: dict) -> None:
     predicted = entry.get("predicted_step_seconds")
-    if self._warned or not predicted:
+    if not predicted or any(h.get("warned") for h in self.history):
       return
     off = entry["measured_step_seconds"] / predicted - 1
     if abs(off) > WARN_ABOVE:
-      self._warned = True
+      entry["warned"] = True
       warnings.warn(f"the step's measured compute ({entry['measured_step_seconds'] * 1e3:.3g} ms on its busiest "
                     f"device) is {off:+.0%} off the plan's prediction ({predicted * 1e3:.3g} ms): the plan was made "
                     "on other speeds; rebalancing moves the microbatches, and a calibrated search "

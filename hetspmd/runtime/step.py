@@ -365,17 +365,14 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 rebalance: Any = None, calibrate: Any = "auto"):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
-  Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The
-  step is written as for one device: functional ``train_step(state, batch,
-  ...) -> (state, metrics)`` (a Linen ``TrainState``, ``jax.value_and_grad``
-  or ``jax.grad`` over a closure of the batch, ``functools.partial``-bound
-  configuration, already ``jax.jit``-ed or not), or NNX in place
-  ``train_step(model, optimizer, metrics, batch, ...)`` (``nnx.jit``-ed or
-  not, or bound by ``nnx.cached_partial``), its objects updated after each
-  call. Call it with the global batch; the microbatch program is derived
-  from its jaxpr (:mod:`hetspmd.passes.batch_axis.analysis`). A step that
-  mixes examples in a way that does not split into microbatches (a sort
-  along the batch) is refused, naming the primitive and the Flax module.
+  Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The step is written as for one device:
+  functional ``train_step(state, batch, ...) -> (state, metrics)`` (a Linen ``TrainState``,
+  ``jax.value_and_grad`` or ``jax.grad`` over a closure of the batch, ``functools.partial``-bound
+  configuration, already ``jax.jit``-ed or not), or NNX in place ``train_step(model, optimizer, metrics, batch,
+  ...)`` (``nnx.jit``-ed or not, or bound by ``nnx.cached_partial``), its objects updated after each call. Call
+  it with the global batch; the microbatch program is derived from its jaxpr
+  (:mod:`hetspmd.passes.batch_axis.analysis`). A step that mixes examples in a way that does not split into
+  microbatches (a sort along the batch) is refused, naming the primitive and the Flax module.
 
   Arguments go as under ``jax.jit``: the state (NNX objects, or the first argument beside the batch with
   arrays) and the batch (``batch_argnums``, or the arguments whose arrays lead with ``global_batch``) are
@@ -421,8 +418,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       as the one replica of the global batch, so its collectives mean "over
       the global batch" under any plan (``lax.axis_index`` is 0; see
       :mod:`hetspmd.passes.frontend.named_axes`).
-    group_plans: ``False``: ``plan="search"`` takes single programs only.
-    static_argnums, static_argnames: as ``jax.jit``'s (counted as ``batch_argnums``).
+    group_plans: ``False``: ``plan="search"`` takes single programs only. static_argnums, static_argnames: as
+      ``jax.jit``'s (counted as ``batch_argnums``).
     rebalance: ``True`` or a :class:`hetspmd.Rebalance`: move a single program's microbatches while training,
       from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
