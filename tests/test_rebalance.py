@@ -400,16 +400,16 @@ def test_group_plans_rebalance_exactly(monkeypatch):
 
 def test_group_programs_are_timed_as_they_run():
   """The group clock times each group's program from its inputs ready to its outputs ready: every group gets a
-  positive time each call, and the first measurement follows the first call."""
+  positive time each call after a program's first (which runs beside the compiles of the programs after it)."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   w = _workload()
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=_group_plan((8, 8)), global_batch=64,
                         rebalance=Rebalance(every=1, threshold=0.9))
   state = step.shard_state(w.init_state(0))
-  for i in range(3):
+  for i in range(4):
     state, _ = jax.block_until_ready(step(state, w.synthetic_batch(i, batch=64)))
-  assert [h["call"] for h in step.history] == [2, 3]
+  assert [h["call"] for h in step.history] == [3, 4]  # the first call runs beside compiles: not timed
   for h in step.history:
     assert set(h["measured"]) == {"group 0", "group 1"}
     assert all(v["microbatch_seconds"] > 0 for v in h["measured"].values())
