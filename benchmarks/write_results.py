@@ -98,6 +98,9 @@ BENCHES = (
           "the uniform split and the step ideal (goal: 90% of the step ideal); then two devices per process, the "
           "group plan against the same plan with each group sharding its parameters (goal: within 5 points).",
           slow=True),
+    Bench("regret", (), "predicted",
+          "What planning on datasheet speeds costs where Cephalo's per-layer measurements say otherwise: each pool "
+          "searched on datasheet and on corrected speeds, both plans priced on the corrected ones."),
     Bench("emulated_hetero_adaptive", ("--adaptive", "--steps", "10"), "measured",
           "The same slowed pair planned as if equally fast: the static split, the best static split (each "
           "device's measured rate) and the same plan rebalanced while training (hetspmd.Rebalance, loop times "
