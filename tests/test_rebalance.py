@@ -7,6 +7,7 @@ every rebalanced run is checked against one device in float64 (tests/exactness.p
 
 import dataclasses
 import json
+import textwrap
 
 import jax
 import numpy as np
@@ -425,3 +426,50 @@ def test_group_plans_that_cannot_move_are_refused():
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64, rebalance=True)
   with pytest.raises(HetSpmdError, match=r"microbatches of \[4, 8\]: drop rebalance="):
     step(step.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))
+
+
+# --- across processes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_rebalance_alike_and_exactly():
+  """2 processes x 1 CPU device over gloo, each position's loop timed inside the step. Each process's reading is
+  fixed (process 0's device three times slower) and gathered for real: both processes move [8, 8] to the same
+  counts at the same call, one call after the decision; each feeds batch[step.process_examples()], which follows
+  the counts; every step matches one device in float64."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_rebalance") + textwrap.dedent("""
+      import hetspmd as hs
+      from exactness import assert_exact
+      from hetspmd.runtime.rebalancing import LoopClock
+
+      slow = {0: 3e-3, 1: 1e-3}[jax.process_index()]
+      LoopClock.per_microbatch = lambda self: {p: slow for p in self.sums}  # this process's position, as read
+      w = t._workload()
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB", "P100-16GB"])
+      plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(8, 8))
+      step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                            rebalance=hs.Rebalance(every=1, confirm=1, smoothing=1.0, lag=1, measure="loop"))
+      batches = [w.synthetic_batch(i, batch=64) for i in range(4)]
+      ref = reference(w.make_train_step(), w.init_state(0), batches)
+      state = step.shard_state(w.init_state(0))
+      counts, fed_sizes = [], []
+      for b in batches:
+        mine = fed(step, b)
+        fed_sizes.append(len(mine["x"]) if "x" in mine else len(jax.tree.leaves(mine)[0]))
+        state, metrics = step(state, mine)
+        counts.append(list(step.plan.microbatch_counts))
+      got = jax.tree.map(local, state)
+      try:
+        assert_exact(got, ref.single, ref.ref64, what="state")
+        exact = "ok"
+      except AssertionError as e:
+        exact = str(e)[:500]
+      print(json.dumps({"counts": counts, "fed": fed_sizes, "exact": exact,
+                        "moves": [(h["call"], h["moved_to"], h["applies_at"]) for h in step.history if h["moved_to"]]}))
+  """), num_processes=2, devices_per_process=1, timeout=240)
+  assert results[0]["counts"] == results[1]["counts"] == [[8, 8], [8, 8], [4, 12], [4, 12]]
+  assert results[0]["moves"] == results[1]["moves"] == [[2, [4, 12], 3]]
+  assert results[0]["fed"] == [32, 32, 16, 16] and results[1]["fed"] == [32, 32, 48, 48]
+  assert results[0]["exact"] == results[1]["exact"] == "ok"
