@@ -325,7 +325,7 @@ def test_rebalance_refuses_what_it_cannot_move():
 def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   """step.calibrate(...) times every kind of the cluster on its own device at two sizes; the calibration saves,
   loads, and a search given it (parallelize(calibrate=...)) plans on a cluster that carries it, exact against one
-  device. calibrate='auto' leaves emulated kinds (CPU devices named V100 and P100) uncalibrated."""
+  device. calibrate='auto' leaves CPU devices uncalibrated (emulated kinds, or one measured CPU kind)."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   w = _workload()
@@ -348,6 +348,10 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   auto = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
   auto(w.init_state(0), batch)
   assert auto.calibration is None
+  from hetspmd.runtime import calibrating
+
+  assert not calibrating.wanted("auto", hs.Cluster.from_devices(jax.devices()))  # measured, but CPU devices
+  assert calibrating.wanted(True, cluster) and not calibrating.wanted(False, cluster)
   with pytest.raises(InvalidValueError, match="calibrate must be"):
     hs.parallelize(w.make_train_step(), global_batch=64, calibrate="sometimes")
 

@@ -423,8 +423,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     rebalance: ``True`` or a :class:`hetspmd.Rebalance`: move a single program's microbatches while training,
       from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
-      (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (accelerators and measured clusters),
-      or a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
+      (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), or
+      a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
