@@ -96,6 +96,17 @@ def test_drift_is_followed(kinds, true, total):
   assert reached is not None and reached <= 8, reached
 
 
+def test_a_change_that_begins_between_measurements_is_not_averaged_with_the_old_speeds():
+  """Two measurements in a row find [21, 11] off balance, the first while the slow kind was still slow (it
+  proposes [22, 10]), the second after it sped up ([16, 16]): the move follows the second, not their mean."""
+  balance = Balance((21, 11), ("a", "b"))
+  option = Rebalance(confirm=2, threshold=0.05)
+  balance = update(balance, {"a": (1.0, 0.0), "b": (2.2, 0.0)}, option)
+  assert balance.counts == (21, 11) and balance.proposal == (22, 10)
+  balance = update(balance, {"a": (1.0, 0.0), "b": (1.0, 0.0)}, option)
+  assert balance.counts == (16, 16)
+
+
 def test_the_decision_is_a_function_of_the_measurements():
   kinds, true, total = POOLS[1]
   runs = []

@@ -81,7 +81,7 @@ class Balance:
   estimate: tuple[tuple[str, float, float], ...] = ()
   proposal: tuple[int, ...] | None = None
   agreed: int = 0
-  recent: tuple[tuple[float, ...], ...] = ()  # the measurements that found the counts off balance, in a row
+  recent: tuple = ()  # (proposed counts, times) of the measurements that found the counts off balance, in a row
 
   def costs(self) -> dict[str, KindCost]:
     return {k: KindCost(micro, fixed) for k, micro, fixed, _ in self.estimate}
@@ -123,11 +123,12 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
   target = balanced_counts(list(now.kinds), raw.costs(), sum(now.counts))
   if target == now.counts or raw.seconds(now.counts) < (1 + option.threshold + now.spread) * raw.seconds(target):
     return dataclasses.replace(now, proposal=None, agreed=0, recent=())
-  recent = now.recent + (tuple(x for k in kinds for x in measured[k]),)
+  recent = now.recent + ((target, tuple(x for k in kinds for x in measured[k])),)
   if len(recent) < option.confirm:
     return dataclasses.replace(now, proposal=target, agreed=len(recent), recent=recent)
-  # the imbalance held: the estimate starts again from these measurements' mean, and the counts balance it
-  mean = np.mean(np.array(recent), axis=0)
+  # the imbalance held: the estimate starts again from the mean of these measurements that propose what the
+  # latest does (one taken as a change began proposes other counts), and the counts balance it
+  mean = np.mean(np.array([row for proposed, row in recent if proposed == target]), axis=0)
   fresh = tuple((k, float(mean[2 * i]), float(mean[2 * i + 1]), spread)
                 for i, (k, *_, spread) in enumerate(now.estimate))
   moved = dataclasses.replace(now, estimate=fresh, proposal=None, agreed=0, recent=())
