@@ -225,6 +225,27 @@ def test_rebalanced_steps_stay_exact_and_compile_once_per_counts(monkeypatch):
   assert "rebalancing: every 1 call(s)" in step.explain() and "-> [12, 4] from call 4" in step.explain()
 
 
+def test_a_restart_from_the_saved_plan_resumes_the_balance(monkeypatch, tmp_path):
+  """After a move, step.plan is the plan with the counts in force: saved and given to a new parallelize, the
+  restarted step runs those counts from its first call."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 2))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=1, smoothing=1.0, measure="device"))
+  state = step.shard_state(w.init_state(0))
+  state, _ = step(state, w.synthetic_batch(0, batch=64))
+  assert step.plan.microbatch_counts == (4, 12)
+  step.plan.save(tmp_path / "plan.json")
+  again = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=str(tmp_path / "plan.json"),
+                         global_batch=64)
+  again(again.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))
+  assert again.plan.microbatch_counts == (4, 12)
+
+
 def test_lag_tells_the_loader_ahead(monkeypatch, tmp_path):
   """With lag=2 a decision at call 2 runs from call 4; process_examples(ahead=...) and the plan say so, and the
   history is written as JSON lines."""
