@@ -53,7 +53,8 @@ def test_half_precision_before_ampere_is_priced_as_xla_runs_it():
     assert spec.peak_flops("bfloat16") == spec.fp32_flops and spec.peak_flops("float16") == pytest.approx(fp16)
   a100 = DEVICE_PRESETS["A100-80GB"]
   assert a100.peak_flops("float16") == a100.peak_flops("bfloat16") == 312e12
-  mixed = hetspmd.hardware.devices.mean_spec([DEVICE_PRESETS["T4"], a100])
+  plain = {k: DEVICE_PRESETS[k].replace(chip=None) for k in ("T4", "A100-80GB")}
+  mixed = hetspmd.hardware.devices.mean_spec(list(plain.values()))
   assert mixed.float16_flops == pytest.approx((65e12 + 312e12) / 2) and mixed.bf16_flops == pytest.approx(
       (8.1e12 + 312e12) / 2)
 
@@ -324,3 +325,46 @@ def test_emulate_takes_the_link_between_its_hosts():
   assert Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"]).inter.name == "host"
   with pytest.raises(hetspmd.InvalidValueError, match="takes a Link"):
     Cluster.emulate(jax.devices()[:2], kinds=["T4", "T4"], inter=10e9)
+
+
+# --- efficiencies per chip (hetspmd.hardware.efficiency) ---
+
+def test_a_spec_is_priced_at_its_chips_efficiency():
+  from hetspmd.hardware.efficiency import DATASHEET, CHIPS, MEASURED
+
+  for name, spec in DEVICE_PRESETS.items():
+    fitted = CHIPS.get(spec.chip)
+    assert spec.efficiency == (fitted[0] if fitted else DATASHEET), name
+  for chip, (efficiency, kinds) in CHIPS.items():  # each fitted chip names presets of its own
+    assert kinds and all(DEVICE_PRESETS[k].chip == chip for k in kinds), chip
+  assert DEVICE_PRESETS["V100-32GB"].replace(measured=True).efficiency == MEASURED
+  assert DEVICE_PRESETS["V100-32GB"].replace(chip=None).efficiency == DATASHEET
+
+
+@pytest.mark.parametrize("kinds", [("T4", "A100-80GB"), ("L4", "P40", "V100-16GB"), ("V100-16GB", "V100-32GB")])
+def test_the_mean_spec_keeps_the_pools_achieved_rates(kinds):
+  from hetspmd.hardware.devices import mean_spec
+
+  specs = [DEVICE_PRESETS[k] for k in kinds]
+  mean = mean_spec(specs)
+  achieved = lambda s, peak: peak * (s.efficiency.matrix if peak > s.fp32_flops else s.efficiency.vector)
+  for rate in ("fp32_flops", "bf16_flops", "float16_flops"):
+    expected = sum(achieved(s, getattr(s, rate)) for s in specs) / len(specs)
+    assert achieved(mean, getattr(mean, rate)) == pytest.approx(expected, rel=1e-12), rate
+  expected = sum(s.memory_bandwidth * s.efficiency.memory for s in specs) / len(specs)
+  assert mean.memory_bandwidth * mean.efficiency.memory == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_unknown_chip_is_refused_and_a_known_one_survives_toml(tmp_path):
+  from hetspmd.errors import InvalidValueError
+
+  with pytest.raises(InvalidValueError, match="unknown chip 'kepler'.*known: gp102, gp100"):
+    DeviceSpec("K80", 4e12, 4e12, 12 * GiB, 240 * GB, chip="kepler")
+  with pytest.raises(InvalidValueError, match=r"Efficiency.matrix must be a fraction of peak in \(0, 1\]"):
+    hetspmd.hardware.efficiency.Efficiency(matrix=1.5, vector=0.5, memory=0.5)
+  custom = DeviceSpec("V100-PCIe", 14e12, 14e12, 16 * GiB, 900 * GB, fp16_flops=112e12, chip="gv100")
+  cluster = Cluster.parse("4xV100-PCIe", devices={"V100-PCIe": custom})
+  path = tmp_path / "cluster.toml"
+  path.write_text(hetspmd.hardware.cluster.to_toml(cluster))
+  back = Cluster.load(path)
+  assert back.spec_of("V100-PCIe") == custom and back.spec_of("V100-PCIe").efficiency.matrix < 0.6

@@ -84,16 +84,22 @@ def test_the_homogeneous_equivalent_keeps_the_pools_totals_and_network():
   assert same.is_homogeneous and same.num_devices == cluster.num_devices
   assert [h.count for h in same.hosts] == [h.count for h in cluster.hosts]
   assert [h.intra for h in same.hosts] == [h.intra for h in cluster.hosts] and same.inter == cluster.inter
+  # each rate as the cost model prices it: the peak times the kind's efficiency (hetspmd.hardware.efficiency)
+  def achieved(spec, field):
+    value, e = getattr(spec, field), spec.efficiency
+    return value * (e.memory if field == "memory_bandwidth" else e.matrix if value > spec.fp32_flops else e.vector)
+
   for field in ("fp32_flops", "bf16_flops", "memory_bandwidth"):
-    total = sum(getattr(d.spec, field) for d in cluster.devices)
-    assert sum(getattr(d.spec, field) for d in same.devices) == pytest.approx(total, rel=1e-12)
+    total = sum(achieved(d.spec, field) for d in cluster.devices)
+    assert sum(achieved(d.spec, field) for d in same.devices) == pytest.approx(total, rel=1e-12)
   assert same.devices[0].spec.memory_bytes == (4 * 80 + 16 * 16) * 2**30 // 20 or abs(
       sum(d.spec.memory_bytes for d in same.devices) - sum(d.spec.memory_bytes for d in cluster.devices)) < 20
   # per dtype: the float32-matmul peak (TF32 where a kind has it) is the mean of each device's
   a100, v100 = DEVICE_PRESETS["A100-80GB"], DEVICE_PRESETS["V100-16GB"]
   mean = mean_spec([a100] * 4 + [v100] * 16)
-  assert mean.f32_matmul_flops(True) == pytest.approx((4 * a100.f32_matmul_flops(True)
-                                                       + 16 * v100.f32_matmul_flops(True)) / 20)
+  rate = lambda spec: spec.f32_matmul_flops(True) * (spec.efficiency.matrix if spec.f32_matmul_flops(True)
+                                                      > spec.fp32_flops else spec.efficiency.vector)
+  assert rate(mean) == pytest.approx((4 * rate(a100) + 16 * rate(v100)) / 20)
 
 
 def test_a_pool_of_one_kind_pays_no_heterogeneity_tax():

@@ -21,6 +21,7 @@ import re
 from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError, UnknownNameError, closest
+from hetspmd.hardware.efficiency import DATASHEET, Efficiency, check_chip, efficiency_for
 from hetspmd.passes._jax_adapter import reduced_precision_f32_matmuls
 
 GiB = 2**30
@@ -64,6 +65,10 @@ class DeviceSpec:
       computes it at the float32 rate, while float16 dots use the tensor
       cores (Volta, Turing) or run with float32 accumulation at the
       float32 rate (Pascal). See docs/cost-model.md.
+    chip: the chip (``gv100``, ``ga102``...) whose fitted efficiencies the
+      cost model prices a datasheet spec with
+      (:mod:`hetspmd.hardware.efficiency`); ``None``, or a chip no source
+      has measured: the uniform datasheet efficiencies.
   """
 
   name: str
@@ -77,8 +82,10 @@ class DeviceSpec:
   cache_write_bandwidth: float | None = None
   reduced_f32_flops: float | None = None
   fp16_flops: float | None = None
+  chip: str | None = None
 
   def __post_init__(self):
+    check_chip(self.chip, f"DeviceSpec {self.name!r}")
     if not self.name or not isinstance(self.name, str):
       raise InvalidValueError(f"DeviceSpec needs a non-empty name, got {self.name!r}")
     for field in ("fp32_flops", "bf16_flops", "memory_bytes", "memory_bandwidth"):
@@ -114,6 +121,11 @@ class DeviceSpec:
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def efficiency(self) -> Efficiency:
+    """Fractions of peak the cost model prices with: 1 when measured, else the chip's, else the datasheet's."""
+    return efficiency_for(self.chip, self.measured)
 
   def f32_matmul_flops(self, reduced_precision: bool = True) -> float:
     """FLOP/s of float32 matmuls: reduced-precision inputs where the device has them and ``reduced_precision`` allows.
@@ -156,25 +168,43 @@ class DeviceSpec:
 def mean_spec(specs: Sequence[DeviceSpec], name: str = "") -> DeviceSpec:
   """One device kind with the means of ``specs`` (one entry per device): each peak (float32, float32 matmuls
   with reduced-precision inputs, bfloat16), memory bandwidth (copy, read, cache write) and memory. A pool of
-  these has the same total peak, bandwidth and memory as the pool of ``specs``."""
+  these has the same total peak, bandwidth and memory as the pool of ``specs``, as the cost model prices them:
+  where the specs' efficiencies differ (:attr:`DeviceSpec.efficiency`), each rate is the mean of the achieved
+  rates over the datasheet efficiency."""
   specs = tuple(specs)
   if not specs:
     raise InvalidValueError("mean_spec needs at least one device spec")
-  mean = lambda values: float(sum(values)) / len(specs)
+  measured = all(s.measured for s in specs)
+  chips = {s.chip for s in specs}
+  alike = measured or (len(chips) == 1 and not any(s.measured for s in specs))
+  chip = next(iter(chips)) if alike and not measured else None
+
+  def mean(values, work):  # work(spec, value): "matrix", "vector" or "memory"
+    pairs = [(s, float(v)) for s, v in zip(specs, values)]
+    if alike:
+      return sum(v for _, v in pairs) / len(specs)
+    return sum(v * getattr(s.efficiency, work(s, v)) / getattr(DATASHEET, work(s, v)) for s, v in pairs) / len(specs)
+
+  peak = lambda s, value: "matrix" if value > s.fp32_flops else "vector"
+  vector = lambda s, value: "vector"
+  memory = lambda s, value: "memory"
   cached = all(s.cache_bytes is not None for s in specs)
   reduced = any(s.reduced_f32_flops is not None for s in specs)
   half = any(s.fp16_flops is not None for s in specs)
+  fp32 = mean((s.fp32_flops for s in specs), vector)
   return DeviceSpec(
       name=name or "mean(" + ",".join(dict.fromkeys(s.name for s in specs)) + ")",
-      fp32_flops=mean(s.fp32_flops for s in specs), bf16_flops=mean(s.bf16_flops for s in specs),
-      memory_bytes=int(mean(s.memory_bytes for s in specs)), memory_bandwidth=mean(s.memory_bandwidth for s in specs),
-      measured=all(s.measured for s in specs),
-      read_bandwidth=(mean(s.read_rate for s in specs) if any(s.read_bandwidth is not None for s in specs)
+      fp32_flops=fp32, bf16_flops=mean((s.bf16_flops for s in specs), peak),
+      memory_bytes=int(sum(s.memory_bytes for s in specs) / len(specs)),
+      memory_bandwidth=mean((s.memory_bandwidth for s in specs), memory),
+      measured=measured,
+      read_bandwidth=(mean((s.read_rate for s in specs), memory) if any(s.read_bandwidth is not None for s in specs)
                       else None),
-      cache_bytes=int(mean(s.cache_bytes for s in specs)) if cached else None,
-      cache_write_bandwidth=mean(s.cache_write_bandwidth for s in specs) if cached else None,
-      reduced_f32_flops=mean(s.f32_matmul_flops(True) for s in specs) if reduced else None,
-      fp16_flops=mean(s.float16_flops for s in specs) if half else None)
+      cache_bytes=int(sum(s.cache_bytes for s in specs) / len(specs)) if cached else None,
+      cache_write_bandwidth=mean((s.cache_write_bandwidth for s in specs), memory) if cached else None,
+      reduced_f32_flops=max(fp32, mean((s.f32_matmul_flops(True) for s in specs), peak)) if reduced else None,
+      fp16_flops=mean((s.float16_flops for s in specs), peak) if half else None,
+      chip=chip)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,57 +229,60 @@ class Link:
 
 
 def _spec(name: str, fp32_tflops: float, bf16_tflops: float, memory_gib: float, bandwidth_gbs: float, *,
-          reduced_f32_tflops: float | None = None, fp16_tflops: float | None = None) -> DeviceSpec:
+          reduced_f32_tflops: float | None = None, fp16_tflops: float | None = None,
+          chip: str | None = None) -> DeviceSpec:
   return DeviceSpec(name, fp32_tflops * TFLOPS, bf16_tflops * TFLOPS, int(memory_gib * GiB), bandwidth_gbs * GB,
                     reduced_f32_flops=reduced_f32_tflops * TFLOPS if reduced_f32_tflops else None,
-                    fp16_flops=fp16_tflops * TFLOPS if fp16_tflops else None)
+                    fp16_flops=fp16_tflops * TFLOPS if fp16_tflops else None, chip=chip)
 
 
 # name: DeviceSpec. Memory sizes are the marketed GB read as GiB (HBM stacks
-# are binary sized); bandwidth in GB/s as published.
+# are binary sized); bandwidth in GB/s as published. ``chip`` picks the efficiencies the cost model prices a
+# preset with (hetspmd.hardware.efficiency: fitted where a published source timed a kind with that chip, the
+# datasheet's elsewhere).
 DEVICE_PRESETS: dict[str, DeviceSpec] = {s.name: s for s in (
     # Before Ampere (sm_80) there is no bfloat16 math: a bfloat16 dot runs at the float32 rate (the second
     # number below); float16 dots (the last) use the tensor cores on Volta and Turing, and on Pascal run with
     # float32 accumulation, which XLA asks cuBLAS for, at the float32 rate (docs/cost-model.md).
     # NVIDIA Tesla P100 PCIe datasheet: 9.3 TF fp32, 18.7 TF fp16 (fp16 accumulation, which XLA does not use),
     # 16 GB, 732 GB/s
-    _spec("P100-16GB", 9.3, 9.3, 16, 732, fp16_tflops=9.3),
+    _spec("P100-16GB", 9.3, 9.3, 16, 732, fp16_tflops=9.3, chip="gp100"),
     # NVIDIA V100 datasheet (SXM2): 15.7 TF fp32, 125 TF fp16 tensor (fp32 accumulation), 900 GB/s
-    _spec("V100-16GB", 15.7, 15.7, 16, 900, fp16_tflops=125),
-    _spec("V100-32GB", 15.7, 15.7, 32, 900, fp16_tflops=125),
+    _spec("V100-16GB", 15.7, 15.7, 16, 900, fp16_tflops=125, chip="gv100"),
+    _spec("V100-32GB", 15.7, 15.7, 32, 900, fp16_tflops=125, chip="gv100"),
     # NVIDIA T4 datasheet: 8.1 TF fp32, 65 TF fp16 tensor (fp32 accumulation), 16 GB GDDR6, 320 GB/s
-    _spec("T4", 8.1, 8.1, 16, 320, fp16_tflops=65),
+    _spec("T4", 8.1, 8.1, 16, 320, fp16_tflops=65, chip="tu104"),
     # NVIDIA A10 datasheet (A10G is AWS's A10): 31.2 TF fp32, 62.5 TF tf32 / 125 TF bf16 tensor, 24 GB, 600 GB/s
-    _spec("A10G", 31.2, 125, 24, 600, reduced_f32_tflops=62.5),
+    _spec("A10G", 31.2, 125, 24, 600, reduced_f32_tflops=62.5, chip="ga102"),
     # NVIDIA L4 datasheet: 30.3 TF fp32, 60 TF tf32 / 121 TF bf16 tensor (dense), 24 GB, 300 GB/s
-    _spec("L4", 30.3, 121, 24, 300, reduced_f32_tflops=60),
+    _spec("L4", 30.3, 121, 24, 300, reduced_f32_tflops=60, chip="ad104"),
     # NVIDIA A100 datasheet (SXM): 19.5 TF fp32, 156 TF tf32 / 312 TF bf16 tensor, 1555 / 2039 GB/s
-    _spec("A100-40GB", 19.5, 312, 40, 1555, reduced_f32_tflops=156),
-    _spec("A100-80GB", 19.5, 312, 80, 2039, reduced_f32_tflops=156),
+    _spec("A100-40GB", 19.5, 312, 40, 1555, reduced_f32_tflops=156, chip="ga100"),
+    _spec("A100-80GB", 19.5, 312, 80, 2039, reduced_f32_tflops=156, chip="ga100"),
     # NVIDIA H100 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 80 GB, 3.35 TB/s
-    _spec("H100-80GB", 67, 989, 80, 3350, reduced_f32_tflops=494.5),
+    _spec("H100-80GB", 67, 989, 80, 3350, reduced_f32_tflops=494.5, chip="gh100"),
     # NVIDIA H200 datasheet (SXM): 67 TF fp32, 494.5 TF tf32 / 989 TF bf16 tensor (dense), 141 GB, 4.8 TB/s
-    _spec("H200", 67, 989, 141, 4800, reduced_f32_tflops=494.5),
+    _spec("H200", 67, 989, 141, 4800, reduced_f32_tflops=494.5, chip="gh100"),
     # NVIDIA Tesla P40 datasheet: 11.76 TF fp32, 24 GB GDDR5, 346 GB/s. GP102's own fp16 arithmetic runs at 1/64
     # of fp32, but a float16 dot with float32 accumulation (what XLA asks cuBLAS for) runs at the float32 rate:
     # Cephalo measured the P40's fp16 layers at about 5.7 TF/s (benson-guo/cephalo data/model_latencies.json)
-    _spec("P40", 11.76, 11.76, 24, 346, fp16_tflops=11.76),
+    _spec("P40", 11.76, 11.76, 24, 346, fp16_tflops=11.76, chip="gp102"),
     # NVIDIA RTX A6000 datasheet: 38.7 TF fp32, 77.4 TF tf32 / 154.8 TF fp16/bf16 tensor (dense), 48 GB GDDR6,
     # 768 GB/s
-    _spec("RTX-A6000", 38.7, 154.8, 48, 768, reduced_f32_tflops=77.4),
+    _spec("RTX-A6000", 38.7, 154.8, 48, 768, reduced_f32_tflops=77.4, chip="ga102"),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 35.6 TF fp32, 71 TF fp16 tensor (fp32 acc.), 936 GB/s
-    _spec("RTX3090", 35.6, 71, 24, 936),
+    _spec("RTX3090", 35.6, 71, 24, 936, chip="ga102"),
     # NVIDIA Ada whitepaper (RTX 4090): 82.6 TF fp32, 165.2 TF fp16 tensor (fp32 acc.), 1008 GB/s
-    _spec("RTX4090", 82.6, 165.2, 24, 1008),
+    _spec("RTX4090", 82.6, 165.2, 24, 1008, chip="ad102"),
     # AMD Instinct MI250X datasheet: 47.9 TF fp32 vector, 383 TF bf16 matrix, 128 GB, 3.2 TB/s
-    _spec("MI250X", 47.9, 383, 128, 3277),
+    _spec("MI250X", 47.9, 383, 128, 3277, chip="cdna2"),
     # AMD Instinct MI300X datasheet: 163.4 TF fp32, 1307 TF bf16 (dense), 192 GB, 5.3 TB/s
-    _spec("MI300X", 163.4, 1307.4, 192, 5300),
+    _spec("MI300X", 163.4, 1307.4, 192, 5300, chip="cdna3"),
     # Google Cloud TPU v4 docs: 275 TF bf16, 32 GiB HBM2, 1200 GB/s; float32 matmuls at HIGHEST precision
     # as 6 bf16 passes (lax.Precision), at JAX's default precision one
-    _spec("TPU-v4", 275 / 6, 275, 32, 1200, reduced_f32_tflops=275),
+    _spec("TPU-v4", 275 / 6, 275, 32, 1200, reduced_f32_tflops=275, chip="tpu-v4"),
     # Google Cloud TPU v5e docs: 197 TF bf16, 16 GiB HBM2, 819 GB/s; the same float32 passes
-    _spec("TPU-v5e", 197 / 6, 197, 16, 819, reduced_f32_tflops=197),
+    _spec("TPU-v5e", 197 / 6, 197, 16, 819, reduced_f32_tflops=197, chip="tpu-v5e"),
 )}
 
 # The names JAX reports as ``device.device_kind`` → preset names.

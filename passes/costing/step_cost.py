@@ -10,9 +10,11 @@ microbatch after the first writes its values of at most the spec's
 memory the step has already touched; the first microbatch writes every value
 at the memory rate (on CPUs, a program's fresh pages fault in on first
 write). Each node uses the peak for its dtype
-(bf16/fp16 peaks for low-precision contractions) and efficiencies from
-:data:`EFFICIENCY` for datasheet specs; measured specs (``hetspmd
-profile``) already hold achieved rates, so their efficiency is 1.
+(bf16/fp16 peaks for low-precision contractions) and the spec's
+``efficiency`` (:mod:`hetspmd.hardware.efficiency`): a matmul whose peak is
+above the float32 one runs on matrix units, at ``efficiency.matrix``, others
+at ``efficiency.vector``, memory traffic at ``efficiency.memory``. Measured
+specs (``hetspmd profile``) already hold achieved rates: efficiency 1.
 
 Memory is the peak of live intermediate values over the graph in program
 order (a value lives from its producer to its last consumer; step outputs
@@ -29,7 +31,7 @@ per node with the same fits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -38,9 +40,6 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes import remat
 from hetspmd.passes.costing.fusion import FUSIBLE, REDUCTIONS, fused_traffic, largest_written
 from hetspmd.passes.ir import Graph, Role, Source
-
-# Fraction of the datasheet peak reached in practice, per kind of work.
-EFFICIENCY: Mapping[str, float] = {"matmul": 0.6, "memory": 0.7}
 
 ACCUMULATOR_BYTES = 4  # gradients are accumulated over microbatches in float32
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
@@ -51,7 +50,8 @@ class Device(Protocol):
   """What the cost model reads of a device kind (:class:`hetspmd.hardware.devices.DeviceSpec` is one).
 
   Peaks in FLOP/s, rates in bytes/s; ``measured``: the numbers are achieved rates (efficiency 1);
-  ``cache_bytes``: the largest value a kernel writes into cache (None: no cache rate).
+  ``cache_bytes``: the largest value a kernel writes into cache (None: no cache rate);
+  ``efficiency``: the fractions of those peaks and rates reached (all 1 when ``measured``).
   """
 
   @property
@@ -80,9 +80,9 @@ class Device(Protocol):
 
   def f32_matmul_flops(self, reduced_precision: bool = True) -> float: ...
 
-
-def _efficiency(spec: Device, kind: str) -> float:
-  return 1.0 if spec.measured else EFFICIENCY[kind]
+  @property
+  def efficiency(self) -> Any:
+    """Fractions of peak reached: ``.matrix``, ``.vector``, ``.memory`` (:class:`hetspmd.hardware.efficiency.Efficiency`)."""
 
 
 def peak_live_bytes(graph: Graph, nodes: Sequence[int] | None = None, hand_on: bool = True) -> int:
@@ -338,13 +338,15 @@ class StepProfile:
     if self.f32_precision.size:
       f32 = np.select([self.f32_precision == 1, self.f32_precision == 2], [spec.f32_matmul_flops(True), spec.fp32_flops], f32)
     half = np.where(self.float16, spec.float16_flops, spec.bf16_flops) if self.float16.size else spec.bf16_flops
-    peak = np.where(self.low_precision, half, f32) * _efficiency(spec, "matmul")
+    rate = np.where(self.low_precision, half, f32)
+    efficiency = spec.efficiency
+    peak = rate * np.where(rate > spec.fp32_flops, efficiency.matrix, efficiency.vector)
     compute = np.where(self.matmul, flops / peak, 0.0)
     write_rate = spec.write_rate
     if not first and spec.cache_bytes is not None and len(self.write_sizes_fit):
       largest = self.write_sizes_fit[:, 0] + self.write_sizes_fit[:, 1] * batch
       write_rate = np.where(~self.per_step & (largest <= spec.cache_bytes), spec.cached_write_rate, spec.write_rate)
-    memory = (reads / spec.read_rate + writes / write_rate) / _efficiency(spec, "memory")
+    memory = (reads / spec.read_rate + writes / write_rate) / efficiency.memory
     return np.maximum(compute, memory) * self.counts
 
   def _seconds(self, spec: Device, batch: float, mask: np.ndarray) -> float:
@@ -413,7 +415,7 @@ class StepProfile:
     XLA fuses the add into the gradient's producer (a GEMM that adds into
     its output), so the extra traffic is one read of the accumulator.
     """
-    return ACCUMULATOR_BYTES * self.param_count / (spec.read_rate * _efficiency(spec, "memory"))
+    return ACCUMULATOR_BYTES * self.param_count / (spec.read_rate * spec.efficiency.memory)
 
   def step_fixed_seconds(self, spec: Device) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""
