@@ -56,9 +56,11 @@ BENCHES = (
     Bench("step_search", (), "measured",
           "`hetspmd search --step` on a Gemma-3-1B-shaped NNX step written as Flax's example writes it: seconds "
           "end to end (a fresh process, tracing included), the median of 3, against the goal of 15 s."),
-    Bench("published", (), "published",
-          "The cost model against published step times (NVIDIA's BERT-large on 8 V100s, AMP's and Cephalo's "
-          "measured runs): predicted, measured, and their ratio, each source in the script."),
+    Bench("published", ("--fit",), "published",
+          "The cost model against published step times (NVIDIA's BERT-large on 8 V100s and 8 A100s, AMP's and "
+          "Cephalo's measured runs): predicted, measured, and their ratio at each chip's efficiencies and at the "
+          "uniform datasheet ones, each source in the script; first the chips' efficiencies refitted to "
+          "Cephalo's rows."),
     Bench("stage_plans", (), "predicted",
           "The best pipeline-stage plan against the best plan of the search, on the `-scan` zoo models."),
     Bench("pipeline_estimate", (), "predicted",
@@ -100,7 +102,8 @@ BENCHES = (
           slow=True),
     Bench("regret", (), "predicted",
           "What planning on datasheet speeds costs where Cephalo's per-layer measurements say otherwise: each pool "
-          "searched on datasheet and on corrected speeds, both plans priced on the corrected ones."),
+          "searched at the uniform datasheet efficiencies, at the chips' fitted ones and on corrected speeds, each "
+          "plan priced on the corrected ones."),
     Bench("emulated_hetero_adaptive", ("--adaptive", "--steps", "10"), "measured",
           "The same slowed pair planned as if equally fast: the static split, the best static split (each "
           "device's measured rate) and the same plan rebalanced while training (hetspmd.Rebalance, loop times "

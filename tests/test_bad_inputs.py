@@ -131,7 +131,7 @@ LIBRARY = [
     ("zero devices (clear already)", lambda: hs.Cluster.parse("0xV100-32GB"), hs.InvalidValueError,
      "must be positive"),
     ("plan typo", lambda: _step(plan="serach"), hs.InvalidValueError,
-     r"'auto', 'search', a Plan, a GroupPlan, or the path.*did you mean plan='search'\?"),
+     r"'auto', 'search', a Plan, a GroupPlan, a plan's JSON object.*or the path.*did you mean plan='search'\?"),
     ("plan a number (clear already, now at parallelize())", lambda: _step(plan=3), hs.InvalidValueError,
      "plan must be 'auto', 'search'"),
     ("plan a folder", lambda: _step(plan=os.path.dirname(__file__)), hs.InvalidValueError, "a directory"),

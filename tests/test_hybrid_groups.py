@@ -307,13 +307,15 @@ def test_parallelize_places_a_hybrid_plans_state_split_before_the_first_call():
   ref.check(state.params, lambda s: s.params)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hybrid"])
-def test_groups_spanning_four_processes_of_one_device_shard_their_parameters(layout):
-  """4 processes x 1 CPU device (one process per device, as one process per GPU runs): plain FSDP as one group
-  over all four, or a hybrid plan of two groups each spanning two processes; every process feeds only its own
-  examples, and the metrics (and FSDP's whole state) match one device."""
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout,processes", [("fsdp", 4), ("hybrid", 4), ("fsdp", 8)])
+def test_groups_spanning_processes_of_one_device_shard_their_parameters(layout, processes):
+  """4 or 8 processes x 1 CPU device (one process per device, as one process per GPU runs): plain FSDP as one
+  group over all of them, or a hybrid plan of two groups each spanning half of them; every process feeds only its
+  own examples, and the metrics (and FSDP's whole state) match one device."""
   from multiprocess import group_child, run_processes
 
+  batch = 3 * processes  # counts of 2 and 1 microbatches of 2, alternating
   results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent(f"""
       from jax.experimental import multihost_utils
       from hetspmd.plan.groups import Group, group_plan
@@ -322,10 +324,13 @@ def test_groups_spanning_four_processes_of_one_device_shard_their_parameters(lay
       whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
       make = lambda: t.linen_state(t.LayerStack(scanned=True))
       every = tuple(i for p in ids for i in p)
-      groups = ([Group(every, 2, (2, 1, 2, 1), shard_params=True)] if {layout!r} == "fsdp" else
-                [Group(every[:2], 2, (2, 1), shard_params=True), Group(every[2:], 2, (1, 2), shard_params=True)])
-      plan = group_plan(groups, 12)
-      data = t.batches(12, steps=2)
+      half = len(every) // 2
+      counts = (2, 1) * half
+      groups = ([Group(every, 2, counts, shard_params=True)] if {layout!r} == "fsdp" else
+                [Group(every[:half], 2, counts[:half], shard_params=True),
+                 Group(every[half:], 2, counts[half:][::-1], shard_params=True)])
+      plan = group_plan(groups, {batch})
+      data = t.batches({batch}, steps=2)
       ref = reference(t.linen_step, make(), data)
       step = GroupedStep.across_processes(t.linen_step, plan)
       state = step.shard_state(make())
@@ -336,6 +341,6 @@ def test_groups_spanning_four_processes_of_one_device_shard_their_parameters(lay
         ref.check(jax.tree.map(whole, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
       print(json.dumps({{"groups": len(step.plan.groups), "hybrid": step.execution.hybrid,
                         "examples": len(step.process_examples())}}))
-  """), num_processes=4, devices_per_process=1, timeout=240)
+  """), num_processes=processes, devices_per_process=1, timeout=60 * processes)
   assert all(r["groups"] == (1 if layout == "fsdp" else 2) and r["hybrid"] for r in results), results
-  assert sum(r["examples"] for r in results) == 12 and all(0 < r["examples"] < 12 for r in results)
+  assert sum(r["examples"] for r in results) == batch and all(0 < r["examples"] < batch for r in results)

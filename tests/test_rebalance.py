@@ -246,6 +246,45 @@ def test_a_restart_from_the_saved_plan_resumes_the_balance(monkeypatch, tmp_path
   assert again.plan.microbatch_counts == (4, 12)
 
 
+def test_an_orbax_checkpoint_with_the_plan_resumes_the_balance_and_the_training(monkeypatch, tmp_path):
+  """The state and step.plan.to_json() saved as one orbax checkpoint (CheckpointManager, a Composite of
+  StandardSave and JsonSave); restored, plan=<the JSON object> runs the moved counts from its first call, and the
+  restarted run matches one device run straight through."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 2))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=1, smoothing=1.0, measure="device"))
+  batches = [w.synthetic_batch(i, batch=64) for i in range(3)]
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  for i, batch in enumerate(batches[:2]):
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  assert step.plan.microbatch_counts == (4, 12)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            plan=ocp.args.JsonSave(step.plan.to_json())))
+    manager.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(jax.tree.map(np.asarray, w.init_state(0))), plan=ocp.args.JsonRestore()))
+  again = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=restored.plan,
+                         global_batch=64)
+  state, metrics = again(again.shard_state(restored.state), batches[2])
+  assert again.plan.microbatch_counts == (4, 12)
+  ref.step(batches[2])
+  ref.check_metrics(metrics, 2)
+  ref.check(state)
+  with pytest.raises(hs.InvalidValueError, match="plan is a dict but not a plan's JSON object"):
+    hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan={"counts": [4, 12]}, global_batch=64)
+
+
 def test_lag_tells_the_loader_ahead(monkeypatch, tmp_path):
   """With lag=2 a decision at call 2 runs from call 4; process_examples(ahead=...) and the plan say so, and the
   history is written as JSON lines."""

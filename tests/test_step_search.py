@@ -7,7 +7,6 @@ fits a terminal; the JSON from Python and from the command line have the same ke
 pass instead.
 """
 
-import functools
 import json
 import os
 import sys

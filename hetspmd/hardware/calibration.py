@@ -1,7 +1,7 @@
 """Measured step times per device kind: what the cost model prices compute with where they exist.
 
-The cost model predicts a microbatch's seconds from datasheet (or profiled) FLOP/s and bandwidths, which is
-1.2-4.2x off per layer against published measurements. A :class:`Calibration` holds the step's own times,
+The cost model predicts a microbatch's seconds from datasheet (or profiled) FLOP/s and bandwidths at efficiencies
+fitted to one published stack (:mod:`hetspmd.hardware.efficiency`); another stack runs up to 1.6x apart from it. A :class:`Calibration` holds the step's own times,
 measured on each kind (:func:`hetspmd.runtime.calibrating.calibrate`): per kind, seconds per microbatch at one
 or more microbatch sizes (fitted as ``a + b x microbatch``, as Cephalo fits its layers) and the seconds per
 step that do not scale with the batch (the optimizer update). A :class:`~hetspmd.hardware.cluster.Cluster`

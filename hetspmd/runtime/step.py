@@ -111,6 +111,8 @@ class ParallelStep:
       requested, runtime = self.requested_plan, None
       if isinstance(requested, (str, os.PathLike)) and requested not in ("auto", "search"):
         requested = GroupPlan.load(requested) if is_group_plan_file(requested) else Plan.load(requested)
+      if isinstance(requested, dict):  # a plan's to_json(), as a checkpoint (orbax's JsonRestore) gives it back
+        requested = GroupPlan.from_json(requested) if "groups" in requested else Plan.from_json(requested)
       if isinstance(requested, (Plan, GroupPlan)):
         plan = requested
       elif requested == "auto":
@@ -385,7 +387,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     cluster: the devices, bound to JAX (``Cluster.from_devices``, ``.emulate``), or a preset, TOML file or
       spec string for ``jax.devices()`` in order; default ``Cluster.from_devices(jax.devices())``.
     plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
-      (:mod:`hetspmd.runtime.grouped`), or
+      (:mod:`hetspmd.runtime.grouped`), either's JSON object
+      (``step.plan.to_json()``, as saved beside an orbax checkpoint), or
       a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
       on the state and ``example_batch`` (or the first call's batch) and takes
       the best plan, or the best group plan where it is priced at least
@@ -508,10 +511,18 @@ def _check_plan_kinds(plan: Plan | GroupPlan, cluster: Cluster | None) -> None:
 
 
 def _check_plan_value(plan: Any) -> None:
-  """``plan`` is 'auto', 'search', a Plan, a GroupPlan or a path to an existing plan file."""
+  """``plan`` is 'auto', 'search', a Plan, a GroupPlan, a plan's JSON object or a path to an existing plan file."""
   if isinstance(plan, (Plan, GroupPlan)) or (isinstance(plan, str) and plan in ("auto", "search")):
     return
-  valid = "'auto', 'search', a Plan, a GroupPlan, or the path of an existing plan JSON file"
+  if isinstance(plan, dict):
+    try:
+      GroupPlan.from_json(plan) if "groups" in plan else Plan.from_json(plan)
+    except (KeyError, TypeError, ValueError) as e:
+      raise InvalidValueError(f"plan is a dict but not a plan's JSON object (what step.plan.to_json() gives): "
+                              f"{type(e).__name__}: {e}") from None
+    return
+  valid = ("'auto', 'search', a Plan, a GroupPlan, a plan's JSON object (step.plan.to_json()), or the path of an "
+           "existing plan JSON file")
   if not isinstance(plan, (str, os.PathLike)):
     raise InvalidValueError(f"plan must be {valid}, got {plan!r}")
   path = pathlib.Path(plan)
