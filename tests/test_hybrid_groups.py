@@ -344,3 +344,47 @@ def test_groups_spanning_processes_of_one_device_shard_their_parameters(layout, 
   """), num_processes=processes, devices_per_process=1, timeout=60 * processes)
   assert all(r["groups"] == (1 if layout == "fsdp" else 2) and r["hybrid"] for r in results), results
   assert sum(r["examples"] for r in results) == batch and all(0 < r["examples"] < batch for r in results)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("saved_under", ["single program", "hybrid"])
+def test_an_orbax_checkpoint_moves_between_forms_across_processes(saved_under, tmp_path):
+  """2 processes x 2 CPU devices: one step under one form (the single program over all four devices, or a hybrid
+  plan of one FSDP group per process), saved with orbax by both processes into one checkpoint, restored into the
+  other form's shardings, one more step there; both steps' metrics and the final state match one device."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent(f"""
+      import orbax.checkpoint as ocp
+      import jax.numpy as jnp
+      from jax.experimental import multihost_utils
+      import hetspmd as hs
+      from hetspmd.plan.groups import Group, group_plan
+
+      whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      data = t.batches(12, steps=2)
+      ref = reference(t.linen_step, make(), data)
+      hybrid = group_plan([Group(tuple(ids[0]), 2, (2, 1), shard_params=True),
+                           Group(tuple(ids[1]), 2, (1, 2), shard_params=True)], 12)
+      example = {{k: v[:2] for k, v in data[0].items()}}
+      single = hs.parallelize(t.linen_step, plan="auto", global_batch=12, example_batch=example)
+      grouped = hs.parallelize(t.linen_step, plan=hybrid, global_batch=12, example_batch=example)
+      first, second = (single, grouped) if {saved_under!r} == "single program" else (grouped, single)
+      state, metrics = first(first.shard_state(make()), fed(first, data[0]))
+      ref.check_metrics(jax.tree.map(whole, metrics), 0)
+      with ocp.CheckpointManager({str(tmp_path / "ckpt")!r}) as manager:
+        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+        template = make()
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=s),
+                              template, second.state_shardings(template))
+        restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+      state, metrics = second(restored, fed(second, data[1]))
+      ref.check_metrics(jax.tree.map(whole, metrics), 1)
+      ref.check(jax.tree.map(whole, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
+      print(json.dumps({{"grouped": grouped.grouped, "single": not single.grouped,
+                        "examples": [len(single.process_examples()), len(grouped.process_examples())]}}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  assert all(r["grouped"] and r["single"] for r in results), results
+  assert [sum(r["examples"][i] for r in results) for i in (0, 1)] == [12, 12]
