@@ -194,21 +194,23 @@ def _scripted(times):
   return lambda self, front, args, kwargs: next(it)
 
 
-def test_rebalanced_steps_stay_exact_and_compile_once_per_counts(monkeypatch):
-  """Scripted measurements move the counts [12, 4] -> [4, 12] -> [12, 4], each after two measurements agree:
-  each set builds its program once
-  (going back compiles nothing), each step matches one device in float64, and the history says what moved."""
+def test_rebalanced_steps_stay_exact_and_compile_only_for_new_buffers(monkeypatch):
+  """Scripted measurements move the counts [12, 4] -> [4, 12] -> [12, 4] -> [8, 8], each after two measurements
+  agree. The first three share one program (the counts are read at run time, the buffers hold 12 microbatches
+  each); [8, 8] is uniform with smaller buffers, so it builds one more. Each step matches one device in float64,
+  and the history says what moved."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   w = _workload()
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
   slow_p100 = {"V100-32GB": (1e-3, 1e-4), "P100-16GB": (3e-3, 1e-4)}
   slow_v100 = {"V100-32GB": (3e-3, 1e-4), "P100-16GB": (1e-3, 1e-4)}
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([slow_v100] * 2 + [slow_p100] * 4))
+  equal = {"V100-32GB": (1e-3, 1e-4), "P100-16GB": (1e-3, 1e-4)}
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([slow_v100] * 2 + [slow_p100] * 4 + [equal] * 3))
   plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
                         rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, measure="device"))
-  batches = [w.synthetic_batch(i, batch=64) for i in range(6)]
+  batches = [w.synthetic_batch(i, batch=64) for i in range(9)]
   ref = Reference(w.make_train_step(), w.init_state(0))
   state = step.shard_state(w.init_state(0))
   counts = []
@@ -218,11 +220,40 @@ def test_rebalanced_steps_stay_exact_and_compile_once_per_counts(monkeypatch):
     ref.step(batch)
     ref.check_metrics(metrics, i)
   ref.check(state)
-  assert counts == [(12, 4), (4, 12), (4, 12), (12, 4), (12, 4), (12, 4)]
+  assert counts == [(12, 4), (4, 12), (4, 12), (12, 4), (12, 4), (12, 4), (12, 4), (8, 8), (8, 8)]
   assert step.rebalancer.compiles == 2
   moved = [(h["call"], h["moved_to"], h["applies_at"]) for h in step.history if h["moved_to"]]
-  assert moved == [(2, [4, 12], 2), (4, [12, 4], 4)]
+  assert moved == [(2, [4, 12], 2), (4, [12, 4], 4), (8, [8, 8], 8)]
   assert "rebalancing: every 1 call(s)" in step.explain() and "-> [12, 4] from call 4" in step.explain()
+
+
+def test_a_program_that_orders_per_example_outputs_by_the_counts_is_not_shared():
+  """A step returning per-example values (logits) puts them in global order from the counts when traced: new
+  counts build their own program, and both orders are right."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  from hetspmd.runtime.single import SingleRunner
+
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+
+  def step_fn(params, batch):
+    logits = batch["x"] @ params
+    return params, {"logits": logits, "loss": (logits ** 2).mean()}
+
+  params = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+  batch = {"x": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 100}
+  outputs = {}
+  for counts in ((12, 4), (4, 12)):
+    plan = hs.plan_for(cluster, params, global_batch=64, microbatch=4, counts=counts)
+    step = hs.parallelize(step_fn, cluster=cluster, plan=plan, global_batch=64)
+    outputs[counts] = step(step.shard_state(params), batch)[1]["logits"]
+    runner = step._runner
+  other = SingleRunner.of(step, plan.replace(microbatch_counts=(12, 4)))
+  assert not other.adopt(runner)
+  x, w = batch["x"].astype(np.float64), params.astype(np.float64)
+  bound = 4 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w))  # float32 dots of 4 terms, against float64
+  for logits in outputs.values():  # each in the global batch's order
+    assert np.all(np.abs(np.asarray(logits, np.float64) - x @ w) <= bound)
 
 
 def test_a_restart_from_the_saved_plan_resumes_the_balance(monkeypatch, tmp_path):

@@ -20,7 +20,8 @@ relays, reduce-scatters, rows).
 """
 
 from hetspmd.lowering.program import Layout as Layout
+from hetspmd.lowering.program import counts_fixed_when_traced as counts_fixed_when_traced
 from hetspmd.lowering.program import recompute_factor as recompute_factor
 from hetspmd.lowering.weighted import build as build
 
-__all__ = ["Layout", "build", "recompute_factor"]
+__all__ = ["Layout", "build", "counts_fixed_when_traced", "recompute_factor"]

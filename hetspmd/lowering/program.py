@@ -61,6 +61,14 @@ class Layout:
     return self.counts[0] if len(set(self.counts)) == 1 else None
 
 
+def counts_fixed_when_traced(analysis: Any) -> bool:
+  """Whether a single program built from ``analysis`` reads the microbatch counts when it is traced, not only
+  as its ``counts`` argument: a step output that keeps the batch axis (logits among the metrics) is put back in
+  global order from :attr:`Layout.counts`. Otherwise one program runs any counts that keep the layout's
+  ``max_count``, ``uniform_count`` and ``overlap_microbatches``."""
+  return any(not jx.is_literal(v) and v in analysis.axes for v in jx.outvars(analysis.jaxpr))
+
+
 def microbatch_params(eqn, decision, m: int) -> dict[str, Any]:
   name = jx.primitive_name(eqn)
   params = dict(eqn.params)

@@ -71,6 +71,20 @@ class SingleRunner:
   def program_count(self) -> int:
     return len(self._programs)
 
+  def adopt(self, other: "SingleRunner") -> bool:
+    """Run ``other``'s programs where they run this plan: the same plan but its microbatch counts, which those
+    programs read at run time (the same buffers: ``max_count``; the same loop: uniform or not, the same
+    overlapped microbatches; no per-example output ordered by the counts when traced). Then new counts compile
+    nothing. Whether it did."""
+    mine, theirs = self.plan, other.plan
+    same = (theirs.replace(microbatch_counts=mine.microbatch_counts) == mine and mine.max_count == theirs.max_count
+            and (mine.is_uniform, min(mine.microbatch_counts)) == (theirs.is_uniform, min(theirs.microbatch_counts)))
+    if not same or other._analysis is None or lowering.counts_fixed_when_traced(other._analysis) or mine.stages:
+      return False
+    self._programs, self._analysis, self._lockstep, self._last = (other._programs, other._analysis,
+                                                                  other._lockstep, other._last)
+    return True
+
   # --- placing ------------------------------------------------------------------
 
   def check_state(self, state: Any) -> None:
