@@ -197,8 +197,8 @@ def _scripted(times):
 def test_rebalanced_steps_stay_exact_and_compile_only_for_new_buffers(monkeypatch):
   """Scripted measurements move the counts [12, 4] -> [4, 12] -> [12, 4] -> [8, 8], each after two measurements
   agree. The first three share one program (the counts are read at run time, the buffers hold 12 microbatches
-  each); [8, 8] is uniform with smaller buffers, so it builds one more. Each step matches one device in float64,
-  and the history says what moved."""
+  each); [8, 8] keeps those buffers, but a uniform loop is another program, so it builds one more. Each step
+  matches one device in float64, and the history says what moved."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   w = _workload()
@@ -225,6 +225,56 @@ def test_rebalanced_steps_stay_exact_and_compile_only_for_new_buffers(monkeypatc
   moved = [(h["call"], h["moved_to"], h["applies_at"]) for h in step.history if h["moved_to"]]
   assert moved == [(2, [4, 12], 2), (4, [12, 4], 4), (8, [8, 8], 8)]
   assert "rebalancing: every 1 call(s)" in step.explain() and "-> [12, 4] from call 4" in step.explain()
+
+
+def test_counts_that_outgrow_the_buffers_get_room_and_the_moves_after_compile_nothing(monkeypatch):
+  """From [8, 8] the counts move to [10, 6]: the buffers grow to 13 slots (25% room), one program; [11, 5] and
+  [12, 4] then fit them and run that program. Every step matches one device; the saved plan keeps the slots."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  times = lambda a, b: {"V100-32GB": (a * 1e-3, 0.0), "P100-16GB": (b * 1e-3, 0.0)}
+  monkeypatch.setattr(Rebalancer, "timed", _scripted([times(1, 1)] * 2 + [times(6, 10)] * 2 + [times(5, 11)] * 2
+                                                     + [times(4, 12)] * 2))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(8, 8))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, measure="device"))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  seen = []
+  for i in range(8):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+    seen.append((step.plan.microbatch_counts, step.plan.max_count, step.rebalancer.compiles))
+  ref.check(state)
+  assert seen[0] == ((8, 8), 8, 1) and seen[3] == ((10, 6), 13, 2)
+  assert seen[5][:2] == ((11, 5), 13) and seen[7] == ((12, 4), 13, 2)
+  assert hs.Plan.from_json(step.plan.to_json()).max_count == 13
+
+
+@pytest.mark.parametrize("before,counts,lockstep,slots", [
+    ((8, 8, 0), (10, 6), False, 13),    # outgrows 8: the largest count and a quarter more
+    ((10, 6, 13), (12, 4), False, 13),  # fits the buffers of 13: kept
+    ((8, 8, 0), (15, 1), False, 16),    # room never above the whole batch's microbatches
+    ((8, 8, 0), (10, 6), True, 0),      # a lockstep loop runs every slot: none beyond the largest count
+    ((8, 8, 0), (10, 6), None, 0),      # not built yet: no room
+])
+def test_slots_for_new_counts(before, counts, lockstep, slots):
+  from hetspmd.runtime.rebalancing import slots_for
+
+  plan = hs.Plan(("data", "model"), (2, 1), (0, 1), 64, 4, before[:2], slots=before[2])
+  assert slots_for(plan, counts, lockstep) == slots
+
+
+def test_plan_slots_are_checked_and_kept():
+  plan = hs.Plan(("data", "model"), (2, 1), (0, 1), 64, 4, (10, 6), slots=13)
+  assert plan.max_count == 13 and hs.Plan.from_json(plan.to_json()) == plan
+  assert plan.replace(slots=4).max_count == 10  # below the largest count: the largest count
+  with pytest.raises(InvalidValueError, match="slots must be a non-negative integer"):
+    plan.replace(slots=-1)
 
 
 def test_a_program_that_orders_per_example_outputs_by_the_counts_is_not_shared():

@@ -62,6 +62,9 @@ class Plan:
   overlap_microbatches: int = 1
   # layers per pipeline stage along the ``stage`` axis (hetspmd.lowering.staged); () for none
   stages: tuple[int, ...] = ()
+  # microbatches each position's batch buffer holds, when above the largest count (0: the largest count): room
+  # that rebalancing leaves so that later counts run the same program (hetspmd.runtime.rebalancing)
+  slots: int = 0
   device_kinds: tuple[str, ...] = ()
   predicted: tuple[tuple[str, float], ...] = ()
   predicted_per_position: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -94,7 +97,8 @@ class Plan:
 
   @property
   def max_count(self) -> int:
-    return max(self.microbatch_counts)
+    """Microbatch slots of each position's buffer: the largest count, or :attr:`slots` where above it."""
+    return max(max(self.microbatch_counts), self.slots)
 
   @property
   def is_uniform(self) -> bool:
@@ -220,6 +224,7 @@ class Plan:
         "overlap_reduction": self.overlap_reduction,
         "overlap_microbatches": self.overlap_microbatches,
         "stages": list(self.stages),
+        "slots": self.slots,
         "state_specs": {path: [list(e) if isinstance(e, tuple) else e for e in spec] for path, spec in self.state_specs},
         "predicted": dict(self.predicted),
         "predicted_per_position": {k: list(v) for k, v in self.predicted_per_position},
@@ -245,6 +250,7 @@ class Plan:
           overlap_reduction=_json_bool(data.get("overlap_reduction", False), "overlap_reduction"),
           overlap_microbatches=_json_int(data.get("overlap_microbatches", 1), "overlap_microbatches"),
           stages=tuple(int(n) for n in data.get("stages", ())),
+          slots=_json_int(data.get("slots", 0), "slots"),
           state_specs=tuple((p, tuple(tuple(e) if isinstance(e, list) else e for e in spec))
                             for p, spec in data["state_specs"].items()),
           predicted=tuple((k, float(v)) for k, v in data.get("predicted", {}).items()),
@@ -308,6 +314,10 @@ def _check_plan(plan: Plan) -> None:
                             f"{plan.mesh_shape[0]} positions of the {plan.axis_names[0]!r} axis")
   if any(c < 0 for c in plan.microbatch_counts) or not any(plan.microbatch_counts):
     raise InvalidValueError(f"microbatch counts must be non-negative and not all zero, got {plan.microbatch_counts}")
+  if isinstance(plan.slots, bool) or not isinstance(plan.slots, int) or plan.slots < 0:
+    raise InvalidValueError(f"plan slots must be a non-negative integer (0: the largest count), got {plan.slots!r}")
+  if plan.slots and plan.stages:
+    raise InvalidValueError("a staged plan's buffers hold its largest count: slots must be 0")
   if plan.microbatch < 1:
     raise InvalidValueError(f"microbatch must be a positive integer, got {plan.microbatch}")
   if sum(plan.microbatch_counts) * plan.microbatch != plan.global_batch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 import time
 import warnings
@@ -30,6 +31,8 @@ from hetspmd.runtime import placement
 from hetspmd.runtime.calibrating import KindTimer, gathered, local_kind_devices
 
 WARN_ABOVE = 0.25  # measured against predicted: a warning past this relative difference
+# room a single program's buffers get when new counts outgrow them: later moves within it compile nothing
+SLOT_HEADROOM = 0.25
 
 
 @dataclasses.dataclass
@@ -118,8 +121,11 @@ class Rebalancer:
   def _apply(self, front: Any, counts: tuple[int, ...]) -> None:
     if counts not in self._runners:
       runner = front._runner
-      new = type(runner).of(front, with_counts(runner.plan, counts))
-      if hasattr(new, "adopt"):  # a single program reads the counts at run time: often nothing to compile
+      plan = with_counts(runner.plan, counts)
+      if not runner.grouped:  # a single program reads the counts at run time: often nothing to compile
+        plan = plan.replace(slots=slots_for(runner.plan, counts, runner.lockstep))
+      new = type(runner).of(front, plan)
+      if not runner.grouped:
         any(new.adopt(r) for r in self._runners.values())
       self._runners[counts] = new
     front._runner = self._runners[counts]
@@ -297,6 +303,17 @@ def plan_counts(plan: Any) -> tuple[int, ...]:
   if isinstance(plan, GroupPlan):
     return tuple(c for g in plan.groups for c in g.counts)
   return plan.microbatch_counts
+
+
+def slots_for(plan: Any, counts: tuple[int, ...], lockstep: bool | None) -> int:
+  """The buffer slots a single program of ``plan`` gets for new ``counts``: the current buffers where the
+  counts fit them, else the largest count and :data:`SLOT_HEADROOM` more, so that the moves after it compile
+  nothing. A loop that runs in lockstep runs every slot (masked): there, none beyond the largest count."""
+  if lockstep is not False:
+    return 0
+  if max(counts) <= plan.max_count:
+    return plan.max_count
+  return min(sum(counts), math.ceil(max(counts) * (1 + SLOT_HEADROOM)))
 
 
 def with_counts(plan: Any, counts: tuple[int, ...]) -> Any:

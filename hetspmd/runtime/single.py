@@ -73,12 +73,12 @@ class SingleRunner:
 
   def adopt(self, other: "SingleRunner") -> bool:
     """Run ``other``'s programs where they run this plan: the same plan but its microbatch counts, which those
-    programs read at run time (the same buffers: ``max_count``; the same loop: uniform or not, the same
-    overlapped microbatches; no per-example output ordered by the counts when traced). Then new counts compile
-    nothing. Whether it did."""
+    programs read at run time (the same buffers: ``max_count``, slots included; neither uniform, whose loop
+    runs its count as a constant; no per-example output ordered by the counts when traced). Then new counts compile nothing. Whether it
+    did."""
     mine, theirs = self.plan, other.plan
-    same = (theirs.replace(microbatch_counts=mine.microbatch_counts) == mine and mine.max_count == theirs.max_count
-            and (mine.is_uniform, min(mine.microbatch_counts)) == (theirs.is_uniform, min(theirs.microbatch_counts)))
+    same = (theirs.replace(microbatch_counts=mine.microbatch_counts, slots=mine.slots) == mine
+            and mine.max_count == theirs.max_count and not mine.is_uniform and not theirs.is_uniform)
     if not same or other._analysis is None or lowering.counts_fixed_when_traced(other._analysis) or mine.stages:
       return False
     self._programs, self._analysis, self._lockstep, self._last = (other._programs, other._analysis,
