@@ -16,12 +16,13 @@ autocast). ``python benchmarks/published.py --fit`` refits them and checks
 them against the other source, NVIDIA's tuned BERT-large tables. Chips no
 source has timed, and specs whose ``chip`` is ``None``, use
 :data:`DATASHEET`. The key is the chip, not its generation: a P40 (GP102)
-and a P100 (GP100) reach 0.47 and 0.66 of one float32 peak in those
-timings, and the L4 (AD104, capped at 72 W) a fraction of what an RTX 4090
-(AD102) would. Memory efficiency is not fitted: the layer is matmul-bound
-on every kind, so its time does not constrain it.
+and a P100 (GP100) reach 0.48 and 0.66 of their float32 peaks in those
+timings, and the L4's 0.12 (AD104, capped at 72 W) says nothing of an
+RTX 4090 (AD102), which keeps the datasheet's. Memory efficiency is not
+fitted: the layer is matmul-bound on every kind, so its time does not
+constrain it.
 
-This module measures nothing and imports nothing of the package.
+This module measures nothing; of the package it imports only the errors.
 """
 
 from __future__ import annotations
