@@ -368,3 +368,16 @@ def test_an_unknown_chip_is_refused_and_a_known_one_survives_toml(tmp_path):
   path.write_text(hetspmd.hardware.cluster.to_toml(cluster))
   back = Cluster.load(path)
   assert back.spec_of("V100-PCIe") == custom and back.spec_of("V100-PCIe").efficiency.matrix < 0.6
+
+
+def test_a_cluster_says_what_each_kinds_compute_is_priced_from():
+  from hetspmd.hardware.calibration import Calibration, KindTiming
+
+  cluster = Cluster.parse("2xA100-80GB+2xV100-32GB")
+  assert cluster.pricing() == [
+      "A100-80GB: datasheet peaks at the datasheet efficiencies (matrix 0.60, vector 0.60, memory 0.70)",
+      "V100-32GB: datasheet peaks at gv100's fitted efficiencies (matrix 0.31, vector 0.80, memory 0.70)"]
+  timed = cluster.calibrated(Calibration("step", (KindTiming("V100-32GB", ((2, 0.01), (4, 0.02)), 0.001),)))
+  assert timed.pricing()[1] == "V100-32GB: the step's measured times (2 microbatch size(s))"
+  measured = hetspmd.hardware.device_spec("cpu")
+  assert Cluster.parse("2xcpu").pricing() == [f"{measured.name}: a measured spec (hetspmd profile)"]

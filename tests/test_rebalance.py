@@ -497,9 +497,12 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   ref.check_metrics(metrics, 0)
   ref.check(state)
   assert step.calibration == cal
+  assert "the search priced compute from:\n    V100-32GB: the step's measured times (2 microbatch size(s)" in (
+      step.explain())
   auto = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
   auto(w.init_state(0), batch)
   assert auto.calibration is None
+  assert "P100-16GB: datasheet peaks at gp100's fitted efficiencies (matrix 0.66" in auto.explain()
   from hetspmd.runtime import calibrating
 
   assert not calibrating.wanted("auto", hs.Cluster.from_devices(jax.devices()))  # measured, but CPU devices

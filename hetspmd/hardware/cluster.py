@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError, UnknownNameError, closest
 from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
                                       preset_for_device_kind)
+from hetspmd.hardware.efficiency import CHIPS
 from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec
 
 DEFAULT_INTER = "25Gbps"
@@ -154,6 +155,24 @@ class Cluster:
         raise InvalidValueError(f"the calibration times kinds {unknown} that this cluster does not have "
                                 f"(it has {', '.join(self.kinds)})")
     return dataclasses.replace(self, calibration=calibration)
+
+  def pricing(self) -> list[str]:
+    """One line per kind: what its compute is priced from (the step's measured times, a measured spec, or datasheet
+    peaks at its chip's efficiencies or the datasheet's)."""
+    lines = []
+    for kind in self.kinds:
+      spec, timing = self.spec_of(kind), self.calibration.of(kind) if self.calibration else None
+      e = spec.efficiency
+      if timing is not None:
+        how = f"the step's measured times ({len(timing.points)} microbatch size(s))"
+      elif spec.measured:
+        how = "a measured spec (hetspmd profile)"
+      else:
+        whose = f"{spec.chip}'s fitted" if spec.chip in CHIPS else "the datasheet"
+        how = (f"datasheet peaks at {whose} efficiencies (matrix {e.matrix:.2f}, vector {e.vector:.2f}, "
+               f"memory {e.memory:.2f})")
+      lines.append(f"{kind}: {how}")
+    return lines
 
   # --- views -------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class ParallelStep:
   calibration: Calibration | None = None  # the step's measured times the search prices on (given, or measured)
   _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
   _note: str = ""  # the search's word on why the plan is (or is not) a group plan
+  _pricing: tuple[str, ...] = ()  # what the search priced each kind's compute from (Cluster.pricing)
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -123,7 +124,9 @@ class ParallelStep:
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         if self.calibration is None and calibrating.wanted(self.calibrating, cluster):
           self.calibration = self._calibrate_example(state, cluster)
-        searched = searched_plan(self, cluster.calibrated(self.calibration), state, self._search_trace(trace))
+        priced = cluster.calibrated(self.calibration)
+        searched = searched_plan(self, priced, state, self._search_trace(trace))
+        self._pricing = tuple(priced.pricing())
         plan, runtime, self._note = searched.plan, searched.runtime, searched.note
       else:
         raise InvalidValueError(
@@ -326,6 +329,8 @@ class ParallelStep:
       notes.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
     if self._note:
       notes.append(f"  note: {self._note}")
+    if self._pricing:
+      notes += ["  the search priced compute from:"] + [f"    {line}" for line in self._pricing]
     if self.rebalancer is not None:
       notes += self.rebalancer.describe()
     return self._resolve(None).explain(notes)
