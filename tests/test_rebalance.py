@@ -194,22 +194,32 @@ def _scripted(times):
   return lambda self, front, args, kwargs: next(it)
 
 
+SLOW_V100 = {"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}
+
+
+def _scripted_step(monkeypatch, times, counts, **options):
+  """The MLP on an emulated V100 beside a P100 (64 examples, microbatch 4, ``counts``), rebalanced every call on
+  the scripted ``times`` (``Rebalance(every=1, smoothing=1.0, measure="device", **options)``)."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  monkeypatch.setattr(Rebalancer, "timed", _scripted(times))
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=counts)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, smoothing=1.0, measure="device", **options))
+  return w, cluster, step
+
+
 def test_rebalanced_steps_stay_exact_and_compile_only_for_new_buffers(monkeypatch):
   """Scripted measurements move the counts [12, 4] -> [4, 12] -> [12, 4] -> [8, 8], each after two measurements
   agree. The first three share one program (the counts are read at run time, the buffers hold 12 microbatches
   each); [8, 8] keeps those buffers, but a uniform loop is another program, so it builds one more. Each step
   matches one device in float64, and the history says what moved."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = _workload()
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
   slow_p100 = {"V100-32GB": (1e-3, 1e-4), "P100-16GB": (3e-3, 1e-4)}
   slow_v100 = {"V100-32GB": (3e-3, 1e-4), "P100-16GB": (1e-3, 1e-4)}
   equal = {"V100-32GB": (1e-3, 1e-4), "P100-16GB": (1e-3, 1e-4)}
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([slow_v100] * 2 + [slow_p100] * 4 + [equal] * 3))
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, measure="device"))
+  w, _, step = _scripted_step(monkeypatch, [slow_v100] * 2 + [slow_p100] * 4 + [equal] * 3, (12, 4), confirm=2)
   batches = [w.synthetic_batch(i, batch=64) for i in range(9)]
   ref = Reference(w.make_train_step(), w.init_state(0))
   state = step.shard_state(w.init_state(0))
@@ -230,16 +240,9 @@ def test_rebalanced_steps_stay_exact_and_compile_only_for_new_buffers(monkeypatc
 def test_counts_that_outgrow_the_buffers_get_room_and_the_moves_after_compile_nothing(monkeypatch):
   """From [8, 8] the counts move to [10, 6]: the buffers grow to 13 slots (25% room), one program; [11, 5] and
   [12, 4] then fit them and run that program. Every step matches one device; the saved plan keeps the slots."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = _workload()
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
   times = lambda a, b: {"V100-32GB": (a * 1e-3, 0.0), "P100-16GB": (b * 1e-3, 0.0)}
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([times(1, 1)] * 2 + [times(6, 10)] * 2 + [times(5, 11)] * 2
-                                                     + [times(4, 12)] * 2))
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(8, 8))
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, measure="device"))
+  w, _, step = _scripted_step(monkeypatch, [times(1, 1)] * 2 + [times(6, 10)] * 2 + [times(5, 11)] * 2
+                              + [times(4, 12)] * 2, (8, 8), confirm=2)
   ref = Reference(w.make_train_step(), w.init_state(0))
   state = step.shard_state(w.init_state(0))
   seen = []
@@ -309,14 +312,7 @@ def test_a_program_that_orders_per_example_outputs_by_the_counts_is_not_shared()
 def test_a_restart_from_the_saved_plan_resumes_the_balance(monkeypatch, tmp_path):
   """After a move, step.plan is the plan with the counts in force: saved and given to a new parallelize, the
   restarted step runs those counts from its first call."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = _workload()
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 2))
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=1, smoothing=1.0, measure="device"))
+  w, cluster, step = _scripted_step(monkeypatch, [SLOW_V100] * 2, (12, 4), confirm=1)
   state = step.shard_state(w.init_state(0))
   state, _ = step(state, w.synthetic_batch(0, batch=64))
   assert step.plan.microbatch_counts == (4, 12)
@@ -332,14 +328,7 @@ def test_an_orbax_checkpoint_with_the_plan_resumes_the_balance_and_the_training(
   StandardSave and JsonSave); restored, plan=<the JSON object> runs the moved counts from its first call, and the
   restarted run matches one device run straight through."""
   ocp = pytest.importorskip("orbax.checkpoint")
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = _workload()
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 2))
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=1, smoothing=1.0, measure="device"))
+  w, cluster, step = _scripted_step(monkeypatch, [SLOW_V100] * 2, (12, 4), confirm=1)
   batches = [w.synthetic_batch(i, batch=64) for i in range(3)]
   ref = Reference(w.make_train_step(), w.init_state(0))
   state = step.shard_state(w.init_state(0))
@@ -369,14 +358,7 @@ def test_an_orbax_checkpoint_with_the_plan_resumes_the_balance_and_the_training(
 def test_lag_tells_the_loader_ahead(monkeypatch, tmp_path):
   """With lag=2 a decision at call 2 runs from call 4; process_examples(ahead=...) and the plan say so, and the
   history is written as JSON lines."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = _workload()
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
-  monkeypatch.setattr(Rebalancer, "timed", _scripted([{"V100-32GB": (3e-3, 0.0), "P100-16GB": (1e-3, 0.0)}] * 9))
-  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(12, 4))
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
-                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0, lag=2, measure="device"))
+  w, _, step = _scripted_step(monkeypatch, [SLOW_V100] * 9, (12, 4), confirm=2, lag=2)
   state = step.shard_state(w.init_state(0))
   batch = w.synthetic_batch(0, batch=64)
   seen = []
