@@ -58,17 +58,30 @@ class KindTimer:
            repeats: int = REPEATS) -> list[tuple[int, int, float]]:
     """``(microbatch, count, median seconds)`` for each size and count, the step run on this device alone on the
     call's arguments (``args`` as the front binds them: static ones marked), its batch cut (or repeated) to
-    ``count x microbatch`` examples."""
+    ``count x microbatch`` examples. A size's counts are timed in turn, round after round (each program run once
+    untimed the first time, which compiles): a slow spell on a shared host then falls on every count alike
+    instead of on the one timed during it, and the difference between counts (a microbatch's seconds) keeps."""
     at = batch_positions(self.front, args)
     found = []
     for size in sizes:
+      calls = []
       for count in counts:
         first = (size, count) not in self._runners
         runner = self._runner(size, count, at, args)
         cut = tuple(_examples(a, count * size * self.width) if i in at else a for i, a in enumerate(args))
-        found.append((size, count, statistics.median(runner.timed(cut, kwargs, self._here, repeats, warm=first))))
+        calls.append(runner.prepared(cut, kwargs, self._here))
+        if first:
+          calls[-1]()
         if self.fingerprint is None:
           self.fingerprint = fingerprint(runner.analysis.jaxpr)
+      seconds = [[] for _ in counts]
+      for r in range(repeats):
+        order = range(len(counts)) if r % 2 == 0 else reversed(range(len(counts)))  # ABBA: a trend cancels
+        for j in order:
+          start = now()
+          calls[j]()
+          seconds[j].append(now() - start)
+      found.extend((size, count, statistics.median(s)) for count, s in zip(counts, seconds))
     return found
 
   def timing(self, kind: str, args: tuple, kwargs: dict, sizes: Sequence[int], **options: Any) -> KindTiming:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable
 
 import jax
@@ -120,25 +119,17 @@ class SingleRunner:
                        self._starts())
     return call.finish(outputs)
 
-  def timed(self, args: tuple, kwargs: dict, here: Callable[[list], list], repeats: int,
-            warm: bool = True) -> list[float]:
-    """Seconds of ``repeats`` runs of the program on the call's arguments, after one untimed run where
-    ``warm`` (the first, which compiles), the state and other arguments moved with ``here`` (onto this plan's devices), no buffer donated
-    and nothing written back: the outputs are dropped. For timing a kind (:mod:`hetspmd.runtime.calibrating`)."""
+  def prepared(self, args: tuple, kwargs: dict, here: Callable[[list], list]) -> Callable[[], None]:
+    """A call that runs the program once on the call's arguments and waits for it, the state and other
+    arguments moved with ``here`` (onto this plan's devices), no buffer donated and nothing written back: the
+    outputs are dropped. For timing a kind (:mod:`hetspmd.runtime.calibrating`)."""
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     compiled = self._executable(call)
     state, others = call.dynamic
     n_batch = len(call.batch_inputs)
     state, others = here(state), others[:n_batch] + here(others[n_batch:])
-    run = lambda: jax.block_until_ready(compiled(state, others, call.batch.counts, self._starts()))
-    if warm:
-      run()
-    seconds = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      run()
-      seconds.append(time.perf_counter() - start)
-    return seconds
+    counts, starts = call.batch.counts, self._starts()
+    return lambda: jax.block_until_ready(compiled(state, others, counts, starts))
 
   def lower(self, args: tuple, kwargs: dict) -> Any:
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
