@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import linen as nn
@@ -107,3 +108,32 @@ def test_parallelize_passes_specs_to_auto_plans():
                         specs={"layers/0/kernel": ("data", None)})
   step.shard_state(workload.init_state(0))
   assert dict(step.plan.state_specs)["params/layers/0/kernel"] == ("data",)
+
+
+@pytest.mark.parametrize("specs,conflict", [
+    (None, ""),
+    ({}, ""),
+    ({"Dense_0/kernel": (None, "model"), "Dense_0/bias": ("model",), "Dense_1/kernel": ()}, ""),
+    ({"kernel": (None, None)}, ""),
+    ({"Dense_0/kernel": ("data", None)}, "splits over 'data'"),
+    ({"Dense_0/kernel": (("data", "model"), None)}, "splits over 'data'"),
+    ({"Dense_0/kernel": ("model", "model")}, "splits 2 dimensions over 'model'"),
+])
+def test_which_specs_a_group_keeps(specs, conflict):
+  from hetspmd.plan.state_layout import group_conflict
+
+  found = group_conflict(specs)
+  assert (conflict in found and found) if conflict else found == ""
+
+
+def test_group_model_dims_keep_the_specs_over_the_planners_choice():
+  from hetspmd.plan.state_layout import group_model_dims
+
+  state = {"params": {"a": {"kernel": np.zeros((4, 6)), "bias": np.zeros(6)}, "b": {"kernel": np.zeros((6, 4))}},
+           "opt_state": {"mu": {"a": {"kernel": np.zeros((4, 6))}}}}
+  planned = {"params/a/kernel": 1, "params/a/bias": 0, "params/b/kernel": 0}
+  assert group_model_dims(state, None, planned) == planned
+  assert group_model_dims(state, {"a/kernel": ("model", None), "b/kernel": ()}, planned) == {
+      "params/a/kernel": 0, "params/a/bias": 0}
+  # a suffix names every leaf it ends; the optimizer state follows its parameter in the group, never named itself
+  assert group_model_dims(state, {"kernel": (None, "model")}, {}) == {"params/a/kernel": 1, "params/b/kernel": 1}

@@ -209,3 +209,23 @@ def test_two_processes_one_with_a_model_axis_group():
       print(json.dumps(report))
   """), num_processes=2, devices_per_process=4, timeout=240)
   assert [r["replicated"] for r in results] == [1, 1] and [r["shares"] for r in results] == [1, 1]
+
+
+def test_specs_a_linen_user_gives_lay_out_the_model_group():
+  """``parallelize(specs=...)``, as annotations over ``model`` read by ``annotated_specs``, keeps them in a
+  searched group plan's model group: the planner split the first layer by columns and the second by rows; the
+  user's specs split the second layer by columns instead and keep the first layer's kernel whole. The group plan
+  runs exactly, its model group laid out as the specs say."""
+  from hetspmd.runtime.searching import kept_specs
+
+  require_devices(8)
+  groups = _groups(2)
+  plan = group_plan(groups, _batch(groups))
+  specs = {"Dense_0/kernel": (None, None), "Dense_1/kernel": (None, "model")}
+  kept = kept_specs(plan, _state(), specs)
+  assert dict(kept.groups[1].model_dims) == {"params/Dense_0/bias": 0, "params/Dense_1/kernel": 1}
+  assert kept.groups[0] == plan.groups[0] and kept_specs(plan, _state(), None) == plan
+  state, ref = _trained(dropout_step, kept, _state, _batches(kept.global_batch))
+  ref.check(state.params, lambda s: s.params)
+  with pytest.raises(hs.HetSpmdError, match="the specs leave every parameter whole"):
+    kept_specs(plan, _state(), {"kernel": (), "bias": ()})

@@ -128,11 +128,12 @@ def _emulated_pool():
   return hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 3 + ["P100-16GB"] * 5)
 
 
-def _searched(step_fn, batches):
-  """``plan="search"`` on the emulated pool, three steps of ``step_fn`` checked against one device: the step and
-  its last metrics."""
+def _searched(step_fn, batches, **options):
+  """``plan="search"`` on the emulated pool (``options`` to ``parallelize``), three steps of ``step_fn`` checked
+  against one device: the step and its last metrics."""
   ref = Reference(step_fn, _state()).run(batches)
-  step = hs.parallelize(step_fn, cluster=_emulated_pool(), plan="search", global_batch=len(batches[0]["y"]))
+  step = hs.parallelize(step_fn, cluster=_emulated_pool(), plan="search", global_batch=len(batches[0]["y"]),
+                        **options)
   state = _state()
   for i, batch in enumerate(batches):
     state, metrics = step(state, batch)
@@ -157,12 +158,16 @@ def test_the_search_runs_its_group_plan_where_it_is_priced_ahead(monkeypatch):
   off = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48, group_plans=False)
   off(_state(), batches[0])
   assert not off.grouped and "group plan" not in off.explain()
-  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)  # specs keep leaves where group programs cannot
+  monkeypatch.setattr(step_module, "GROUP_PLAN_MARGIN", 0.0)
+  # specs over the model axis (a Linen user's annotations) do not keep group plans out; one over data does
+  step, _ = _searched(dropout_step, batches, specs={"Dense_0/kernel": P(None, "model"), "Dense_1/kernel": P()})
+  assert step.grouped and "chosen by the search" in step.explain()
   kept = hs.parallelize(dropout_step, cluster=_emulated_pool(), plan="search", global_batch=48,
-                        specs={"Dense_0/kernel": P()})
+                        specs={"Dense_0/kernel": P("data")})
   kept(_state(), batches[0])
-  assert not kept.grouped and f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}" in (
-      kept.explain())
+  assert not kept.grouped and f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS} (the " \
+      "spec for 'Dense_0/kernel' (('data',)) splits over 'data', which a group's state does not follow)" in (
+          kept.explain())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,3 +172,42 @@ def model_specs_for(state: Any, axis_names: Sequence[str], model_dims: dict[str,
       dim = model_dims.get(path)
       model_specs[path.split("/", 1)[-1]] = () if dim is None or model is None else (None,) * dim + (model,)
   return model_specs
+
+
+def _axes(entry: SpecEntry) -> tuple[str, ...]:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def group_conflict(specs: Mapping[str, Sequence[SpecEntry]] | None, model: str = "model") -> str:
+  """Why a group plan cannot keep ``specs`` as given ("" where it can, or there are none). A group holds each
+  parameter whole or split along one dimension over its own model axis (``Group.model_dims``), and ZeRO-like
+  splits over its data axis are its own (``shard_params``), as ZeRO's are a single program's where a spec leaves
+  ``data`` free. A spec that names another axis, or splits several dimensions over ``model``, has no group form."""
+  for path, spec in (specs or {}).items():
+    named = [(d, axis) for d, entry in enumerate(spec) for axis in _axes(entry)]
+    other = next((axis for _, axis in named if axis != model), None)
+    if other is not None:
+      return f"the spec for {path!r} ({tuple(spec)}) splits over {other!r}, which a group's state does not follow"
+    if len(named) > 1:
+      return (f"the spec for {path!r} ({tuple(spec)}) splits {len(named)} dimensions over {model!r}, and a group "
+              "splits a parameter along one")
+  return ""
+
+
+def group_model_dims(state: Any, specs: Mapping[str, Sequence[SpecEntry]] | None, planned: Mapping[str, int],
+                     model: str = "model") -> dict[str, int]:
+  """A group's ``model_dims`` with ``specs`` kept (specs a group holds: :func:`group_conflict`): the planner's
+  ``planned`` dimensions (``{parameter path: dimension}``), and for every parameter a spec matches, the spec's
+  one ``model`` dimension, or none (whole) where the spec splits nothing."""
+  dims = dict(planned)
+  for path, leaf in leaves_with_paths(state):
+    if role_of(path, getattr(leaf, "dtype", "float32")) != "param":
+      continue
+    spec = annotations.match(path, len(np.shape(leaf)), specs or {})
+    if spec is None:
+      continue
+    dims.pop(path, None)
+    split = [d for d, entry in enumerate(spec) if model in _axes(entry)]
+    if split:
+      dims[path] = split[0]
+  return dims

@@ -83,6 +83,7 @@ from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.plan.counts import balanced_counts, divisors as all_divisors, even_counts, proportional_counts
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
+from hetspmd.plan.state_layout import group_conflict
 from hetspmd.hardware.mesh import enumerate_layouts
 from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated, device_groups, price_candidate
 
@@ -416,15 +417,17 @@ GROUP_PLAN_MARGIN = 1.05
 
 # where parallelize(plan="search") prices group plans at all, beside the margin (searches_group_plans); and what
 # group programs refuse at run time (hetspmd.lowering.groups.check), where the step then runs as one program
-GROUP_PLAN_CONDITIONS = "on the pool's own JAX devices, with no specs, for a step their programs take"
+GROUP_PLAN_CONDITIONS = ("on the pool's own JAX devices, with specs a group keeps (each parameter whole or split along "
+                         "one dimension over 'model'), for a step their programs take")
 
 
 def searches_group_plans(specs: Any, bound: bool = True) -> bool:
   """Whether ``parallelize(plan="search")`` prices group plans for a step: on the pool's own JAX devices
-  (``bound``: a cluster bound to them, as ``parallelize`` binds a spec), with no ``specs`` (group programs place
-  the state by their own shares). In one process or several: each process feeds the examples its devices run,
-  under either form (``step.process_examples()``)."""
-  return not specs and bound
+  (``bound``: a cluster bound to them, as ``parallelize`` binds a spec), with ``specs`` a group keeps
+  (:func:`~hetspmd.plan.state_layout.group_conflict`: Linen's and NNX's annotations over ``model``). In one
+  process or several: each process feeds the examples its devices run, under either form
+  (``step.process_examples()``)."""
+  return bound and not group_conflict(specs)
 
 
 def chosen_group_plan(result: SearchResult, margin: float = GROUP_PLAN_MARGIN) -> Evaluated | None:

@@ -29,7 +29,8 @@ from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
-from hetspmd.plan.state_layout import auto_state_specs
+from hetspmd.plan.groups import GroupPlan
+from hetspmd.plan.state_layout import auto_state_specs, group_conflict, group_model_dims
 from hetspmd.planner.building import plan_from
 from hetspmd.planner.group_execution import holds_every_process, process_of
 from hetspmd.planner.grouping import to_group_plan
@@ -128,7 +129,8 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   group = result.group_plan if result.group_plan is not None and covers(result.group_plan) else None
   grouped = (group if runs_groups and group is not None and (
       best is None or group.throughput >= GROUP_PLAN_MARGIN * best.throughput) else None)
-  note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered)
+  note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered,
+                        group_conflict(step.specs))
   if best is not result.plans[0] and best is not None:
     note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
             "some runs" + (f"; {note}" if note else ""))
@@ -186,9 +188,10 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searc
   if not priced.grouped:
     return Searched(single_plan(priced.choice, cluster, state, priced.ideal_throughput, step.specs), None,
                     priced.note)
-  runtime = GroupedStep.across_processes(step.fn, to_group_plan(cluster, priced.choice, priced.ideal_throughput),
-                                         batch_stats=step.batch_stats, donate_state=step.donate_state)
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
+    group_plan = kept_specs(to_group_plan(cluster, priced.choice, priced.ideal_throughput), state, step.specs)
+    runtime = GroupedStep.across_processes(step.fn, group_plan, batch_stats=step.batch_stats,
+                                           donate_state=step.donate_state)
     runtime.prepare(trace.f, state, global_abstract(trace.batch, step.global_batch), trace.rest,
                     graphdef=trace.graphdef, static=trace.static)
   except HetSpmdError as e:
@@ -210,20 +213,39 @@ def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float
   return plan.replace(state_specs=chosen)
 
 
-def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, best: Any, chosen: bool, considered: bool
-                   ) -> str:
+def kept_specs(plan: GroupPlan, state: Any, specs: Any) -> GroupPlan:
+  """``plan`` with the parameters ``specs`` name laid out as given in each group with a model axis
+  (:func:`~hetspmd.plan.state_layout.group_model_dims`); a group without one holds every parameter whole along
+  ``model``, as a single program with a model axis of 1 does."""
+  if not specs:
+    return plan
+  groups = []
+  for g in plan.groups:
+    if g.model > 1:
+      dims = group_model_dims(state, specs, dict(g.model_dims))
+      if not dims:
+        raise HetSpmdError(f"the specs leave every parameter whole, and the group plan's group of "
+                           f"{len(g.devices)} devices splits them over a model axis of {g.model}")
+      g = dataclasses.replace(g, model_dims=tuple(sorted(dims.items())))
+    groups.append(g)
+  return dataclasses.replace(plan, groups=tuple(groups))
+
+
+def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, best: Any, chosen: bool, considered: bool,
+                   conflict: str = "") -> str:
   """Why the search's plan is, or is not, a group plan (``best``: the single program that runs, None if none)."""
   if result.group_plan is not None and best is not None:
     ratio = result.group_plan.throughput / best.throughput
     if not (group_plans and considered):
-      why = (f"the search runs them {GROUP_PLAN_CONDITIONS}" if group_plans else
+      why = (f"the search runs them {GROUP_PLAN_CONDITIONS}" + (f" ({conflict})" if conflict else "") if group_plans else
              "parallelize(..., group_plans=False) runs single programs only")
       return f"the best group plan was priced {ratio:.2f}x this plan, but it does not run here: {why}"
     return (f"chosen by the search: priced {ratio:.2f}x the best single program" if chosen else
             f"the best group plan was priced {ratio:.2f}x this plan") + (
                 f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
   if group_plans and not considered and len(cluster.kinds) > 1:
-    return f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}"
+    why = f" ({conflict})" if conflict else ""
+    return f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}{why}"
   return ""
 
 
