@@ -540,6 +540,49 @@ def test_group_plans_rebalance_exactly(monkeypatch):
   assert [h["moved_to"] for h in step.history if h["moved_to"]] == [[4, 12]]
 
 
+def test_group_counts_that_outgrow_the_buffers_get_room_and_the_moves_after_compile_nothing(monkeypatch):
+  """A group plan moved [8 | 8] -> [10 | 6]: each group's buffers get slots (the first 13: its count and 25%
+  room; the second keeps 8), and its programs read the counts when they run; [11 | 5] and [12 | 4] then fit
+  and run those programs. Every step matches one device; the saved plan keeps the slots."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  from hetspmd.plan.groups import GroupPlan
+
+  w = _workload()
+  times = lambda a, b: {"group 0": (a * 1e-3, 0.0), "group 1": (b * 1e-3, 0.0)}
+  script = iter([times(1, 1)] * 2 + [times(6, 10)] * 2 + [times(5, 11)] * 2 + [times(4, 12)] * 2)
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: next(script))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=_group_plan((8, 8)), global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  seen = []
+  for i in range(8):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+    seen.append((tuple(c for g in step.plan.groups for c in g.counts), tuple(g.max_count for g in step.plan.groups),
+                 step.rebalancer.compiles))
+  ref.check(state)
+  assert seen[0] == ((8, 8), (8, 8), 1) and seen[3] == ((10, 6), (13, 8), 2)
+  assert seen[5][:2] == ((11, 5), (13, 8)) and seen[7] == ((12, 4), (13, 8), 2)
+  assert GroupPlan.from_json(step.plan.to_json()) == step.plan
+
+
+@pytest.mark.parametrize("counts,slots,error", [
+    ((3,), 0, None), ((3,), 8, None), ((3,), -1, "slots must be a non-negative integer"),
+    ((3,), 2.5, "slots must be a non-negative integer")])
+def test_group_slots_are_checked(counts, slots, error):
+  from hetspmd.plan.groups import Group
+
+  if error:
+    with pytest.raises(InvalidValueError, match=error):
+      Group((0,), 4, counts, slots=slots)
+  else:
+    assert Group((0,), 4, counts, slots=slots).max_count == max(max(counts), slots)
+
+
 def test_group_programs_are_timed_as_they_run():
   """The group clock times each group's program from its inputs ready to its outputs ready: every group gets a
   positive time each call after a program's first (which runs beside the compiles of the programs after it)."""

@@ -126,6 +126,8 @@ class GroupPrograms:
   # a hybrid plan (GroupPlan.hybrid): {state index: axis} of the leaves each group holds split over its devices
   # between steps (GroupMeshes.parts), each group its own copy
   held_split: dict = dataclasses.field(default_factory=dict)
+  # the exchange program puts per-example outputs (logits) in global order from the plan's counts, as built
+  ordered: bool = False
 
   @property
   def stages(self) -> tuple[str, ...]:
@@ -236,6 +238,7 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
                        out_avals=tuple(jax.tree.leaves(shapes)), units=units, held=held,
                        needs=needs if to_owner else None, relay=relay, group_stages=tuple(stages), shards=tuple(shards),
                        parted=parted, part_sums=kept, held_split=held_split,
+                       ordered=bool(group_lowering.per_example_outputs(prog)),
                        scatter=scatter_program(meshes.mesh, tuple(relay[j] for j in sorted(relay))) if relay else None)
 
 
@@ -349,7 +352,8 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
   sums laid out and narrowed as the exchange program takes them, one row per device."""
   prog, own = progs[plan.tail_remat], progs[group.remat]
   loops = prog.analysis.loops
-  layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions, lockstep=group.shard_params)
+  layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions, lockstep=group.shard_params,
+                  counts_at_run=group.slots > 0)
   order = None if own is prog else group_lowering.sums_order(prog, own)
   kept = frozenset(kept if order is None else (order[0][j] for j in kept))  # as its own trace numbers them
   split = model_split(state, group, mesh)

@@ -51,6 +51,9 @@ class Layout:
   # host callbacks ``start(position) -> int32 0`` and ``end(position, value) -> int32 0`` around each position's
   # microbatch loop (hetspmd.runtime.rebalancing.LoopClock): its own loop's time, read with no extra work
   clock: Any = None
+  # the loops read their trip counts when they run, never as constants (equal counts too): the program then
+  # runs any counts that fit ``max_count`` (a group with slots, hetspmd.plan.groups.Group.slots)
+  counts_at_run: bool = False
 
   @property
   def positions(self) -> int:
@@ -58,7 +61,7 @@ class Layout:
 
   @property
   def uniform_count(self) -> int | None:
-    return self.counts[0] if len(set(self.counts)) == 1 else None
+    return self.counts[0] if len(set(self.counts)) == 1 and not self.counts_at_run else None
 
 
 def counts_fixed_when_traced(analysis: Any) -> bool:

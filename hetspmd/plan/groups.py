@@ -62,7 +62,11 @@ class Group:
   the group's devices (zero-padded along one axis where the group's size does not divide it), gathered for each
   equation that reads it inside each microbatch (a layer scan's a slice per iteration), and each microbatch's
   gradient sums are reduce-scattered into an accumulator of parts. Its devices then run the group's longest count in lockstep, masking the microbatches they do not
-  have. Needs ``model`` == 1."""
+  have. Needs ``model`` == 1.
+
+  ``slots`` > 0 gives each device microbatch buffers of that many slots (at least its count), and the group's
+  programs read its counts when they run: new counts that fit the slots run the same programs (rebalancing,
+  :class:`hetspmd.Rebalance`). 0: buffers of the longest count, which the programs may take as a constant."""
 
   devices: tuple[int, ...]
   microbatch: int
@@ -71,6 +75,7 @@ class Group:
   model: int = 1
   model_dims: tuple[tuple[str, int], ...] = ()
   shard_params: bool = False
+  slots: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -94,6 +99,9 @@ class Group:
     if twice:
       raise InvalidValueError(f"model_dims names {twice} more than once: give each parameter one dimension")
     object.__setattr__(self, "model_dims", tuple(sorted((str(p), int(d)) for p, d in pairs)))
+    if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 0:
+      raise InvalidValueError(f"a group's slots must be a non-negative integer (0: none beyond its longest count), "
+                              f"got {self.slots!r}")
     self._check_model()
 
   def _check_model(self) -> None:
@@ -129,7 +137,8 @@ class Group:
 
   @property
   def max_count(self) -> int:
-    return max(max(self.counts), 1)
+    """Each device's microbatch buffer slots: its longest count, or :attr:`slots` where more."""
+    return max(max(self.counts), self.slots, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +328,8 @@ class GroupPlan:
             "grad_reduce_dtype": self.grad_reduce_dtype,
             "groups": [{"devices": list(g.devices), "microbatch": g.microbatch, "counts": list(g.counts),
                         "remat": g.remat, "model": g.model, "model_dims": dict(g.model_dims),
-                        "shard_params": g.shard_params} for g in self.groups],
+                        "shard_params": g.shard_params, **({"slots": g.slots} if g.slots else {})}
+                       for g in self.groups],
             "predicted": dict(self.predicted),
             "predicted_per_device": {k: list(v) for k, v in self.predicted_per_device}}
 
@@ -328,7 +338,8 @@ class GroupPlan:
     if data.get("version") not in _READS:
       raise InvalidValueError(f"group plan version {data.get('version')!r} is not one of {list(_READS)}")
     return cls(tuple(Group(tuple(g["devices"]), int(g["microbatch"]), tuple(g["counts"]), g.get("remat", "none"),
-                           int(g.get("model", 1)), g.get("model_dims", ()), g.get("shard_params", False))
+                           int(g.get("model", 1)), g.get("model_dims", ()), g.get("shard_params", False),
+                           int(g.get("slots", 0)))
                      for g in data["groups"]),
                int(data["global_batch"]), int(data.get("tail_microbatch", 0)), int(data.get("tail_count", 0)),
                tuple(data.get("state_shares", ())), data.get("zero_stage"),

@@ -44,6 +44,15 @@ class GroupRunner:
   def program_count(self) -> int:
     return self.runtime.program_count
 
+  @property
+  def _programs(self) -> dict:
+    """The built programs (shared with the runners that adopted them: :meth:`adopt`)."""
+    return self.runtime._built
+
+  def adopt(self, other: "GroupRunner") -> bool:
+    """Run ``other``'s programs where they run this plan (:meth:`GroupedStep.adopt`)."""
+    return self.runtime.adopt(other.runtime)
+
   # --- placing ------------------------------------------------------------------
 
   def check_state(self, state: Any) -> None:

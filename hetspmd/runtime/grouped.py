@@ -147,6 +147,22 @@ class GroupedStep:
     """How many argument structures have their programs built."""
     return len(self._built)
 
+  def adopt(self, other: "GroupedStep") -> bool:
+    """Run ``other``'s programs where they run this plan: the same plan but its groups' counts, every group with
+    slots (its programs read its counts when they run: :attr:`~hetspmd.plan.groups.Group.slots`) and the same
+    buffers, and no per-example output put in order from the counts when built. Then new counts compile
+    nothing. Whether it did."""
+    mine, theirs = self.plan, other.plan
+    blank = lambda plan: ([dataclasses.replace(g, counts=(0,) * len(g.counts)) for g in plan.groups],
+                          [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.compare and f.name != "groups"])
+    same = (blank(mine) == blank(theirs) and all(g.slots for g in mine.groups)
+            and [g.max_count for g in mine.groups] == [g.max_count for g in theirs.groups]
+            and self.fn is other.fn and (self.batch_stats, self.donate_state) == (other.batch_stats, other.donate_state))
+    if not same or not other._built or any(b.ordered for b in other._built.values()):
+      return False
+    self._built, self._latest, self._last = other._built, other._latest, other._last
+    return True
+
   @property
   def traced(self) -> bool:
     """Whether the step has been traced (a call, or :meth:`prepare`): the held leaves' devices are known."""
@@ -351,7 +367,8 @@ class GroupedStep:
     # a one-loop group's program, timed as it runs; not on its first call, which runs beside the compiles of the
     # programs dispatched after it
     if self.clock is not None and not fresh and name.startswith("group ") and name[6:].isdigit():
-      self.clock.watch(int(name[6:]), args, out)
+      g = int(name[6:])
+      self.clock.watch(g, args, out, max(self.plan.groups[g].counts))
     return out
 
   def _placed(self, built: GroupPrograms, i: int, x: Any) -> Any:

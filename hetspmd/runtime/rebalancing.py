@@ -122,11 +122,11 @@ class Rebalancer:
     if counts not in self._runners:
       runner = front._runner
       plan = with_counts(runner.plan, counts)
-      if not runner.grouped:  # a single program reads the counts at run time: often nothing to compile
-        plan = plan.replace(slots=slots_for(runner.plan, counts, runner.lockstep))
+      # programs that read the counts at run time: buffers with room, so later moves compile nothing
+      plan = (with_group_slots(runner.plan, plan) if runner.grouped else
+              plan.replace(slots=slots_for(runner.plan, counts, runner.lockstep)))
       new = type(runner).of(front, plan)
-      if not runner.grouped:
-        any(new.adopt(r) for r in self._runners.values())
+      any(new.adopt(r) for r in self._runners.values())
       self._runners[counts] = new
     front._runner = self._runners[counts]
 
@@ -147,8 +147,9 @@ class Rebalancer:
     call (each its time over its longest count), gathered across processes; None until every group has one."""
     plan = front._runner.plan
     mine = {}
-    for g, seconds in self.group_clock.take().items():
-      mine[f"group {g}"] = (seconds / plan.groups[g].max_count, 0.0)
+    for g, (seconds, count) in self.group_clock.take().items():
+      if count:
+        mine[f"group {g}"] = (seconds / count, 0.0)
     found = gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
     return found if len(found) == len(plan.groups) else None
 
@@ -274,22 +275,24 @@ class GroupClock:
   _done: dict = dataclasses.field(default_factory=dict)
   _threads: list = dataclasses.field(default_factory=list)
 
-  def watch(self, group: int, inputs: Any, outputs: Any) -> None:
+  def watch(self, group: int, inputs: Any, outputs: Any, count: int) -> None:
+    """Time ``group``'s program call, whose longest count is ``count`` microbatches."""
     arrays = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    thread = threading.Thread(target=self._time, args=(group, arrays(inputs), arrays(outputs)), daemon=True)
+    thread = threading.Thread(target=self._time, args=(group, arrays(inputs), arrays(outputs), count), daemon=True)
     thread.start()
     self._threads.append(thread)
 
-  def _time(self, group: int, inputs: list, outputs: list) -> None:
+  def _time(self, group: int, inputs: list, outputs: list, count: int) -> None:
     while not all(x.is_ready() for x in inputs):
       time.sleep(self.poll)
     start = time.perf_counter()
     while not all(x.is_ready() for x in outputs):
       time.sleep(self.poll)
-    self._done[group] = time.perf_counter() - start
+    self._done[group] = (time.perf_counter() - start, count)
 
-  def take(self) -> dict[int, float]:
-    """``{group: seconds}`` of the calls watched since the last take (waiting for them to finish)."""
+  def take(self) -> dict[int, tuple[float, int]]:
+    """``{group: (seconds, its longest count)}`` of the calls watched since the last take (waiting for them to
+    finish)."""
     for thread in self._threads:
       thread.join()
     self._threads = []
@@ -314,6 +317,23 @@ def slots_for(plan: Any, counts: tuple[int, ...], lockstep: bool | None) -> int:
   if max(counts) <= plan.max_count:
     return plan.max_count
   return min(sum(counts), math.ceil(max(counts) * (1 + SLOT_HEADROOM)))
+
+
+def with_group_slots(before: GroupPlan, plan: GroupPlan) -> GroupPlan:
+  """``plan`` (``before`` with new counts) with each group's buffer slots (:attr:`Group.slots`): its slots
+  before where its new counts fit them, else its longest count and :data:`SLOT_HEADROOM` more (at most every
+  microbatch of the groups), so that its programs read the counts when they run and later moves compile
+  nothing. A group that shards its parameters runs in lockstep (every slot, masked): none there."""
+  total = sum(sum(g.counts) for g in plan.groups)
+  groups = []
+  for old, g in zip(before.groups, plan.groups):
+    if g.shard_params:
+      groups.append(g)
+      continue
+    fits = max(g.counts) <= old.max_count
+    slots = old.max_count if fits else min(total, math.ceil(max(g.counts) * (1 + SLOT_HEADROOM)))
+    groups.append(dataclasses.replace(g, slots=max(slots, 1)))
+  return dataclasses.replace(plan, groups=tuple(groups))
 
 
 def with_counts(plan: Any, counts: tuple[int, ...]) -> Any:
