@@ -570,6 +570,35 @@ def test_group_counts_that_outgrow_the_buffers_get_room_and_the_moves_after_comp
   assert GroupPlan.from_json(step.plan.to_json()) == step.plan
 
 
+def test_a_hybrid_plan_rebalances_between_its_sharded_groups_exactly(monkeypatch):
+  """Two groups of two devices, each sharding its parameters (FSDP in the group, the groups joined: a hybrid
+  plan). The scripted times find the first group three times slower: its devices, which run in lockstep, move
+  from 4 microbatches each to 2, the second group's from 4 to 6; every step matches one device in float64."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  from hetspmd.plan.groups import Group, group_plan
+
+  w = _workload()
+  ids = [d.id for d in jax.devices()[:4]]
+  plan = group_plan([Group(tuple(ids[:2]), 4, (4, 4), shard_params=True),
+                     Group(tuple(ids[2:]), 4, (4, 4), shard_params=True)], 64)
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: {"group 0": (3e-3, 0.0), "group 1": (1e-3, 0.0)})
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  counts = []
+  for i in range(4):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    counts.append(tuple(c for g in step.plan.groups for c in g.counts))
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert step.grouped and step.plan.hybrid
+  assert counts[0] == (4, 4, 4, 4) and counts[-1] == (2, 2, 6, 6)
+
+
 @pytest.mark.parametrize("counts,slots,error", [
     ((3,), 0, None), ((3,), 8, None), ((3,), -1, "slots must be a non-negative integer"),
     ((3,), 2.5, "slots must be a non-negative integer")])

@@ -363,11 +363,11 @@ def _position_kinds(plan: Any) -> tuple[str, ...]:
 def _check_plan(plan: Any, runner: Any) -> None:
   if runner.grouped:
     sizes = {g.microbatch for g in plan.groups}
-    bad = [g for g, group in enumerate(plan.groups) if group.model > 1 or group.shard_params]
+    bad = [g for g, group in enumerate(plan.groups) if group.model > 1]
     if len(sizes) > 1 or bad:
       raise HetSpmdError("rebalance= moves microbatches between a group plan's devices where every group runs "
-                         "one device per position (no model axis, no shard_params) at one microbatch size; this "
-                         "plan's groups " + (f"{bad} do not" if bad else f"run microbatches of {sorted(sizes)}")
+                         "one device per position (no model axis) at one microbatch size; this plan's groups "
+                         + (f"{bad} do not" if bad else f"run microbatches of {sorted(sizes)}")
                          + ": drop rebalance=")
     return
   if plan.stages or plan.mesh_shape[1] != 1:
