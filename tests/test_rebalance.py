@@ -629,15 +629,64 @@ def test_group_programs_are_timed_as_they_run():
     assert all(v["microbatch_seconds"] > 0 for v in h["measured"].values())
 
 
-def test_group_plans_that_cannot_move_are_refused():
+def test_groups_of_different_microbatch_sizes_rebalance_by_examples(monkeypatch):
+  """Group 0 runs microbatches of 8, group 1 of 4. Group 0 is found three times as fast per example (2 ms a
+  microbatch of 8 against 3 ms one of 4): the examples move 32 | 32 -> 48 | 16, as 6 microbatches of 8 and 4 of 4
+  (the counts a MILP finds), and every step matches one device in float64."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   from hetspmd.plan.groups import Group, group_plan
 
   w = _workload()
-  plan = group_plan([Group((jax.devices()[0].id,), 8, (4,)), Group((jax.devices()[1].id,), 4, (8,))], 64)
+  ids = [d.id for d in jax.devices()[:2]]
+  plan = group_plan([Group((ids[0],), 8, (4,)), Group((ids[1],), 4, (8,))], 64)
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: {"group 0": (2e-3, 0.0), "group 1": (3e-3, 0.0)})
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  for i in range(4):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert [g.counts for g in step.plan.groups] == [(6,), (4,)]
+
+
+@pytest.mark.parametrize("kinds,counts,sizes,times,moved", [
+    (("g0", "g1"), (4, 8), (8, 4), (2e-3, 3e-3), (6, 4)),                # examples 32 | 32 -> 48 | 16
+    (("g0", "g1"), (4, 8), (8, 4), (2e-3, 1e-3), (4, 8)),                # balanced per example: stays
+    (("g0", "g0", "g1"), (2, 2, 8), (8, 8, 4), (2e-3, 2e-3, 1e-3), None),  # a group's devices within one
+    (("g0", "g1", "g2"), (4, 4, 4), (8, 4, 2), (1e-3, 1e-3, 1e-3), None),  # three sizes
+])
+def test_balance_over_microbatches_of_different_sizes_keeps_the_examples(kinds, counts, sizes, times, moved):
+  """The controller keeps the step's examples where kinds run microbatches of different sizes, and its counts
+  are no slower on the measured times than the counts before."""
+  balance = Balance(counts, kinds, sizes=sizes)
+  measured = {k: (t, 0.0) for k, t in zip(kinds, times)}
+  option = Rebalance(every=1, confirm=1, smoothing=1.0)
+  after = update(update(balance, measured, option), measured, option)
+  assert sum(c * m for c, m in zip(after.counts, sizes)) == sum(c * m for c, m in zip(counts, sizes))
+  if moved is not None:
+    assert after.counts == moved
+  assert after.seconds(after.counts) <= after.seconds(counts)
+  for kind in set(kinds):
+    mine = [c for k, c in zip(kinds, after.counts) if k == kind]
+    assert max(mine) - min(mine) <= 1
+
+
+def test_group_plans_that_cannot_move_are_refused():
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  from hetspmd.plan.groups import Group, group_plan
+
+  w = _workload()
+  ids = [d.id for d in jax.devices()[:4]]
+  plan = group_plan([Group(tuple(ids[:2]), 4, (4, 4), model=2, model_dims={"params/layers/0/kernel": 1}),
+                     Group(tuple(ids[2:]), 4, (6, 6))], 64)
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64, rebalance=True)
-  with pytest.raises(HetSpmdError, match=r"microbatches of \[4, 8\]: drop rebalance="):
+  with pytest.raises(HetSpmdError, match=r"groups \[0\] do not: drop rebalance="):
     step(step.shard_state(w.init_state(0)), w.synthetic_batch(0, batch=64))
 
 

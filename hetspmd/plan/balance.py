@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hetspmd.errors import InvalidValueError
-from hetspmd.plan.counts import KindCost, balanced_counts
+from hetspmd.plan.counts import KindCost, balanced_counts, milp_counts
 
 # A single measurement's pull on the spread: a kind that really changes speed (a 1.8x slowdown) is a large
 # deviation once, which must not raise the margin that its own move has to clear
@@ -82,6 +82,7 @@ class Balance:
   proposal: tuple[int, ...] | None = None
   agreed: int = 0
   recent: tuple = ()  # (proposed counts, times) of the measurements that found the counts off balance, in a row
+  sizes: tuple[int, ...] = ()  # per position: examples per microbatch, where kinds run different sizes
 
   def costs(self) -> dict[str, KindCost]:
     return {k: KindCost(micro, fixed) for k, micro, fixed, _ in self.estimate}
@@ -91,6 +92,14 @@ class Balance:
     """The measurements' noise: the largest running mean, over kinds, of how far a kind's new time falls from
     its estimate (relative). A move must gain this much more than the threshold."""
     return max((spread for *_, spread in self.estimate), default=0.0)
+
+  def balanced(self, costs: dict[str, KindCost]) -> tuple[int, ...]:
+    """The counts that balance ``costs`` and keep the step's examples: as many microbatches as now, or where
+    kinds run microbatches of different sizes (:attr:`sizes`), as many examples (a small MILP, HiGHS)."""
+    if len(set(self.sizes)) < 2:
+      return balanced_counts(list(self.kinds), costs, sum(self.counts))
+    sizes = dict(zip(self.kinds, self.sizes))
+    return milp_counts(list(self.kinds), costs, sum(c * m for c, m in zip(self.counts, self.sizes)), sizes)
 
   def seconds(self, counts: Sequence[int]) -> float:
     """The estimate's step compute: its busiest position's seconds under ``counts``."""
@@ -120,7 +129,7 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
   # each measurement judges the counts on its own times (the smoothed estimate would creep past a real change in
   # steps each below the threshold); noise is answered by the spread margin and by ``confirm``
   raw = dataclasses.replace(now, estimate=tuple((k, *measured[k], 0.0) for k in kinds))
-  target = balanced_counts(list(now.kinds), raw.costs(), sum(now.counts))
+  target = raw.balanced(raw.costs())
   if target == now.counts or raw.seconds(now.counts) < (1 + option.threshold + now.spread) * raw.seconds(target):
     return dataclasses.replace(now, proposal=None, agreed=0, recent=())
   recent = now.recent + ((target, tuple(x for k in kinds for x in measured[k])),)
@@ -132,7 +141,7 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
   fresh = tuple((k, float(mean[2 * i]), float(mean[2 * i + 1]), spread)
                 for i, (k, *_, spread) in enumerate(now.estimate))
   moved = dataclasses.replace(now, estimate=fresh, proposal=None, agreed=0, recent=())
-  return dataclasses.replace(moved, counts=balanced_counts(list(now.kinds), moved.costs(), sum(now.counts)))
+  return dataclasses.replace(moved, counts=moved.balanced(moved.costs()))
 
 
 def as_option(rebalance: Any) -> Rebalance | None:

@@ -152,8 +152,11 @@ class KindCost:
     return self.fixed + (self.first + self.micro * count if count > 0 else 0.0)
 
 
-def milp_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) -> tuple[int, ...]:
-  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP).
+def milp_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int,
+                sizes: dict[str, int] | None = None) -> tuple[int, ...]:
+  """Per-device counts minimising the slowest device's time; ``sum == total`` (reference MILP). With ``sizes``
+  (``{kind: examples per microbatch}``, kinds whose microbatches differ): ``sum(count x size) == total``, the
+  examples, each kind's ``micro`` its own microbatch's seconds.
 
   Variables per kind ``k`` with ``n_k`` devices: base count ``c_k``, how many
   of its devices take one more ``e_k`` (``0 <= e_k <= n_k z_k``), the binary
@@ -171,7 +174,8 @@ def milp_counts(kinds: Sequence[str], costs: dict[str, KindCost], total: int) ->
   rows, lower, upper = [], [], []
   cover = np.zeros(size)
   for i, k in enumerate(order):
-    cover[c_idx(i)], cover[e_idx(i)] = n[k], 1
+    weight = sizes[k] if sizes else 1
+    cover[c_idx(i)], cover[e_idx(i)] = n[k] * weight, weight
   rows.append(cover), lower.append(total), upper.append(total)
   for i, k in enumerate(order):
     link = np.zeros(size)

@@ -64,7 +64,7 @@ class Rebalancer:
     plan = runner.plan
     _check_plan(plan, runner)
     if self.balance is None:
-      self.balance = Balance(plan_counts(plan), _position_kinds(plan))
+      self.balance = Balance(plan_counts(plan), _position_kinds(plan), sizes=_position_sizes(plan))
       self._runners[plan_counts(plan)] = runner
     self.calls += 1
     self.clock.keep()
@@ -321,17 +321,18 @@ def slots_for(plan: Any, counts: tuple[int, ...], lockstep: bool | None) -> int:
 
 def with_group_slots(before: GroupPlan, plan: GroupPlan) -> GroupPlan:
   """``plan`` (``before`` with new counts) with each group's buffer slots (:attr:`Group.slots`): its slots
-  before where its new counts fit them, else its longest count and :data:`SLOT_HEADROOM` more (at most every
-  microbatch of the groups), so that its programs read the counts when they run and later moves compile
+  before where its new counts fit them, else its longest count and :data:`SLOT_HEADROOM` more (at most the
+  groups' examples in its microbatches), so that its programs read the counts when they run and later moves compile
   nothing. A group that shards its parameters runs in lockstep (every slot, masked): none there."""
-  total = sum(sum(g.counts) for g in plan.groups)
+  examples = sum(sum(g.counts) * g.microbatch for g in plan.groups)
   groups = []
   for old, g in zip(before.groups, plan.groups):
     if g.shard_params:
       groups.append(g)
       continue
     fits = max(g.counts) <= old.max_count
-    slots = old.max_count if fits else min(total, math.ceil(max(g.counts) * (1 + SLOT_HEADROOM)))
+    slots = old.max_count if fits else min(examples // g.microbatch,
+                                           math.ceil(max(g.counts) * (1 + SLOT_HEADROOM)))
     groups.append(dataclasses.replace(g, slots=max(slots, 1)))
   return dataclasses.replace(plan, groups=tuple(groups))
 
@@ -360,15 +361,20 @@ def _position_kinds(plan: Any) -> tuple[str, ...]:
   return _device_kinds(plan)[::plan.mesh_shape[1]]
 
 
+def _position_sizes(plan: Any) -> tuple[int, ...]:
+  """Under a group plan, each device's examples per microbatch (its group's); a single program: none (one size)."""
+  if isinstance(plan, GroupPlan):
+    return tuple(g.microbatch for g in plan.groups for _ in g.counts)
+  return ()
+
+
 def _check_plan(plan: Any, runner: Any) -> None:
   if runner.grouped:
-    sizes = {g.microbatch for g in plan.groups}
     bad = [g for g, group in enumerate(plan.groups) if group.model > 1]
-    if len(sizes) > 1 or bad:
+    if bad:
       raise HetSpmdError("rebalance= moves microbatches between a group plan's devices where every group runs "
-                         "one device per position (no model axis) at one microbatch size; this plan's groups "
-                         + (f"{bad} do not" if bad else f"run microbatches of {sorted(sizes)}")
-                         + ": drop rebalance=")
+                         f"one device per position (no model axis); this plan's groups {bad} do not: drop "
+                         "rebalance=")
     return
   if plan.stages or plan.mesh_shape[1] != 1:
     raise HetSpmdError("rebalance= moves microbatches between the data positions of a single program whose "
