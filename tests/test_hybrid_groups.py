@@ -308,11 +308,13 @@ def test_parallelize_places_a_hybrid_plans_state_split_before_the_first_call():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout,processes", [("fsdp", 4), ("hybrid", 4), ("fsdp", 8)])
+@pytest.mark.parametrize("layout,processes", [("fsdp", 4), ("hybrid", 4), ("beside", 4), ("fsdp", 8)])
 def test_groups_spanning_processes_of_one_device_shard_their_parameters(layout, processes):
   """4 or 8 processes x 1 CPU device (one process per device, as one process per GPU runs): plain FSDP as one
-  group over all of them, or a hybrid plan of two groups each spanning half of them; every process feeds only its
-  own examples, and the metrics (and FSDP's whole state) match one device."""
+  group over all of them, a hybrid plan of two groups each spanning half of them, or a sharded group spanning
+  half of them beside unsharded devices (one group each: a group that runs its own trip counts stays in one
+  process); every process feeds only its own examples, and the metrics (and FSDP's whole state) match one
+  device."""
   from multiprocess import group_child, run_processes
 
   batch = 3 * processes  # counts of 2 and 1 microbatches of 2, alternating
@@ -328,7 +330,7 @@ def test_groups_spanning_processes_of_one_device_shard_their_parameters(layout, 
       counts = (2, 1) * half
       groups = ([Group(every, 2, counts, shard_params=True)] if {layout!r} == "fsdp" else
                 [Group(every[:half], 2, counts[:half], shard_params=True),
-                 Group(every[half:], 2, counts[half:][::-1], shard_params=True)])
+                 Group(every[half:], 2, counts[half:][::-1], shard_params={layout!r} == "hybrid")])
       plan = group_plan(groups, {batch})
       data = t.batches({batch}, steps=2)
       ref = reference(t.linen_step, make(), data)
@@ -342,7 +344,8 @@ def test_groups_spanning_processes_of_one_device_shard_their_parameters(layout, 
       print(json.dumps({{"groups": len(step.plan.groups), "hybrid": step.execution.hybrid,
                         "examples": len(step.process_examples())}}))
   """), num_processes=processes, devices_per_process=1, timeout=60 * processes)
-  assert all(r["groups"] == (1 if layout == "fsdp" else 2) and r["hybrid"] for r in results), results
+  groups = {"fsdp": 1, "hybrid": 2, "beside": 1 + processes // 2}[layout]
+  assert all(r["groups"] == groups and r["hybrid"] == (layout != "beside") for r in results), results
   assert sum(r["examples"] for r in results) == batch and all(0 < r["examples"] < batch for r in results)
 
 
