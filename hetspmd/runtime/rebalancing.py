@@ -269,9 +269,8 @@ class LoopClock:
 @dataclasses.dataclass(eq=False)
 class GroupClock:
   """Each group program's seconds as it runs (:class:`~hetspmd.runtime.grouped.GroupedStep` hands it each
-  group's call): a thread per call waits for the program's inputs, then for its outputs (``is_ready``)."""
+  group's call): a thread per call waits for the program's inputs, then for its outputs (blocking, not polling)."""
 
-  poll: float = 0.0005
   _done: dict = dataclasses.field(default_factory=dict)
   _threads: list = dataclasses.field(default_factory=list)
 
@@ -283,11 +282,9 @@ class GroupClock:
     self._threads.append(thread)
 
   def _time(self, group: int, inputs: list, outputs: list, count: int) -> None:
-    while not all(x.is_ready() for x in inputs):
-      time.sleep(self.poll)
+    _wait(inputs)
     start = time.perf_counter()
-    while not all(x.is_ready() for x in outputs):
-      time.sleep(self.poll)
+    _wait(outputs)
     self._done[group] = (time.perf_counter() - start, count)
 
   def take(self) -> dict[int, tuple[float, int]]:
@@ -298,6 +295,17 @@ class GroupClock:
     self._threads = []
     done, self._done = self._done, {}
     return done
+
+
+def _wait(arrays: list) -> None:
+  """Blocks until every array is ready (no polling: the wait takes no compute from a device's host thread); an
+  array a later program took as a donated buffer was ready when it took it."""
+  for x in arrays:
+    try:
+      x.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+      if not x.is_deleted():
+        raise
 
 
 def plan_counts(plan: Any) -> tuple[int, ...]:
