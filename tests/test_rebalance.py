@@ -127,9 +127,16 @@ def test_rebalance_options_are_checked(field, value):
     Rebalance(**{field: value})
 
 
-def test_a_measurement_needs_every_kind():
+def test_a_measurement_needs_every_kind_that_runs_microbatches():
   with pytest.raises(InvalidValueError, match=r"\['b'\] missing"):
     update(Balance((1, 1), ("a", "b")), {"a": (1.0, 0.0)}, Rebalance())
+  # a kind that runs none is never timed: the others balance among themselves, and it keeps none
+  option = Rebalance(every=1, confirm=1, smoothing=1.0)
+  idle = Balance((6, 2, 0), ("a", "b", "c"))
+  after = update(idle, {"a": (1.0, 0.0), "b": (1.0, 0.0)}, option)
+  assert after.counts == (4, 4, 0) and after.idle() == {"c"}
+  # timed anyway (a single program times idle kinds on a device), it may get work
+  assert update(idle, {"a": (1.0, 0.0), "b": (1.0, 0.0), "c": (1.0, 0.0)}, option).counts[2] > 0
 
 
 # --- calibration values ----------------------------------------------------------------------------------------
@@ -652,6 +659,30 @@ def test_groups_of_different_microbatch_sizes_rebalance_by_examples(monkeypatch)
     ref.check_metrics(metrics, i)
   ref.check(state)
   assert [g.counts for g in step.plan.groups] == [(6,), (4,)]
+
+
+def test_a_group_running_no_microbatch_stays_idle_while_the_others_rebalance(monkeypatch):
+  """A group plan whose third group runs nothing (a kind the search left out): its program is never timed, so
+  the controller balances the other two groups alone, exactly, and leaves it idle."""
+  if jax.device_count() < 3:
+    pytest.skip("needs 3 devices")
+  from hetspmd.plan.groups import Group, group_plan
+
+  w = _workload()
+  ids = [d.id for d in jax.devices()[:3]]
+  plan = group_plan([Group((ids[0],), 4, (12,)), Group((ids[1],), 4, (4,)), Group((ids[2],), 4, (0,))], 64)
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: {"group 0": (3e-3, 0.0), "group 1": (1e-3, 0.0)})
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  for i in range(3):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert [g.counts for g in step.plan.groups] == [(4,), (12,), (0,)]
 
 
 @pytest.mark.parametrize("kinds,counts,sizes,times,moved", [

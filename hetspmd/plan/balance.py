@@ -95,27 +95,43 @@ class Balance:
 
   def balanced(self, costs: dict[str, KindCost]) -> tuple[int, ...]:
     """The counts that balance ``costs`` and keep the step's examples: as many microbatches as now, or where
-    kinds run microbatches of different sizes (:attr:`sizes`), as many examples (a small MILP, HiGHS)."""
+    kinds run microbatches of different sizes (:attr:`sizes`), as many examples (a small MILP, HiGHS). A kind
+    ``costs`` lacks (one running no microbatch, so never timed) keeps none."""
+    at = [p for p, k in enumerate(self.kinds) if k in costs]
+    kinds = [self.kinds[p] for p in at]
     if len(set(self.sizes)) < 2:
-      return balanced_counts(list(self.kinds), costs, sum(self.counts))
-    sizes = dict(zip(self.kinds, self.sizes))
-    return milp_counts(list(self.kinds), costs, sum(c * m for c, m in zip(self.counts, self.sizes)), sizes)
+      found = balanced_counts(kinds, costs, sum(self.counts))
+    else:
+      sizes = dict(zip(self.kinds, self.sizes))
+      found = milp_counts(kinds, costs, sum(c * m for c, m in zip(self.counts, self.sizes)), sizes)
+    counts = [0] * len(self.kinds)
+    for p, c in zip(at, found):
+      counts[p] = c
+    return tuple(counts)
 
   def seconds(self, counts: Sequence[int]) -> float:
-    """The estimate's step compute: its busiest position's seconds under ``counts``."""
+    """The estimate's step compute: its busiest position's seconds under ``counts`` (a kind it has no
+    estimate of runs nothing)."""
     costs = self.costs()
-    return max(costs[k].at(c) for k, c in zip(self.kinds, counts))
+    return max(costs[k].at(c) for k, c in zip(self.kinds, counts) if k in costs)
+
+  def idle(self) -> frozenset:
+    """The kinds that run no microbatch under the counts in force: nothing of theirs is timed."""
+    running = {k for k, c in zip(self.kinds, self.counts) if c}
+    return frozenset(k for k in self.kinds if k not in running)
 
 
 def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option: Rebalance) -> Balance:
   """``balance`` after one measurement ``{kind: (seconds per microbatch, seconds per step)}`` (every kind of
-  ``balance.kinds``): the estimate smoothed, and the counts moved when the rule says so."""
-  missing = [k for k in dict.fromkeys(balance.kinds) if k not in measured]
+  ``balance.kinds`` that runs microbatches; a kind running none may be left out, and then keeps none): the
+  estimate smoothed, and the counts moved when the rule says so."""
+  idle = balance.idle()
+  missing = [k for k in dict.fromkeys(balance.kinds) if k not in measured and k not in idle]
   if missing:
-    raise InvalidValueError(f"a measurement needs every kind of the plan; {missing} missing")
+    raise InvalidValueError(f"a measurement needs every kind of the plan that runs microbatches; {missing} missing")
   a, estimate = option.smoothing, []
   old = {k: rest for k, *rest in balance.estimate}
-  for k in dict.fromkeys(balance.kinds):
+  for k in dict.fromkeys(k for k in balance.kinds if k in measured):
     micro, fixed = measured[k]
     if k not in old:
       estimate.append((k, micro, fixed, 0.0))
@@ -124,7 +140,7 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
     off = min(abs(micro / was_micro - 1), SPREAD_CAP) if was_micro > 0 else 0.0
     estimate.append((k, (1 - a) * was_micro + a * micro, (1 - a) * was_fixed + a * fixed,
                      (1 - a) * spread + a * off))
-  kinds = tuple(dict.fromkeys(balance.kinds))
+  kinds = tuple(k for k in dict.fromkeys(balance.kinds) if k in measured)
   now = dataclasses.replace(balance, estimate=tuple(estimate))
   # each measurement judges the counts on its own times (the smoothed estimate would creep past a real change in
   # steps each below the threshold); noise is answered by the spread margin and by ``confirm``

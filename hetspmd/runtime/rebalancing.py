@@ -144,14 +144,15 @@ class Rebalancer:
 
   def grouped(self, front: Any) -> dict[str, tuple[float, float]] | None:
     """``{group label: (seconds per microbatch, 0)}`` from the group programs' times as they ran in the last
-    call (each its time over its longest count), gathered across processes; None until every group has one."""
-    plan = front._runner.plan
+    call (each its time over its longest count), gathered across processes; None until every group that runs
+    microbatches has one (a group running none is not timed, and keeps none)."""
     mine = {}
     for g, (seconds, count) in self.group_clock.take().items():
       if count:
         mine[f"group {g}"] = (seconds / count, 0.0)
     found = gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
-    return found if len(found) == len(plan.groups) else None
+    running = set(self.balance.kinds) - self.balance.idle()
+    return found if running <= set(found) else None
 
   def looped(self, front: Any) -> dict[str, tuple[float, float]] | None:
     """``{kind: (seconds per microbatch, 0)}`` from the loops timed inside the step since the last measurement
@@ -204,8 +205,7 @@ class Rebalancer:
     the plan carries one and still runs its own counts."""
     predicted = (dict(getattr(plan, "predicted_per_position", ())).get("compute_seconds")
                  if plan_counts(plan) == before.counts else None)
-    positions = [fixed + micro * c if c else 0.0
-                 for c, (micro, fixed) in zip(before.counts, (measured[k] for k in before.kinds))]
+    positions = [measured[k][1] + measured[k][0] * c if c else 0.0 for c, k in zip(before.counts, before.kinds)]
     entry = {"call": self.calls, "counts": list(before.counts),
              "measured": {k: {"microbatch_seconds": m, "step_seconds": f} for k, (m, f) in measured.items()},
              "position_seconds": positions, "measured_step_seconds": max(positions),
