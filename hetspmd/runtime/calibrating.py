@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -230,13 +230,14 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
   timers = {kind: KindTimer(front, devices[0], together=tuple(devices[1:])) for kind, devices in every.items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   fixed: dict[str, list[float]] = {k: [] for k in kinds}
-  fingerprint_ = ""
+  fingerprint_, failed = "", ""
   for size in sorted(set(sizes)):
     mine = {}
     for kind, timer in timers.items():
       try:
         (point,), step_seconds = fit_points(timer.runs(args, kwargs, [size], counts, repeats))
-      except jax.errors.JaxRuntimeError:  # this size does not fit the device
+      except jax.errors.JaxRuntimeError as e:  # this size does not fit the device
+        failed = f"{kind} at microbatch {size}: {str(e).splitlines()[0][:200]}"
         continue
       mine[kind] = (point[1], step_seconds)
       fingerprint_ = fingerprint_ or timer.fingerprint or ""
@@ -249,7 +250,9 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
   timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k]), devices=int(widths[:, j].max()))
                   for j, k in enumerate(kinds) if points[k])
   if not timings:
-    raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices")
+    raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices, each device "
+                       f"holding the whole state ({failed or 'no device of the cluster here'}): a step that fits "
+                       "no one device is priced from its devices' specs (calibrate=False)")
   return Calibration(_agreed_fingerprint(fingerprint_), timings)
 
 
@@ -272,6 +275,18 @@ def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]
   top = within[-1]
   low = [m for m in within if m <= max(1, top // 4)] or [within[0]]
   return tuple(sorted({low[-1], top}))
+
+
+def where_it_runs(option: Any, measure: Callable[[], Calibration | None]) -> tuple[Calibration | None, str]:
+  """``(measure(), "")``; under ``calibrate="auto"`` (``option``), ``(None, why)`` where the step cannot be timed
+  here (it fits no one device of a kind, or its state is split across processes): the search then prices
+  compute from the devices' specs, and ``explain()`` says why. ``calibrate=True`` raises instead."""
+  try:
+    return measure(), ""
+  except (HetSpmdError, jax.errors.JaxRuntimeError) as e:
+    if option is True:
+      raise
+    return None, str(e).splitlines()[0]
 
 
 def wanted(option: Any, cluster: Any) -> bool:

@@ -77,6 +77,7 @@ class ParallelStep:
   _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
   _note: str = ""  # the search's word on why the plan is (or is not) a group plan
   _pricing: tuple[str, ...] = ()  # what the search priced each kind's compute from (Cluster.pricing)
+  _uncalibrated: str = ""  # why calibrate="auto" timed nothing (the step fits no one device, ...)
 
   def __post_init__(self):
     functools.update_wrapper(self, self.fn)
@@ -123,7 +124,8 @@ class ParallelStep:
       elif requested == "search":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         if self.calibration is None and calibrating.wanted(self.calibrating, cluster):
-          self.calibration = self._calibrate_example(state, cluster)
+          self.calibration, self._uncalibrated = calibrating.where_it_runs(
+              self.calibrating, lambda: self._calibrate_example(state, cluster))
         priced = cluster.calibrated(self.calibration)
         searched = searched_plan(self, priced, state, self._search_trace(trace))
         self._pricing = tuple(priced.pricing())
@@ -148,7 +150,8 @@ class ParallelStep:
     if self.requested_plan == "search" and self.calibration is None:
       cluster = self.cluster or Cluster.from_devices(jax.devices())
       if calibrating.wanted(self.calibrating, cluster):
-        self.calibration = self._calibrated(self, args, kwargs, cluster)
+        self.calibration, self._uncalibrated = calibrating.where_it_runs(
+            self.calibrating, lambda: self._calibrated(self, args, kwargs, cluster))
     runner = self._resolve(parts.state, Trace.of(self, parts.function(self.fn, len(args)), parts.batch,
                                                  (parts.rest, kwargs), parts.graphdef))
     if parts.graph_args:
@@ -329,6 +332,8 @@ class ParallelStep:
       notes.append(f"  collectives over {names} (pmap style) run as the one replica of the global batch")
     if self._note:
       notes.append(f"  note: {self._note}")
+    if self._uncalibrated:
+      notes.append(f"  not calibrated (calibrate='auto'): {self._uncalibrated}")
     if self._pricing:
       notes += ["  the search priced compute from:"] + [f"    {line}" for line in self._pricing]
     if self.rebalancer is not None:
