@@ -130,7 +130,7 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   grouped = (group if runs_groups and group is not None and (
       best is None or group.throughput >= GROUP_PLAN_MARGIN * best.throughput) else None)
   note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered,
-                        group_conflict(step.specs))
+                        conflict=group_conflict(step.specs))
   if best is not result.plans[0] and best is not None:
     note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
             "some runs" + (f"; {note}" if note else ""))
@@ -232,7 +232,7 @@ def kept_specs(plan: GroupPlan, state: Any, specs: Any) -> GroupPlan:
 
 
 def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, best: Any, chosen: bool, considered: bool,
-                   conflict: str = "") -> str:
+                   *, conflict: str = "") -> str:
   """Why the search's plan is, or is not, a group plan (``best``: the single program that runs, None if none)."""
   if result.group_plan is not None and best is not None:
     ratio = result.group_plan.throughput / best.throughput
