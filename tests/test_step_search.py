@@ -254,8 +254,9 @@ def test_step_refuses_the_zoo_s_options(capsys):
 
 def test_where_no_single_program_fits_the_search_runs_the_group_plan_that_does(monkeypatch):
   """With the single programs made not to fit (the search raising as it does when none fits), ``plan="search"``
-  runs the group plan that fits, exactly, and says why; ``hetspmd.search`` says the same; with ``specs``, where
-  group plans do not run, it says that no plan runs while ``best`` is the group plan."""
+  runs the group plan that fits, exactly, and says why; ``hetspmd.search`` says the same, with ``specs`` over
+  ``model`` too; with a spec over ``data``, which group plans do not keep, it says that no plan runs while
+  ``best`` is the group plan."""
   require_devices(8)
 
   def nothing_fits(*args, **kwargs):
@@ -275,8 +276,11 @@ def test_where_no_single_program_fits_the_search_runs_the_group_plan_that_does(m
   found = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool)
   assert found.form == "group plan" and found.plans == () and found.to_json()["no_single_program"]
   assert "no single program fits: no plan fits" in " ".join(str(found).split())
+  kept = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool,
+                   specs={"Dense_0/kernel": jax.sharding.PartitionSpec(None, "model")})
+  assert kept.form == "group plan"
   apart = hs.search(dropout_step, _abstract(_state()), _abstract(batches[0]), cluster=pool,
-                    specs={"Dense_0/kernel": jax.sharding.PartitionSpec()})
+                    specs={"Dense_0/kernel": jax.sharding.PartitionSpec("data")})
   assert apart.form is None and isinstance(apart.best, hs.GroupPlan)
   assert "runs no plan" in " ".join(str(apart).split())
 
