@@ -137,6 +137,14 @@ def test_a_measurement_needs_every_kind_that_runs_microbatches():
   assert after.counts == (4, 4, 0) and after.idle() == {"c"}
   # timed anyway (a single program times idle kinds on a device), it may get work
   assert update(idle, {"a": (1.0, 0.0), "b": (1.0, 0.0), "c": (1.0, 0.0)}, option).counts[2] > 0
+  # measurements over different kinds do not agree with each other (nor average together)
+  two = Rebalance(every=1, confirm=2, smoothing=1.0)
+  first = update(idle, {"a": (1.0, 0.0), "b": (1.0, 0.0), "c": (1.0, 0.0)}, two)
+  second = update(first, {"a": (1.0, 0.0), "b": (1.0, 0.0)}, two)
+  assert first.agreed == 1 and second.agreed == 1 and second.counts == idle.counts
+  assert update(second, {"a": (1.0, 0.0), "b": (1.0, 0.0)}, two).counts == (4, 4, 0)
+  # every kind idle (a tail runs the whole batch): nothing to balance
+  assert update(Balance((0, 0), ("a", "b")), {}, option).counts == (0, 0)
 
 
 # --- calibration values ----------------------------------------------------------------------------------------
@@ -540,6 +548,13 @@ def test_a_step_that_fits_no_one_device_is_searched_uncalibrated_under_auto(monk
   assert step.calibration is None
   assert "not calibrated (calibrate='auto'): no microbatch size of" in step.explain()
   assert "RESOURCE_EXHAUSTED" in step.explain()
+  # planned at the first call (no example_batch): timed once, and explain() still says why
+  tries = []
+  monkeypatch.setattr(KindTimer, "runs", lambda self, *a, **k: tries.append(1) or out_of_memory(self))
+  later = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
+                         calibrate=calibrate)
+  later(w.init_state(0), w.synthetic_batch(0, batch=64))
+  assert "RESOURCE_EXHAUSTED" in later.explain() and 0 < len(tries) <= 4  # two kinds at up to two sizes, once
 
 
 # --- group plans ------------------------------------------------------------------------------------------------
@@ -634,6 +649,34 @@ def test_a_hybrid_plan_rebalances_between_its_sharded_groups_exactly(monkeypatch
   ref.check(state)
   assert step.grouped and step.plan.hybrid
   assert counts[0] == (4, 4, 4, 4) and counts[-1] == (2, 2, 6, 6)
+
+
+def test_a_group_plan_returning_logits_keeps_their_order_across_moves(monkeypatch):
+  """A step returning per-example logits, whose exchange program puts them in global order from the counts it
+  was built for: after the moves [8 | 8] -> [10 | 6] -> [11 | 5] (the last fits the slots of the second), each
+  step's logits are in the global batch's order, within float32 rounding of a float64 reference."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+
+  def step_fn(params, batch):
+    logits = batch["x"] @ params
+    return params - 0.0 * params, {"logits": logits, "loss": (logits ** 2).mean()}
+
+  times = lambda a, b: {"group 0": (a * 1e-3, 0.0), "group 1": (b * 1e-3, 0.0)}
+  script = iter([times(1, 1)] * 2 + [times(6, 10)] * 2 + [times(5, 11)] * 2)
+  monkeypatch.setattr(Rebalancer, "grouped", lambda self, front: next(script))
+  params = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+  batch = {"x": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 100}
+  step = hs.parallelize(step_fn, plan=_group_plan((8, 8)), global_batch=64,
+                        rebalance=Rebalance(every=1, confirm=2, smoothing=1.0))
+  x, w = batch["x"].astype(np.float64), params.astype(np.float64)
+  bound = 4 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w))  # float32 dots of 4 terms, against float64
+  state, seen = step.shard_state(params), []
+  for _ in range(6):
+    state, metrics = step(state, batch)
+    seen.append(tuple(c for g in step.plan.groups for c in g.counts))
+    assert np.all(np.abs(np.asarray(metrics["logits"], np.float64) - x @ w) <= bound)
+  assert seen[-1] == (11, 5) and (10, 6) in seen
 
 
 @pytest.mark.parametrize("counts,slots,error", [

@@ -81,7 +81,7 @@ class Balance:
   estimate: tuple[tuple[str, float, float], ...] = ()
   proposal: tuple[int, ...] | None = None
   agreed: int = 0
-  recent: tuple = ()  # (proposed counts, times) of the measurements that found the counts off balance, in a row
+  recent: tuple = ()  # (proposed counts, kinds, times) of the measurements that found the counts off balance, in a row
   sizes: tuple[int, ...] = ()  # per position: examples per microbatch, where kinds run different sizes
 
   def costs(self) -> dict[str, KindCost]:
@@ -113,7 +113,7 @@ class Balance:
     """The estimate's step compute: its busiest position's seconds under ``counts`` (a kind it has no
     estimate of runs nothing)."""
     costs = self.costs()
-    return max(costs[k].at(c) for k, c in zip(self.kinds, counts) if k in costs)
+    return max((costs[k].at(c) for k, c in zip(self.kinds, counts) if k in costs), default=0.0)
 
   def idle(self) -> frozenset:
     """The kinds that run no microbatch under the counts in force: nothing of theirs is timed."""
@@ -142,18 +142,22 @@ def update(balance: Balance, measured: Mapping[str, tuple[float, float]], option
                      (1 - a) * spread + a * off))
   kinds = tuple(k for k in dict.fromkeys(balance.kinds) if k in measured)
   now = dataclasses.replace(balance, estimate=tuple(estimate))
+  if not kinds:  # every kind idle (a tail runs the batch): nothing to balance
+    return dataclasses.replace(now, proposal=None, agreed=0, recent=())
   # each measurement judges the counts on its own times (the smoothed estimate would creep past a real change in
   # steps each below the threshold); noise is answered by the spread margin and by ``confirm``
   raw = dataclasses.replace(now, estimate=tuple((k, *measured[k], 0.0) for k in kinds))
   target = raw.balanced(raw.costs())
   if target == now.counts or raw.seconds(now.counts) < (1 + option.threshold + now.spread) * raw.seconds(target):
     return dataclasses.replace(now, proposal=None, agreed=0, recent=())
-  recent = now.recent + ((target, tuple(x for k in kinds for x in measured[k])),)
+  # the measurements in a row that agree, over the same kinds (one that made a kind idle times it no more)
+  times = tuple(x for k in kinds for x in measured[k])
+  recent = tuple(r for r in now.recent if r[1] == kinds) + ((target, kinds, times),)
   if len(recent) < option.confirm:
     return dataclasses.replace(now, proposal=target, agreed=len(recent), recent=recent)
   # the imbalance held: the estimate starts again from the mean of these measurements that propose what the
   # latest does (one taken as a change began proposes other counts), and the counts balance it
-  mean = np.mean(np.array([row for proposed, row in recent if proposed == target]), axis=0)
+  mean = np.mean(np.array([row for proposed, _, row in recent if proposed == target]), axis=0)
   fresh = tuple((k, float(mean[2 * i]), float(mean[2 * i + 1]), spread)
                 for i, (k, *_, spread) in enumerate(now.estimate))
   moved = dataclasses.replace(now, estimate=fresh, proposal=None, agreed=0, recent=())

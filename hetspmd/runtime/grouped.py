@@ -150,15 +150,16 @@ class GroupedStep:
   def adopt(self, other: "GroupedStep") -> bool:
     """Run ``other``'s programs where they run this plan: the same plan but its groups' counts, every group with
     slots (its programs read its counts when they run: :attr:`~hetspmd.plan.groups.Group.slots`) and the same
-    buffers, and no per-example output put in order from the counts when built. Then new counts compile
-    nothing. Whether it did."""
+    buffers. Then new counts compile nothing, but for programs that put per-example outputs in order from the
+    counts when built: those are kept per set of counts. Whether it did."""
     mine, theirs = self.plan, other.plan
     blank = lambda plan: ([dataclasses.replace(g, counts=(0,) * len(g.counts)) for g in plan.groups],
                           [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.compare and f.name != "groups"])
     same = (blank(mine) == blank(theirs) and all(g.slots for g in mine.groups)
             and [g.max_count for g in mine.groups] == [g.max_count for g in theirs.groups]
-            and self.fn is other.fn and (self.batch_stats, self.donate_state) == (other.batch_stats, other.donate_state))
-    if not same or not other._built or any(b.ordered for b in other._built.values()):
+            and self.fn is other.fn
+            and (self.batch_stats, self.donate_state) == (other.batch_stats, other.donate_state))
+    if not same or not other._built:
       return False
     self._built, self._latest, self._last = other._built, other._latest, other._last
     return True
@@ -349,10 +350,13 @@ class GroupedStep:
     check_global_batch(batch, self.plan.global_batch)
     leaves, tree = jax.tree.flatten((state, batch, rest))
     full = (tree, key, tuple((np.shape(x), str(traced_dtype(x))) for x in leaves))
-    if full not in self._built:
-      self._built[full] = build(fn, self.plan, self._meshes, state, leaves, tree, n_batch=len(jax.tree.leaves(batch)),
-                                batch_stats=self.batch_stats, donate_state=self.donate_state)
-    self._latest = self._built[full]
+    counted = (full, tuple(g.counts for g in self.plan.groups))  # programs that order outputs by the counts
+    built = self._built.get(full) or self._built.get(counted)
+    if built is None:
+      built = build(fn, self.plan, self._meshes, state, leaves, tree, n_batch=len(jax.tree.leaves(batch)),
+                    batch_stats=self.batch_stats, donate_state=self.donate_state)
+      self._built[counted if built.ordered else full] = built  # runners that adopted these programs share them
+    self._latest = built
     return self._latest
 
   def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
@@ -368,7 +372,8 @@ class GroupedStep:
     # programs dispatched after it
     if self.clock is not None and not fresh and name.startswith("group ") and name[6:].isdigit():
       g = int(name[6:])
-      self.clock.watch(g, args, out, max(self.plan.groups[g].counts))
+      group = self.plan.groups[g]  # a lockstep group runs every slot, masked
+      self.clock.watch(g, args, out, group.max_count if group.shard_params else max(group.counts))
     return out
 
   def _placed(self, built: GroupPrograms, i: int, x: Any) -> Any:

@@ -303,7 +303,7 @@ def _wait(arrays: list) -> None:
   for x in arrays:
     try:
       x.block_until_ready()
-    except jax.errors.JaxRuntimeError:
+    except RuntimeError:  # JaxRuntimeError from XLA, RuntimeError from JAX's own check of a deleted array
       if not x.is_deleted():
         raise
 

@@ -123,7 +123,7 @@ class ParallelStep:
                         specs=self.specs, grad_reduce_dtype=self.grad_reduce_dtype)
       elif requested == "search":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
-        if self.calibration is None and calibrating.wanted(self.calibrating, cluster):
+        if self.calibration is None and not self._uncalibrated and calibrating.wanted(self.calibrating, cluster):
           self.calibration, self._uncalibrated = calibrating.where_it_runs(
               self.calibrating, lambda: self._calibrate_example(state, cluster))
         priced = cluster.calibrated(self.calibration)
