@@ -152,12 +152,7 @@ class GroupedStep:
     slots (its programs read its counts when they run: :attr:`~hetspmd.plan.groups.Group.slots`) and the same
     buffers. Then new counts compile nothing, but for programs that put per-example outputs in order from the
     counts when built: those are kept per set of counts. Whether it did."""
-    mine, theirs = self.plan, other.plan
-    blank = lambda plan: ([dataclasses.replace(g, counts=(0,) * len(g.counts)) for g in plan.groups],
-                          [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.compare and f.name != "groups"])
-    same = (blank(mine) == blank(theirs) and all(g.slots for g in mine.groups)
-            and [g.max_count for g in mine.groups] == [g.max_count for g in theirs.groups]
-            and self.fn is other.fn
+    same = (_same_but_counts(self.plan, other.plan) and self.fn is other.fn
             and (self.batch_stats, self.donate_state) == (other.batch_stats, other.donate_state))
     if not same or not other._built:
       return False
@@ -383,6 +378,14 @@ class GroupedStep:
       return x
     return transfers.held_on(x, built.owner[i], jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)))
 
+
+def _same_but_counts(mine: GroupPlan, theirs: GroupPlan) -> bool:
+  """Whether two group plans differ in their groups' counts alone, every group with slots (its programs read
+  its counts when they run) and the same buffers."""
+  blank = lambda plan: ([dataclasses.replace(g, counts=(0,) * len(g.counts)) for g in plan.groups],
+                        [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.compare and f.name != "groups"])
+  return (blank(mine) == blank(theirs) and all(g.slots for g in mine.groups)
+          and [g.max_count for g in mine.groups] == [g.max_count for g in theirs.groups])
 
 def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
   """:meth:`GroupedStep.explain`'s lines on the groups that shard their parameters (FSDP within the group)."""
