@@ -9,7 +9,7 @@ import pytest
 import hetspmd
 from hetspmd import Cluster, enumerate_layouts
 from hetspmd.cli import main
-from hetspmd.hardware.profiler import COLLECTIVES, CollectiveFit, fit_alpha_beta
+from hetspmd.hardware.profiler import COLLECTIVES, CollectiveFit, fit_alpha_beta, measured_alpha_beta
 
 from conftest import require_devices
 
@@ -63,6 +63,16 @@ def test_alpha_beta_fit_recovers_a_line(alpha, beta):
   sizes = [2**k for k in range(10, 24, 2)]
   got_alpha, got_beta = fit_alpha_beta(sizes, [alpha + beta * s for s in sizes])
   assert got_alpha == pytest.approx(alpha, abs=1e-9) and got_beta == pytest.approx(beta, abs=1e-15)
+
+
+@pytest.mark.parametrize("times", [[4e-4] * 7, [9e-4, 5e-4, 4e-4, 4e-4, 4.1e-4, 4e-4, 3.9e-4]])
+def test_timed_collective_flat_in_size_keeps_a_finite_bandwidth(times):
+  """Noise that hides the bytes bounds the bandwidth by the largest message over the longest time."""
+  sizes = [4**k * 1024 for k in range(7)]
+  alpha, beta = measured_alpha_beta(sizes, times)
+  assert beta == pytest.approx(max(times) / sizes[-1]) and alpha == pytest.approx(min(times))
+  line = measured_alpha_beta(sizes, [1e-5 + 1e-9 * s for s in sizes])
+  assert line == pytest.approx((1e-5, 1e-9))
 
 
 def test_profile_cli_json_and_out(tmp_path, capsys):

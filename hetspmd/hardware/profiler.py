@@ -466,13 +466,28 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[fl
   return float(alpha), float(beta)
 
 
+def measured_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+  """:func:`fit_alpha_beta` of timed collectives, whose bandwidth is never infinite.
+
+  Where noise swamps the bytes (times flat or falling in size, so the fitted
+  slope explains under 1% of the longest time), the bandwidth is bounded
+  below by the largest message over the longest time and the latency is the
+  shortest time: the line beyond the table still grows, and the link is
+  still priced.
+  """
+  alpha, beta = fit_alpha_beta(sizes, seconds)
+  if beta * max(sizes) >= 0.01 * max(seconds):
+    return alpha, beta
+  return float(min(seconds)), float(max(seconds)) / float(max(sizes))
+
+
 def _fit_collective(devices, op, axis, sizes, progress) -> CollectiveFit:
   times = []
   for nbytes in sizes:
     times.append(collective_seconds(devices, op, nbytes))
     progress.step(f"{op} {nbytes // 1024} KiB over {len(devices)} devices ({axis})")
   monotone = tuple(float(t) for t in np.maximum.accumulate(times))
-  alpha, beta = fit_alpha_beta(sizes, times)
+  alpha, beta = measured_alpha_beta(sizes, times)
   return CollectiveFit(op, axis, len(devices), tuple(sizes), monotone, alpha, beta)
 
 
