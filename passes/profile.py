@@ -72,6 +72,20 @@ def with_scan_layers(profile: StepProfile) -> StepProfile:
                              layer_activation=step_cost.fit_linear(*peaks, *profile.trace_batches))
 
 
+def layer_nodes(profile: StepProfile) -> tuple[np.ndarray, int] | None:
+  """Per node of ``profile``, whether it runs in the step's layer scan (its forward or its transpose), and how
+  many layers the scan runs; None where the step has no layer scan."""
+  if len(profile.traces) < 2:
+    return None
+  small, large = profile.traces
+  try:
+    found = stack.find_layer_stack(stack.sites_in_traces(small, large))
+  except NoLayerStackError:
+    return None
+  loops = {small.scans[found.forward_scan].loop, small.scans[found.backward_scan].loop}
+  return np.array([bool(loops.intersection(n.loops)) for n in small.nodes], bool), found.length
+
+
 def _scan_residuals(found: stack.LayerStack, small: Any, large: Any) -> list[int]:
   """The positions of the forward scan's stacked per-example results that its transpose reads."""
   def nbytes(graph, ref):

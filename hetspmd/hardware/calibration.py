@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError
 
 FORMAT = "hetspmd.calibration/1"
+PARTS = ("step", "layer")  # what a KindTiming timed: the step's microbatches, or one layer of its layer scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,10 @@ class KindTiming:
     remat: the remat policy the points were measured under.
     devices: how many devices of the kind ran together while timed (one data-parallel program over them, whose
       gradient reduction is part of ``fixed``).
+    part: what was timed: ``"step"``, the step's microbatches; or ``"layer"``, one layer of the step's layer
+      scan (forward and backward), for a step that fits no one device
+      (:mod:`hetspmd.runtime.layer_timing`): ``points`` are then one layer's seconds, and ``fixed`` is not
+      measured (the search models it).
   """
 
   kind: str
@@ -45,6 +50,7 @@ class KindTiming:
   fixed: float = 0.0
   remat: str = "none"
   devices: int = 1
+  part: str = "step"
 
   def __post_init__(self):
     if not self.points:
@@ -55,6 +61,8 @@ class KindTiming:
                                 f"got {(size, seconds)!r}")
     if not math.isfinite(self.fixed) or self.fixed < 0:
       raise InvalidValueError(f"{self.kind!r}: fixed seconds must be a finite number >= 0, got {self.fixed!r}")
+    if self.part not in PARTS:
+      raise InvalidValueError(f"{self.kind!r}: part must be one of {PARTS}, got {self.part!r}")
 
   def line(self) -> tuple[float, float]:
     """``(a, b)``: seconds per microbatch ``a + b x microbatch``, least squares over the points (one point: a
@@ -81,13 +89,14 @@ class KindTiming:
     return max(a + b * microbatch, at * microbatch / smallest * 0.5)
 
   def to_json(self) -> dict[str, Any]:
-    return {"kind": self.kind, "points": [[m, t] for m, t in self.points], "fixed": self.fixed,
-            "remat": self.remat, "devices": self.devices}
+    out = {"kind": self.kind, "points": [[m, t] for m, t in self.points], "fixed": self.fixed,
+           "remat": self.remat, "devices": self.devices}
+    return out if self.part == "step" else {**out, "part": self.part}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "KindTiming":
     return cls(str(data["kind"]), tuple((int(m), float(t)) for m, t in data["points"]), float(data["fixed"]),
-               str(data.get("remat", "none")), int(data.get("devices", 1)))
+               str(data.get("remat", "none")), int(data.get("devices", 1)), str(data.get("part", "step")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,9 @@ class Calibration:
     lines = []
     for t in self.kinds:
       points = ", ".join(f"{m}: {s * 1e3:.3g} ms" for m, s in t.points)
+      if t.part == "layer":
+        lines.append(f"{t.kind}: one layer (forward and backward) per microbatch {points}")
+        continue
       lines.append(f"{t.kind}: per microbatch {points}; per step {t.fixed * 1e3:.3g} ms (remat {t.remat}, "
                    f"{t.devices} device(s) together)")
     return lines

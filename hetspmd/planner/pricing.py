@@ -23,6 +23,8 @@ from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorP
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes.sharding import ilp as strategy_ilp, strategies
 from hetspmd.passes.costing.step_cost import StepProfile
+from hetspmd.passes.profile import layer_nodes
+from hetspmd.hardware.calibration import KindTiming
 from hetspmd.plan.counts import KindCost, balanced_counts
 
 # Share of the last microbatch's backward pass that hides gradient reductions overlapped with it: the
@@ -200,6 +202,28 @@ class Candidate:
     return Candidate(**{**self.__dict__, **changes})  # every field is an init field: dataclasses.replace, faster
 
 
+def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) -> KindTiming | None:
+  """A kind's measured times as the search prices them: ``timing`` itself where it timed the step's
+  microbatches; where it timed one layer of the step's layer scan (``part="layer"``:
+  :mod:`hetspmd.runtime.layer_timing`), the predicted microbatch scaled by the layer's measured over predicted
+  seconds at each measured size, with the per-step seconds predicted. None without a timing, or where the
+  profile finds no layer scan to scale from."""
+  if timing is None or timing.part == "step":
+    return timing
+  found = layer_nodes(profile)
+  if found is None:
+    return None
+  mask, length = found
+  accumulate = profile.accumulate_seconds(spec)
+  points = []
+  for size, seconds in timing.points:
+    predicted = float(profile.node_seconds(spec, size)[mask].sum()) / length
+    if predicted <= 0:
+      return None
+    points.append((size, profile.microbatch_seconds(spec, size) * seconds / predicted + accumulate))
+  return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat)
+
+
 class Costing:
   """Per-search caches: per-node seconds, strategy spaces, ILP frontiers, assessed choices."""
 
@@ -209,7 +233,8 @@ class Costing:
     self.specs = {k: cluster.spec_of(k) for k in cluster.kinds}
     self.links = {k: min((h.intra for h in cluster.hosts if h.device.name == k), key=lambda l: l.bandwidth)
                   for k in cluster.kinds}
-    self.measured = {k: cluster.calibration.of(k) for k in cluster.kinds} if cluster.calibration else {}
+    self.measured = {k: measured_timing(cluster.calibration.of(k), profile, self.specs[k])
+                     for k in cluster.kinds} if cluster.calibration else {}
     self.measured = {k: t for k, t in self.measured.items() if t is not None}
     self.fixed = {k: self._measured_fixed(k) if k in self.measured else profile.step_fixed_seconds(s)
                   for k, s in self.specs.items()}

@@ -85,7 +85,8 @@ from hetspmd.plan.counts import balanced_counts, divisors as all_divisors, even_
 from hetspmd.plan.options import REMAT_POLICIES, ZERO_STAGES
 from hetspmd.plan.state_layout import group_conflict
 from hetspmd.hardware.mesh import enumerate_layouts
-from hetspmd.planner.pricing import Candidate, Costing, DeviceGroups, Evaluated, device_groups, price_candidate
+from hetspmd.planner.pricing import (Candidate, Costing, DeviceGroups, Evaluated, device_groups, measured_timing,
+                                     price_candidate)
 
 # remat "full" checkpoints the whole loss: it runs the forward pass twice and lowers no peak (see
 # data_axis.activation_share), so it never wins and is not searched
@@ -466,9 +467,11 @@ def _top(plans: Sequence[Evaluated], top: int) -> tuple[Evaluated, ...]:
 def ideal_throughput(cluster: Cluster, profile: StepProfile, global_batch: int) -> float:
   """Every device busy on its own share of the batch, with no communication: the sum of their throughputs."""
   share = max(1, global_batch // cluster.num_devices)
-  measured = cluster.calibration.of if cluster.calibration is not None else lambda kind: None
-  per_kind = {k: share / (measured(k).micro(share) if measured(k) is not None
-                          else profile.microbatch_seconds(cluster.spec_of(k), share)) for k in cluster.kinds}
+  per_kind = {}
+  for k in cluster.kinds:
+    spec = cluster.spec_of(k)
+    timing = measured_timing(cluster.calibration.of(k), profile, spec) if cluster.calibration else None
+    per_kind[k] = share / (timing.micro(share) if timing is not None else profile.microbatch_seconds(spec, share))
   return sum(per_kind[d.spec.name] for d in cluster.devices)
 
 

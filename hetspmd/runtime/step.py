@@ -40,6 +40,7 @@ from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.plan.balance import as_option
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
 from hetspmd.runtime import calibrating
+from hetspmd.runtime.layer_timing import step_or_layer
 from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
 from hetspmd.runtime.searching import Priced, price_step, searched_plan
@@ -124,8 +125,9 @@ class ParallelStep:
       elif requested == "search":
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         if self.calibration is None and not self._uncalibrated and calibrating.wanted(self.calibrating, cluster):
-          self.calibration, self._uncalibrated = calibrating.where_it_runs(
-              self.calibrating, lambda: self._calibrate_example(state, cluster))
+          self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
+              lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
+              self._calibration_sizes(cluster)))
         priced = cluster.calibrated(self.calibration)
         searched = searched_plan(self, priced, state, self._search_trace(trace))
         self._pricing = tuple(priced.pricing())
@@ -147,13 +149,14 @@ class ParallelStep:
     times it on them first); NNX objects are then placed in place, as ``nnx.jit`` would leave them."""
     from flax import nnx
 
+    trace = Trace.of(self, parts.function(self.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
     if self.requested_plan == "search" and self.calibration is None:
       cluster = self.cluster or Cluster.from_devices(jax.devices())
       if calibrating.wanted(self.calibrating, cluster):
-        self.calibration, self._uncalibrated = calibrating.where_it_runs(
-            self.calibrating, lambda: self._calibrated(self, args, kwargs, cluster))
-    runner = self._resolve(parts.state, Trace.of(self, parts.function(self.fn, len(args)), parts.batch,
-                                                 (parts.rest, kwargs), parts.graphdef))
+        self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
+            lambda: self._calibrated(self, args, kwargs, cluster), lambda: self._search_trace(trace), parts.state,
+            cluster, self._calibration_sizes(cluster)))
+    runner = self._resolve(parts.state, trace)
     if parts.graph_args:
       nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
 
@@ -168,10 +171,10 @@ class ParallelStep:
 
   def _calibrated(self, front: "ParallelStep", args: tuple, kwargs: dict, cluster: Cluster,
                   sizes: Any = None) -> Calibration:
-    if sizes is None:
-      sizes = calibrating.calibration_sizes(self.global_batch, cluster.num_devices,
-                                            microbatch_sizes(self.global_batch))
-    return calibrating.calibrate(front, args, kwargs, cluster, sizes)
+    return calibrating.calibrate(front, args, kwargs, cluster, sizes or self._calibration_sizes(cluster))
+
+  def _calibration_sizes(self, cluster: Cluster) -> tuple[int, ...]:
+    return calibrating.calibration_sizes(self.global_batch, cluster.num_devices, microbatch_sizes(self.global_batch))
 
   def _calibrate_example(self, state: Any, cluster: Cluster) -> Calibration | None:
     """A calibration on ``step(state, example_batch)`` where the plan is made before any call; None where no

@@ -1,0 +1,157 @@
+"""Timing one layer of the step's layer scan on each kind: the calibration of a step that fits no one device.
+
+A large model's step fits no one device (each would hold the whole state), so
+:func:`hetspmd.runtime.calibrating.calibrate` cannot time it. Where the step runs its layers as one scan over
+stacked parameters (``nn.scan``, ``jax.lax.scan``), one layer does fit: this module times the layer scan's
+forward and its transpose on one device of each kind, as Cephalo times its layers. Each scan is run as it is in
+the step, at the microbatch size, over one stacked layer and over two (its inputs ones and zeros: a step's time
+does not depend on its values), so the difference is one layer's seconds without the program's dispatch.
+
+The result is a :class:`~hetspmd.hardware.calibration.KindTiming` with ``part="layer"``: per microbatch size,
+one layer's forward and backward seconds. The search prices a kind from it by scaling the cost model's
+prediction of the whole microbatch by the layer's measured over predicted seconds
+(:func:`hetspmd.planner.pricing.measured_timing`); the per-step seconds (the optimizer update) stay modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from hetspmd.errors import HetSpmdError, NoLayerStackError
+from hetspmd.hardware.calibration import Calibration, KindTiming
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.frontend import stack
+from hetspmd.passes.profile import with_batch
+from hetspmd.runtime.calibrating import fingerprint, gathered, local_kind_devices, now
+
+ROWS = (1, 2)  # stacked layers each scan is timed over: their difference is one layer
+REPEATS = 5    # timed runs of each program, after one untimed run (which compiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScans:
+  """The step's layer scan traced at one microbatch size: its forward scan and its transpose (jaxpr
+  equations), and how many layers they run."""
+
+  forward: Any
+  backward: Any
+  length: int
+  fingerprint: str
+
+
+def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> LayerScans:
+  """The layer scan of ``fn(state, batch)`` traced with ``size`` examples (``batch`` of any size: only its
+  shapes are read), found as :func:`hetspmd.passes.frontend.stack.find_layer_stack` finds it for pipeline
+  stages; raises :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
+  small, closed = _flat(fn, state, batch, size)
+  large, _ = _flat(fn, state, batch, 2 * size)
+  if [jx.primitive_name(e) for e in small] != [jx.primitive_name(e) for e in large]:
+    raise NoLayerStackError("the step's equations differ between its traces at two batch sizes")
+
+  def per_example(i: int, j: int) -> bool:
+    return jx.aval_shape(small[i].invars[j]) != jx.aval_shape(large[i].invars[j])
+
+  found = stack.find_layer_stack(stack.sites_in_jaxpr(small, per_example))
+  return LayerScans(small[found.forward], small[found.backward], found.length, fingerprint(closed))
+
+
+def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> tuple[list, Any]:
+  closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), with_batch(batch, size)), {})
+  return jx.equations(jx.inline_calls(closed)), closed
+
+
+@dataclasses.dataclass
+class LayerTimer:
+  """Times one layer of :class:`LayerScans` on ``device``: each scan run over ``ROWS`` stacked layers, the
+  programs built once and kept (keyed by microbatch size)."""
+
+  device: Any
+  _programs: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def seconds(self, scans: LayerScans, size: int, repeats: int = REPEATS) -> float:
+    """One layer's forward and backward seconds at ``size`` examples: per scan, the median time over two
+    stacked layers less the median over one, the runs taken in turn (ABBA) so a slow spell falls on both."""
+    total = 0.0
+    for which, eqn in (("forward", scans.forward), ("backward", scans.backward)):
+      calls = [self._call((size, which, rows), eqn, rows) for rows in ROWS]
+      times: list[list[float]] = [[] for _ in ROWS]
+      for r in range(repeats):
+        for j in (range(len(ROWS)) if r % 2 == 0 else reversed(range(len(ROWS)))):
+          start = now()
+          jax.block_until_ready(calls[j]())
+          times[j].append(now() - start)
+      one, two = (statistics.median(t) for t in times)
+      total += max(two - one, 1e-3 * two)
+    return total
+
+  def _call(self, key: tuple, eqn: Any, rows: int) -> Callable[[], Any]:
+    if key not in self._programs:
+      program, inputs = scan_program(eqn, rows)
+      placed = [jax.device_put(x, self.device) for x in inputs]
+      jax.block_until_ready(program(*placed))  # compiles
+      self._programs[key] = lambda: program(*placed)
+    return self._programs[key]
+
+
+def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
+  """``eqn`` (a scan) as a program over ``rows`` of its scanned inputs, and zero inputs for it."""
+  parts = jx.scan_parts(eqn)
+  carried = parts.num_consts + parts.num_carry
+  shapes = [jx.aval_shape(v) for v in eqn.invars]
+  shapes = shapes[:carried] + [(rows,) + s[1:] for s in shapes[carried:]]
+  inputs = [_filled(s, jx.aval_dtype(v)) for s, v in zip(shapes, eqn.invars)]
+  params = {**eqn.params, "length": rows}
+  return jax.jit(lambda *args: jx.bind(eqn, args, params)), inputs
+
+
+def _filled(shape: tuple, dtype: Any) -> Any:
+  """An input of the timed scan: ones where floating (so norms and the residuals they save stay finite), else
+  zeros (indices, masks, rng keys)."""
+  return jnp.ones(shape, dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.zeros(shape, dtype)
+
+
+def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, cluster: Any,
+                      sizes: Sequence[int]) -> Calibration:
+  """One layer's seconds per microbatch size in ``sizes`` on each kind of ``cluster`` (bound to JAX devices):
+  this process times each of its kinds on one device of it, and every process gathers every kind's times."""
+  if cluster.jax_device_ids is None:
+    raise HetSpmdError("timing a layer runs it on the cluster's devices: give a cluster bound to JAX devices")
+  kinds = tuple(cluster.kinds)
+  timers = {kind: LayerTimer(device) for kind, device in
+            local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices]).items()}
+  points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
+  found = ""
+  for size in sorted(set(sizes)):
+    scans = layer_scans(fn, state, batch, size)
+    found = found or scans.fingerprint
+    mine = {kind: (timer.seconds(scans, size), 0.0) for kind, timer in timers.items()}
+    for kind, (seconds, _) in gathered(kinds, mine).items():
+      points[kind].append((size, seconds))
+  timings = tuple(KindTiming(k, tuple(points[k]), part="layer") for k in kinds if points[k])
+  if not timings:
+    raise HetSpmdError("no kind of the cluster has a device here to time a layer on")
+  return Calibration(found, timings)
+
+
+
+def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[], Any], state: Any, cluster: Any,
+                  sizes: Sequence[int]) -> Calibration | None:
+  """``whole()`` (the step timed on each kind, each device holding the whole state); where that cannot run
+  (the step fits no one device, or its state is split across processes), one layer of the step's layer scan
+  timed on each kind instead (:func:`layer_calibration` on ``trace_of()``, a
+  :class:`~hetspmd.runtime.runner.Trace`). Where the step has no layer scan either, the first error, saying so."""
+  try:
+    return whole()
+  except (HetSpmdError, jax.errors.JaxRuntimeError) as e:
+    first = str(e).splitlines()[0]
+  trace = trace_of()
+  try:
+    return layer_calibration(trace.state_batch(), state, trace.batch, cluster, sizes)
+  except NoLayerStackError as e:
+    why = str(e).split(": ", 1)[-1]
+    raise HetSpmdError(f"{first}; nor can one layer be timed alone, as the step runs no layer scan ({why})") from None

@@ -1,0 +1,170 @@
+"""Calibrating a step that fits no one device: one layer of its layer scan timed on each kind.
+
+The step's whole timing runs out of memory here by decree (as a large model's would on accelerators: each
+timed device holds the whole state); the layer scan of a Linen ``nn.scan`` GPT and of an NNX ``nnx.scan``
+stack is then found, each scan run over one and two stacked layers, and the search prices each kind's whole
+microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
+error stands and says so.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd as hs
+from exactness import Reference
+from hetspmd import models
+from hetspmd.errors import HetSpmdError, NoLayerStackError
+from hetspmd.hardware.calibration import Calibration, KindTiming
+from hetspmd.passes.profile import layer_nodes, profile_step
+from hetspmd.planner.pricing import Costing, measured_timing
+from hetspmd.runtime import calibrating
+from hetspmd.runtime.calibrating import KindTimer
+from hetspmd.runtime.layer_timing import LayerTimer, layer_scans, scan_program
+
+KINDS = ["V100-32GB", "P100-16GB"]
+
+
+def _out_of_memory(self, *args, **kwargs):
+  raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB.")
+
+
+@pytest.fixture
+def fits_no_device(monkeypatch):
+  """Every whole-step timing runs out of memory, and calibration is wanted on these CPU devices."""
+  monkeypatch.setattr(KindTimer, "runs", _out_of_memory)
+  monkeypatch.setattr(calibrating, "wanted", lambda option, cluster: option is not False)
+
+
+def test_the_layer_scan_is_found_and_one_layer_timed():
+  """The forward scan and its transpose of the scanned GPT, at the microbatch size; each runs over one or two
+  stacked layers as a program of its own, and one layer's seconds come out positive."""
+  w = models.get("gpt2-tiny-scan")
+  fn = w.make_train_step(hs.value_and_grad)
+  scans = layer_scans(fn, w.abstract_state(), w.example_batch(2), 4)
+  assert scans.length == w.config.n_layer
+  for eqn in (scans.forward, scans.backward):
+    program, inputs = scan_program(eqn, 2)
+    out = program(*inputs)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+  assert LayerTimer(jax.devices()[0]).seconds(scans, 4, repeats=2) > 0
+
+
+def test_a_step_without_a_layer_scan_has_none():
+  w = models.get("mlp")
+  with pytest.raises(NoLayerStackError):
+    layer_scans(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(2), 4)
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_a_layer_timing_scales_the_whole_microbatch(scale):
+  """A layer measured at ``scale`` times its prediction prices the kind's microbatch at ``scale`` times the
+  prediction (the gradient accumulation added as the search prices it); the per-step seconds stay predicted."""
+  w = models.get("gpt2-tiny-scan")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  mask, length = layer_nodes(profile)
+  assert mask.any() and not mask.all() and length == w.config.n_layer
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  spec = cluster.spec_of(KINDS[0])
+  points = []
+  for size in (2, 8):
+    predicted = float(profile.node_seconds(spec, size)[mask].sum()) / length
+    points.append((size, scale * predicted))
+  timing = measured_timing(KindTiming(KINDS[0], tuple(points), part="layer"), profile, spec)
+  for size in (2, 8):
+    assert timing.micro(size) == pytest.approx(scale * profile.microbatch_seconds(spec, size)
+                                               + profile.accumulate_seconds(spec), rel=1e-9)
+  assert timing.fixed == profile.step_fixed_seconds(spec) and timing.part == "step"
+  costing = Costing(cluster.calibrated(Calibration("", (KindTiming(KINDS[0], tuple(points), part="layer"),))),
+                    profile, 8)
+  plain = Costing(cluster, profile, 8)
+  assert costing.node_seconds(KINDS[0], 8).sum() == pytest.approx(scale * plain.node_seconds(KINDS[0], 8).sum())
+  assert costing.node_seconds(KINDS[1], 8).sum() == pytest.approx(plain.node_seconds(KINDS[1], 8).sum())
+
+
+def test_a_layer_timing_needs_a_layer_scan_in_the_profile():
+  w = models.get("mlp")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  spec = hs.Cluster.emulate(jax.devices()[:1], kinds=KINDS[:1]).spec_of(KINDS[0])
+  assert layer_nodes(profile) is None
+  assert measured_timing(KindTiming(KINDS[0], ((4, 1e-3),), part="layer"), profile, spec) is None
+
+
+def test_a_layer_timing_saves_and_loads(tmp_path):
+  calibration = Calibration("abc", (KindTiming("V100-32GB", ((4, 1e-3), (8, 2e-3)), part="layer"),
+                                    KindTiming("P100-16GB", ((4, 2e-3),), 0.01)))
+  calibration.save(tmp_path / "c.json")
+  assert Calibration.load(tmp_path / "c.json") == calibration
+  assert "part" not in calibration.to_json()["kinds"][1]  # a step timing's JSON is as before
+  assert "one layer (forward and backward)" in calibration.describe()[0]
+  with pytest.raises(hs.errors.InvalidValueError, match="part must be one of"):
+    KindTiming("V100-32GB", ((4, 1e-3),), part="stage")
+
+
+@pytest.mark.timeout(600)
+def test_a_scanned_gpt_that_fits_no_device_is_searched_on_one_layer(fits_no_device):
+  """calibrate=True on the scanned GPT whose whole step fits no device: each kind's layer is timed at the search's
+  microbatch sizes, explain() says what priced each kind, and the plan runs exactly against one device."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = models.get("gpt2-tiny-scan")
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
+                        calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
+  state = step.shard_state(w.init_state(0))
+  assert {t.part for t in step.calibration.kinds} == {"layer"}
+  assert set(step.calibration.kind_names) == set(KINDS)
+  assert all(len(t.points) >= 1 and all(s > 0 for _, s in t.points) for t in step.calibration.kinds)
+  assert "one layer of the step timed" in step.explain()
+  batches = [w.synthetic_batch(i, batch=16) for i in range(2)]
+  ref = Reference(w.make_train_step(), w.init_state(0)).run(batches)
+  for b in batches:
+    state, _ = step(state, b)
+  ref.check(state)
+
+
+@pytest.mark.timeout(600)
+def test_an_nnx_scan_stack_that_fits_no_device_is_searched_on_one_layer(fits_no_device):
+  """The same for an NNX model stacked with nnx.vmap and run with nnx.scan (dropout rng streams per layer),
+  trained in place with step(model, optimizer, batch) at the first call."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  import optax
+  from flax import nnx
+  from test_nnx_scan_step import ScannedMLP, WIDTH
+
+  model = ScannedMLP(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+  def train_step(model, optimizer, batch):
+    def loss_fn(model):
+      logits = model(batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, WIDTH)).astype(np.float32), "y": rng.integers(0, 5, size=(16,))}
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(train_step, cluster=cluster, plan="search", global_batch=16, calibrate=True)
+  loss = step(model, optimizer, batch)
+  assert np.isfinite(float(loss))
+  assert {t.part for t in step.calibration.kinds} == {"layer"}
+  assert "one layer of the step timed" in step.explain()
+
+
+@pytest.mark.timeout(300)
+def test_without_a_layer_scan_the_first_error_stands(fits_no_device):
+  """An MLP has no layer scan: calibrate=True raises the whole step's error and says no layer can be timed."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = models.get("mlp")
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
+                        calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
+  with pytest.raises(HetSpmdError, match=r"RESOURCE_EXHAUSTED.*nor can one layer be timed alone, as the step runs "
+                                         r"no layer scan"):
+    step.shard_state(w.init_state(0))
