@@ -9,7 +9,9 @@ carrying one (``cluster.calibrated(calibration)``) is priced on it: each kind's 
 that a microbatch takes the measured time, and its per-step seconds are the measured ones. Communication stays
 modelled.
 
-A calibration is keyed by the step's jaxpr fingerprint: one measured on another step is refused.
+A calibration carries the step's jaxpr fingerprint (its primitives and input dtypes), which tells one step's
+calibration from another's. Where the step fits no one device, a kind's timing may be of one layer of its layer
+scan instead (``part="layer"``: :mod:`hetspmd.runtime.layer_timing`).
 """
 
 from __future__ import annotations
