@@ -3,7 +3,8 @@
 A large model's step fits no one device (each would hold the whole state), so
 :func:`hetspmd.runtime.calibrating.calibrate` cannot time it. Where the step runs its layers as one scan over
 stacked parameters (``nn.scan``, ``jax.lax.scan``), one layer does fit: this module times the layer scan's
-forward and its transpose on one device of each kind, as Cephalo times its layers. Each scan is run as it is in
+forward and its transpose on each kind (a process's devices of the kind at once), as Cephalo times its
+layers. Each scan is run as it is in
 the step, at the microbatch size, over one stacked layer and over two (its inputs ones and zeros: a step's time
 does not depend on its values), so the difference is one layer's seconds without the program's dispatch.
 
@@ -21,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
@@ -67,10 +70,11 @@ def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> t
 
 @dataclasses.dataclass
 class LayerTimer:
-  """Times one layer of :class:`LayerScans` on ``device``: each scan run over ``ROWS`` stacked layers, the
-  programs built once and kept (keyed by microbatch size)."""
+  """Times one layer of :class:`LayerScans` on ``devices`` (one kind's, running the same layer at once, as the
+  whole step's timing runs them: on a host whose devices share compute, a device is only as fast as it is
+  beside the others): each scan run over ``ROWS`` stacked layers, the programs built once and kept."""
 
-  device: Any
+  devices: tuple
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def seconds(self, scans: LayerScans, size: int, repeats: int = REPEATS) -> float:
@@ -92,7 +96,9 @@ class LayerTimer:
   def _call(self, key: tuple, eqn: Any, rows: int) -> Callable[[], Any]:
     if key not in self._programs:
       program, inputs = scan_program(eqn, rows)
-      placed = [jax.device_put(x, self.device) for x in inputs]
+      where = self.devices[0] if len(self.devices) == 1 else NamedSharding(
+          Mesh(np.array(self.devices), ("all",)), PartitionSpec())  # every device runs the layer (replicated)
+      placed = [jax.device_put(x, where) for x in inputs]
       jax.block_until_ready(program(*placed))  # compiles
       self._programs[key] = lambda: program(*placed)
     return self._programs[key]
@@ -118,12 +124,13 @@ def _filled(shape: tuple, dtype: Any) -> Any:
 def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, cluster: Any,
                       sizes: Sequence[int]) -> Calibration:
   """One layer's seconds per microbatch size in ``sizes`` on each kind of ``cluster`` (bound to JAX devices):
-  this process times each of its kinds on one device of it, and every process gathers every kind's times."""
+  this process times each of its kinds on all its devices of that kind at once, and every process gathers
+  every kind's times."""
   if cluster.jax_device_ids is None:
     raise HetSpmdError("timing a layer runs it on the cluster's devices: give a cluster bound to JAX devices")
   kinds = tuple(cluster.kinds)
-  timers = {kind: LayerTimer(device) for kind, device in
-            local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices]).items()}
+  timers = {kind: LayerTimer(tuple(devices)) for kind, devices in
+            local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True).items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   found = ""
   for size in sorted(set(sizes)):
