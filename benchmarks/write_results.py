@@ -95,6 +95,10 @@ BENCHES = (
           "(goals: Spearman >= 0.8, median absolute error <= 25%), and priced on the step's calibrated times "
           "(goals: Spearman >= 0.9, median error <= 10%); every plan measured in two passes, whose difference is "
           "this machine's run-to-run spread."),
+    Bench("layer_calibration", (), "measured",
+          "Scanned GPTs on 8 profiled CPU devices, each plan priced on the specs, on the whole step's timing and on "
+          "one layer's timing (the calibration of a step too large for a device), against its measured step "
+          "(goal: the layer-calibrated median error within 10 points of the step-calibrated one)."),
     Bench("trace_time", (), "measured",
           "Seconds to trace GPT-2 medium's step and to run the microbatch pass on its jaxpr."),
     Bench("emulated_hetero", (), "measured",

@@ -2,7 +2,7 @@
 
 The step's whole timing runs out of memory here by decree (as a large model's would on accelerators: each
 timed device holds the whole state); the layer scan of a Linen ``nn.scan`` GPT and of an NNX ``nnx.scan``
-stack is then found, each scan run over one and two stacked layers, and the search prices each kind's whole
+stack is then found, each scan run over two and four stacked layers, and the search prices each kind's whole
 microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
 error stands and says so.
 """
@@ -37,7 +37,7 @@ def fits_no_device(monkeypatch):
 
 
 def test_the_layer_scan_is_found_and_one_layer_timed():
-  """The forward scan and its transpose of the scanned GPT, at the microbatch size; each runs over one or two
+  """The forward scan and its transpose of the scanned GPT, at the microbatch size; each runs over two or four
   stacked layers as a program of its own, and one layer's seconds come out positive."""
   w = models.get("gpt2-tiny-scan")
   fn = w.make_train_step(hs.value_and_grad)

@@ -206,8 +206,9 @@ def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) 
   """A kind's measured times as the search prices them: ``timing`` itself where it timed the step's
   microbatches; where it timed one layer of the step's layer scan (``part="layer"``:
   :mod:`hetspmd.runtime.layer_timing`), the predicted microbatch scaled by the layer's measured over predicted
-  seconds at each measured size, with the per-step seconds predicted. None without a timing, or where the
-  profile finds no layer scan to scale from."""
+  seconds at each measured size, with the per-step seconds predicted. The rest of the microbatch (embedding,
+  head, loss) takes the layer's correction too: priced from a datasheet, it is off by as much as the layers
+  are. None without a timing, or where the profile finds no layer scan to scale from."""
   if timing is None or timing.part == "step":
     return timing
   found = layer_nodes(profile)

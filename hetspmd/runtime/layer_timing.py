@@ -5,7 +5,7 @@ A large model's step fits no one device (each would hold the whole state), so
 stacked parameters (``nn.scan``, ``jax.lax.scan``), one layer does fit: this module times the layer scan's
 forward and its transpose on each kind (a process's devices of the kind at once), as Cephalo times its
 layers. Each scan is run as it is in
-the step, at the microbatch size, over one stacked layer and over two (its inputs ones and zeros: a step's time
+the step, at the microbatch size, over two stacked layers and over four (its inputs ones and zeros: a step's time
 does not depend on its values), so the difference is one layer's seconds without the program's dispatch.
 
 The result is a :class:`~hetspmd.hardware.calibration.KindTiming` with ``part="layer"``: per microbatch size,
@@ -32,7 +32,9 @@ from hetspmd.passes.frontend import stack
 from hetspmd.passes.profile import with_batch
 from hetspmd.runtime.calibrating import fingerprint, gathered, local_kind_devices, now
 
-ROWS = (1, 2)  # stacked layers each scan is timed over: their difference is one layer
+# stacked layers each scan is timed over: their difference over its count is one layer (never one: XLA turns a
+# loop of one trip into straight-line code, which fuses across what a layer's loop keeps apart)
+ROWS = (2, 4)
 REPEATS = 5    # timed runs of each program, after one untimed run (which compiles)
 
 
@@ -78,8 +80,9 @@ class LayerTimer:
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def seconds(self, scans: LayerScans, size: int, repeats: int = REPEATS) -> float:
-    """One layer's forward and backward seconds at ``size`` examples: per scan, the median time over two
-    stacked layers less the median over one, the runs taken in turn (ABBA) so a slow spell falls on both."""
+    """One layer's forward and backward seconds at ``size`` examples: per scan, the median time over ``ROWS[1]``
+    stacked layers less the median over ``ROWS[0]``, per layer, the runs taken in turn (ABBA) so a slow spell
+    falls on both."""
     total = 0.0
     for which, eqn in (("forward", scans.forward), ("backward", scans.backward)):
       calls = [self._call((size, which, rows), eqn, rows) for rows in ROWS]
@@ -89,8 +92,8 @@ class LayerTimer:
           start = now()
           jax.block_until_ready(calls[j]())
           times[j].append(now() - start)
-      one, two = (statistics.median(t) for t in times)
-      total += max(two - one, 1e-3 * two)
+      fewer, more = (statistics.median(t) for t in times)
+      total += max(more - fewer, 1e-3 * more) / (ROWS[1] - ROWS[0])
     return total
 
   def _call(self, key: tuple, eqn: Any, rows: int) -> Callable[[], Any]:
