@@ -602,3 +602,42 @@ def test_two_processes_rebalance_alike_and_exactly():
   assert results[0]["moves"] == results[1]["moves"] == [[2, [4, 12], 3]]
   assert results[0]["fed"] == [32, 32, 16, 16] and results[1]["fed"] == [32, 32, 48, 48]
   assert results[0]["exact"] == results[1]["exact"] == "ok"
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_an_idle_kind_beside_timed_loops_is_timed_on_a_device_once(monkeypatch, fits):
+  """measure='loop' with a kind that runs no microbatch (a device the plan leaves out): the running kinds' loops
+  are read inside the step, the idle kind is timed on its device once and that time kept while it stays idle;
+  where its device cannot hold the step (out of memory) it stays idle, unmeasured. Every step is exact."""
+  if jax.device_count() < 3:
+    pytest.skip("needs 3 devices")
+  from hetspmd.runtime.calibrating import KindTimer
+
+  w = _workload()
+  kinds = ["V100-32GB", "P100-16GB", "T4"]
+  cluster = hs.Cluster.emulate(jax.devices()[:3], kinds=kinds)
+  device_timings = []
+
+  def timing(self, kind, *args, **kwargs):
+    device_timings.append(kind)
+    if not fits:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB.")
+    return KindTiming(kind, ((4, 1.0),), 0.0)  # far slower than any loop here: it stays idle
+
+  monkeypatch.setattr(KindTimer, "timing", timing)
+  plan = hs.plan_for(cluster, w.init_state(0), global_batch=64, microbatch=4, counts=(10, 6, 0))
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=64,
+                        rebalance=Rebalance(every=1, measure="loop", threshold=0.9))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = step.shard_state(w.init_state(0))
+  for i in range(4):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = jax.block_until_ready(step(state, batch))
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  assert device_timings == ["T4"]  # once, only the idle kind
+  assert len(step.history) == 3 and all(h["counts"][2] == 0 for h in step.history)
+  for h in step.history:
+    assert {"V100-32GB", "P100-16GB"} <= set(h["measured"])
+    assert ("T4" in h["measured"]) == fits

@@ -50,6 +50,8 @@ class Rebalancer:
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
   _owed: bool = False  # a measurement was due before the loops had been timed
+  _idle_kinds: frozenset = frozenset()  # the idle kinds last timed on a device (a single program's loops)
+  _idle_times: dict = dataclasses.field(default_factory=dict, repr=False)  # and their times, kept
 
   def clock_for(self, mesh: Any) -> LoopClock | None:
     """The clock a program over ``mesh`` times its loops with, where this rebalancing measures loops."""
@@ -130,15 +132,25 @@ class Rebalancer:
       self._runners[counts] = new
     front._runner = self._runners[counts]
 
-  def timed(self, front: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]]:
-    """``{kind: (seconds per microbatch, seconds per step)}`` of every kind of the plan: this process's kinds
-    timed on one of their devices at the plan's microbatch size, gathered across processes."""
+  def timed(self, front: Any, args: tuple, kwargs: dict, only: frozenset | None = None
+            ) -> dict[str, tuple[float, float]]:
+    """``{kind: (seconds per microbatch, seconds per step)}`` of every kind of the plan (or those in ``only``):
+    this process's kinds timed on one of their devices at the plan's microbatch size, gathered across
+    processes. An idle kind whose device cannot hold the step (out of memory) is left out: it stays idle."""
     plan = front._runner.plan
+    idle = self.balance.idle()
     mine = {}
     for kind, device in local_kind_devices(plan.device_ids, _device_kinds(plan)).items():
+      if only is not None and kind not in only:
+        continue
       if kind not in self._timers:
         self._timers[kind] = KindTimer(front, device, plan.remat)
-      timing = self._timers[kind].timing(kind, args, kwargs, [plan.microbatch])
+      try:
+        timing = self._timers[kind].timing(kind, args, kwargs, [plan.microbatch])
+      except jax.errors.JaxRuntimeError:
+        if kind not in idle:
+          raise
+        continue
       mine[kind] = (timing.points[0][1], timing.fixed)
     return gathered(tuple(dict.fromkeys(self.balance.kinds)), mine)
 
@@ -154,10 +166,12 @@ class Rebalancer:
     running = set(self.balance.kinds) - self.balance.idle()
     return found if running <= set(found) else None
 
-  def looped(self, front: Any) -> dict[str, tuple[float, float]] | None:
+  def looped(self, front: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]] | None:
     """``{kind: (seconds per microbatch, 0)}`` from the loops timed inside the step since the last measurement
     (each kind its slowest position's mean), gathered across processes; None where the loops are not timed
-    (another measure, a lockstep loop, several loops) or some kind has no timed loop yet."""
+    (another measure, a lockstep loop, several loops) or some running kind has no timed loop yet. A kind that
+    runs no microbatch has no loop to time: it is timed on a device once (:meth:`timed`), and that time kept
+    while it stays idle."""
     runner = front._runner
     if runner.grouped or runner.lockstep or self.clock_for(runner._mesh) is None or not self.clock.used:
       return None
@@ -167,10 +181,14 @@ class Rebalancer:
       if micro > mine.get(kinds[position], (0.0, 0.0))[0]:
         mine[kinds[position]] = (micro, 0.0)
     found = gathered(tuple(dict.fromkeys(kinds)), mine)
-    if len(found) < len(set(kinds)):
+    idle = frozenset(kinds) - set(found)
+    if idle - self.balance.idle():
       return None
     self.clock.sums = {}
-    return found
+    if idle and idle != self._idle_kinds:  # timed once while the same kinds stay idle
+      self._idle_times = {k: v for k, v in self.timed(front, args, kwargs, only=idle).items() if k in idle}
+      self._idle_kinds = idle
+    return {**found, **{k: v for k, v in self._idle_times.items() if k in idle}}
 
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
     runner = front._runner
@@ -184,7 +202,7 @@ class Rebalancer:
       self._owed = True  # the loops are timed as the step runs: the first measurement follows the first call
       return
     else:
-      measured = self.looped(front) or self.timed(front, args, kwargs)
+      measured = self.looped(front, args, kwargs) or self.timed(front, args, kwargs)
     self._owed = False
     before = self.balance
     self.balance = update(before, measured, self.option)
