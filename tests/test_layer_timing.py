@@ -4,7 +4,8 @@ The step's whole timing runs out of memory here by decree (as a large model's wo
 timed device holds the whole state); the layer scan of a Linen ``nn.scan`` GPT and of an NNX ``nnx.scan``
 stack is then found, each scan run over two and four stacked layers, and the search prices each kind's whole
 microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
-error stands and says so.
+error stands and says so. Across processes each process times its own kinds and every process holds the same
+calibration.
 """
 
 import jax
@@ -168,3 +169,42 @@ def test_without_a_layer_scan_the_first_error_stands(fits_no_device):
   with pytest.raises(HetSpmdError, match=r"RESOURCE_EXHAUSTED.*nor can one layer be timed alone, as the step runs "
                                          r"no layer scan"):
     step.shard_state(w.init_state(0))
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_time_their_own_kinds_layers_and_agree():
+  """2 processes x 1 CPU device over gloo, a kind per process: the whole step's timing runs out of memory, each
+  process times its own kind's layer, and both hold the same calibration and search the same plan, which runs
+  exactly against one device (each process feeding its own examples)."""
+  import textwrap
+
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_layer_timing") + textwrap.dedent("""
+      import hetspmd as hs
+      from exactness import assert_exact
+      from hetspmd import models
+      from hetspmd.runtime.calibrating import KindTimer
+
+      KindTimer.runs = t._out_of_memory
+      w = models.get("gpt2-tiny-scan")
+      cluster = hs.Cluster.emulate(jax.devices(), kinds=t.KINDS)
+      step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search",
+                            global_batch=16, calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
+      batches = [w.synthetic_batch(i, batch=16) for i in range(2)]
+      ref = reference(w.make_train_step(), w.init_state(0), batches)
+      state = step.shard_state(w.init_state(0))
+      for b in batches:
+        state, _ = step(state, fed(step, b))
+      try:
+        assert_exact(jax.tree.map(local, state), ref.single, ref.ref64, what="state")
+        exact = "ok"
+      except AssertionError as e:
+        exact = str(e)[:500]
+      print(json.dumps({"calibration": step.calibration.to_json(), "plan": step.plan.to_json(), "exact": exact}))
+  """), num_processes=2, devices_per_process=1, timeout=240)
+  first, second = results
+  assert first["calibration"] == second["calibration"] and first["plan"] == second["plan"]
+  kinds = {k["kind"]: k for k in first["calibration"]["kinds"]}
+  assert set(kinds) == set(KINDS) and all(k["part"] == "layer" for k in kinds.values())
+  assert first["exact"] == second["exact"] == "ok"
