@@ -1,16 +1,20 @@
 """Calibrating a step that fits no one device: one layer of its layer scan timed on each kind.
 
 The step's whole timing runs out of memory here by decree (as a large model's would on accelerators: each
-timed device holds the whole state); the layer scan of a Linen ``nn.scan`` GPT and of an NNX ``nnx.scan``
-stack is then found, each scan run over two and four stacked layers, and the search prices each kind's whole
-microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
+timed device holds the whole state); the layer scan of a Linen ``nn.scan`` stack (a ``TrainState`` step), of
+the scanned NNX GPT and of an NNX ``nnx.scan`` stack is then found, each scan run over two and four stacked
+layers, and the search prices each kind's whole microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
 error stands and says so. Across processes each process times its own kinds and every process holds the same
 calibration.
 """
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training import train_state
 
 import hetspmd as hs
 from exactness import Reference
@@ -105,7 +109,7 @@ def test_a_layer_timing_saves_and_loads(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_scanned_gpt_that_fits_no_device_is_searched_on_one_layer(fits_no_device):
-  """calibrate=True on the scanned GPT whose whole step fits no device: each kind's layer is timed at the search's
+  """calibrate=True on the scanned NNX GPT whose whole step fits no device: each kind's layer is timed at the search's
   microbatch sizes, explain() says what priced each kind, and the plan runs exactly against one device."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
@@ -208,3 +212,61 @@ def test_two_processes_time_their_own_kinds_layers_and_agree():
   kinds = {k["kind"]: k for k in first["calibration"]["kinds"]}
   assert set(kinds) == set(KINDS) and all(k["part"] == "layer" for k in kinds.values())
   assert first["exact"] == second["exact"] == "ok"
+
+
+class _LinenBlock(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.Dense(self.width * 2)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.width)(nn.gelu(h)), None
+
+
+class _LinenScanned(nn.Module):
+  """Layers stacked by ``nn.scan`` over a ``params`` axis, as Flax's examples and MaxText write them."""
+
+  layers: int = 4
+  width: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    stack = nn.scan(_LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+    x, _ = stack(self.width, name="blocks")(x, None)
+    return nn.Dense(5)(x)
+
+
+def _linen_state():
+  model = _LinenScanned()
+  params = model.init(jax.random.key(0), jnp.ones((1, 12)))["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+
+def _linen_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+@pytest.mark.timeout(600)
+def test_a_linen_scan_step_that_fits_no_device_is_searched_on_one_layer(fits_no_device):
+  """A Linen model stacked with nn.scan, its step a TrainState and jax.value_and_grad (no hetspmd marker):
+  each kind's layer is timed, and the searched plan runs exactly against one device."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(16, 12)).astype(np.float32),
+              "y": rng.integers(0, 5, size=(16,)).astype(np.int32)} for _ in range(2)]
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(_linen_step, cluster=cluster, plan="search", global_batch=16, calibrate=True,
+                        example_batch=batches[0])
+  state = step.shard_state(_linen_state())
+  assert {t.part for t in step.calibration.kinds} == {"layer"}
+  ref = Reference(_linen_step, _linen_state()).run(batches)
+  for b in batches:
+    state, _ = step(state, b)
+  ref.check(state.params, lambda s: s.params)
