@@ -3,9 +3,9 @@
 The step's whole timing runs out of memory here by decree (as a large model's would on accelerators: each
 timed device holds the whole state); the layer scan of a Linen ``nn.scan`` stack (a ``TrainState`` step), of
 the scanned NNX GPT and of an NNX ``nnx.scan`` stack is then found, each scan run over two and four stacked
-layers, and the search prices each kind's whole microbatch scaled by its layer's measured over predicted seconds. Where the step runs no layer scan, the first
-error stands and says so. Across processes each process times its own kinds and every process holds the same
-calibration.
+layers, and the search prices each kind's whole microbatch scaled by its layer's measured over predicted
+seconds. Where the step runs no layer scan, the first error stands and says so. Across processes each process
+times its own kinds and every process holds the same calibration.
 """
 
 import flax.linen as nn
