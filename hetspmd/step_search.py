@@ -22,6 +22,7 @@ import jax
 from hetspmd import report
 from hetspmd import search_report
 from hetspmd.errors import InvalidValueError
+from hetspmd.hardware.calibration import Calibration
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.plan.groups import GroupPlan
@@ -147,7 +148,8 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
            top: int = 5, progress: Callable[[str], None] | None = None, overlap: bool = True, specs: Any = None,
            batch_argnums: Any = None, batch_stats: str = "local", grad_reduce_dtype: str = "float32",
            axis_name: Any = None, group_plans: bool = True, static_argnums: Any = None,
-           static_argnames: Any = None, name: str | None = None, **kwargs: Any) -> StepSearch:
+           static_argnames: Any = None, name: str | None = None, calibration: Any = None,
+           **kwargs: Any) -> StepSearch:
   """Prices every plan form for ``step(*args, **kwargs)`` on ``cluster`` and says which one
   ``parallelize(step, cluster=..., plan="search", ...)`` runs.
 
@@ -166,6 +168,9 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
     progress: called with a line of text as the search goes.
     overlap: overlap gradient reductions with the last microbatch's backward pass (as every plan does).
     name: what the table calls the step (default its function's name).
+    calibration: the step's measured times (a :class:`~hetspmd.hardware.calibration.Calibration` or its JSON
+      file, from ``ParallelStep.calibrate``): the pool's kinds it times are priced on them. One measured on
+      another step is refused.
     specs, batch_argnums, batch_stats, grad_reduce_dtype, axis_name, group_plans, static_argnums,
       static_argnames: as :func:`hetspmd.parallelize`'s.
 
@@ -196,6 +201,8 @@ def search(step: Callable[..., Any], *args: Any, cluster: Any = _MISSING, global
                       batch_argnums=batch_argnums, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype,
                       axis_name=axis_name, group_plans=group_plans, static_argnums=static_argnums,
                       static_argnames=static_argnames)
+  if calibration is not None:
+    pool = pool.calibrated(calibration if isinstance(calibration, Calibration) else Calibration.load(calibration))
   priced, state = front.price(pool, args, kwargs, processes=pool_processes(pool), top=top, overlap=overlap,
                               progress=progress)
   subject = search_report.Subject(name or getattr(step, "__name__", type(step).__name__), global_batch)

@@ -9,12 +9,14 @@ once, for every search over the profile to reuse.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from hetspmd.errors import HetSpmdError, NoLayerStackError
+from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.costing import step_cost
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.passes.frontend import stack
@@ -38,6 +40,22 @@ def with_batch(batch: Any, size: int) -> Any:
     return jax.ShapeDtypeStruct((size,) + shape[1:], x.dtype)
 
   return jax.tree.map(resize, batch)
+
+
+def fingerprint(jaxpr: Any) -> str:
+  """The step's identity for a calibration: its equations' primitives in order and its inputs' dtypes, which do
+  not change with the batch size."""
+  names = " ".join(jx.primitive_name(e) for e in jx.equations(jaxpr))
+  dtypes = " ".join(str(getattr(v, "aval", v)).split("[")[0] for v in jaxpr.jaxpr.invars)
+  return hashlib.sha256(f"{names}|{dtypes}".encode()).hexdigest()
+
+
+def step_fingerprint(fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> str:
+  """:func:`fingerprint` of ``fn(state, batch)`` (a :class:`~hetspmd.runtime.runner.Trace`'s ``state_batch()``
+  and its batch) traced on their shapes, its calls inlined: what a calibration of the step carries and what the
+  search checks it against, however the step was wrapped."""
+  closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), jx.to_abstract(batch)), {})
+  return fingerprint(jx.inline_calls(closed))
 
 
 def profile_step(fn: Callable[..., Any], state: Any, batch: Any) -> StepProfile:

@@ -641,3 +641,26 @@ def test_an_idle_kind_beside_timed_loops_is_timed_on_a_device_once(monkeypatch, 
   for h in step.history:
     assert {"V100-32GB", "P100-16GB"} <= set(h["measured"])
     assert ("T4" in h["measured"]) == fits
+
+
+def test_a_calibration_of_another_step_is_refused(tmp_path):
+  """A saved calibration carries its step's fingerprint: given to the search of another step it is refused, with
+  what to do; given to its own step (a batch of another size, another wrapper) it is taken."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
+  cal = probe.calibrate(w.init_state(0), w.synthetic_batch(0, batch=8))
+  cal.save(tmp_path / "cal.json")
+  other = models.get("gpt2-tiny")
+  step = hs.parallelize(other.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
+                        calibrate=str(tmp_path / "cal.json"))
+  with pytest.raises(InvalidValueError, match="the calibration was measured on another step"):
+    step(other.init_state(0), other.synthetic_batch(0, batch=16))
+  found = hs.search(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(64), cluster=cluster,
+                    calibration=str(tmp_path / "cal.json"))
+  assert found.best is not None
+  with pytest.raises(InvalidValueError, match="the calibration was measured on another step"):
+    hs.search(other.make_train_step(), other.abstract_state(), other.example_batch(16), cluster=cluster,
+              calibration=cal)

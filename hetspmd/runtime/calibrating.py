@@ -16,7 +16,6 @@ holds the same numbers (:func:`gathered`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -28,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
-from hetspmd.passes import _jax_adapter as jx
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
 from hetspmd.runtime.binding import Arguments, batch_arguments, is_graph_node, leading_sizes
@@ -52,7 +50,6 @@ class KindTimer:
   together: tuple = ()
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)
   _placed: dict = dataclasses.field(default_factory=dict, repr=False)  # (position, shape, dtype) -> copy here
-  fingerprint: str | None = None
 
   def runs(self, args: tuple, kwargs: dict, sizes: Sequence[int], counts: Sequence[int] = COUNTS,
            repeats: int = REPEATS) -> list[tuple[int, int, float]]:
@@ -72,8 +69,6 @@ class KindTimer:
         calls.append(runner.prepared(cut, kwargs, self._here))
         if first:
           calls[-1]()
-        if self.fingerprint is None:
-          self.fingerprint = fingerprint(runner.analysis.jaxpr)
       seconds = [[] for _ in counts]
       for r in range(repeats):
         order = range(len(counts)) if r % 2 == 0 else reversed(range(len(counts)))  # ABBA: a trend cancels
@@ -124,7 +119,7 @@ class KindTimer:
         if not x.is_fully_addressable:
           raise HetSpmdError(f"timing device {self.device} needs each state leaf whole on it, but a leaf of shape "
                              f"{x.shape} is split across processes: time a data-parallel plan (ZeRO-0), or "
-                             "calibrate before sharding the state (hetspmd.calibrate)")
+                             "calibrate before sharding the state (ParallelStep.calibrate)")
         self._placed[key] = jax.device_put(x, self.device if not self.together else NamedSharding(
             Mesh(np.array([self.device, *self.together]), ("all",)), PartitionSpec()))
       out.append(self._placed[key])
@@ -176,14 +171,6 @@ def _examples(batch: Any, n: int) -> Any:
   return jax.tree.map(cut, batch)
 
 
-def fingerprint(jaxpr: Any) -> str:
-  """The step's identity for a calibration: its equations' primitives in order and its inputs' dtypes, which do
-  not change with the batch size."""
-  names = " ".join(jx.primitive_name(e) for e in jx.equations(jaxpr))
-  dtypes = " ".join(str(getattr(v, "aval", v)).split("[")[0] for v in jaxpr.jaxpr.invars)
-  return hashlib.sha256(f"{names}|{dtypes}".encode()).hexdigest()
-
-
 def local_kind_devices(device_ids: Sequence[int], kinds: Sequence[str], every: bool = False) -> dict[str, Any]:
   """``{kind: the first of this process's devices of that kind}`` among a plan's devices (``every``: a list of
   all of them)."""
@@ -216,12 +203,13 @@ def now() -> float:
   return time.perf_counter()
 
 
-def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int], *,
+def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int], *, fingerprint: str,
               counts: Sequence[int] = (2, 4), repeats: int = 5) -> Calibration:
   """The step's own times on each kind of ``cluster`` (a cluster bound to JAX devices): this process times each
   of its kinds on all its devices of that kind at once (:class:`KindTimer` ``together``), at every microbatch
   size in ``sizes`` (a size that fails there, out of memory, is
-  left out), and every process gathers every kind's points."""
+  left out), and every process gathers every kind's points. ``fingerprint``: the step's
+  (:func:`step_fingerprint`)."""
   if cluster.jax_device_ids is None:
     raise HetSpmdError("calibrating times the step on the cluster's devices: give a cluster bound to JAX devices "
                        "(Cluster.from_devices, Cluster.emulate)")
@@ -230,7 +218,7 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
   timers = {kind: KindTimer(front, devices[0], together=tuple(devices[1:])) for kind, devices in every.items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   fixed: dict[str, list[float]] = {k: [] for k in kinds}
-  fingerprint_, failed = "", ""
+  failed = ""
   for size in sorted(set(sizes)):
     mine = {}
     for kind, timer in timers.items():
@@ -240,7 +228,6 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
         failed = f"{kind} at microbatch {size}: {str(e).splitlines()[0][:200]}"
         continue
       mine[kind] = (point[1], step_seconds)
-      fingerprint_ = fingerprint_ or timer.fingerprint or ""
     for kind, (micro, step_seconds) in gathered(kinds, mine).items():
       points[kind].append((size, micro))
       fixed[kind].append(step_seconds)
@@ -253,18 +240,7 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
     raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices, each device "
                        f"holding the whole state ({failed or 'no device of the cluster here'}): a step that fits "
                        "no one device is priced from its devices' specs (calibrate=False)")
-  return Calibration(_agreed_fingerprint(fingerprint_), timings)
-
-
-def _agreed_fingerprint(mine: str) -> str:
-  """This process's fingerprint of the step, or (where it timed nothing) another process's: the first one any
-  process has."""
-  if jax.process_count() == 1:
-    return mine
-  row = np.frombuffer(mine.encode().ljust(64, b"\0")[:64], np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, 64)
-  found = next((r for r in every if r.any()), row)
-  return bytes(found).rstrip(b"\0").decode()
+  return Calibration(fingerprint, timings)
 
 
 def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]) -> tuple[int, ...]:

@@ -29,8 +29,8 @@ from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import stack
-from hetspmd.passes.profile import with_batch
-from hetspmd.runtime.calibrating import fingerprint, gathered, local_kind_devices, now
+from hetspmd.passes.profile import fingerprint, with_batch
+from hetspmd.runtime.calibrating import gathered, local_kind_devices, now
 
 # stacked layers each scan is timed over: their difference over its count is one layer (never one: XLA turns a
 # loop of one trip into straight-line code, which fuses across what a layer's loop keeps apart)
@@ -66,8 +66,11 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int
 
 
 def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> tuple[list, Any]:
+  """The equations of ``fn(state, batch)`` at ``size`` examples, calls inlined, and that jaxpr (whose
+  :func:`~hetspmd.passes.profile.fingerprint` is :func:`~hetspmd.passes.profile.step_fingerprint`'s)."""
   closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), with_batch(batch, size)), {})
-  return jx.equations(jx.inline_calls(closed)), closed
+  flat = jx.inline_calls(closed)
+  return jx.equations(flat), flat
 
 
 @dataclasses.dataclass

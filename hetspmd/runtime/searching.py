@@ -27,7 +27,7 @@ from hetspmd.autodiff import recording_calls
 from hetspmd.errors import HetSpmdError, PlanDoesNotFitError, TraceError
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes.batch_axis.analysis import analyse
-from hetspmd.passes.profile import profile_step
+from hetspmd.passes.profile import profile_step, step_fingerprint
 from hetspmd.plan.options import GRAD_REDUCE_DTYPES, STEP_REMAT_POLICIES
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.plan.state_layout import auto_state_specs, group_conflict, group_model_dims
@@ -90,6 +90,8 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   (``hetspmd.search``, ``hetspmd search``): group plans, the homogeneous equivalent and stage plans too, the
   choice made by the same rule."""
   fn, batch = trace.state_batch(), trace.batch
+  if cluster.calibration is not None:  # measured on this step, not another
+    cluster.calibration.check_step(step_traced(lambda: step_fingerprint(fn, state, batch), batch))
   # hetspmd.search prices a pool as parallelize would run it: bound to JAX's devices there
   considered = searches_group_plans(step.specs, cluster.jax_device_ids is not None or every_form)
   runs_groups = step.group_plans and considered

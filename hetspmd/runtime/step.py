@@ -31,6 +31,7 @@ from hetspmd.hardware.calibration import Calibration
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
+from hetspmd.passes.profile import step_fingerprint
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for
@@ -171,7 +172,11 @@ class ParallelStep:
 
   def _calibrated(self, front: "ParallelStep", args: tuple, kwargs: dict, cluster: Cluster,
                   sizes: Any = None) -> Calibration:
-    return calibrating.calibrate(front, args, kwargs, cluster, sizes or self._calibration_sizes(cluster))
+    named = dataclasses.replace(front, batch_argnums=calibrating.batch_positions(front, args))  # a batch of any size
+    parts = Arguments.of(named, args)
+    trace = Trace.of(named, parts.function(named.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
+    return calibrating.calibrate(front, args, kwargs, cluster, sizes or self._calibration_sizes(cluster),
+                                 fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch))
 
   def _calibration_sizes(self, cluster: Cluster) -> tuple[int, ...]:
     return calibrating.calibration_sizes(self.global_batch, cluster.num_devices, microbatch_sizes(self.global_batch))
