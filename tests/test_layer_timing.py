@@ -270,3 +270,19 @@ def test_a_linen_scan_step_that_fits_no_device_is_searched_on_one_layer(fits_no_
   for b in batches:
     state, _ = step(state, b)
   ref.check(state.params, lambda s: s.params)
+
+
+def test_step_calibrate_falls_back_to_one_layer(fits_no_device, tmp_path):
+  """ParallelStep.calibrate on a step that fits no device times one layer; the saved result carries the step's
+  fingerprint and a search of that step takes it."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = models.get("gpt2-tiny-scan")
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16)
+  calibration = probe.calibrate(w.init_state(0), w.synthetic_batch(0, batch=4))
+  assert {t.part for t in calibration.kinds} == {"layer"}
+  calibration.save(tmp_path / "c.json")
+  found = hs.search(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(16), cluster=cluster,
+                    calibration=tmp_path / "c.json")
+  assert found.best is not None

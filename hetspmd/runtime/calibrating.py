@@ -30,7 +30,10 @@ from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
 from hetspmd.runtime.binding import Arguments, batch_arguments, is_graph_node, leading_sizes
+from hetspmd.runtime.runner import Trace
 from hetspmd.runtime.single import SingleRunner
+from hetspmd.passes.profile import step_fingerprint
+from hetspmd.planner.ranking import microbatch_sizes
 
 COUNTS = (2, 3)   # microbatch counts each size is timed at (one microbatch runs without a loop: another program)
 REPEATS = 2       # timed runs per (size, count), after one warm-up the first time (which compiles)
@@ -241,6 +244,29 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
                        f"holding the whole state ({failed or 'no device of the cluster here'}): a step that fits "
                        "no one device is priced from its devices' specs (calibrate=False)")
   return Calibration(fingerprint, timings)
+
+
+def call_trace(front: Any, args: tuple, kwargs: dict) -> tuple[Arguments, Trace]:
+  """A call's arguments as ``front`` (a :class:`~hetspmd.runtime.step.ParallelStep`) binds them, its batch of any
+  size, and the step as the search traces it."""
+  named = dataclasses.replace(front, batch_argnums=batch_positions(front, args))
+  parts = Arguments.of(named, args)
+  return parts, Trace.of(named, parts.function(named.fn, len(args)), parts.batch, (parts.rest, kwargs),
+                         parts.graphdef)
+
+
+def timed_whole(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int] | None = None
+                ) -> Calibration:
+  """:func:`calibrate` on a call's arguments at ``sizes`` (default :func:`sizes_for`), carrying the step's
+  fingerprint."""
+  parts, trace = call_trace(front, args, kwargs)
+  return calibrate(front, args, kwargs, cluster, sizes or sizes_for(front, cluster),
+                   fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch))
+
+
+def sizes_for(front: Any, cluster: Any) -> tuple[int, ...]:
+  """The microbatch sizes ``front``'s search would calibrate at on ``cluster`` (:func:`calibration_sizes`)."""
+  return calibration_sizes(front.global_batch, cluster.num_devices, microbatch_sizes(front.global_batch))
 
 
 def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]) -> tuple[int, ...]:

@@ -50,8 +50,6 @@ class Rebalancer:
   _timers: dict = dataclasses.field(default_factory=dict, repr=False)   # kind -> KindTimer
   _runners: dict = dataclasses.field(default_factory=dict, repr=False)  # counts -> runner
   _owed: bool = False  # a measurement was due before the loops had been timed
-  _idle_kinds: frozenset = frozenset()  # the idle kinds last timed on a device (a single program's loops)
-  _idle_times: dict = dataclasses.field(default_factory=dict, repr=False)  # and their times, kept
 
   def clock_for(self, mesh: Any) -> LoopClock | None:
     """The clock a program over ``mesh`` times its loops with, where this rebalancing measures loops."""
@@ -185,10 +183,9 @@ class Rebalancer:
     if idle - self.balance.idle():
       return None
     self.clock.sums = {}
-    if idle and idle != self._idle_kinds:  # timed once while the same kinds stay idle
-      self._idle_times = {k: v for k, v in self.timed(front, args, kwargs, only=idle).items() if k in idle}
-      self._idle_kinds = idle
-    return {**found, **{k: v for k, v in self._idle_times.items() if k in idle}}
+    if idle and idle != self.clock.idle[0]:  # timed once while the same kinds stay idle
+      self.clock.idle = idle, {k: v for k, v in self.timed(front, args, kwargs, only=idle).items() if k in idle}
+    return {**found, **{k: v for k, v in self.clock.idle[1].items() if k in idle}}
 
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
     runner = front._runner
@@ -256,6 +253,8 @@ class LoopClock:
   used: bool = False  # a program has called it
   ran: tuple = ()     # the counts the last call ran
   sums: dict = dataclasses.field(default_factory=dict)  # position -> [seconds, microbatches] kept since read
+  # the kinds that run no loop, last timed on a device instead, and their times (Rebalancer.looped), kept
+  idle: tuple = (frozenset(), {})
 
   def start(self, position: Any) -> np.int32:
     self._open[int(position)] = time.perf_counter()

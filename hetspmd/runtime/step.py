@@ -31,11 +31,9 @@ from hetspmd.hardware.calibration import Calibration
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import named_axes
-from hetspmd.passes.profile import step_fingerprint
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.value import Plan
 from hetspmd.planner.building import plan_for
-from hetspmd.planner.ranking import microbatch_sizes
 from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, unbound
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.plan.balance import as_option
@@ -128,7 +126,7 @@ class ParallelStep:
         if self.calibration is None and not self._uncalibrated and calibrating.wanted(self.calibrating, cluster):
           self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
               lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
-              self._calibration_sizes(cluster)))
+              calibrating.sizes_for(self, cluster)))
         priced = cluster.calibrated(self.calibration)
         searched = searched_plan(self, priced, state, self._search_trace(trace))
         self._pricing = tuple(priced.pricing())
@@ -155,8 +153,8 @@ class ParallelStep:
       cluster = self.cluster or Cluster.from_devices(jax.devices())
       if calibrating.wanted(self.calibrating, cluster):
         self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
-            lambda: self._calibrated(self, args, kwargs, cluster), lambda: self._search_trace(trace), parts.state,
-            cluster, self._calibration_sizes(cluster)))
+            lambda: calibrating.timed_whole(self, args, kwargs, cluster), lambda: self._search_trace(trace),
+            parts.state, cluster, calibrating.sizes_for(self, cluster)))
     runner = self._resolve(parts.state, trace)
     if parts.graph_args:
       nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
@@ -166,20 +164,17 @@ class ParallelStep:
     these arguments (a call's: the state and a batch of any size, repeated where it has fewer examples): per
     kind, seconds per microbatch at ``sizes`` (default two the search would try) and per step. Pass the result
     to ``parallelize(..., calibrate=...)`` or ``Cluster.calibrated``, or ``save`` it. Nothing is run on the
-    state in place."""
+    state in place. Where the step fits no one device of a kind, one layer of its layer scan is timed instead
+    (:mod:`hetspmd.runtime.layer_timing`)."""
     cluster = cluster or self.cluster or Cluster.from_devices(jax.devices())
-    return self._with_static(lambda a, k: self._calibrated(self, a, k, cluster, sizes), args, kwargs)
+    sizes = sizes or calibrating.sizes_for(self, cluster)
 
-  def _calibrated(self, front: "ParallelStep", args: tuple, kwargs: dict, cluster: Cluster,
-                  sizes: Any = None) -> Calibration:
-    named = dataclasses.replace(front, batch_argnums=calibrating.batch_positions(front, args))  # a batch of any size
-    parts = Arguments.of(named, args)
-    trace = Trace.of(named, parts.function(named.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
-    return calibrating.calibrate(front, args, kwargs, cluster, sizes or self._calibration_sizes(cluster),
-                                 fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch))
+    def measured(args: tuple, kwargs: dict) -> Calibration:
+      parts, trace = calibrating.call_trace(self, args, kwargs)
+      return step_or_layer(lambda: calibrating.timed_whole(self, args, kwargs, cluster, sizes), lambda: trace,
+                           parts.state, cluster, sizes)
 
-  def _calibration_sizes(self, cluster: Cluster) -> tuple[int, ...]:
-    return calibrating.calibration_sizes(self.global_batch, cluster.num_devices, microbatch_sizes(self.global_batch))
+    return self._with_static(measured, args, kwargs)
 
   def _calibrate_example(self, state: Any, cluster: Cluster) -> Calibration | None:
     """A calibration on ``step(state, example_batch)`` where the plan is made before any call; None where no
@@ -190,7 +185,7 @@ class ParallelStep:
                            "step.resolve(...)), or pass example_batch= for a step(state, batch)")
       return None
     front = dataclasses.replace(self, batch_argnums=(1,), rebalancer=None, _runner=None)
-    return self._calibrated(front, (state, self.example_batch), {}, cluster)
+    return calibrating.timed_whole(front, (state, self.example_batch), {}, cluster)
 
   def _search_trace(self, trace: Trace | None) -> Trace:
     """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:
