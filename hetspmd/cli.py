@@ -2,8 +2,10 @@
 
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
+    hetspmd calibrate --model gpt2-small --out calibration.json [--devices N] [--kinds A,B] [--global-batch 64]
     hetspmd search [--model gpt2-small | --step FILE_OR_MODULE:FUNCTION] [--cluster amp-t4-v100]
-                   [--global-batch 64] [--out plan.json] [--group-plan-out groups.json] [--json]
+                   [--global-batch 64] [--calibration calibration.json] [--out plan.json]
+                   [--group-plan-out groups.json] [--json]
     hetspmd explain plan.json [--png plan.png] [--json]
 
 Errors that hetspmd raises on purpose print one line to stderr and exit 2.
@@ -30,6 +32,7 @@ from hetspmd import models
 from hetspmd import report as plan_report
 from hetspmd._format import si
 from hetspmd.errors import HetSpmdError
+from hetspmd.hardware.calibration import Calibration
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.hardware.devices import LINK_PRESETS
 from hetspmd.hardware.profiler import profile as profile_devices
@@ -39,6 +42,7 @@ from hetspmd.plan.groups import GroupPlan, is_group_plan_file
 from hetspmd.plan.value import Plan
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.runtime.searching import single_plan
+from hetspmd.runtime.step import parallelize
 from hetspmd.step_search import search as search_step
 
 _si = functools.partial(si, small=".0f")  # counts and rates below a thousand as integers
@@ -85,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
   profile.add_argument("--devices", type=_positive_int, help="measure only the first N devices")
   profile.set_defaults(run=_run_profile)
 
+  calibrate = sub.add_parser(
+      "calibrate", help="time a zoo model's train step on each device kind here and write a calibration",
+      description="Run the model's train step on this machine's devices, each kind's devices at once, at two "
+      "microbatch counts of the sizes the search would try: per kind, seconds per microbatch and per step. Where "
+      "the step fits no one device, one layer of its layer scan is timed instead (the -scan zoo models). "
+      "hetspmd search --calibration prices those kinds on the measured times; communication stays modelled.")
+  calibrate.add_argument("--model", help="zoo model name (default: gpt2-small)")
+  calibrate.add_argument("--out", required=True, help="write the calibration to this JSON file")
+  calibrate.add_argument("--devices", type=_positive_int, help="time only the first N devices")
+  calibrate.add_argument("--kinds", help="comma-separated kind per device (emulated kinds, as Cluster.emulate "
+                         "gives them; one name for all), default: each device's own kind")
+  calibrate.add_argument("--global-batch", type=_positive_int, default=64,
+                         help="examples per step the search will plan for (default: 64)")
+  calibrate.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
+  calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                         help="the model's compute dtype, as hetspmd search --dtype (default: float32)")
+  calibrate.add_argument("--json", action="store_true", help="print the calibration as JSON")
+  calibrate.set_defaults(run=_run_calibrate)
+
   search = sub.add_parser(
       "search", help="rank device-weighted plans for a zoo model on a cluster",
       description="Trace the model's train step, cost it on every device kind of the cluster, and rank "
@@ -120,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "bfloat16 per plan; accumulation stays float32 (default: float32, exact)")
   search.add_argument("--no-overlap", action="store_true",
                       help="do not overlap gradient reductions with the last microbatch's backward pass")
+  search.add_argument("--calibration", metavar="FILE",
+                      help="price the kinds it times on the step's measured times (hetspmd calibrate, or "
+                      "ParallelStep.calibrate(...).save); one measured on another step is refused")
   search.add_argument("--out", help="write the best plan to this JSON file")
   search.add_argument("--group-plan-out", metavar="FILE",
                       help="write the best group plan to this JSON file (devices by cluster position; run it with "
@@ -231,6 +257,41 @@ def _write_all(args: argparse.Namespace, writes: list) -> int:
   return status
 
 
+def _calibration_file(path: str | None) -> Any:
+  if path is None:
+    return None
+  if not Path(path).is_file():
+    raise HetSpmdError(f"--calibration {path!r}: no such file (write one with hetspmd calibrate --out)")
+  return Calibration.load(path)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+  _check_writable(args.out, "--out")
+  if args.devices and args.devices > len(jax.devices()):
+    raise HetSpmdError(f"--devices {args.devices}: JAX sees {len(jax.devices())} device(s) "
+                       f"({jax.devices()[0].platform}); give at most {len(jax.devices())}")
+  devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+  if args.kinds:
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    if len(kinds) not in (1, len(devices)):
+      raise HetSpmdError(f"--kinds names {len(kinds)} kind(s) for {len(devices)} device(s): give one per device, "
+                         "or one for all")
+    cluster = Cluster.emulate(devices, kinds=kinds * len(devices) if len(kinds) == 1 else kinds)
+  else:
+    cluster = Cluster.from_devices(devices)
+  workload = models.get(args.model or "gpt2-small").with_dtype(args.dtype)
+  batch = workload.synthetic_batch(0, batch=min(args.global_batch, 8), seq=args.seq)
+  step = parallelize(workload.make_train_step(), cluster=cluster, plan="search", global_batch=args.global_batch)
+  if not args.json:
+    print(f"timing {workload.name} on {cluster.num_devices} device(s): {', '.join(cluster.kinds)}", file=sys.stderr)
+  calibration = step.calibrate(workload.init_state(0), batch)
+  if args.json:
+    print(json.dumps(calibration.to_json(), indent=2))
+  else:
+    print("\n".join(calibration.describe()))
+  return _write_all(args, [(args.out, "the calibration", lambda: calibration.save(args.out))])
+
+
 def _run_search(args: argparse.Namespace) -> int:
   _check_writable(args.out, "--out")
   _check_writable(args.group_plan_out, "--group-plan-out")
@@ -256,7 +317,7 @@ def _run_search(args: argparse.Namespace) -> int:
     seq = batch[next(iter(batch))].shape[1] if workload.default_seq else None
   found = search_step(step, *step_args, cluster=cluster, global_batch=args.global_batch, top=args.top,
                       progress=progress, overlap=not args.no_overlap, grad_reduce_dtype=args.grad_reduce_dtype,
-                      name=name, **step_kwargs)
+                      name=name, calibration=_calibration_file(args.calibration), **step_kwargs)
   found = dataclasses.replace(found, subject=dataclasses.replace(found.subject, dtype=dtype, seq=seq))
   print(json.dumps(found.to_json(), indent=2) if args.json else found)
   if not args.json and (args.out or args.group_plan_out):

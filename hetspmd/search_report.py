@@ -60,7 +60,7 @@ def to_json(subject: Subject, cluster: Cluster, priced: Any) -> dict[str, Any]:
                           "priced_past_margin": best is not None and group.throughput >= GROUP_PLAN_MARGIN * best.throughput}},
       "choice": {"form": choice_form(priced), "processes": priced.processes, "note": priced.note},
       "no_single_program": priced.error or None,
-      "ideal_throughput": ideal, "trace_seconds": priced.trace_seconds,
+      "ideal_throughput": ideal, "trace_seconds": priced.trace_seconds, "pricing": cluster.pricing(),
       "search_seconds": None if result is None else result.search_seconds,
       "candidates": 0 if result is None else result.candidates,
       "stage_plans": [{**p.to_json(), "speedup_over_best": best.step_seconds / p.step_seconds}
@@ -86,6 +86,8 @@ def table(subject: Subject, cluster: Cluster, priced: Any) -> str:
               f"{priced.trace_seconds:.2f} s of tracing" if result is not None else
               f"traced in {priced.trace_seconds:.2f} s; no single program fits")
   lines += _wrap(f"{searched}; ideal throughput {ideal:.1f} samples/s")
+  if cluster.calibration is not None:
+    lines += _wrap("compute priced from " + "; ".join(cluster.pricing()))
   lines += _wrap(choice_line(priced))
   if result is None:
     lines += ["", *_wrap(f"no single program fits: {priced.error}")]

@@ -201,3 +201,26 @@ def test_help_lists_every_link_the_grammar_accepts(capsys):
   assert listed == list(LINK_PRESETS) and {"pcie3", "pcie5", "nvlink2"} <= set(listed)
   for name in listed:
     assert Cluster.parse(f"2xV100-32GB@{name}").num_devices == 2
+
+
+def test_calibrate_then_search_on_the_measured_times(tmp_path, capsys):
+  """hetspmd calibrate times a zoo model on emulated kinds and writes a calibration; hetspmd search --calibration
+  prices those kinds on it and says so; a calibration of another model is refused with what to do."""
+  import jax
+
+  from hetspmd.hardware.calibration import Calibration
+
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  out = tmp_path / "cal.json"
+  assert main(["calibrate", "--model", "mlp", "--devices", "2", "--kinds", "V100-16GB,T4", "--out", str(out)]) == 0
+  calibration = Calibration.load(out)
+  assert set(calibration.kind_names) == {"V100-16GB", "T4"}
+  assert "V100-16GB: per microbatch" in capsys.readouterr().out
+  assert main(["search", "--model", "mlp", "--cluster", "amp-t4-v100", "--calibration", str(out), "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert all("the step's measured times" in line for line in report["pricing"])
+  assert main(["search", "--model", "gpt2-tiny", "--cluster", "amp-t4-v100", "--calibration", str(out)]) == 2
+  assert "measured on another step" in capsys.readouterr().err
+  assert main(["calibrate", "--model", "mlp", "--devices", "2", "--kinds", "A,B,C", "--out", str(out)]) == 2
+  assert "--kinds names 3 kind(s) for 2 device(s)" in capsys.readouterr().err

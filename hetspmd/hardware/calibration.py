@@ -130,8 +130,8 @@ class Calibration:
   def check_step(self, fingerprint: str) -> None:
     if fingerprint != self.fingerprint:
       raise InvalidValueError(f"the calibration was measured on another step (fingerprint {self.fingerprint[:12]}, "
-                              f"this step's {fingerprint[:12]}): time this step (step.calibrate(state, batch)), or "
-                              "search without it")
+                              f"this step's {fingerprint[:12]}): time this step (step.calibrate(state, batch), or "
+                              "hetspmd calibrate for a zoo model), or search without it")
 
   def to_json(self) -> dict[str, Any]:
     return {"format": FORMAT, "fingerprint": self.fingerprint, "kinds": [t.to_json() for t in self.kinds]}
