@@ -284,7 +284,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
   step = parallelize(workload.make_train_step(), cluster=cluster, plan="search", global_batch=args.global_batch)
   if not args.json:
     print(f"timing {workload.name} on {cluster.num_devices} device(s): {', '.join(cluster.kinds)}", file=sys.stderr)
-  calibration = step.calibrate(workload.init_state(0), batch)
+  with jax.default_device(jax.devices("cpu")[0]):  # in host memory: the state may fit no device
+    state = workload.init_state(0)
+  calibration = step.calibrate(state, batch)
   if args.json:
     print(json.dumps(calibration.to_json(), indent=2))
   else:

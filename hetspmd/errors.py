@@ -43,6 +43,11 @@ class PlanDoesNotFitError(HetSpmdError):
   """No plan fits the devices' memory: names the device that overflows, by how much, and what would fit."""
 
 
+class CannotTimeError(HetSpmdError):
+  """The step cannot be timed whole on a device of some kind (it does not fit there, or its state or batch is
+  split across processes): one layer of its layer scan can be timed instead."""
+
+
 class NoLayerStackError(HetSpmdError):
   """The step has no layer stack that pipeline stages can cut: says what differs from one scan over stacked
   parameters and its transpose."""

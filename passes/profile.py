@@ -43,18 +43,18 @@ def with_batch(batch: Any, size: int) -> Any:
 
 
 def fingerprint(jaxpr: Any) -> str:
-  """The step's identity for a calibration: its equations' primitives in order and its inputs' dtypes, which do
-  not change with the batch size."""
+  """A jaxpr's identity: its equations' primitives in order and its inputs' shapes and dtypes."""
   names = " ".join(jx.primitive_name(e) for e in jx.equations(jaxpr))
-  dtypes = " ".join(str(getattr(v, "aval", v)).split("[")[0] for v in jaxpr.jaxpr.invars)
-  return hashlib.sha256(f"{names}|{dtypes}".encode()).hexdigest()
+  inputs = " ".join(str(getattr(v, "aval", v)) for v in jaxpr.jaxpr.invars)
+  return hashlib.sha256(f"{names}|{inputs}".encode()).hexdigest()
 
 
 def step_fingerprint(fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> str:
   """:func:`fingerprint` of ``fn(state, batch)`` (a :class:`~hetspmd.runtime.runner.Trace`'s ``state_batch()``
-  and its batch) traced on their shapes, its calls inlined: what a calibration of the step carries and what the
-  search checks it against, however the step was wrapped."""
-  closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), jx.to_abstract(batch)), {})
+  and its batch) traced on their shapes, its calls inlined, the batch at a fixed size (any batch of the step
+  gives the same): what a calibration of the step carries and what the search checks it against, however the
+  step was wrapped. Another model, another size of it or another sequence length differs."""
+  closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), with_batch(batch, PROFILE_BATCHES[1])), {})
   return fingerprint(jx.inline_calls(closed))
 
 

@@ -21,11 +21,12 @@ from exactness import Reference
 from hetspmd import models
 from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
-from hetspmd.passes.profile import layer_nodes, profile_step
+from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes.profile import layer_nodes, profile_step, step_fingerprint
 from hetspmd.planner.pricing import Costing, measured_timing
 from hetspmd.runtime import calibrating
 from hetspmd.runtime.calibrating import KindTimer
-from hetspmd.runtime.layer_timing import LayerTimer, layer_scans, scan_program
+from hetspmd.runtime.layer_timing import LayerTimer, layer_scans, scan_program, step_or_layer
 
 KINDS = ["V100-32GB", "P100-16GB"]
 
@@ -41,19 +42,22 @@ def fits_no_device(monkeypatch):
   monkeypatch.setattr(calibrating, "wanted", lambda option, cluster: option is not False)
 
 
-def test_the_layer_scan_is_found_and_one_layer_timed():
-  """The forward scan and its transpose of the scanned GPT, at the microbatch size; each runs over two or four
-  stacked layers as a program of its own, and one layer's seconds come out positive."""
+@pytest.mark.parametrize("size", [1, 4])
+def test_the_layer_scan_is_found_and_one_layer_timed(size):
+  """The forward scan and its transpose of the scanned GPT, at the microbatch size (one example too, where JAX
+  traces a few equations fewer); each runs over two or four stacked layers as a program of its own, and one
+  layer's seconds come out positive."""
   w = models.get("gpt2-tiny-scan")
   fn = w.make_train_step(hs.value_and_grad)
-  scans = layer_scans(fn, w.abstract_state(), w.example_batch(2), 4)
+  scans = layer_scans(fn, w.abstract_state(), w.example_batch(2), size)
+  assert jx.aval_shape(scans.forward.invars[jx.scan_parts(scans.forward).num_consts])[0] == size
   assert scans.length == w.config.n_layer
   for eqn in (scans.forward, scans.backward):
     program, inputs = scan_program(eqn, 2)
     out = program(*inputs)
     assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out)
                if np.issubdtype(np.asarray(x).dtype, np.floating))
-  assert LayerTimer(tuple(jax.devices()[:2])).seconds(scans, 4, repeats=2) > 0
+  assert LayerTimer(tuple(jax.devices()[:2])).seconds(scans, size, repeats=2) > 0
 
 
 def test_a_step_without_a_layer_scan_has_none():
@@ -80,7 +84,7 @@ def test_a_layer_timing_scales_the_whole_microbatch(scale):
   for size in (2, 8):
     assert timing.micro(size) == pytest.approx(scale * profile.microbatch_seconds(spec, size)
                                                + profile.accumulate_seconds(spec), rel=1e-9)
-  assert timing.fixed == profile.step_fixed_seconds(spec) and timing.part == "step"
+  assert timing.fixed == profile.step_fixed_seconds(spec) and timing.part == "layer"
   costing = Costing(cluster.calibrated(Calibration("", (KindTiming(KINDS[0], tuple(points), part="layer"),))),
                     profile, 8)
   plain = Costing(cluster, profile, 8)
@@ -286,3 +290,50 @@ def test_step_calibrate_falls_back_to_one_layer(fits_no_device, tmp_path):
   found = hs.search(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(16), cluster=cluster,
                     calibration=tmp_path / "c.json")
   assert found.best is not None
+
+
+@pytest.mark.timeout(600)
+def test_a_kind_too_small_for_the_state_is_not_tried_and_every_kind_times_a_layer(monkeypatch):
+  """One kind's devices cannot hold the state by their spec: its whole-step timing is not even tried, and since
+  a calibration that priced it from its spec beside measured kinds would be the error it is for, every kind is
+  timed on one layer instead."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  import dataclasses
+
+  from hetspmd.hardware.devices import preset_spec
+
+  tried = []
+  real = KindTimer.runs
+  monkeypatch.setattr(KindTimer, "runs", lambda self, *a, **k: tried.append(self.device.id) or real(self, *a, **k))
+  tiny = dataclasses.replace(preset_spec("T4"), name="tiny", memory_bytes=1 << 16)
+  w = models.get("gpt2-tiny-scan")
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "tiny"], custom={"tiny": tiny})
+  probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16)
+  calibration = probe.calibrate(w.init_state(0), w.synthetic_batch(0, batch=4))
+  assert {t.part for t in calibration.kinds} == {"layer"} and set(calibration.kind_names) == {"V100-32GB", "tiny"}
+  assert tried and set(tried) == {jax.devices()[0].id}
+
+
+def test_the_fingerprint_tells_steps_apart_but_not_batch_sizes():
+  """Another size of a model or another sequence length is another step; a batch of another size is not."""
+  def of(name, batch, seq=None):
+    w = models.get(name)
+    return step_fingerprint(lambda s, b: w.make_train_step()(s, b), w.abstract_state(), w.example_batch(batch, seq))
+
+  tiny = of("gpt2-tiny-scan", 8)
+  assert tiny == of("gpt2-tiny-scan", 1) == of("gpt2-tiny-scan", 64)
+  assert tiny != of("gpt2-tiny-scan", 8, seq=16)
+  assert tiny != of("gpt2-tiny", 8)
+
+
+def test_only_a_step_that_cannot_be_timed_whole_falls_back_to_a_layer():
+  """A user's mistake raised while timing the whole step stands as it is; no layer is timed."""
+  def mistake():
+    raise HetSpmdError("calibrate=True times the step on a call's arguments")
+
+  def never():
+    raise AssertionError("a layer was timed")
+
+  with pytest.raises(HetSpmdError, match="calibrate=True times the step on a call's arguments"):
+    step_or_layer(mistake, never, None, None, (4,))

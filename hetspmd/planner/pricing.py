@@ -206,7 +206,9 @@ def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) 
   """A kind's measured times as the search prices them: ``timing`` itself where it timed the step's
   microbatches; where it timed one layer of the step's layer scan (``part="layer"``:
   :mod:`hetspmd.runtime.layer_timing`), the predicted microbatch scaled by the layer's measured over predicted
-  seconds at each measured size, with the per-step seconds predicted. The rest of the microbatch (embedding,
+  seconds at each measured size, with the per-step seconds predicted (its ``part`` stays ``"layer"``: the first
+  microbatch's extra and the recomputation of exact batch statistics are priced as predicted, not measured).
+  The rest of the microbatch (embedding,
   head, loss) takes the layer's correction too: priced from a datasheet, it is off by as much as the layers
   are. None without a timing, or where the profile finds no layer scan to scale from."""
   if timing is None or timing.part == "step":
@@ -222,7 +224,7 @@ def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) 
     if predicted <= 0:
       return None
     points.append((size, profile.microbatch_seconds(spec, size) * seconds / predicted + accumulate))
-  return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat)
+  return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat, part="layer")
 
 
 class Costing:
@@ -303,7 +305,8 @@ class Costing:
     again = float(seconds[self.profile.recomputed(timing.remat)].sum())
     accumulate = self.profile.accumulate_seconds(self.specs[kind])
     micro = timing.micro(microbatch)
-    return max(micro - accumulate, 0.1 * micro) / ((plain + again) * self.recompute)
+    recompute = self.recompute if timing.part == "step" else 1.0  # a layer's scale holds no recomputation
+    return max(micro - accumulate, 0.1 * micro) / ((plain + again) * recompute)
 
   def space(self, m: int) -> strategies.StrategySpace:
     """Prepared by :func:`hetspmd.passes.profile.profile_step` for :data:`hetspmd.passes.profile.MODEL_SIZES`; built here (once)
@@ -330,7 +333,8 @@ class Costing:
     (measured, it is part of the per-step seconds)."""
     key = (kind, microbatch)
     if key not in self._first:
-      self._first[key] = (0.0 if kind in self.measured
+      measured = kind in self.measured and self.measured[kind].part == "step"
+      self._first[key] = (0.0 if measured
                           else self.profile.first_microbatch_extra_seconds(self.specs[kind], microbatch))
     return self._first[key]
 

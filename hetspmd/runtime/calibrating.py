@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetspmd.errors import HetSpmdError
+from hetspmd.errors import CannotTimeError, HetSpmdError
 from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
@@ -120,13 +120,19 @@ class KindTimer:
       key = (k, x.shape, str(x.dtype))
       if key not in self._placed:
         if not x.is_fully_addressable:
-          raise HetSpmdError(f"timing device {self.device} needs each state leaf whole on it, but a leaf of shape "
+          raise CannotTimeError(f"timing device {self.device} needs each state leaf whole on it, but a leaf of shape "
                              f"{x.shape} is split across processes: time a data-parallel plan (ZeRO-0), or "
                              "calibrate before sharding the state (ParallelStep.calibrate)")
         self._placed[key] = jax.device_put(x, self.device if not self.together else NamedSharding(
             Mesh(np.array([self.device, *self.together]), ("all",)), PartitionSpec()))
       out.append(self._placed[key])
     return out
+
+
+def state_bytes(front: Any, args: tuple) -> int:
+  """Bytes of the train state among a call's arguments (as ``front`` binds them, its batch of any size)."""
+  state = Arguments.of(dataclasses.replace(front, batch_argnums=batch_positions(front, args)), args).state
+  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
 
 
 def batch_positions(front: Any, args: tuple) -> tuple[int, ...]:
@@ -166,7 +172,7 @@ def _examples(batch: Any, n: int) -> Any:
     if not hasattr(x, "shape") or not np.ndim(x):
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      raise HetSpmdError("timing the step needs this process's batch as host arrays (or arrays it holds whole), "
+      raise CannotTimeError("timing the step needs this process's batch as host arrays (or arrays it holds whole), "
                          "not a global array split across processes")
     rows = np.arange(n) % x.shape[0]
     return np.asarray(x)[rows]
@@ -210,9 +216,11 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
               counts: Sequence[int] = (2, 4), repeats: int = 5) -> Calibration:
   """The step's own times on each kind of ``cluster`` (a cluster bound to JAX devices): this process times each
   of its kinds on all its devices of that kind at once (:class:`KindTimer` ``together``), at every microbatch
-  size in ``sizes`` (a size that fails there, out of memory, is
-  left out), and every process gathers every kind's points. ``fingerprint``: the step's
-  (:func:`step_fingerprint`)."""
+  size in ``sizes`` (a size that fails there, out of memory, is left out), and every process gathers every
+  kind's points. A kind whose devices cannot hold the state (by their specs' memory) is not tried. Raises where
+  some kind has no point at all: a search would then price it from its spec beside measured kinds, the error a
+  calibration is for (:func:`hetspmd.runtime.layer_timing.step_or_layer` then times one layer of every kind).
+  ``fingerprint``: the step's (:func:`step_fingerprint`)."""
   if cluster.jax_device_ids is None:
     raise HetSpmdError("calibrating times the step on the cluster's devices: give a cluster bound to JAX devices "
                        "(Cluster.from_devices, Cluster.emulate)")
@@ -222,6 +230,12 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   fixed: dict[str, list[float]] = {k: [] for k in kinds}
   failed = ""
+  held = state_bytes(front, args)
+  memory = {k: min(d.spec.memory_bytes for d in cluster.devices if d.spec.name == k) for k in kinds}
+  for kind in [k for k in timers if held > memory[k]]:
+    failed = (f"{kind}: the state alone ({held / 2**30:.3g} GiB) is more than a device's memory "
+              f"({memory[kind] / 2**30:.3g} GiB)")
+    del timers[kind]
   for size in sorted(set(sizes)):
     mine = {}
     for kind, timer in timers.items():
@@ -239,8 +253,9 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
       if jax.process_count() > 1 else np.array([[width[k] for k in kinds]])
   timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k]), devices=int(widths[:, j].max()))
                   for j, k in enumerate(kinds) if points[k])
-  if not timings:
-    raise HetSpmdError(f"no microbatch size of {sorted(set(sizes))} ran on the cluster's devices, each device "
+  if len(timings) < len(kinds):
+    missing = [k for k in kinds if not points[k]]
+    raise CannotTimeError(f"no microbatch size of {sorted(set(sizes))} ran on {', '.join(missing)}, each device "
                        f"holding the whole state ({failed or 'no device of the cluster here'}): a step that fits "
                        "no one device is priced from its devices' specs (calibrate=False)")
   return Calibration(fingerprint, timings)

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetspmd.errors import HetSpmdError, NoLayerStackError
+from hetspmd.errors import CannotTimeError, HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.frontend import stack
-from hetspmd.passes.profile import fingerprint, with_batch
+from hetspmd.passes.profile import step_fingerprint, with_batch
 from hetspmd.runtime.calibrating import gathered, local_kind_devices, now
 
 # stacked layers each scan is timed over: their difference over its count is one layer (never one: XLA turns a
@@ -46,15 +46,14 @@ class LayerScans:
   forward: Any
   backward: Any
   length: int
-  fingerprint: str
 
 
 def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> LayerScans:
   """The layer scan of ``fn(state, batch)`` traced with ``size`` examples (``batch`` of any size: only its
   shapes are read), found as :func:`hetspmd.passes.frontend.stack.find_layer_stack` finds it for pipeline
   stages; raises :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
-  small, closed = _flat(fn, state, batch, size)
-  large, _ = _flat(fn, state, batch, 2 * size)
+  base = max(size, 2)  # at one example JAX drops some equations (a sum over one row): found at two and more
+  small, large = _flat(fn, state, batch, base), _flat(fn, state, batch, 2 * base)
   if [jx.primitive_name(e) for e in small] != [jx.primitive_name(e) for e in large]:
     raise NoLayerStackError("the step's equations differ between its traces at two batch sizes")
 
@@ -62,15 +61,16 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int
     return jx.aval_shape(small[i].invars[j]) != jx.aval_shape(large[i].invars[j])
 
   found = stack.find_layer_stack(stack.sites_in_jaxpr(small, per_example))
-  return LayerScans(small[found.forward], small[found.backward], found.length, fingerprint(closed))
+  scans = [e for e in (small if base == size else _flat(fn, state, batch, size)) if jx.primitive_name(e) == "scan"]
+  if len(scans) != sum(jx.primitive_name(e) == "scan" for e in small):
+    raise NoLayerStackError(f"the step's scans differ between its traces at {size} and {base} examples")
+  return LayerScans(scans[found.forward_scan], scans[found.backward_scan], found.length)
 
 
-def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> tuple[list, Any]:
-  """The equations of ``fn(state, batch)`` at ``size`` examples, calls inlined, and that jaxpr (whose
-  :func:`~hetspmd.passes.profile.fingerprint` is :func:`~hetspmd.passes.profile.step_fingerprint`'s)."""
+def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> list:
+  """The equations of ``fn(state, batch)`` at ``size`` examples, calls inlined."""
   closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), with_batch(batch, size)), {})
-  flat = jx.inline_calls(closed)
-  return jx.equations(flat), flat
+  return jx.equations(jx.inline_calls(closed))
 
 
 @dataclasses.dataclass
@@ -138,29 +138,35 @@ def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, clu
   timers = {kind: LayerTimer(tuple(devices)) for kind, devices in
             local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True).items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
-  found = ""
+  failed = ""
   for size in sorted(set(sizes)):
     scans = layer_scans(fn, state, batch, size)
-    found = found or scans.fingerprint
-    mine = {kind: (timer.seconds(scans, size), 0.0) for kind, timer in timers.items()}
+    mine = {}
+    for kind, timer in timers.items():
+      try:
+        mine[kind] = (timer.seconds(scans, size), 0.0)
+      except jax.errors.JaxRuntimeError as e:  # not even a layer fits: left out here, gathered alike
+        failed = f"{kind} at microbatch {size}: {str(e).splitlines()[0][:200]}"
     for kind, (seconds, _) in gathered(kinds, mine).items():
       points[kind].append((size, seconds))
-  timings = tuple(KindTiming(k, tuple(points[k]), part="layer") for k in kinds if points[k])
-  if not timings:
-    raise HetSpmdError("no kind of the cluster has a device here to time a layer on")
-  return Calibration(found, timings)
+  missing = [k for k in kinds if not points[k]]
+  if missing:
+    raise HetSpmdError(f"no layer of the step ran on {', '.join(missing)} ({failed or 'no device of it here'})")
+  return Calibration(step_fingerprint(fn, state, batch), tuple(KindTiming(k, tuple(points[k]), part="layer")
+                                                               for k in kinds))
 
 
 
 def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[], Any], state: Any, cluster: Any,
                   sizes: Sequence[int]) -> Calibration | None:
   """``whole()`` (the step timed on each kind, each device holding the whole state); where that cannot run
-  (the step fits no one device, or its state is split across processes), one layer of the step's layer scan
+  (:class:`~hetspmd.errors.CannotTimeError`: the step fits no device of some kind, or its state is split across
+  processes; or out of memory), one layer of the step's layer scan
   timed on each kind instead (:func:`layer_calibration` on ``trace_of()``, a
   :class:`~hetspmd.runtime.runner.Trace`). Where the step has no layer scan either, the first error, saying so."""
   try:
     return whole()
-  except (HetSpmdError, jax.errors.JaxRuntimeError) as e:
+  except (CannotTimeError, jax.errors.JaxRuntimeError) as e:
     first = str(e).splitlines()[0]
   trace = trace_of()
   try:

@@ -134,7 +134,8 @@ class Rebalancer:
             ) -> dict[str, tuple[float, float]]:
     """``{kind: (seconds per microbatch, seconds per step)}`` of every kind of the plan (or those in ``only``):
     this process's kinds timed on one of their devices at the plan's microbatch size, gathered across
-    processes. An idle kind whose device cannot hold the step (out of memory) is left out: it stays idle."""
+    processes. An idle kind whose device cannot run the step (out of memory, a state split across processes)
+    is left out: it stays idle."""
     plan = front._runner.plan
     idle = self.balance.idle()
     mine = {}
@@ -145,7 +146,7 @@ class Rebalancer:
         self._timers[kind] = KindTimer(front, device, plan.remat)
       try:
         timing = self._timers[kind].timing(kind, args, kwargs, [plan.microbatch])
-      except jax.errors.JaxRuntimeError:
+      except (jax.errors.JaxRuntimeError, HetSpmdError):  # on this process only: the others still gather
         if kind not in idle:
           raise
         continue
@@ -184,7 +185,8 @@ class Rebalancer:
       return None
     self.clock.sums = {}
     if idle and idle != self.clock.idle[0]:  # timed once while the same kinds stay idle
-      self.clock.idle = idle, {k: v for k, v in self.timed(front, args, kwargs, only=idle).items() if k in idle}
+      self.clock.idle = idle, {k: (micro, 0.0)  # as the loops give theirs: no per-step seconds
+                               for k, (micro, _) in self.timed(front, args, kwargs, only=idle).items() if k in idle}
     return {**found, **{k: v for k, v in self.clock.idle[1].items() if k in idle}}
 
   def _measure(self, front: Any, args: tuple, kwargs: dict) -> None:
