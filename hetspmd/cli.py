@@ -77,36 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
   trace.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
   trace.set_defaults(run=_run_trace)
 
-  profile = sub.add_parser(
-      "profile", help="measure this machine's devices and links and write a cluster file",
-      description="Measure every visible JAX device (matmul FLOP/s in float32 and bfloat16, alone and with "
-      "all devices busy; memory copy bandwidth alone and busy, read bandwidth busy) and the collectives between them (all-reduce, all-gather, "
-      "reduce-scatter over message sizes, fitted to alpha + beta * bytes). With jax.distributed initialised "
-      "every process measures its own devices.",
-      epilog="Cluster spec grammar used by --cluster elsewhere: " + _GRAMMAR)
-  profile.add_argument("--out", help="write the measured cluster to this TOML file")
-  profile.add_argument("--json", action="store_true", help="print the full profile as JSON")
-  profile.add_argument("--devices", type=_positive_int, help="measure only the first N devices")
-  profile.set_defaults(run=_run_profile)
+  _add_profile(sub)
 
-  calibrate = sub.add_parser(
-      "calibrate", help="time a zoo model's train step on each device kind here and write a calibration",
-      description="Run the model's train step on this machine's devices, each kind's devices at once, at two "
-      "microbatch counts of the sizes the search would try: per kind, seconds per microbatch and per step. Where "
-      "the step fits no one device, one layer of its layer scan is timed instead (the -scan zoo models). "
-      "hetspmd search --calibration prices those kinds on the measured times; communication stays modelled.")
-  calibrate.add_argument("--model", help="zoo model name (default: gpt2-small)")
-  calibrate.add_argument("--out", required=True, help="write the calibration to this JSON file")
-  calibrate.add_argument("--devices", type=_positive_int, help="time only the first N devices")
-  calibrate.add_argument("--kinds", help="comma-separated kind per device (emulated kinds, as Cluster.emulate "
-                         "gives them; one name for all), default: each device's own kind")
-  calibrate.add_argument("--global-batch", type=_positive_int, default=64,
-                         help="examples per step the search will plan for (default: 64)")
-  calibrate.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
-  calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                         help="the model's compute dtype, as hetspmd search --dtype (default: float32)")
-  calibrate.add_argument("--json", action="store_true", help="print the calibration as JSON")
-  calibrate.set_defaults(run=_run_calibrate)
+  _add_calibrate(sub)
 
   search = sub.add_parser(
       "search", help="rank device-weighted plans for a zoo model on a cluster",
@@ -160,6 +133,41 @@ def build_parser() -> argparse.ArgumentParser:
   explain.add_argument("--json", action="store_true", help="print the per-position figures as JSON")
   explain.set_defaults(run=_run_explain)
   return parser
+
+
+def _add_profile(sub: Any) -> None:
+  profile = sub.add_parser(
+      "profile", help="measure this machine's devices and links and write a cluster file",
+      description="Measure every visible JAX device (matmul FLOP/s in float32 and bfloat16, alone and with "
+      "all devices busy; memory copy bandwidth alone and busy, read bandwidth busy) and the collectives between them (all-reduce, all-gather, "
+      "reduce-scatter over message sizes, fitted to alpha + beta * bytes). With jax.distributed initialised "
+      "every process measures its own devices.",
+      epilog="Cluster spec grammar used by --cluster elsewhere: " + _GRAMMAR)
+  profile.add_argument("--out", help="write the measured cluster to this TOML file")
+  profile.add_argument("--json", action="store_true", help="print the full profile as JSON")
+  profile.add_argument("--devices", type=_positive_int, help="measure only the first N devices")
+  profile.set_defaults(run=_run_profile)
+
+
+def _add_calibrate(sub: Any) -> None:
+  calibrate = sub.add_parser(
+      "calibrate", help="time a zoo model's train step on each device kind here and write a calibration",
+      description="Run the model's train step on this machine's devices, each kind's devices at once, at two "
+      "microbatch counts of the sizes the search would try: per kind, seconds per microbatch and per step. Where "
+      "the step fits no one device, one layer of its layer scan is timed instead (the -scan zoo models). "
+      "hetspmd search --calibration prices those kinds on the measured times; communication stays modelled.")
+  calibrate.add_argument("--model", help="zoo model name (default: gpt2-small)")
+  calibrate.add_argument("--out", required=True, help="write the calibration to this JSON file")
+  calibrate.add_argument("--devices", type=_positive_int, help="time only the first N devices")
+  calibrate.add_argument("--kinds", help="comma-separated kind per device (emulated kinds, as Cluster.emulate "
+                         "gives them; one name for all), default: each device's own kind")
+  calibrate.add_argument("--global-batch", type=_positive_int, default=64,
+                         help="examples per step the search will plan for (default: 64)")
+  calibrate.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
+  calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                         help="the model's compute dtype, as hetspmd search --dtype (default: float32)")
+  calibrate.add_argument("--json", action="store_true", help="print the calibration as JSON")
+  calibrate.set_defaults(run=_run_calibrate)
 
 
 _GRAMMAR = ("SPEC := GROUP('+'GROUP)*(';'OPTION)*, GROUP := [HOSTSx][DEVICESx]KIND[@LINK], "
