@@ -49,7 +49,7 @@ def test_the_layer_scan_is_found_and_one_layer_timed(size):
   layer's seconds come out positive."""
   w = models.get("gpt2-tiny-scan")
   fn = w.make_train_step(hs.value_and_grad)
-  scans = layer_scans(fn, w.abstract_state(), w.example_batch(2), size)
+  scans = layer_scans(fn, w.abstract_state(), w.example_batch(2), [size])[size]
   assert jx.aval_shape(scans.forward.invars[jx.scan_parts(scans.forward).num_consts])[0] == size
   assert scans.length == w.config.n_layer
   for eqn in (scans.forward, scans.backward):
@@ -63,7 +63,7 @@ def test_the_layer_scan_is_found_and_one_layer_timed(size):
 def test_a_step_without_a_layer_scan_has_none():
   w = models.get("mlp")
   with pytest.raises(NoLayerStackError):
-    layer_scans(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(2), 4)
+    layer_scans(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(2), [4])
 
 
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])

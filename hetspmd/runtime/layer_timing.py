@@ -48,12 +48,15 @@ class LayerScans:
   length: int
 
 
-def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> LayerScans:
-  """The layer scan of ``fn(state, batch)`` traced with ``size`` examples (``batch`` of any size: only its
-  shapes are read), found as :func:`hetspmd.passes.frontend.stack.find_layer_stack` finds it for pipeline
-  stages; raises :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
-  base = max(size, 2)  # at one example JAX drops some equations (a sum over one row): found at two and more
-  small, large = _flat(fn, state, batch, base), _flat(fn, state, batch, 2 * base)
+def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
+                ) -> dict[int, LayerScans]:
+  """``{size: the layer scan of fn(state, batch) traced with size examples}`` (``batch`` of any size: only its
+  shapes are read). The scan is found once, as :func:`hetspmd.passes.frontend.stack.find_layer_stack` finds it
+  for pipeline stages, then taken by its position among the step's scans at each size (one trace each);
+  raises :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
+  base = max(min(sizes), 2)  # at one example JAX drops some equations (a sum over one row): found at two and more
+  traced = {base: _flat(fn, state, batch, base)}
+  small, large = traced[base], _flat(fn, state, batch, 2 * base)
   if [jx.primitive_name(e) for e in small] != [jx.primitive_name(e) for e in large]:
     raise NoLayerStackError("the step's equations differ between its traces at two batch sizes")
 
@@ -61,10 +64,16 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int
     return jx.aval_shape(small[i].invars[j]) != jx.aval_shape(large[i].invars[j])
 
   found = stack.find_layer_stack(stack.sites_in_jaxpr(small, per_example))
-  scans = [e for e in (small if base == size else _flat(fn, state, batch, size)) if jx.primitive_name(e) == "scan"]
-  if len(scans) != sum(jx.primitive_name(e) == "scan" for e in small):
-    raise NoLayerStackError(f"the step's scans differ between its traces at {size} and {base} examples")
-  return LayerScans(scans[found.forward_scan], scans[found.backward_scan], found.length)
+  count = sum(jx.primitive_name(e) == "scan" for e in small)
+  out = {}
+  for size in sorted(set(sizes)):
+    eqns = traced[size] if size in traced else _flat(fn, state, batch, size)
+    scans = [e for e in eqns if jx.primitive_name(e) == "scan"]
+    if len(scans) != count:
+      raise NoLayerStackError(f"the step's scans differ between its traces at {size} and {base} examples "
+                              f"({len(scans)} and {count})")
+    out[size] = LayerScans(scans[found.forward_scan], scans[found.backward_scan], found.length)
+  return out
 
 
 def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> list:
@@ -139,8 +148,8 @@ def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, clu
             local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True).items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   failed = ""
-  for size in sorted(set(sizes)):
-    scans = layer_scans(fn, state, batch, size)
+  every = layer_scans(fn, state, batch, sizes)
+  for size, scans in every.items():
     mine = {}
     for kind, timer in timers.items():
       try:
