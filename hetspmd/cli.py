@@ -206,13 +206,18 @@ def _run_trace(args: argparse.Namespace) -> int:
   return 0
 
 
+def _first_devices(n: int | None) -> list:
+  """JAX's first ``n`` devices (all of them without ``--devices``), or a usage error naming how many there are."""
+  if n and n > len(jax.devices()):
+    raise HetSpmdError(f"--devices {n}: JAX sees {len(jax.devices())} device(s) ({jax.devices()[0].platform}); "
+                       f"give at most {len(jax.devices())}")
+  return jax.devices()[:n] if n else jax.devices()
+
+
 def _run_profile(args: argparse.Namespace) -> int:
 
   _check_writable(args.out, "--out")
-  if args.devices and args.devices > len(jax.devices()):
-    raise HetSpmdError(f"--devices {args.devices}: JAX sees {len(jax.devices())} device(s) "
-                       f"({jax.devices()[0].platform}); give at most {len(jax.devices())}")
-  devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+  devices = _first_devices(args.devices)
   result = profile_devices(devices, progress=not args.json)
   cluster = Cluster.from_profile(result)
   writes = [(args.out, "the measured cluster", lambda: cluster.save(args.out))] if args.out else []
@@ -275,10 +280,7 @@ def _calibration_file(path: str | None) -> Any:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
   _check_writable(args.out, "--out")
-  if args.devices and args.devices > len(jax.devices()):
-    raise HetSpmdError(f"--devices {args.devices}: JAX sees {len(jax.devices())} device(s) "
-                       f"({jax.devices()[0].platform}); give at most {len(jax.devices())}")
-  devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+  devices = _first_devices(args.devices)
   if args.kinds:
     kinds = [k.strip() for k in args.kinds.split(",")]
     if len(kinds) not in (1, len(devices)):
