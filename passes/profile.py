@@ -17,6 +17,7 @@ import numpy as np
 
 from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes import remat
 from hetspmd.passes.costing import step_cost
 from hetspmd.passes.costing.step_cost import StepProfile
 from hetspmd.passes.frontend import stack
@@ -102,6 +103,20 @@ def layer_nodes(profile: StepProfile) -> tuple[np.ndarray, int] | None:
     return None
   loops = {small.scans[found.forward_scan].loop, small.scans[found.backward_scan].loop}
   return np.array([bool(loops.intersection(n.loops)) for n in small.nodes], bool), found.length
+
+
+def block_nodes(profile: StepProfile) -> np.ndarray | None:
+  """Per node of ``profile``, whether it is in the forward of the block a calibration times of a step that
+  unrolls its layers (:func:`hetspmd.passes.remat.timed_segment` of the numbered layers remat ``"layers"``
+  finds); None where the step has no such layer."""
+  if len(profile.traces) < 2:
+    return None
+  found = step_cost.layer_segments(*profile.traces)
+  if not found:
+    return None
+  mask = np.zeros(len(profile.traces[0].nodes), bool)
+  mask[list(remat.timed_segment(found).members)] = True
+  return mask
 
 
 def _scan_residuals(found: stack.LayerStack, small: Any, large: Any) -> list[int]:

@@ -202,6 +202,19 @@ def _segment(layer: str, indices: list[int], sites: Sequence[Site], readers: dic
   return Segment(layer, tuple(order), inputs, tuple(remade), at)
 
 
+def timed_segment(found: Sequence[Segment]) -> Segment:
+  """The layer a calibration times of a step that unrolls its layers, and whose forward the cost model's
+  prediction is compared with: the middle one (the first and the last may read what others do not, an
+  embedding's output or the final norm's input)."""
+  return found[len(found) // 2]
+
+
+def renamed(segment: Segment, names: dict) -> Segment:
+  """``segment`` with its values renamed by ``names`` (the same step traced again at another batch size)."""
+  return dataclasses.replace(segment, inputs=tuple(names[v] for v in segment.inputs),
+                             residuals=tuple(names[v] for v in segment.residuals))
+
+
 def _only_backward_outside(v: Hashable, inside: set[int], sites: Sequence[Site], readers: dict) -> bool:
   """Whether every reader of ``v`` outside its layer's forward pass is a backward site (a value another layer,
   the head or the step's outputs read is a layer boundary: saved, not remade)."""
@@ -243,7 +256,7 @@ def rematerialize(flat: jx.ClosedJaxpr, per_example: Callable[[Any], bool], para
     remade: dict = {}
     for i, eqn in enumerate(eqns):
       for segment in at.get(i, ()):
-        values = jx.recomputed_call(_body(segment, eqns), [env[v] for v in segment.inputs], like=eqn)
+        values = jx.recomputed_call(segment_body(segment, eqns), [env[v] for v in segment.inputs], like=eqn)
         remade.update(zip(segment.residuals, values))
       source = remade if i in backward else {}
       invals = [jx.read(env, v) if jx.is_literal(v) or v not in source else source[v] for v in eqn.invars]
@@ -253,7 +266,8 @@ def rematerialize(flat: jx.ClosedJaxpr, per_example: Callable[[Any], bool], para
   return jx.make_closed_jaxpr(run, *jx.input_avals(flat)), found
 
 
-def _body(segment: Segment, eqns: Sequence[Any]) -> Callable[..., list[Any]]:
+def segment_body(segment: Segment, eqns: Sequence[Any]) -> Callable[..., list[Any]]:
+  """``segment`` of the flat ``eqns`` as a function: its inputs to the residuals it remakes."""
   def body(*inputs):
     env = dict(zip(segment.inputs, inputs))
     jx.eval_equations([eqns[i] for i in segment.members], env)

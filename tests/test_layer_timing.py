@@ -1,14 +1,17 @@
-"""Calibrating a step that fits no one device: one layer of its layer scan timed on each kind.
+"""Calibrating a step that fits no one device: one layer timed on each kind.
 
 The step's whole timing runs out of memory here by decree (as a large model's would on accelerators: each
 timed device holds the whole state); the layer scan of a Linen ``nn.scan`` stack (a ``TrainState`` step), of
 the scanned NNX GPT and of an NNX ``nnx.scan`` stack is then found, each scan run over two and four stacked
-layers, and the search prices each kind's whole microbatch scaled by its layer's measured over predicted
-seconds. Where the step runs no layer scan, the first error stands and says so. Across processes each process
-times its own kinds and every process holds the same calibration.
+layers. A step that unrolls its layers (the NNX GPT's ``h_0``, ``h_1``; a Gemma-shaped ``nnx.List`` of blocks)
+has its middle block's forward timed instead, in loops of two and four trips. The search prices each kind's
+whole microbatch scaled by the timed part's measured over predicted seconds. Where the step runs no layer at
+all, the first error stands and says so. Across processes each process times its own kinds and every process
+holds the same calibration.
 """
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,16 +20,17 @@ import pytest
 from flax.training import train_state
 
 import hetspmd as hs
-from exactness import Reference
+from exactness import NnxReference, Reference, assert_exact
 from hetspmd import models
 from hetspmd.errors import HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
 from hetspmd.passes import _jax_adapter as jx
-from hetspmd.passes.profile import layer_nodes, profile_step, step_fingerprint
+from hetspmd.passes.profile import block_nodes, layer_nodes, profile_step, step_fingerprint
 from hetspmd.planner.pricing import Costing, measured_timing
 from hetspmd.runtime import calibrating
 from hetspmd.runtime.calibrating import KindTimer
-from hetspmd.runtime.layer_timing import LayerTimer, layer_scans, scan_program, step_or_layer
+from hetspmd.runtime.layer_timing import (LayerBlock, LayerTimer, block_program, layer_scans, scan_program,
+                                          step_layers, step_or_layer)
 
 KINDS = ["V100-32GB", "P100-16GB"]
 
@@ -165,18 +169,40 @@ def test_an_nnx_scan_stack_that_fits_no_device_is_searched_on_one_layer(fits_no_
   assert "one layer of the step timed" in step.explain()
 
 
+class _TwoNamedLayers(nn.Module):
+  """No numbered layer and no layer scan: nothing smaller than the step to time."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5, name="out")(nn.relu(nn.Dense(32, name="hidden")(x)))
+
+
+def _unlayered_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
 @pytest.mark.timeout(300)
-def test_without_a_layer_scan_the_first_error_stands(fits_no_device):
-  """An MLP has no layer scan: calibrate=True raises the whole step's error and says no layer can be timed."""
+def test_without_any_layer_the_first_error_stands(fits_no_device):
+  """A model with no layer scan and no numbered layers: calibrate=True raises the whole step's error and says
+  why no layer can be timed."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
-  w = models.get("mlp")
+  model = _TwoNamedLayers()
+  state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
+                                        params=model.init(jax.random.key(0), jnp.ones((1, 12)))["params"])
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.integers(0, 5, size=(16,)).astype(np.int32)}
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
-                        calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
-  with pytest.raises(HetSpmdError, match=r"RESOURCE_EXHAUSTED.*nor can one layer be timed alone, as the step runs "
-                                         r"no layer scan"):
-    step.shard_state(w.init_state(0))
+  step = hs.parallelize(_unlayered_step, cluster=cluster, plan="search", global_batch=16, calibrate=True,
+                        example_batch=batch)
+  with pytest.raises(HetSpmdError, match=r"RESOURCE_EXHAUSTED.*nor can one layer be timed alone, as it runs no "
+                                         r"layer scan \(.*\) and no numbered layers"):
+    step.shard_state(state)
 
 
 @pytest.mark.timeout(300)
@@ -337,3 +363,143 @@ def test_only_a_step_that_cannot_be_timed_whole_falls_back_to_a_layer():
 
   with pytest.raises(HetSpmdError, match="calibrate=True times the step on a call's arguments"):
     step_or_layer(mistake, never, None, None, (4,))
+
+
+# --- steps that unroll their layers: one block's forward ---------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_an_unrolled_step_times_its_middle_block(size):
+  """The unrolled NNX GPT has no layer scan: its middle block (h_1 of h_0, h_1) is found, at one example too;
+  its forward runs in loops of two and four trips as a program of its own, and one block's seconds come out
+  positive."""
+  w = models.get("gpt2-tiny")
+  fn = w.make_train_step(hs.value_and_grad)
+  with pytest.raises(NoLayerStackError):
+    layer_scans(fn, w.abstract_state(), w.example_batch(2), [size])
+  block = step_layers(fn, w.abstract_state(), w.example_batch(2), [size])[size]
+  assert isinstance(block, LayerBlock) and block.part == "block" and block.segment.layer.endswith("h_1")
+  assert any(jx.aval_shape(v)[:1] == (max(size, 2),) for v in block.segment.inputs)
+  program, inputs = block_program(block.eqns, block.segment, 2)
+  out = program(*inputs)
+  assert len(out) == len(block.segment.residuals)
+  assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out)
+             if np.issubdtype(np.asarray(x).dtype, np.floating))
+  assert LayerTimer(tuple(jax.devices()[:2])).seconds(block, max(size, 2), repeats=2) > 0
+
+
+def test_a_step_with_no_layer_at_all_says_why():
+  model = _TwoNamedLayers()
+  state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.sgd(0.1),
+                                        params=model.init(jax.random.key(0), jnp.ones((1, 12)))["params"])
+  batch = {"x": np.ones((4, 12), np.float32), "y": np.zeros((4,), np.int32)}
+  with pytest.raises(NoLayerStackError, match=r"no layer scan \(.*\) and no numbered layers \(no repeated"):
+    step_layers(_unlayered_step, state, batch, [4])
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_a_block_timing_scales_the_whole_microbatch(scale):
+  """A block's forward measured at ``scale`` times its prediction prices the kind's whole microbatch (its
+  backward, the embedding and the head too) at ``scale`` times the prediction."""
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  mask = block_nodes(profile)
+  assert layer_nodes(profile) is None and mask.any() and mask.sum() < 0.2 * mask.size
+  spec = hs.Cluster.emulate(jax.devices()[:1], kinds=KINDS[:1]).spec_of(KINDS[0])
+  points = tuple((size, scale * float(profile.node_seconds(spec, size)[mask].sum())) for size in (2, 8))
+  timing = measured_timing(KindTiming(KINDS[0], points, part="block"), profile, spec)
+  for size in (2, 8):
+    assert timing.micro(size) == pytest.approx(scale * profile.microbatch_seconds(spec, size)
+                                               + profile.accumulate_seconds(spec), rel=1e-9)
+  assert timing.part == "block"
+  assert "one unrolled layer's forward" in Calibration("", (KindTiming(KINDS[0], points, part="block"),)).describe()[0]
+
+
+@pytest.mark.timeout(600)
+def test_an_unrolled_gpt_that_fits_no_device_is_searched_on_one_block(fits_no_device):
+  """calibrate=True on the unrolled NNX GPT whose whole step fits no device: each kind's middle block is timed,
+  explain() says so, and the plan runs exactly against one device."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = models.get("gpt2-tiny")
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
+                        calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
+  state = step.shard_state(w.init_state(0))
+  assert {t.part for t in step.calibration.kinds} == {"block"}
+  assert all(s > 0 for t in step.calibration.kinds for _, s in t.points)
+  assert "one unrolled layer's forward timed" in step.explain()
+  batches = [w.synthetic_batch(i, batch=16) for i in range(2)]
+  ref = Reference(w.make_train_step(), w.init_state(0)).run(batches)
+  for b in batches:
+    state, _ = step(state, b)
+  ref.check(state)
+
+
+class _Block(nnx.Module):
+  """A decoder block as Gemma's: RMS norms, attention without a mask, a gated MLP."""
+
+  def __init__(self, width: int, rngs):
+    self.norm1, self.norm2 = nnx.RMSNorm(width, rngs=rngs), nnx.RMSNorm(width, rngs=rngs)
+    self.qkv = nnx.Linear(width, 3 * width, use_bias=False, rngs=rngs)
+    self.out = nnx.Linear(width, width, use_bias=False, rngs=rngs)
+    self.gate, self.up = (nnx.Linear(width, 2 * width, use_bias=False, rngs=rngs) for _ in range(2))
+    self.down = nnx.Linear(2 * width, width, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
+    weights = jax.nn.softmax(q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1]), axis=-1)
+    x = x + self.out(weights @ v)
+    h = self.norm2(x)
+    return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
+
+
+class _UnrolledLM(nnx.Module):
+  """Blocks held in an ``nnx.List`` and run in a Python loop, as Flax's Gemma example holds its layers."""
+
+  def __init__(self, rngs, vocab: int = 32, width: int = 16, layers: int = 3):
+    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+    self.layers = nnx.List([_Block(width, rngs) for _ in range(layers)])
+    self.final_norm = nnx.RMSNorm(width, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = layer(x)
+    return self.embed.attend(self.final_norm(x))
+
+
+def _lm_train_step(model, optimizer, batch):
+  def loss_fn(model):
+    logits = model(batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.timeout(600)
+def test_a_gemma_shaped_nnx_list_model_that_fits_no_device_is_searched_on_one_block(fits_no_device):
+  """An NNX model whose blocks sit in an nnx.List (no name scopes: the blocks are found from the parameters'
+  paths), trained in place with step(model, optimizer, batch): its middle block is timed on each kind, and the
+  trained model matches the same steps run on one device, each in float32 rounding of a float64 run."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  rng = np.random.default_rng(0)
+  batches = [{"tokens": rng.integers(0, 32, size=(16, 9)).astype(np.int32)} for _ in range(2)]
+  ref = NnxReference(_lm_train_step, _lm_objects()).run(batches)
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  step = hs.parallelize(_lm_train_step, cluster=cluster, plan="search", global_batch=16, calibrate=True)
+  mine = _lm_objects()
+  for b in batches:
+    step(*mine, b)
+  assert {t.part for t in step.calibration.kinds} == {"block"}
+  assert "one unrolled layer's forward timed" in step.explain()
+  for what, kind in (("params", nnx.Param), ("opt_state", nnx.OptState)):
+    assert_exact(nnx.state(mine, kind), nnx.state(ref.single, kind), nnx.state(ref.ref64, kind), what=what)
+
+
+def _lm_objects():
+  model = _UnrolledLM(nnx.Rngs(0))
+  return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

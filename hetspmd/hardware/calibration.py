@@ -25,7 +25,8 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError
 
 FORMAT = "hetspmd.calibration/1"
-PARTS = ("step", "layer")  # what a KindTiming timed: the step's microbatches, or one layer of its layer scan
+# what a KindTiming timed: the step's microbatches, one layer of its layer scan, or one unrolled layer's forward
+PARTS = ("step", "layer", "block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +42,10 @@ class KindTiming:
     remat: the remat policy the points were measured under.
     devices: how many devices of the kind ran together while timed (one data-parallel program over them, whose
       gradient reduction is part of ``fixed``).
-    part: what was timed: ``"step"``, the step's microbatches; or ``"layer"``, one layer of the step's layer
-      scan (forward and backward), for a step that fits no one device
-      (:mod:`hetspmd.runtime.layer_timing`): ``points`` are then one layer's seconds, and ``fixed`` is not
-      measured (the search models it).
+    part: what was timed: ``"step"``, the step's microbatches; for a step that fits no one device
+      (:mod:`hetspmd.runtime.layer_timing`), ``"layer"``, one layer of the step's layer scan (forward and
+      backward), or ``"block"``, the forward of one numbered layer of a step that unrolls its layers:
+      ``points`` are then that part's seconds, and ``fixed`` is not measured (the search models it).
   """
 
   kind: str
@@ -153,8 +154,9 @@ class Calibration:
     lines = []
     for t in self.kinds:
       points = ", ".join(f"{m}: {s * 1e3:.3g} ms" for m, s in t.points)
-      if t.part == "layer":
-        lines.append(f"{t.kind}: one layer (forward and backward) per microbatch {points}")
+      if t.part != "step":
+        what = "one layer (forward and backward)" if t.part == "layer" else "one unrolled layer's forward"
+        lines.append(f"{t.kind}: {what} per microbatch {points}")
         continue
       lines.append(f"{t.kind}: per microbatch {points}; per step {t.fixed * 1e3:.3g} ms (remat {t.remat}, "
                    f"{t.devices} device(s) together)")

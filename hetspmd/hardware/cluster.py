@@ -163,8 +163,9 @@ class Cluster:
     for kind in self.kinds:
       spec, timing = self.spec_of(kind), self.calibration.of(kind) if self.calibration else None
       e = spec.efficiency
-      if timing is not None and timing.part == "layer":
-        how = (f"one layer of the step timed ({len(timing.points)} microbatch size(s)), its measured over predicted "
+      if timing is not None and timing.part != "step":
+        what = "one layer of the step" if timing.part == "layer" else "one unrolled layer's forward"
+        how = (f"{what} timed ({len(timing.points)} microbatch size(s)), its measured over predicted "
                "seconds scaling the whole microbatch")
       elif timing is not None:
         how = f"the step's measured times ({len(timing.points)} microbatch size(s))"

@@ -23,7 +23,7 @@ from hetspmd.planner.data_axis import (NO_TENSOR_PARALLEL, REDUCE_BYTES, TensorP
 from hetspmd.errors import HetSpmdError
 from hetspmd.passes.sharding import ilp as strategy_ilp, strategies
 from hetspmd.passes.costing.step_cost import StepProfile
-from hetspmd.passes.profile import layer_nodes
+from hetspmd.passes.profile import block_nodes, layer_nodes
 from hetspmd.hardware.calibration import KindTiming
 from hetspmd.plan.counts import KindCost, balanced_counts
 
@@ -204,17 +204,17 @@ class Candidate:
 
 def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) -> KindTiming | None:
   """A kind's measured times as the search prices them: ``timing`` itself where it timed the step's
-  microbatches; where it timed one layer of the step's layer scan (``part="layer"``:
-  :mod:`hetspmd.runtime.layer_timing`), the predicted microbatch scaled by the layer's measured over predicted
-  seconds at each measured size, with the per-step seconds predicted (its ``part`` stays ``"layer"``: the first
-  microbatch's extra and the recomputation of exact batch statistics are priced as predicted, not measured).
-  The rest of the microbatch (embedding,
-  head, loss) takes the layer's correction too: priced from a datasheet, it is off by as much as the layers
-  are. None without a timing, or where the profile finds no layer scan to scale from."""
+  microbatches; where it timed one layer (:mod:`hetspmd.runtime.layer_timing`: ``part="layer"``, the layer
+  scan's forward and backward; ``part="block"``, the forward of one numbered block of a step that unrolls its
+  layers), the predicted microbatch scaled by that part's measured over predicted seconds at each measured
+  size, with the per-step seconds predicted (its ``part`` stays: the first microbatch's extra and the
+  recomputation of exact batch statistics are priced as predicted, not measured). The rest of the microbatch
+  (embedding, head, loss; a block's backward) takes the same correction: priced from a datasheet, it is off by
+  as much as the timed part is. None without a timing, or where the profile finds no such part to scale from."""
   if timing is None or timing.part == "step":
     return timing
-  found = layer_nodes(profile)
-  if found is None:
+  found = layer_nodes(profile) if timing.part == "layer" else (block_nodes(profile), 1)
+  if found is None or found[0] is None:
     return None
   mask, length = found
   accumulate = profile.accumulate_seconds(spec)
@@ -224,7 +224,7 @@ def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) 
     if predicted <= 0:
       return None
     points.append((size, profile.microbatch_seconds(spec, size) * seconds / predicted + accumulate))
-  return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat, part="layer")
+  return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat, part=timing.part)
 
 
 class Costing:

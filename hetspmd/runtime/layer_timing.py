@@ -1,22 +1,29 @@
-"""Timing one layer of the step's layer scan on each kind: the calibration of a step that fits no one device.
+"""Timing one layer of the step on each kind: the calibration of a step that fits no one device.
 
 A large model's step fits no one device (each would hold the whole state), so
-:func:`hetspmd.runtime.calibrating.calibrate` cannot time it. Where the step runs its layers as one scan over
-stacked parameters (``nn.scan``, ``jax.lax.scan``), one layer does fit: this module times the layer scan's
-forward and its transpose on each kind (a process's devices of the kind at once), as Cephalo times its
-layers. Each scan is run as it is in
-the step, at the microbatch size, over two stacked layers and over four (its inputs ones and zeros: a step's time
-does not depend on its values), so the difference is one layer's seconds without the program's dispatch.
+:func:`hetspmd.runtime.calibrating.calibrate` cannot time it. One layer does fit, and this module times it on
+each kind (a process's devices of the kind at once), as Cephalo times its layers:
 
-The result is a :class:`~hetspmd.hardware.calibration.KindTiming` with ``part="layer"``: per microbatch size,
-one layer's forward and backward seconds. The search prices a kind from it by scaling the cost model's
-prediction of the whole microbatch by the layer's measured over predicted seconds
-(:func:`hetspmd.planner.pricing.measured_timing`); the per-step seconds (the optimizer update) stay modelled.
+- Where the step runs its layers as one scan over stacked parameters (``nn.scan``, ``nnx.scan``,
+  ``jax.lax.scan``), the layer scan's forward and its transpose, each as it is in the step, over two stacked
+  layers and over four (:class:`LayerScans`; ``part="layer"``).
+- Where the step unrolls its layers (numbered blocks: ``h_0``, ``layers/3``, an ``nnx.List`` of blocks, as
+  Flax's Gemma example builds them), the forward of the middle block: its per-example work, the equations
+  remat ``"layers"`` runs again (:mod:`hetspmd.passes.remat`), in a loop of two trips and of four
+  (:class:`LayerBlock`; ``part="block"``). Backward equations are not tied to a block (NNX names no scope),
+  so the backward takes the forward's correction.
+
+Each program runs at the microbatch size, its inputs ones and zeros (a step's time does not depend on its
+values); the difference between its two lengths is one layer's seconds without the program's dispatch. The
+search prices a kind by scaling the cost model's prediction of the whole microbatch by the timed part's measured
+over predicted seconds (:func:`hetspmd.planner.pricing.measured_timing`); the per-step seconds (the optimizer
+update) stay modelled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -28,8 +35,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hetspmd.errors import CannotTimeError, HetSpmdError, NoLayerStackError
 from hetspmd.hardware.calibration import Calibration, KindTiming
 from hetspmd.passes import _jax_adapter as jx
+from hetspmd.passes import remat
 from hetspmd.passes.frontend import stack
 from hetspmd.passes.profile import step_fingerprint, with_batch
+from hetspmd.plan.state_layout import parameter_paths
 from hetspmd.runtime.calibrating import gathered, local_kind_devices, now
 
 # stacked layers each scan is timed over: their difference over its count is one layer (never one: XLA turns a
@@ -47,6 +56,42 @@ class LayerScans:
   backward: Any
   length: int
 
+  part = "layer"
+
+  def programs(self) -> tuple[tuple[str, Callable[[int], tuple]], ...]:
+    """``(name, rows -> (program, inputs))`` of each scan timed."""
+    return (("forward", functools.partial(scan_program, self.forward)),
+            ("backward", functools.partial(scan_program, self.backward)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBlock:
+  """One numbered block of a step that unrolls its layers, traced at one microbatch size: the step's flat
+  equations and the block's :class:`~hetspmd.passes.remat.Segment` (its per-example forward work)."""
+
+  eqns: tuple
+  segment: remat.Segment
+
+  part = "block"
+
+  def programs(self) -> tuple[tuple[str, Callable[[int], tuple]], ...]:
+    return (("forward", functools.partial(block_program, self.eqns, self.segment)),)
+
+
+def step_layers(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
+                ) -> dict[int, LayerScans | LayerBlock]:
+  """``{size: what is timed of fn(state, batch) at size examples}``: its layer scan (:func:`layer_scans`), or
+  where it has none, its middle numbered block (:func:`layer_blocks`); raises
+  :class:`~hetspmd.errors.NoLayerStackError` where it has neither."""
+  try:
+    return layer_scans(fn, state, batch, sizes)
+  except NoLayerStackError as e:
+    no_scan = str(e).split(": ", 1)[-1]
+  try:
+    return layer_blocks(fn, state, batch, sizes)
+  except NoLayerStackError as e:
+    raise NoLayerStackError(f"it runs no layer scan ({no_scan}) and no numbered layers ({e})") from None
+
 
 def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
                 ) -> dict[int, LayerScans]:
@@ -55,8 +100,8 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Se
   for pipeline stages, then taken by its position among the step's scans at each size (one trace each);
   raises :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
   base = max(min(sizes), 2)  # at one example JAX drops some equations (a sum over one row): found at two and more
-  traced = {base: _flat(fn, state, batch, base)}
-  small, large = traced[base], _flat(fn, state, batch, 2 * base)
+  traced = {base: jx.equations(_traced(fn, state, batch, base))}
+  small, large = traced[base], jx.equations(_traced(fn, state, batch, 2 * base))
   if [jx.primitive_name(e) for e in small] != [jx.primitive_name(e) for e in large]:
     raise NoLayerStackError("the step's equations differ between its traces at two batch sizes")
 
@@ -67,7 +112,7 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Se
   count = sum(jx.primitive_name(e) == "scan" for e in small)
   out = {}
   for size in sorted(set(sizes)):
-    eqns = traced[size] if size in traced else _flat(fn, state, batch, size)
+    eqns = traced[size] if size in traced else jx.equations(_traced(fn, state, batch, size))
     scans = [e for e in eqns if jx.primitive_name(e) == "scan"]
     if len(scans) != count:
       raise NoLayerStackError(f"the step's scans differ between its traces at {size} and {base} examples "
@@ -76,10 +121,47 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Se
   return out
 
 
-def _flat(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> list:
-  """The equations of ``fn(state, batch)`` at ``size`` examples, calls inlined."""
+def layer_blocks(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
+                 ) -> dict[int, LayerBlock]:
+  """``{size: the middle numbered block of fn(state, batch) traced with size examples}`` (two where size is
+  one: at one example JAX drops some equations). The blocks are found as remat ``"layers"`` finds them
+  (:func:`hetspmd.passes.remat.segments`: numbered module scopes, or for NNX the parameters' paths) at the
+  smallest size, then taken by position in one trace per size; raises
+  :class:`~hetspmd.errors.NoLayerStackError` where the step has none."""
+  base = max(min(sizes), 2)
+  small, large = _traced(fn, state, batch, base), _traced(fn, state, batch, 2 * base)
+  names = [jx.primitive_name(e) for e in jx.equations(small)]
+  if names != [jx.primitive_name(e) for e in jx.equations(large)]:
+    raise NoLayerStackError("the step's equations differ between its traces at two batch sizes")
+  per_example = {a for a, b in _matched(small, large).items() if jx.aval_shape(a) != jx.aval_shape(b)}
+  invars = jx.invars(small)
+  params = {invars[i]: p for i, p in parameter_paths(state).items() if i < len(invars)}
+  found = remat.segments(remat.sites_of(jx.equations(small), jx.outvars(small)), per_example.__contains__, params)
+  if not found:
+    raise NoLayerStackError("no repeated, numbered module scope or parameter path (h_0, layers/3) reads "
+                            "per-example residuals of its own")
+  segment = remat.timed_segment(found)
+  out = {}
+  for size in sorted({max(s, 2) for s in sizes}):
+    closed = small if size == base else _traced(fn, state, batch, size)
+    if [jx.primitive_name(e) for e in jx.equations(closed)] != names:
+      raise NoLayerStackError(f"the step's equations differ between its traces at {size} and {base} examples")
+    out[size] = LayerBlock(tuple(jx.equations(closed)), remat.renamed(segment, _matched(small, closed)))
+  return {size: out[max(size, 2)] for size in sizes}
+
+
+def _traced(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) -> Any:
+  """``fn(state, batch)`` at ``size`` examples as a closed jaxpr, calls inlined."""
   closed, _ = jx.trace_to_jaxpr(fn, (jx.to_abstract(state), with_batch(batch, size)), {})
-  return jx.equations(jx.inline_calls(closed))
+  return jx.inline_calls(closed)
+
+
+def _matched(a: Any, b: Any) -> dict:
+  """``{value of a: the value in its place in b}`` for two traces of one structure (closed jaxprs)."""
+  pairs = list(zip(jx.invars(a), jx.invars(b))) + list(zip(jx.constvars(a), jx.constvars(b)))
+  for x, y in zip(jx.equations(a), jx.equations(b)):
+    pairs += [(u, v) for u, v in zip(x.outvars, y.outvars) if not jx.is_dropped(u)]
+  return dict(pairs)
 
 
 @dataclasses.dataclass
@@ -91,13 +173,13 @@ class LayerTimer:
   devices: tuple
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
 
-  def seconds(self, scans: LayerScans, size: int, repeats: int = REPEATS) -> float:
-    """One layer's forward and backward seconds at ``size`` examples: per scan, the median time over ``ROWS[1]``
-    stacked layers less the median over ``ROWS[0]``, per layer, the runs taken in turn (ABBA) so a slow spell
-    falls on both."""
+  def seconds(self, layer: LayerScans | LayerBlock, size: int, repeats: int = REPEATS) -> float:
+    """One layer's seconds at ``size`` examples (a scan's forward and backward, or a block's forward): per
+    program, the median time over ``ROWS[1]`` layers less the median over ``ROWS[0]``, per layer, the runs
+    taken in turn (ABBA) so a slow spell falls on both."""
     total = 0.0
-    for which, eqn in (("forward", scans.forward), ("backward", scans.backward)):
-      calls = [self._call((size, which, rows), eqn, rows) for rows in ROWS]
+    for which, build in layer.programs():
+      calls = [self._call((size, which, rows), build, rows) for rows in ROWS]
       times: list[list[float]] = [[] for _ in ROWS]
       for r in range(repeats):
         for j in (range(len(ROWS)) if r % 2 == 0 else reversed(range(len(ROWS)))):
@@ -108,9 +190,9 @@ class LayerTimer:
       total += max(more - fewer, 1e-3 * more) / (ROWS[1] - ROWS[0])
     return total
 
-  def _call(self, key: tuple, eqn: Any, rows: int) -> Callable[[], Any]:
+  def _call(self, key: tuple, build: Callable[[int], tuple], rows: int) -> Callable[[], Any]:
     if key not in self._programs:
-      program, inputs = scan_program(eqn, rows)
+      program, inputs = build(rows)
       where = self.devices[0] if len(self.devices) == 1 else NamedSharding(
           Mesh(np.array(self.devices), ("all",)), PartitionSpec())  # every device runs the layer (replicated)
       placed = [jax.device_put(x, where) for x in inputs]
@@ -128,6 +210,29 @@ def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
   inputs = [_filled(s, jx.aval_dtype(v)) for s, v in zip(shapes, eqn.invars)]
   params = {**eqn.params, "length": rows}
   return jax.jit(lambda *args: jx.bind(eqn, args, params)), inputs
+
+
+def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int) -> tuple[Callable[..., Any], list]:
+  """``segment``'s equations (one block's forward, of the flat ``eqns``) run ``rows`` times in a loop, as a
+  program, and filled inputs for it. Each trip reads its inputs through an optimization barrier on the trip's
+  index, so XLA hoists nothing out of the loop; the last trip's values are the program's outputs."""
+  body = remat.segment_body(segment, eqns)
+  inputs = [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
+  avals = [(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.residuals]
+
+  def run(*args):
+    def trip(i, _):
+      fresh, _ = jax.lax.optimization_barrier((args, i))
+      return tuple(_as(x, dtype) for x, (_, dtype) in zip(body(*fresh), avals))
+
+    return jax.lax.fori_loop(0, rows, trip, tuple(jnp.zeros(shape, dtype) for shape, dtype in avals))
+
+  return jax.jit(run), inputs
+
+
+def _as(x: Any, dtype: Any) -> Any:
+  """``x`` as a loop carry of ``dtype`` (a weakly typed value made strong)."""
+  return jax.lax.convert_element_type(x, dtype) if jnp.issubdtype(dtype, jnp.number) else x
 
 
 def _filled(shape: tuple, dtype: Any) -> Any:
@@ -148,12 +253,12 @@ def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, clu
             local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True).items()}
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   failed = ""
-  every = layer_scans(fn, state, batch, sizes)
-  for size, scans in every.items():
+  every = step_layers(fn, state, batch, sizes)
+  for size, layer in every.items():
     mine = {}
     for kind, timer in timers.items():
       try:
-        mine[kind] = (timer.seconds(scans, size), 0.0)
+        mine[kind] = (timer.seconds(layer, size), 0.0)
       except jax.errors.JaxRuntimeError as e:  # not even a layer fits: left out here, gathered alike
         failed = f"{kind} at microbatch {size}: {str(e).splitlines()[0][:200]}"
     for kind, (seconds, _) in gathered(kinds, mine).items():
@@ -161,7 +266,8 @@ def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, clu
   missing = [k for k in kinds if not points[k]]
   if missing:
     raise HetSpmdError(f"no layer of the step ran on {', '.join(missing)} ({failed or 'no device of it here'})")
-  return Calibration(step_fingerprint(fn, state, batch), tuple(KindTiming(k, tuple(points[k]), part="layer")
+  part = next(iter(every.values())).part
+  return Calibration(step_fingerprint(fn, state, batch), tuple(KindTiming(k, tuple(points[k]), part=part)
                                                                for k in kinds))
 
 
@@ -170,9 +276,9 @@ def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[]
                   sizes: Sequence[int]) -> Calibration | None:
   """``whole()`` (the step timed on each kind, each device holding the whole state); where that cannot run
   (:class:`~hetspmd.errors.CannotTimeError`: the step fits no device of some kind, or its state is split across
-  processes; or out of memory), one layer of the step's layer scan
-  timed on each kind instead (:func:`layer_calibration` on ``trace_of()``, a
-  :class:`~hetspmd.runtime.runner.Trace`). Where the step has no layer scan either, the first error, saying so."""
+  processes; or out of memory), one layer of the step (its layer scan, or a numbered block) timed on each kind
+  instead (:func:`layer_calibration` on ``trace_of()``, a :class:`~hetspmd.runtime.runner.Trace`). Where the
+  step has no layer either, the first error, saying so."""
   try:
     return whole()
   except (CannotTimeError, jax.errors.JaxRuntimeError) as e:
@@ -181,5 +287,4 @@ def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[]
   try:
     return layer_calibration(trace.state_batch(), state, trace.batch, cluster, sizes)
   except NoLayerStackError as e:
-    why = str(e).split(": ", 1)[-1]
-    raise HetSpmdError(f"{first}; nor can one layer be timed alone, as the step runs no layer scan ({why})") from None
+    raise HetSpmdError(f"{first}; nor can one layer be timed alone, as {e}") from None
