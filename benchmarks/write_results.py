@@ -96,9 +96,10 @@ BENCHES = (
           "(goals: Spearman >= 0.9, median error <= 10%); every plan measured in two passes, whose difference is "
           "this machine's run-to-run spread."),
     Bench("layer_calibration", (), "measured",
-          "Scanned GPTs on 8 profiled CPU devices, each plan priced on the specs, on the whole step's timing and on "
-          "one layer's timing (the calibration of a step too large for a device), against its measured step "
-          "(goal: the layer-calibrated median error within 10 points of the step-calibrated one)."),
+          "Scanned and unrolled GPTs on 8 profiled CPU devices, each plan priced on the specs, on the whole step's "
+          "timing and on one layer's timing (the calibration of a step too large for a device: a layer scan's layer, "
+          "or an unrolled block's forward), against its measured step (goal: each layer-calibrated median error "
+          "within 10 points of the step-calibrated one)."),
     Bench("trace_time", (), "measured",
           "Seconds to trace GPT-2 medium's step and to run the microbatch pass on its jaxpr."),
     Bench("emulated_hetero", (), "measured",

@@ -391,3 +391,59 @@ def test_an_orbax_checkpoint_moves_between_forms_across_processes(saved_under, t
   """), num_processes=2, devices_per_process=2, timeout=240)
   assert all(r["grouped"] and r["single"] for r in results), results
   assert [sum(r["examples"][i] for r in results) for i in (0, 1)] == [12, 12]
+
+
+def _tight_pool_memory() -> int:
+  """The least memory (a power of two) per device of two hosts of two at which ``plan="search"`` of the scanned
+  Linen stack picks a hybrid plan: too little to hold the model whole, enough to shard it over a host."""
+  from hetspmd.plan.groups import GroupPlan
+
+  state = jax.eval_shape(lambda: linen_state(LayerStack(scanned=True)))
+  for memory in (2 ** k for k in range(12, 24)):
+    try:
+      found = hs.search(linen_step, state, user_batches(16, steps=1)[0], cluster=_tight_pool(memory),
+                        global_batch=16)
+    except hs.errors.HetSpmdError:  # nothing fits yet
+      continue
+    if isinstance(found.best, GroupPlan) and found.best.hybrid:
+      return memory
+  raise AssertionError("no memory makes the search pick a hybrid plan: the test's premise is gone")
+
+
+def _tight_pool(memory: int) -> hs.Cluster:
+  spec = hs.DeviceSpec("Tight", memory_bytes=memory, fp32_flops=2e12, bf16_flops=4e12, memory_bandwidth=4e11)
+  return hs.Cluster.parse("2x2xTight;inter=10Gbps;processes=4", devices={"Tight": spec})
+
+
+@pytest.mark.timeout(600)
+def test_the_search_shards_over_a_hosts_processes_of_one_device_each():
+  """4 processes x 1 CPU device described as two hosts of two (one process per GPU), each device too small to
+  hold the model whole: plan="search" picks a hybrid plan of a group per host, each group one program spanning
+  its host's two processes, which runs exactly against one device, each process feeding only its own examples.
+  (Groups cut per process would have one device each, nothing to shard over.)"""
+  memory = _tight_pool_memory()
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent(f"""
+      from jax.experimental import multihost_utils
+      import hetspmd as hs
+      import test_hybrid_groups as h
+
+      whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      cluster = h._tight_pool({memory}).replace(jax_device_ids=tuple(d.id for d in jax.devices()))
+      data = t.batches(16, steps=2)
+      step = hs.parallelize(t.linen_step, cluster=cluster, plan="search", global_batch=16,
+                            example_batch=data[0])
+      ref = reference(t.linen_step, make(), data)
+      state = step.shard_state(make())
+      for i, batch in enumerate(data):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(whole, metrics), i)
+      ref.check(jax.tree.map(whole, state.params), lambda s: s.params)
+      groups = [sorted({{d.process_index for d in jax.devices() if d.id in g.devices}})
+                for g in step.plan.groups]
+      print(json.dumps({{"groups": groups, "hybrid": step.plan.hybrid, "examples": len(step.process_examples())}}))
+  """), num_processes=4, devices_per_process=1, timeout=300)
+  assert all(r["hybrid"] and r["groups"] == [[0, 1], [2, 3]] for r in results), results
+  assert sum(r["examples"] for r in results) == 16 and all(0 < r["examples"] < 16 for r in results)

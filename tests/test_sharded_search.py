@@ -133,26 +133,34 @@ def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(de
   assert e.comm_seconds == pytest.approx(exchange)
 
 
-def test_sharded_groups_are_sized_by_the_processes_that_run_them(deep_profile):
-  """The runtime cuts a group where its devices change process: one process per device leaves nothing to shard
-  over, and two devices per process make groups of two (the plan's file as the runtime runs it)."""
+@pytest.mark.parametrize("processes,size,spans", [
+    (8, 4, 4),  # one process per device: a group per host, each spanning its host's four processes
+    (4, 4, 2),  # two processes per host
+    (2, 4, 1),  # a process per host
+    (1, 8, 1),  # one process driving both hosts (an emulated pool): its devices are one group
+])
+def test_sharded_groups_are_a_hosts_devices_whatever_processes_run_them(deep_profile, processes, size, spans):
+  """A sharded group runs as one program over its devices, every process holding some calling it, so the search
+  cuts a sharded kind per host, not per process: one process per GPU still shards over the host (the plan's file
+  as the runtime runs it)."""
+  from hetspmd.plan.execution import Execution
   from hetspmd.planner.grouping import price_groups
   from hetspmd.planner.pricing import device_groups
 
   deep_profile = dataclasses.replace(deep_profile, traces=(), strategy_spaces={})
-  for processes, size in ((8, None), (4, 2)):
-    cluster = hs.Cluster.parse(f"2x4xV100-32GB;processes={processes}")
-    layout = device_groups(cluster, "group programs by kind", tuple(range(8)), 1)
-    e = price_groups(Costing(cluster, deep_profile, 1), layout, {"V100-32GB": 1}, "none", BATCH,
-                     sharded=frozenset({"V100-32GB"}))
-    if size is None:
-      assert e is None
-      continue
-    assert "hybrid" in e.name
-    held = sharding.sharded_peak(deep_profile, size, (1, "none"), None, None, state_sharded=True)
-    assert e.memory_bytes == (held,) * 8
-    plan = to_group_plan(cluster, e)
-    assert plan.hybrid and [len(g.devices) for g in plan.groups] == [size] * (8 // size)
+  cluster = hs.Cluster.parse(f"2x4xV100-32GB;processes={processes}")
+  layout = device_groups(cluster, "group programs by kind", tuple(range(8)), 1)
+  e = price_groups(Costing(cluster, deep_profile, 1), layout, {"V100-32GB": 1}, "none", BATCH,
+                   sharded=frozenset({"V100-32GB"}))
+  assert "hybrid" in e.name  # every group shards (one group of every device: plain FSDP)
+  held = sharding.sharded_peak(deep_profile, size, (1, "none"), None, None, state_sharded=True)
+  assert e.memory_bytes == (held,) * 8
+  plan = to_group_plan(cluster, e)
+  assert plan.hybrid and [len(g.devices) for g in plan.groups] == [size] * (8 // size)
+  run = 8 // processes
+  execution = Execution.of(plan, {d: d // run for d in range(8)})
+  assert execution.groups == e.group.execution.groups
+  assert all(len(p) == spans for p, _, _ in execution.groups)
 
 
 @pytest.mark.timeout(300)

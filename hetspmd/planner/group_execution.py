@@ -3,7 +3,8 @@
 The group search prices a layout (every device a data position) before any
 :class:`~hetspmd.plan.groups.GroupPlan` exists. It takes each device's process
 as the runtime will (:func:`process_of`), cuts each kind's devices into the
-groups the runtime runs (:func:`shard_groups`), and makes from them the same
+groups the runtime runs (per process, or per host where the kind shards its
+parameters: :func:`shard_groups`), and makes from them the same
 :class:`~hetspmd.plan.execution.Execution` the runtime makes from the plan
 (:func:`execution_of`): one value, priced and built.
 """
@@ -39,22 +40,36 @@ def holds_every_process(positions: Sequence[int], processes: Sequence[int]) -> b
   return {processes[i] for i in positions} == set(processes)
 
 
+def shard_key(cluster: Cluster) -> tuple[tuple[str, int], ...]:
+  """Per device (by cluster position), the sharded group it joins: its host's devices of its kind, every process
+  on the host calling the group's one program (so one process per GPU still shards over the host's fast links);
+  or, where one process drives several hosts (one process emulating a pool), that process's."""
+  process = process_of(cluster)
+  hosts: dict[int, set[int]] = {}
+  for d, p in zip(cluster.devices, process):
+    hosts.setdefault(p, set()).add(d.host)
+  return tuple(("process", p) if len(hosts[p]) > 1 else ("host", d.host) for d, p in zip(cluster.devices, process))
+
+
 def shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:
-  """Per kind, the groups its devices on ``layout`` make, smallest first: its devices in each process
-  (:func:`process_of`). The search chooses this cut: a group whose devices run their own trip counts must be one
-  process's (the runtime cuts it: :func:`hetspmd.plan.groups.split_by_process`), and a kind that shards its
-  parameters is written as one group per process too (HSDP, :func:`hetspmd.planner.grouping.to_group_plan`),
-  each sharding over its own devices. Plain FSDP over every device, one group across processes, is priced apart
+  """Per kind, the groups its devices on ``layout`` make where it shards its parameters, smallest first: its
+  devices on each host (:func:`shard_key`), one program each over every process of the host (the runtime keeps
+  a sharded group whole: :func:`hetspmd.plan.groups.split_by_process`). A kind that shards is written as one
+  group per host (HSDP, :func:`hetspmd.planner.grouping.to_group_plan`), each sharding over its own devices.
+  Plain FSDP over every device, one group across hosts, is priced apart
   (:func:`hetspmd.planner.sharding.fsdp_baseline`)."""
   key = (tuple(layout.devices), tuple(layout.hosts.items()))
   if key not in costing.shard_groups:
-    every, process = costing.cluster.devices, process_of(costing.cluster)
-    found: dict[str, dict[int, list[int]]] = {}
-    for i in layout.devices:
-      found.setdefault(every[i].spec.name, {}).setdefault(process[i], []).append(i)
-    costing.shard_groups[key] = {k: tuple(sorted((tuple(g) for g in hosts.values()), key=len))
-                                 for k, hosts in found.items()}
+    costing.shard_groups[key] = _kind_groups(costing.cluster, layout, shard_key(costing.cluster))
   return costing.shard_groups[key]
+
+
+def _kind_groups(cluster: Cluster, layout: DeviceGroups, key: Sequence) -> dict[str, tuple[tuple[int, ...], ...]]:
+  """Per kind, its devices on ``layout`` cut by ``key`` (per device), smallest first."""
+  found: dict[str, dict] = {}
+  for i in layout.devices:
+    found.setdefault(cluster.devices[i].spec.name, {}).setdefault(key[i], []).append(i)
+  return {k: tuple(sorted((tuple(g) for g in cut.values()), key=len)) for k, cut in found.items()}
 
 
 def shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
@@ -65,13 +80,16 @@ def shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
 def execution_of(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int
                  ) -> Execution:
   """How the group plan priced on ``layout`` runs (:class:`~hetspmd.plan.execution.Execution`): its groups as the
-  runtime runs them (:func:`shard_groups`: each kind's devices per process), the kinds in ``sharded`` sharding
-  their parameters, the state in shares under ``zero`` > 0, ``tail`` microbatches or none."""
+  runtime runs them (the kinds in ``sharded`` sharding their parameters, a group per host: :func:`shard_groups`;
+  any other kind's devices cut per process), the state in shares under ``zero`` > 0, ``tail`` microbatches or
+  none."""
   key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail))
   if key not in costing.shard_groups:
     process = process_of(costing.cluster)
-    groups = [({process[i] for i in g}, len(g), kind in sharded)
-              for kind, kind_groups in shard_groups(costing, layout).items() for g in kind_groups]
+    cut = {**_kind_groups(costing.cluster, layout, process),
+           **{k: g for k, g in shard_groups(costing, layout).items() if k in sharded}}
+    groups = [({process[i] for i in g}, len(g), kind in sharded) for kind, kind_groups in cut.items()
+              for g in kind_groups]
     costing.shard_groups[key] = Execution.made(groups, zero_stage=zero, shares=bool(zero), tail=bool(tail))
   return costing.shard_groups[key]
 

@@ -44,7 +44,7 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL
                                        gradient_reductions, microbatch_bytes)
 from hetspmd.planner import sharding
 from hetspmd.planner.group_execution import (PROGRAM_DISPATCH_SECONDS, execution_of, holds_every_process, one_process,
-                                             process_of, shard_groups, shard_size)
+                                             shard_groups, shard_key, shard_size)
 from hetspmd.planner.group_shares import COPIED, gather_seconds, loop_param_bytes, share_factor, split_fraction
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, GroupPart, device_groups,
                                      position_seconds)
@@ -657,8 +657,8 @@ def _least_recompute(costing: Costing, kind: str, microbatch: int, n: int, polic
 
 
 def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) -> GroupPlan:
-  """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind, one per process:
-  :func:`process_of`; one group of every device where its execution has one, as the ``fsdp`` plan), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
+  """The :class:`GroupPlan` of a priced group plan: one group per kind (a sharded kind, one per host:
+  :func:`shard_key`; one group of every device where its execution has one, as the ``fsdp`` plan), devices by JAX id where the cluster is bound to JAX devices (else by cluster position), with the
   search's predictions (``ideal``: the pool's ideal throughput, for the efficiency): the step, and per device its
   peak bytes beside its memory and its compute."""
   ids = cluster.jax_device_ids or tuple(range(cluster.num_devices))
@@ -667,11 +667,11 @@ def to_group_plan(cluster: Cluster, e: Evaluated, ideal: float | None = None) ->
   firsts = list(itertools.accumulate((tp.m for tp in tps), initial=0))
   on = lambda i: [e.device_positions[j] for j in range(firsts[i], firsts[i + 1])]  # position i's devices
   groups, shares, order, devices = [], [], [], []
-  process = process_of(cluster)
+  where = shard_key(cluster)
   kinds = range(len(e.kinds))
-  # a sharded kind's devices one group per process, as the runtime cuts them and the pricing sized them
-  # (shard_groups): equal groups that all shard make the plan hybrid in the file too
-  key = lambda i: (e.kinds[i], process[on(i)[0]] if part.shard_params and part.shard_params[i] else None)
+  # a sharded kind's devices one group per host, as the pricing sized them (shard_groups): equal groups that all
+  # shard make the plan hybrid in the file too
+  key = lambda i: (e.kinds[i], where[on(i)[0]] if part.shard_params and part.shard_params[i] else None)
   if part.execution is not None and len(part.execution.groups) == 1:  # one group of every device (the fsdp plan)
     key = lambda i: None
   for group in dict.fromkeys(key(i) for i in kinds):

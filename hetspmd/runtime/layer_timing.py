@@ -214,20 +214,28 @@ def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
 
 def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int) -> tuple[Callable[..., Any], list]:
   """``segment``'s equations (one block's forward, of the flat ``eqns``) run ``rows`` times in a loop, as a
-  program, and filled inputs for it. Each trip reads its inputs through an optimization barrier on the trip's
-  index, so XLA hoists nothing out of the loop; the last trip's values are the program's outputs."""
+  program, and filled inputs for it (the trip count among them). XLA must run every trip: the trip count is an
+  input, so the loop is never unrolled, and each trip's inputs are offset by the previous trip's values times a
+  zero that is also an input, so nothing is hoisted out of the loop. The last trip's values are the outputs."""
   body = remat.segment_body(segment, eqns)
-  inputs = [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
   avals = [(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.residuals]
+  inputs = [jnp.asarray(rows, jnp.int32), jnp.zeros((), jnp.float32)]
+  inputs += [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
 
-  def run(*args):
-    def trip(i, _):
-      fresh, _ = jax.lax.optimization_barrier((args, i))
+  def run(trips, zero, *args):
+    def trip(_, previous):
+      offset = zero * sum((x.reshape(-1)[0].astype(jnp.float32) for x in previous if _floating(x.dtype)),
+                          jnp.float32(0))
+      fresh = [x + offset.astype(x.dtype) if _floating(x.dtype) else x for x in args]
       return tuple(_as(x, dtype) for x, (_, dtype) in zip(body(*fresh), avals))
 
-    return jax.lax.fori_loop(0, rows, trip, tuple(jnp.zeros(shape, dtype) for shape, dtype in avals))
+    return jax.lax.fori_loop(0, trips, trip, tuple(jnp.zeros(shape, dtype) for shape, dtype in avals))
 
   return jax.jit(run), inputs
+
+
+def _floating(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _as(x: Any, dtype: Any) -> Any:
@@ -238,7 +246,7 @@ def _as(x: Any, dtype: Any) -> Any:
 def _filled(shape: tuple, dtype: Any) -> Any:
   """An input of the timed scan: ones where floating (so norms and the residuals they save stay finite), else
   zeros (indices, masks, rng keys)."""
-  return jnp.ones(shape, dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.zeros(shape, dtype)
+  return jnp.ones(shape, dtype) if _floating(dtype) else jnp.zeros(shape, dtype)
 
 
 def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, cluster: Any,
