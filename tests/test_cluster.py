@@ -381,3 +381,34 @@ def test_a_cluster_says_what_each_kinds_compute_is_priced_from():
   assert timed.pricing()[1] == "V100-32GB: the step's measured times (2 microbatch size(s))"
   measured = hetspmd.hardware.device_spec("cpu")
   assert Cluster.parse("2xcpu").pricing() == [f"{measured.name}: a measured spec (hetspmd profile)"]
+
+
+@pytest.mark.timeout(300)
+def test_a_machines_processes_make_one_host():
+  """4 processes x 1 CPU device (one process per GPU, as launchers start them): from_devices gathers each
+  process's machine, so on this one machine the four make one host; told there are two machines of two
+  processes, two hosts of two, each process's devices where the planner takes them, and a kind that shards its
+  parameters is cut per host, across the host's processes."""
+  from multiprocess import run_processes
+
+  results = run_processes("""
+      import json
+      import hetspmd as hs
+      from hetspmd.hardware import cluster as c, profiler
+      from hetspmd.planner.group_execution import process_of, shard_key
+
+      fixed = lambda device, name: hs.DeviceSpec(name, memory_bytes=2**30, fp32_flops=1e11, bf16_flops=1e11,
+                                                 memory_bandwidth=1e10)
+      c.measure_device_spec = fixed  # no timing: the structure is under test
+      one = hs.Cluster.from_devices(jax.devices())
+      profiler.hostname = lambda: f"machine-{jax.process_index() // 2}"
+      two = hs.Cluster.from_devices(jax.devices())
+      print(json.dumps({"one": [h.count for h in one.hosts], "two": [h.count for h in two.hosts],
+                        "processes": [one.processes, two.processes], "of": list(process_of(two)),
+                        "keys": [list(k) for k in shard_key(two)], "ids": list(two.jax_device_ids),
+                        "jax": {str(d.id): d.process_index for d in jax.devices()}}))
+  """, num_processes=4, devices_per_process=1, timeout=240)
+  for r in results:
+    assert r["one"] == [4] and r["two"] == [2, 2] and r["processes"] == [4, 4], r
+    assert r["of"] == [r["jax"][str(i)] for i in r["ids"]] == [0, 1, 2, 3]
+    assert r["keys"] == [["host", 0], ["host", 0], ["host", 1], ["host", 1]]

@@ -34,7 +34,7 @@ from hetspmd.errors import InvalidValueError, UnknownNameError, closest
 from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
                                       preset_for_device_kind)
 from hetspmd.hardware.efficiency import CHIPS
-from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec
+from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec, process_machines
 
 DEFAULT_INTER = "25Gbps"
 DEFAULT_INTER_LATENCY = 20e-6
@@ -290,7 +290,9 @@ class Cluster:
   def from_devices(cls, devices: Sequence[Any], inter: str = DEFAULT_INTER) -> "Cluster":
     """The cluster of real JAX devices: ``device_kind`` → preset, others measured.
 
-    Devices are grouped into hosts by ``process_index`` and then by kind.
+    Devices are grouped into hosts by machine and then by kind. Where ``devices`` span processes, every
+    process must call this (each process's host name is gathered from all: :func:`process_machines`): under
+    one process per GPU, a machine's processes make one host, whose devices share its links.
     Kinds without a preset (``cpu`` included) are profiled once each. A
     preset's memory is capped at what the device's allocator may hand out
     (``memory_stats()["bytes_limit"]``: by default JAX preallocates 75% of a
@@ -313,7 +315,8 @@ class Cluster:
           spec = spec.replace(memory_bytes=limit)
         specs[kind] = spec
       kinds.append(kind)
-    return _grouped(devices, kinds, specs, link(inter), name="local")
+    spans = len({getattr(d, "process_index", 0) for d in devices}) > 1
+    return _grouped(devices, kinds, specs, link(inter), name="local", machines=process_machines() if spans else None)
 
   @classmethod
   def from_profile(cls, profile: Profile) -> "Cluster":
@@ -369,13 +372,18 @@ def _did_you_mean(name: str, names: Any) -> str:
 
 
 def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,
-             intra: Link | None = None) -> Cluster:
-  order = sorted(range(len(devices)), key=lambda i: (getattr(devices[i], "process_index", 0), i))
+             intra: Link | None = None, machines: Sequence[int] | None = None) -> Cluster:
+  """``devices`` as hosts: consecutive devices of one kind in one process, or in one machine where ``machines``
+  (per process index, its machine) says which processes share one; the devices ordered by machine, then
+  process."""
+  process = [getattr(d, "process_index", 0) for d in devices]
+  machine = [machines[p] if machines is not None else p for p in process]
+  order = sorted(range(len(devices)), key=lambda i: (machine[i], process[i], i))
   hosts: list[Host] = []
   ids: list[int] = []
   previous = None
   for i in order:
-    key = (getattr(devices[i], "process_index", 0), kinds[i])
+    key = (machine[i], kinds[i])
     spec = specs.get(kinds[i]) or device_spec(kinds[i])
     if key == previous:
       hosts[-1] = dataclasses.replace(hosts[-1], count=hosts[-1].count + 1)
@@ -383,7 +391,7 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
       hosts.append(Host(spec, 1, intra or _default_intra(spec.name)))
     previous = key
     ids.append(int(devices[i].id))
-  return Cluster(tuple(hosts), inter, name, tuple(ids), len({getattr(d, "process_index", 0) for d in devices}))
+  return Cluster(tuple(hosts), inter, name, tuple(ids), len(set(process)))
 
 
 def _allocator_limit(device: Any) -> int | None:

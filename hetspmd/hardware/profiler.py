@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -567,6 +569,27 @@ def _kind_name(device: Any) -> str:
   if device.platform == "cpu":
     return "cpu"
   return preset_for_device_kind(device.device_kind) or str(device.device_kind)
+
+
+def process_machines() -> tuple[int, ...]:
+  """Per JAX process (by index), the machine it runs on, numbered in order of first appearance: each process's
+  host name (:func:`hostname`), gathered from every process (a collective: every process calls it). Under one
+  process per GPU, the processes of one machine share its links."""
+  import jax
+
+  if jax.process_count() == 1:
+    return (0,)
+  from jax.experimental import multihost_utils
+
+  digest = np.frombuffer(hashlib.sha256(hostname().encode()).digest()[:8], np.int64)
+  every = np.asarray(multihost_utils.process_allgather(digest)).ravel().tolist()
+  first: dict[int, int] = {}
+  return tuple(first.setdefault(h, len(first)) for h in every)
+
+
+def hostname() -> str:
+  """This process's machine, as :func:`process_machines` tells machines apart."""
+  return socket.gethostname()
 
 
 def _gather_across_processes(local: list[DeviceMeasurement]) -> list[DeviceMeasurement]:

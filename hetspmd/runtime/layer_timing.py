@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -45,6 +46,10 @@ from hetspmd.runtime.calibrating import gathered, local_kind_devices, now
 # loop of one trip into straight-line code, which fuses across what a layer's loop keeps apart)
 ROWS = (2, 4)
 REPEATS = 5    # timed runs of each program, after one untimed run (which compiles)
+# a block's loop runs more trips (its trip count is an input: nothing is compiled again) until the two counts'
+# medians differ by this much, so a small layer is not lost in the dispatch's jitter; at most MAX_TRIPS
+DIFFERENCE_SECONDS = 0.02
+MAX_TRIPS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,7 @@ class LayerScans:
   length: int
 
   part = "layer"
+  scalable = False  # more layers are more stacked inputs (memory) and another program: ROWS only
 
   def programs(self) -> tuple[tuple[str, Callable[[int], tuple]], ...]:
     """``(name, rows -> (program, inputs))`` of each scan timed."""
@@ -73,9 +79,18 @@ class LayerBlock:
   segment: remat.Segment
 
   part = "block"
+  scalable = True  # more trips are one input changed
 
   def programs(self) -> tuple[tuple[str, Callable[[int], tuple]], ...]:
-    return (("forward", functools.partial(block_program, self.eqns, self.segment)),)
+    return (("forward", self._trips),)
+
+  def _trips(self, rows: int) -> tuple[Callable[..., Any], list]:
+    program, inputs = self._program
+    return program, [jnp.asarray(rows, jnp.int32), *inputs[1:]]
+
+  @functools.cached_property
+  def _program(self) -> tuple[Callable[..., Any], list]:
+    return block_program(self.eqns, self.segment, ROWS[0])
 
 
 def step_layers(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
@@ -176,19 +191,32 @@ class LayerTimer:
   def seconds(self, layer: LayerScans | LayerBlock, size: int, repeats: int = REPEATS) -> float:
     """One layer's seconds at ``size`` examples (a scan's forward and backward, or a block's forward): per
     program, the median time over ``ROWS[1]`` layers less the median over ``ROWS[0]``, per layer, the runs
-    taken in turn (ABBA) so a slow spell falls on both."""
+    taken in turn (ABBA) so a slow spell falls on both. A block's loop runs more trips where the difference
+    is under ``DIFFERENCE_SECONDS``."""
     total = 0.0
     for which, build in layer.programs():
-      calls = [self._call((size, which, rows), build, rows) for rows in ROWS]
-      times: list[list[float]] = [[] for _ in ROWS]
-      for r in range(repeats):
-        for j in (range(len(ROWS)) if r % 2 == 0 else reversed(range(len(ROWS)))):
-          start = now()
-          jax.block_until_ready(calls[j]())
-          times[j].append(now() - start)
-      fewer, more = (statistics.median(t) for t in times)
-      total += max(more - fewer, 1e-3 * more) / (ROWS[1] - ROWS[0])
+      rows = ROWS
+      while True:
+        fewer, more = self._medians((size, which), build, rows, repeats)
+        factor = min(math.ceil(DIFFERENCE_SECONDS / max(more - fewer, DIFFERENCE_SECONDS / 64)),
+                     MAX_TRIPS // rows[1])
+        if not layer.scalable or more - fewer >= DIFFERENCE_SECONDS or factor < 2:
+          break
+        rows = (rows[0] * factor, rows[1] * factor)
+      total += max(more - fewer, 1e-3 * more) / (rows[1] - rows[0])
     return total
+
+  def _medians(self, key: tuple, build: Callable[[int], tuple], rows: tuple[int, int], repeats: int
+               ) -> tuple[float, float]:
+    calls = [self._call((*key, n), build, n) for n in rows]
+    times: list[list[float]] = [[] for _ in rows]
+    for r in range(repeats):
+      for j in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
+        start = now()
+        jax.block_until_ready(calls[j]())
+        times[j].append(now() - start)
+    fewer, more = (statistics.median(t) for t in times)
+    return fewer, more
 
   def _call(self, key: tuple, build: Callable[[int], tuple], rows: int) -> Callable[[], Any]:
     if key not in self._programs:
