@@ -45,7 +45,7 @@ class PlanDoesNotFitError(HetSpmdError):
 
 class CannotTimeError(HetSpmdError):
   """The step cannot be timed whole on a device of some kind (it does not fit there, or its state or batch is
-  split across processes): one layer of its layer scan can be timed instead."""
+  split across processes): one layer (of its layer scan, or a numbered block) can be timed instead."""
 
 
 class NoLayerStackError(HetSpmdError):

@@ -412,3 +412,43 @@ def test_a_machines_processes_make_one_host():
     assert r["one"] == [4] and r["two"] == [2, 2] and r["processes"] == [4, 4], r
     assert r["of"] == [r["jax"][str(i)] for i in r["ids"]] == [0, 1, 2, 3]
     assert r["keys"] == [["host", 0], ["host", 0], ["host", 1], ["host", 1]]
+
+
+def test_a_machines_devices_of_one_kind_are_one_host_in_any_order():
+  """One process per GPU on a workstation whose kinds alternate in PCI order (L4, A6000, L4, P40), beside a
+  second machine: each machine's devices of a kind are one host, whatever order their processes come in, and
+  each device keeps its own process, which the planner takes."""
+  from types import SimpleNamespace
+
+  from hetspmd.hardware.cluster import _grouped
+  from hetspmd.hardware.devices import LINK_PRESETS
+  from hetspmd.hardware.profiler import device_spec
+  from hetspmd.planner.group_execution import process_of, shard_key
+
+  kinds = ["L4", "RTX-A6000", "L4", "P40", "L4", "L4"]
+  devices = [SimpleNamespace(id=10 + p, process_index=p) for p in range(6)]
+  specs = {k: device_spec(k) for k in kinds}
+  cluster = _grouped(devices, kinds, specs, LINK_PRESETS["pcie3"], "mixed", machines=(0, 0, 0, 0, 1, 1))
+  assert [(h.device.name, h.count) for h in cluster.hosts] == [("L4", 2), ("RTX-A6000", 1), ("P40", 1), ("L4", 2)]
+  assert cluster.jax_device_ids == (10, 12, 11, 13, 14, 15) and cluster.processes == 6
+  assert process_of(cluster) == cluster.device_processes == (0, 2, 1, 3, 4, 5)
+  assert [k for k in shard_key(cluster)] == [("host", 0), ("host", 0), ("host", 1), ("host", 2), ("host", 3),
+                                             ("host", 3)]
+
+
+
+def test_a_clusters_device_processes_survive_its_file(tmp_path):
+  from types import SimpleNamespace
+
+  from hetspmd.hardware.cluster import _grouped
+  from hetspmd.hardware.devices import LINK_PRESETS
+  from hetspmd.hardware.profiler import device_spec
+
+  devices = [SimpleNamespace(id=p, process_index=p // 2) for p in range(4)]
+  cluster = _grouped(devices, ["V100-32GB"] * 4, {"V100-32GB": device_spec("V100-32GB")}, LINK_PRESETS["pcie"], "c",
+                     machines=(0, 0))
+  assert [h.count for h in cluster.hosts] == [4] and cluster.device_processes == (0, 0, 1, 1)
+  cluster.save(tmp_path / "c.toml")
+  assert Cluster.load(tmp_path / "c.toml") == cluster
+  with pytest.raises(hetspmd.errors.InvalidValueError, match="device_processes"):
+    cluster.replace(device_processes=(0, 1))

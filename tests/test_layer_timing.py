@@ -503,3 +503,90 @@ def test_a_gemma_shaped_nnx_list_model_that_fits_no_device_is_searched_on_one_bl
 def _lm_objects():
   model = _UnrolledLM(nnx.Rngs(0))
   return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+# the only operations a timed block's program may run outside its loop: nothing of the block's work
+OUTSIDE_THE_LOOP = {"parameter", "constant", "broadcast", "copy", "get-tuple-element", "tuple", "while", "bitcast"}
+
+
+def _blocks():
+  """(name, step, abstract state, batch) of steps that unroll their layers: the NNX GPT, and a Linen stack whose
+  layers draw dropout from a key (work that reads no floating input)."""
+  from test_sharded_groups_users import LayerStack, batches, linen_state, linen_step
+
+  w = models.get("gpt2-tiny")
+  return {"gpt2-tiny": (w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(2)),
+          "linen dropout": (linen_step, jax.eval_shape(lambda: linen_state(LayerStack(scanned=False))),
+                            batches(4, steps=1)[0])}
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "linen dropout"])
+def test_a_timed_block_runs_all_its_work_in_every_trip(name):
+  """XLA hoists nothing of the block out of the timing loop (not its matmuls, not the dropout bits drawn from a
+  key) and keeps every matmul of the block in the loop's body: each trip is one block's forward."""
+  import re
+
+  fn, state, batch = _blocks()[name]
+  block = step_layers(fn, state, batch, [4])[4]
+  program, inputs = block_program(block.eqns, block.segment, 2, block.per_example)
+  text = program.lower(*inputs).compile().as_text()
+  entry = text[text.index("ENTRY"):]
+  entry = entry[:entry.index("\n}\n")]
+  assert set(re.findall(r"= \S+ ([a-z-]+)\(", entry)) <= OUTSIDE_THE_LOOP, entry
+  matmuls = sum(jx.primitive_name(block.eqns[i]) == "dot_general" for i in block.segment.members)
+  assert matmuls > 0 and text.count(" dot(") == matmuls
+
+
+def test_a_block_of_one_example_is_timed_at_two():
+  """At one example JAX traces the step with a few equations fewer: the block is traced and timed at two, and the
+  calibration's point says two, so the search prices one example from the line through it."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = models.get("gpt2-tiny")
+  fn = w.make_train_step(hs.value_and_grad)
+  layers = step_layers(fn, w.abstract_state(), w.example_batch(2), [1, 2])
+  assert layers[1] is layers[2] and layers[1].size == 2
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
+  from hetspmd.runtime.layer_timing import layer_calibration
+
+  calibration = layer_calibration(fn, w.abstract_state(), w.example_batch(2), cluster, [1])
+  assert all([size for size, _ in t.points] == [2] and t.part == "block" for t in calibration.kinds)
+
+
+@pytest.mark.parametrize("scalable", [True, False])
+def test_a_small_block_runs_more_trips_until_it_shows(monkeypatch, scalable):
+  """A block whose trips take 0.1 ms runs 128 and 256 trips (the most allowed) instead of 2 and 4, and its
+  seconds are the difference over the trips between; a layer scan keeps its two and four layers."""
+  from hetspmd.runtime import layer_timing
+
+  rounds = []
+
+  def medians(self, key, build, rows, repeats, scalable=False):
+    rounds.append(rows)
+    return rows[0] * 1e-4 + 0.003, rows[1] * 1e-4 + 0.003  # 0.1 ms a trip, 3 ms of dispatch
+
+  monkeypatch.setattr(LayerTimer, "_medians", medians)
+  fake = type("Fake", (), {"scalable": scalable, "programs": lambda self: (("forward", None),)})()
+  seconds = LayerTimer(()).seconds(fake, 4)
+  assert seconds == pytest.approx(1e-4)
+  top = layer_timing.MAX_TRIPS
+  assert rounds == ([(2, 4), (top // 2, top)] if scalable else [(2, 4)])
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "vit-tiny"])
+def test_the_timed_block_is_the_priced_block(name):
+  """The block the timing finds (on the step's jaxpr) and the block the pricing scales from (on the profile's
+  graph) are the same one: as many layers found on each side, the same layer's forward, of about as many
+  equations."""
+  from hetspmd.passes import remat
+  from hetspmd.passes.costing.step_cost import layer_segments
+
+  w = models.get(name)
+  fn = w.make_train_step(hs.value_and_grad)
+  block = step_layers(fn, w.abstract_state(), w.example_batch(2), [2])[2]
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  graph = layer_segments(*profile.traces)
+  priced = remat.timed_segment(graph)
+  assert priced.layer.split("/")[-1] == block.segment.layer.split("/")[-1]
+  assert abs(len(priced.members) - len(block.segment.members)) <= 0.1 * len(priced.members)
+  assert block_nodes(profile).sum() == len(priced.members)

@@ -11,7 +11,8 @@ modelled.
 
 A calibration carries the step's jaxpr fingerprint (its primitives and input dtypes), which tells one step's
 calibration from another's. Where the step fits no one device, a kind's timing may be of one layer of its layer
-scan instead (``part="layer"``: :mod:`hetspmd.runtime.layer_timing`).
+scan instead (``part="layer"``), or of one numbered block's forward where the step unrolls its layers
+(``part="block"``: :mod:`hetspmd.runtime.layer_timing`).
 """
 
 from __future__ import annotations

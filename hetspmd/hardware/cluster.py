@@ -118,7 +118,8 @@ class Cluster:
   ``jax_device_ids`` maps cluster positions to real JAX device ids when the
   cluster describes (or emulates) devices this process can see; ``processes``
   how many JAX processes drive them, where known (else each host is taken to
-  be one).
+  be one); ``device_processes`` each position's process, where the cluster was
+  made from JAX's devices (else the planner derives it from ``processes``).
   """
 
   hosts: tuple[Host, ...]
@@ -127,6 +128,7 @@ class Cluster:
   jax_device_ids: tuple[int, ...] | None = None
   processes: int | None = None
   calibration: Any = None  # a hetspmd.hardware.calibration.Calibration: the step's measured times per kind
+  device_processes: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if not self.hosts:
@@ -142,6 +144,10 @@ class Cluster:
                                        or not 1 <= self.processes <= self.num_devices):
       raise InvalidValueError(f"processes must be a whole number from 1 to the cluster's {self.num_devices} "
                               f"devices, got {self.processes!r}")
+    if self.device_processes is not None and (len(self.device_processes) != self.num_devices or (
+        self.processes is not None and len(set(self.device_processes)) != self.processes)):
+      raise InvalidValueError(f"device_processes names each of the cluster's {self.num_devices} devices' process "
+                              f"({self.processes} processes), got {self.device_processes!r}")
 
   def replace(self, **changes: Any) -> "Cluster":
     return dataclasses.replace(self, **changes)
@@ -299,6 +305,8 @@ class Cluster:
     GPU, see ``XLA_PYTHON_CLIENT_MEM_FRACTION``), so plans fit the process
     that runs them.
     """
+    # which processes share a machine, asked first: every process gets here, before any of them can fail
+    machines = process_machines(devices) if len({getattr(d, "process_index", 0) for d in devices}) > 1 else None
     specs: dict[str, DeviceSpec] = {}
     kinds = []
     for d in devices:
@@ -315,8 +323,7 @@ class Cluster:
           spec = spec.replace(memory_bytes=limit)
         specs[kind] = spec
       kinds.append(kind)
-    spans = len({getattr(d, "process_index", 0) for d in devices}) > 1
-    return _grouped(devices, kinds, specs, link(inter), name="local", machines=process_machines() if spans else None)
+    return _grouped(devices, kinds, specs, link(inter), name="local", machines=machines)
 
   @classmethod
   def from_profile(cls, profile: Profile) -> "Cluster":
@@ -335,9 +342,11 @@ class Cluster:
       members = list(group)
       hosts.append(Host(specs[kind], len(members), measured or _default_intra(kind), alone_speedup(members)))
     ids = tuple(d.id for d in ordered)
+    processes = tuple(d.process for d in ordered)
     if profile.process_count > 1 and measured is not None:
-      return cls(tuple(hosts), measured, "profiled", ids, profile.process_count)
-    return cls(tuple(hosts), name="profiled", jax_device_ids=ids, processes=profile.process_count)
+      return cls(tuple(hosts), measured, "profiled", ids, profile.process_count, device_processes=processes)
+    return cls(tuple(hosts), name="profiled", jax_device_ids=ids, processes=profile.process_count,
+               device_processes=processes)
 
   @classmethod
   def emulate(cls, devices: Sequence[Any], kinds: Sequence[str],
@@ -373,12 +382,14 @@ def _did_you_mean(name: str, names: Any) -> str:
 
 def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,
              intra: Link | None = None, machines: Sequence[int] | None = None) -> Cluster:
-  """``devices`` as hosts: consecutive devices of one kind in one process, or in one machine where ``machines``
-  (per process index, its machine) says which processes share one; the devices ordered by machine, then
-  process."""
+  """``devices`` as hosts: consecutive devices of one kind in one process; or where ``machines`` (per process
+  index, its machine) says which processes share a machine, each machine's devices of one kind, ordered by
+  machine, kind (in order of first appearance), then process."""
   process = [getattr(d, "process_index", 0) for d in devices]
   machine = [machines[p] if machines is not None else p for p in process]
-  order = sorted(range(len(devices)), key=lambda i: (machine[i], process[i], i))
+  first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+  order = sorted(range(len(devices)), key=lambda i: (machine[i], first[kinds[i]], process[i], i)
+                 if machines is not None else (process[i], i))
   hosts: list[Host] = []
   ids: list[int] = []
   previous = None
@@ -391,7 +402,8 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
       hosts.append(Host(spec, 1, intra or _default_intra(spec.name)))
     previous = key
     ids.append(int(devices[i].id))
-  return Cluster(tuple(hosts), inter, name, tuple(ids), len(set(process)))
+  return Cluster(tuple(hosts), inter, name, tuple(ids), len(set(process)),
+                 device_processes=tuple(process[i] for i in order))
 
 
 def _allocator_limit(device: Any) -> int | None:
@@ -513,6 +525,8 @@ def to_toml(cluster: Cluster) -> str:
     top["jax_device_ids"] = list(cluster.jax_device_ids)
   if cluster.processes is not None:
     top["processes"] = cluster.processes
+  if cluster.device_processes is not None:
+    top["device_processes"] = list(cluster.device_processes)
   lines += _table(top)
   lines += ["", "[inter]"] + _table(dataclasses.asdict(cluster.inter))
   for host in cluster.hosts:
@@ -566,7 +580,8 @@ def from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
   inter = _link_from(data["inter"], f"{where} [inter]") if "inter" in data else link(DEFAULT_INTER)
   ids = data.get("jax_device_ids")
   try:
+    every = data.get("device_processes")
     return Cluster(tuple(hosts), inter, str(data.get("name", "")), tuple(ids) if ids is not None else None,
-                   data.get("processes"))
+                   data.get("processes"), device_processes=tuple(every) if every is not None else None)
   except InvalidValueError as e:
     raise InvalidValueError(f"{where}: {e}") from None

@@ -571,14 +571,18 @@ def _kind_name(device: Any) -> str:
   return preset_for_device_kind(device.device_kind) or str(device.device_kind)
 
 
-def process_machines() -> tuple[int, ...]:
+def process_machines(devices: Sequence[Any]) -> tuple[int, ...]:
   """Per JAX process (by index), the machine it runs on, numbered in order of first appearance: each process's
   host name (:func:`hostname`), gathered from every process (a collective: every process calls it). Under one
-  process per GPU, the processes of one machine share its links."""
+  process per GPU, the processes of one machine share its links. Where processes hold different numbers of
+  ``devices`` (JAX's gather needs equal ones), each process is taken for a machine of its own."""
   import jax
 
-  if jax.process_count() == 1:
-    return (0,)
+  counts = {}
+  for d in devices:
+    counts[d.process_index] = counts.get(d.process_index, 0) + 1
+  if jax.process_count() == 1 or len(set(counts.values())) > 1:
+    return tuple(range(jax.process_count()))
   from jax.experimental import multihost_utils
 
   digest = np.frombuffer(hashlib.sha256(hostname().encode()).digest()[:8], np.int64)

@@ -22,10 +22,13 @@ PROGRAM_DISPATCH_SECONDS = 50e-6
 
 
 def process_of(cluster: Cluster) -> tuple[int, ...]:
-  """Each device's process, by cluster position, as the pricing takes it: one process where the cluster says so;
-  one per host where it says nothing or names as many processes as hosts; else equal runs of consecutive devices
-  (``processes=8`` on two hosts of four: one device each)."""
+  """Each device's process, by cluster position, as the pricing takes it: the cluster's own where it was made
+  from JAX's devices (``device_processes``); one process where the cluster says so; one per host where it says
+  nothing or names as many processes as hosts; else equal runs of consecutive devices (``processes=8`` on two
+  hosts of four: one device each)."""
   devices, processes = cluster.devices, cluster.processes
+  if cluster.device_processes is not None:
+    return tuple(cluster.device_processes)
   if processes == 1:
     return (0,) * len(devices)
   if processes is None or processes == len(cluster.hosts):
@@ -45,10 +48,11 @@ def shard_key(cluster: Cluster) -> tuple[tuple[str, int], ...]:
   on the host calling the group's one program (so one process per GPU still shards over the host's fast links);
   or, where one process drives several hosts (one process emulating a pool), that process's."""
   process = process_of(cluster)
-  hosts: dict[int, set[int]] = {}
+  hosts: dict[tuple, set[int]] = {}  # per process and kind, its hosts
   for d, p in zip(cluster.devices, process):
-    hosts.setdefault(p, set()).add(d.host)
-  return tuple(("process", p) if len(hosts[p]) > 1 else ("host", d.host) for d, p in zip(cluster.devices, process))
+    hosts.setdefault((p, d.spec.name), set()).add(d.host)
+  return tuple(("process", p) if len(hosts[p, d.spec.name]) > 1 else ("host", d.host)
+               for d, p in zip(cluster.devices, process))
 
 
 def shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tuple[int, ...], ...]]:

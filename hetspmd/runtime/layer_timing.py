@@ -54,12 +54,13 @@ MAX_TRIPS = 256
 
 @dataclasses.dataclass(frozen=True)
 class LayerScans:
-  """The step's layer scan traced at one microbatch size: its forward scan and its transpose (jaxpr
-  equations), and how many layers they run."""
+  """The step's layer scan traced at ``size`` examples: its forward scan and its transpose (jaxpr equations),
+  and how many layers they run."""
 
   forward: Any
   backward: Any
   length: int
+  size: int
 
   part = "layer"
   scalable = False  # more layers are more stacked inputs (memory) and another program: ROWS only
@@ -72,11 +73,14 @@ class LayerScans:
 
 @dataclasses.dataclass(frozen=True)
 class LayerBlock:
-  """One numbered block of a step that unrolls its layers, traced at one microbatch size: the step's flat
-  equations and the block's :class:`~hetspmd.passes.remat.Segment` (its per-example forward work)."""
+  """One numbered block of a step that unrolls its layers, traced at ``size`` examples: the step's flat
+  equations, the block's :class:`~hetspmd.passes.remat.Segment` (its per-example forward work) and, per input
+  of the segment, whether it carries the example axis."""
 
   eqns: tuple
   segment: remat.Segment
+  size: int
+  per_example: tuple[bool, ...]
 
   part = "block"
   scalable = True  # more trips are one input changed
@@ -90,7 +94,7 @@ class LayerBlock:
 
   @functools.cached_property
   def _program(self) -> tuple[Callable[..., Any], list]:
-    return block_program(self.eqns, self.segment, ROWS[0])
+    return block_program(self.eqns, self.segment, ROWS[0], self.per_example)
 
 
 def step_layers(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
@@ -132,7 +136,7 @@ def layer_scans(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Se
     if len(scans) != count:
       raise NoLayerStackError(f"the step's scans differ between its traces at {size} and {base} examples "
                               f"({len(scans)} and {count})")
-    out[size] = LayerScans(scans[found.forward_scan], scans[found.backward_scan], found.length)
+    out[size] = LayerScans(scans[found.forward_scan], scans[found.backward_scan], found.length, size)
   return out
 
 
@@ -156,12 +160,14 @@ def layer_blocks(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: S
     raise NoLayerStackError("no repeated, numbered module scope or parameter path (h_0, layers/3) reads "
                             "per-example residuals of its own")
   segment = remat.timed_segment(found)
+  carried = tuple(v in per_example for v in segment.inputs)
   out = {}
   for size in sorted({max(s, 2) for s in sizes}):
     closed = small if size == base else _traced(fn, state, batch, size)
     if [jx.primitive_name(e) for e in jx.equations(closed)] != names:
       raise NoLayerStackError(f"the step's equations differ between its traces at {size} and {base} examples")
-    out[size] = LayerBlock(tuple(jx.equations(closed)), remat.renamed(segment, _matched(small, closed)))
+    out[size] = LayerBlock(tuple(jx.equations(closed)), remat.renamed(segment, _matched(small, closed)), size,
+                           carried)
   return {size: out[max(size, 2)] for size in sizes}
 
 
@@ -173,20 +179,23 @@ def _traced(fn: Callable[[Any, Any], Any], state: Any, batch: Any, size: int) ->
 
 def _matched(a: Any, b: Any) -> dict:
   """``{value of a: the value in its place in b}`` for two traces of one structure (closed jaxprs)."""
-  pairs = list(zip(jx.invars(a), jx.invars(b))) + list(zip(jx.constvars(a), jx.constvars(b)))
-  for x, y in zip(jx.equations(a), jx.equations(b)):
-    pairs += [(u, v) for u, v in zip(x.outvars, y.outvars) if not jx.is_dropped(u)]
+  pairs = list(zip(jx.invars(a), jx.invars(b), strict=True)) + list(zip(jx.constvars(a), jx.constvars(b),
+                                                                          strict=True))
+  for x, y in zip(jx.equations(a), jx.equations(b), strict=True):
+    pairs += [(u, v) for u, v in zip(x.outvars, y.outvars, strict=True) if not jx.is_dropped(u)]
   return dict(pairs)
 
 
 @dataclasses.dataclass
 class LayerTimer:
-  """Times one layer of :class:`LayerScans` on ``devices`` (one kind's, running the same layer at once, as the
-  whole step's timing runs them: on a host whose devices share compute, a device is only as fast as it is
-  beside the others): each scan run over ``ROWS`` stacked layers, the programs built once and kept."""
+  """Times one layer (:class:`LayerScans` or :class:`LayerBlock`) on ``devices`` (one kind's, running the same
+  layer at once, as the whole step's timing runs them: on a host whose devices share compute, a device is only
+  as fast as it is beside the others): each scan over ``ROWS`` stacked layers, a block's loop over ``ROWS``
+  trips or more, the programs built once and kept."""
 
   devices: tuple
   _programs: dict = dataclasses.field(default_factory=dict, repr=False)
+  _placed: dict = dataclasses.field(default_factory=dict, repr=False)  # a block's inputs, placed once per size
 
   def seconds(self, layer: LayerScans | LayerBlock, size: int, repeats: int = REPEATS) -> float:
     """One layer's seconds at ``size`` examples (a scan's forward and backward, or a block's forward): per
@@ -197,7 +206,7 @@ class LayerTimer:
     for which, build in layer.programs():
       rows = ROWS
       while True:
-        fewer, more = self._medians((size, which), build, rows, repeats)
+        fewer, more = self._medians((size, which), build, rows, repeats, layer.scalable)
         factor = min(math.ceil(DIFFERENCE_SECONDS / max(more - fewer, DIFFERENCE_SECONDS / 64)),
                      MAX_TRIPS // rows[1])
         if not layer.scalable or more - fewer >= DIFFERENCE_SECONDS or factor < 2:
@@ -206,9 +215,9 @@ class LayerTimer:
       total += max(more - fewer, 1e-3 * more) / (rows[1] - rows[0])
     return total
 
-  def _medians(self, key: tuple, build: Callable[[int], tuple], rows: tuple[int, int], repeats: int
-               ) -> tuple[float, float]:
-    calls = [self._call((*key, n), build, n) for n in rows]
+  def _medians(self, key: tuple, build: Callable[[int], tuple], rows: tuple[int, int], repeats: int,
+               scalable: bool = False) -> tuple[float, float]:
+    calls = [self._call(key, build, n, scalable) for n in rows]
     times: list[list[float]] = [[] for _ in rows]
     for r in range(repeats):
       for j in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
@@ -218,15 +227,24 @@ class LayerTimer:
     fewer, more = (statistics.median(t) for t in times)
     return fewer, more
 
-  def _call(self, key: tuple, build: Callable[[int], tuple], rows: int) -> Callable[[], Any]:
-    if key not in self._programs:
-      program, inputs = build(rows)
+  def _call(self, key: tuple, build: Callable[[int], tuple], rows: int, scalable: bool = False
+            ) -> Callable[[], Any]:
+    """The program of ``key`` over ``rows`` layers, compiled and run once. A ``scalable`` program takes its trip
+    count as its first input: its other inputs are placed once, whatever the count."""
+    if (key, rows) not in self._programs:
       where = self.devices[0] if len(self.devices) == 1 else NamedSharding(
           Mesh(np.array(self.devices), ("all",)), PartitionSpec())  # every device runs the layer (replicated)
-      placed = [jax.device_put(x, where) for x in inputs]
-      jax.block_until_ready(program(*placed))  # compiles
-      self._programs[key] = lambda: program(*placed)
-    return self._programs[key]
+      if scalable and key in self._placed:
+        program, placed = self._placed[key]
+      else:
+        program, inputs = build(rows)
+        placed = [jax.device_put(x, where) for x in inputs[1 if scalable else 0:]]
+        if scalable:
+          self._placed[key] = (program, placed)
+      args = [jax.device_put(np.int32(rows), where), *placed] if scalable else placed
+      jax.block_until_ready(program(*args))  # compiles (once for a scalable program)
+      self._programs[key, rows] = lambda: program(*args)
+    return self._programs[key, rows]
 
 
 def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
@@ -240,26 +258,43 @@ def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
   return jax.jit(lambda *args: jx.bind(eqn, args, params)), inputs
 
 
-def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int) -> tuple[Callable[..., Any], list]:
+def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int, moved: Sequence[bool] | None = None
+                  ) -> tuple[Callable[..., Any], list]:
   """``segment``'s equations (one block's forward, of the flat ``eqns``) run ``rows`` times in a loop, as a
-  program, and filled inputs for it (the trip count among them). XLA must run every trip: the trip count is an
-  input, so the loop is never unrolled, and each trip's inputs are offset by the previous trip's values times a
-  zero that is also an input, so nothing is hoisted out of the loop. The last trip's values are the outputs."""
+  program, and filled inputs for it (the trip count first). XLA must run every trip: the trip count is an input,
+  so the loop is never unrolled, and each trip's inputs that carry the example axis (``moved``, per input of the
+  segment; default all), and every input that is not floating (indices, masks, keys), are offset by the
+  previous trip's values times a zero that is also an input, so nothing that reads them is hoisted out of the
+  loop. The parameters are read as they are (offsetting them would add a pass over them per trip). The last
+  trip's values are the outputs."""
   body = remat.segment_body(segment, eqns)
   avals = [(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.residuals]
-  inputs = [jnp.asarray(rows, jnp.int32), jnp.zeros((), jnp.float32)]
-  inputs += [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
+  inputs = [np.int32(rows), np.float32(0)] + [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
+  dtypes = [jx.aval_dtype(v) for v in segment.inputs]
+  moved = [m or not _floating(d) for m, d in zip(moved or [True] * len(dtypes), dtypes)]
+  moved = moved if any(m and _floating(d) for m, d in zip(moved, dtypes)) else [True] * len(dtypes)
 
   def run(trips, zero, *args):
     def trip(_, previous):
       offset = zero * sum((x.reshape(-1)[0].astype(jnp.float32) for x in previous if _floating(x.dtype)),
                           jnp.float32(0))
-      fresh = [x + offset.astype(x.dtype) if _floating(x.dtype) else x for x in args]
+      fresh = [_offset(x, offset) if m else x for x, m in zip(args, moved)]
       return tuple(_as(x, dtype) for x, (_, dtype) in zip(body(*fresh), avals))
 
     return jax.lax.fori_loop(0, trips, trip, tuple(jnp.zeros(shape, dtype) for shape, dtype in avals))
 
   return jax.jit(run), inputs
+
+
+def _offset(x: Any, offset: Any) -> Any:
+  """``x`` plus ``offset`` (a float32 zero made at run time), in ``x``'s own kind: a value XLA cannot prove
+  equal to ``x``."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(x)
+    return jax.random.wrap_key_data(jax.random.key_data(x) + offset.astype(jnp.uint32), impl=impl)
+  if x.dtype == jnp.bool_:
+    return jnp.logical_xor(x, offset != 0)
+  return x + offset.astype(x.dtype)
 
 
 def _floating(dtype: Any) -> bool:
@@ -272,9 +307,11 @@ def _as(x: Any, dtype: Any) -> Any:
 
 
 def _filled(shape: tuple, dtype: Any) -> Any:
-  """An input of the timed scan: ones where floating (so norms and the residuals they save stay finite), else
-  zeros (indices, masks, rng keys)."""
-  return jnp.ones(shape, dtype) if _floating(dtype) else jnp.zeros(shape, dtype)
+  """An input of a timed program, in host memory (placed on the timed devices alone): ones where floating (so
+  norms and the residuals they save stay finite), else zeros (indices, masks, rng keys)."""
+  if jnp.issubdtype(dtype, jax.dtypes.extended):
+    return jnp.zeros(shape, dtype)  # keys: NumPy has no such dtype
+  return np.ones(shape, dtype) if _floating(dtype) else np.zeros(shape, dtype)
 
 
 def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, cluster: Any,
@@ -290,7 +327,8 @@ def layer_calibration(fn: Callable[[Any, Any], Any], state: Any, batch: Any, clu
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   failed = ""
   every = step_layers(fn, state, batch, sizes)
-  for size, layer in every.items():
+  timed = {layer.size: layer for layer in every.values()}  # a block of one example is traced, and timed, at two
+  for size, layer in sorted(timed.items()):
     mine = {}
     for kind, timer in timers.items():
       try:

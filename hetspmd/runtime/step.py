@@ -164,8 +164,8 @@ class ParallelStep:
     these arguments (a call's: the state and a batch of any size, repeated where it has fewer examples): per
     kind, seconds per microbatch at ``sizes`` (default two the search would try) and per step. Pass the result
     to ``parallelize(..., calibrate=...)`` or ``Cluster.calibrated``, or ``save`` it. Nothing is run on the
-    state in place. Where the step fits no one device of a kind, one layer of its layer scan is timed instead
-    (:mod:`hetspmd.runtime.layer_timing`)."""
+    state in place. Where the step fits no one device of a kind, one layer is timed instead (of its layer scan, or
+    the forward of a numbered block where it unrolls its layers: :mod:`hetspmd.runtime.layer_timing`)."""
     cluster = cluster or self.cluster or Cluster.from_devices(jax.devices())
     sizes = sizes or calibrating.sizes_for(self, cluster)
 
