@@ -204,8 +204,9 @@ def _segment(layer: str, indices: list[int], sites: Sequence[Site], readers: dic
 
 def timed_segment(found: Sequence[Segment]) -> Segment:
   """The layer a calibration times of a step that unrolls its layers, and whose forward the cost model's
-  prediction is compared with: the middle one (the first and the last may read what others do not, an
-  embedding's output or the final norm's input)."""
+  prediction is compared with: the middle one (of an even count, the later of the two middle ones; the first
+  and the last may read what others do not, an embedding's output or the final norm's input, so of two layers
+  the second is taken)."""
   return found[len(found) // 2]
 
 

@@ -522,25 +522,28 @@ def test_calibrate_true_measures_before_the_search():
 
 @pytest.mark.parametrize("calibrate", ["auto", True])
 def test_a_step_that_fits_no_one_device_is_searched_uncalibrated_under_auto(monkeypatch, calibrate):
-  """Where every timing runs out of memory (the whole state and a microbatch fit no one device of a kind, as a
-  large model on accelerators), calibrate="auto" (here as on accelerators) searches on the devices' specs and
-  explain() says why; calibrate=True raises, naming the kind and the size."""
+  """Where every timing runs out of memory (the whole state and a microbatch fit no one device of a kind, nor
+  does one of its layers, as a very large model on accelerators), calibrate="auto" (here as on accelerators)
+  searches on the devices' specs and explain() says why; calibrate=True raises, naming the kind and the size."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   from hetspmd.runtime import calibrating
   from hetspmd.runtime.calibrating import KindTimer
+  from hetspmd.runtime.layer_timing import LayerTimer
 
   def out_of_memory(self, *args, **kwargs):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB.")
 
   monkeypatch.setattr(KindTimer, "runs", out_of_memory)
+  monkeypatch.setattr(LayerTimer, "seconds", out_of_memory)
   monkeypatch.setattr(calibrating, "wanted", lambda option, cluster: option is not False)
   w = _workload()
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
                         calibrate=calibrate, example_batch=w.synthetic_batch(0, batch=8))
   if calibrate is True:
-    with pytest.raises(HetSpmdError, match=r"no microbatch size of .* ran .*at microbatch \d+: RESOURCE_EXHAUSTED"):
+    with pytest.raises(HetSpmdError, match=r"no microbatch size of .* ran .*at microbatch \d+: RESOURCE_EXHAUSTED.*; "
+                                           r"nor did one layer of it run alone: no layer of the step ran on"):
       step.shard_state(w.init_state(0))
     return
   state = step.shard_state(w.init_state(0))

@@ -380,7 +380,7 @@ def _did_you_mean(name: str, names: Any) -> str:
   return f" Did you mean {close!r}?" if close else ""
 
 
-def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str,
+def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, DeviceSpec], inter: Link, name: str, *,
              intra: Link | None = None, machines: Sequence[int] | None = None) -> Cluster:
   """``devices`` as hosts: consecutive devices of one kind in one process; or where ``machines`` (per process
   index, its machine) says which processes share a machine, each machine's devices of one kind, ordered by

@@ -352,7 +352,7 @@ def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[]
   (:class:`~hetspmd.errors.CannotTimeError`: the step fits no device of some kind, or its state is split across
   processes; or out of memory), one layer of the step (its layer scan, or a numbered block) timed on each kind
   instead (:func:`layer_calibration` on ``trace_of()``, a :class:`~hetspmd.runtime.runner.Trace`). Where the
-  step has no layer either, the first error, saying so."""
+  step has no layer either, or no layer runs on some kind, the first error, saying so."""
   try:
     return whole()
   except (CannotTimeError, jax.errors.JaxRuntimeError) as e:
@@ -362,3 +362,5 @@ def step_or_layer(whole: Callable[[], Calibration | None], trace_of: Callable[[]
     return layer_calibration(trace.state_batch(), state, trace.batch, cluster, sizes)
   except NoLayerStackError as e:
     raise HetSpmdError(f"{first}; nor can one layer be timed alone, as {e}") from None
+  except HetSpmdError as e:
+    raise HetSpmdError(f"{first}; nor did one layer of it run alone: {e}") from None
