@@ -242,9 +242,27 @@ class LayerTimer:
         if scalable:
           self._placed[key] = (program, placed)
       args = [jax.device_put(np.int32(rows), where), *placed] if scalable else placed
-      jax.block_until_ready(program(*args))  # compiles (once for a scalable program)
-      self._programs[key, rows] = lambda: program(*args)
+      self._programs[key, rows] = recycling(program, args)
     return self._programs[key, rows]
+
+
+def recycling(program: Callable[..., Any], args: list) -> Callable[[], Any]:
+  """``program(*args)`` as a call whose outputs take the buffers of the call before (donated): a layer scan's
+  stacked outputs are as large as the layers it runs, and fresh buffers each call would time the host's page
+  faults (on CPU a scan of four layers then measured 2.6x one of two, not 2x), which the step itself, writing
+  them into buffers it reuses, never pays. Compiled and run here, twice."""
+  outputs = jax.tree.leaves(jax.block_until_ready(program(*args)))  # compiles
+  n = len(args)
+  reused = jax.jit(lambda *given: program(*given[:n]), donate_argnums=tuple(range(n, n + len(outputs))),
+                   keep_unused=True)  # the donated buffers are read by nothing: kept, so XLA may alias them
+  held = [outputs]
+
+  def call():
+    held[0] = jax.tree.leaves(reused(*args, *held[0]))
+    return held[0]
+
+  jax.block_until_ready(call())  # compiles the donating program
+  return call
 
 
 def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
