@@ -116,20 +116,23 @@ def test_a_layer_timing_saves_and_loads(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_scanned_gpt_that_fits_no_device_is_searched_on_one_layer(fits_no_device):
-  """calibrate=True on the scanned NNX GPT whose whole step fits no device: each kind's layer is timed at the search's
-  microbatch sizes, explain() says what priced each kind, and the plan runs exactly against one device."""
+@pytest.mark.parametrize("name,part,said", [("gpt2-tiny-scan", "layer", "one layer of the step timed"),
+                                            ("gpt2-tiny", "block", "one unrolled layer's forward timed")])
+def test_a_gpt_that_fits_no_device_is_searched_on_one_layer(fits_no_device, name, part, said):
+  """calibrate=True on the NNX GPT, scanned or unrolled, whose whole step fits no device: each kind's layer (of
+  the layer scan, or the middle block) is timed at the search's microbatch sizes, explain() says what priced each
+  kind, and the plan runs exactly against one device."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
-  w = models.get("gpt2-tiny-scan")
+  w = models.get(name)
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
                         calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
   state = step.shard_state(w.init_state(0))
-  assert {t.part for t in step.calibration.kinds} == {"layer"}
+  assert {t.part for t in step.calibration.kinds} == {part}
   assert set(step.calibration.kind_names) == set(KINDS)
   assert all(len(t.points) >= 1 and all(s > 0 for _, s in t.points) for t in step.calibration.kinds)
-  assert "one layer of the step timed" in step.explain()
+  assert said in step.explain()
   batches = [w.synthetic_batch(i, batch=16) for i in range(2)]
   ref = Reference(w.make_train_step(), w.init_state(0)).run(batches)
   for b in batches:
@@ -177,15 +180,6 @@ class _TwoNamedLayers(nn.Module):
     return nn.Dense(5, name="out")(nn.relu(nn.Dense(32, name="hidden")(x)))
 
 
-def _unlayered_step(state, batch):
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradients(grads=grads), {"loss": loss}
-
-
 @pytest.mark.timeout(300)
 def test_without_any_layer_the_first_error_stands(fits_no_device):
   """A model with no layer scan and no numbered layers: calibrate=True raises the whole step's error and says
@@ -198,7 +192,7 @@ def test_without_any_layer_the_first_error_stands(fits_no_device):
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.integers(0, 5, size=(16,)).astype(np.int32)}
   cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
-  step = hs.parallelize(_unlayered_step, cluster=cluster, plan="search", global_batch=16, calibrate=True,
+  step = hs.parallelize(_linen_step, cluster=cluster, plan="search", global_batch=16, calibrate=True,
                         example_batch=batch)
   with pytest.raises(HetSpmdError, match=r"RESOURCE_EXHAUSTED.*nor can one layer be timed alone, as it runs no "
                                          r"layer scan \(.*\) and no numbered layers"):
@@ -394,7 +388,7 @@ def test_a_step_with_no_layer_at_all_says_why():
                                         params=model.init(jax.random.key(0), jnp.ones((1, 12)))["params"])
   batch = {"x": np.ones((4, 12), np.float32), "y": np.zeros((4,), np.int32)}
   with pytest.raises(NoLayerStackError, match=r"no layer scan \(.*\) and no numbered layers \(no repeated"):
-    step_layers(_unlayered_step, state, batch, [4])
+    step_layers(_linen_step, state, batch, [4])
 
 
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
@@ -413,27 +407,6 @@ def test_a_block_timing_scales_the_whole_microbatch(scale):
                                                + profile.accumulate_seconds(spec), rel=1e-9)
   assert timing.part == "block"
   assert "one unrolled layer's forward" in Calibration("", (KindTiming(KINDS[0], points, part="block"),)).describe()[0]
-
-
-@pytest.mark.timeout(600)
-def test_an_unrolled_gpt_that_fits_no_device_is_searched_on_one_block(fits_no_device):
-  """calibrate=True on the unrolled NNX GPT whose whole step fits no device: each kind's middle block is timed,
-  explain() says so, and the plan runs exactly against one device."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  w = models.get("gpt2-tiny")
-  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=KINDS)
-  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
-                        calibrate=True, example_batch=w.synthetic_batch(0, batch=4))
-  state = step.shard_state(w.init_state(0))
-  assert {t.part for t in step.calibration.kinds} == {"block"}
-  assert all(s > 0 for t in step.calibration.kinds for _, s in t.points)
-  assert "one unrolled layer's forward timed" in step.explain()
-  batches = [w.synthetic_batch(i, batch=16) for i in range(2)]
-  ref = Reference(w.make_train_step(), w.init_state(0)).run(batches)
-  for b in batches:
-    state, _ = step(state, b)
-  ref.check(state)
 
 
 class _Block(nnx.Module):
