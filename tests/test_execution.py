@@ -75,7 +75,7 @@ def test_the_forms_are_all_met(profile):
   """The table reaches hybrid plans, owners reducing, parts to owners, ZeRO-3 parts and several processes."""
   seen = [p.group.execution for pool, form in itertools.product(POOLS, FORMS)
           for _, p in [_priced(pool, *form, profile)] if p is not None]
-  for field in ("hybrid", "tail", "owners_reduce", "parts_to_owners", "zero3_parts"):
+  for field in ("hybrid", "tail", "owners_reduce", "parts_to_owners", "zero3_parts", "parts_exchange"):
     assert any(getattr(e, field) for e in seen) and not all(getattr(e, field) for e in seen), field
   assert {e.processes for e in seen} == {1, 2}
 
@@ -92,6 +92,7 @@ def test_is_hybrid_table():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pool,form", [("2x4xSmall;processes=1", (("Small",), 0, (0, 0))),
+                                       ("1x4xBig+1x4xSmall;processes=1", (("Small",), 0, (0, 0))),
                                        ("1x2xBig+1x4xSmall;processes=1", (("Small",), 1, (0, 0))),
                                        ("1x2xBig+1x4xSmall;processes=1", ((), 3, (0, 0)))])
 def test_the_programs_are_built_from_it(pool, form, profile):
@@ -107,7 +108,8 @@ def test_the_programs_are_built_from_it(pool, form, profile):
   built = runtime.prepare(dropout_step, _state(), batch, ())
   assert bool(built.held_split) == priced.group.execution.hybrid
   assert (built.needs is not None) == priced.group.execution.owners_reduce
-  assert bool(built.part_sums) == (priced.group.execution.parts_to_owners or priced.group.execution.hybrid)
+  execution = priced.group.execution
+  assert bool(built.part_sums) == (execution.parts_to_owners or execution.hybrid or execution.parts_exchange)
 
 
 def test_every_feature_entry_names_what_exists():

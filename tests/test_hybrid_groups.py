@@ -175,6 +175,33 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
 
 
 @pytest.mark.timeout(300)
+def test_two_processes_a_sharded_group_beside_an_unsharded_one_exchange_parts():
+  """2 processes x 2 CPU devices (gloo): process 0's group shards its parameters, process 1's does not. The
+  unsharded group reduce-scatters its sums onto the sharded group's parts after its loop, the exchange adds the
+  parts across processes, and the state comes back whole on every device; exact against one device."""
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent("""
+      from hetspmd.plan.groups import Group, group_plan
+      from hetspmd.runtime.grouped import run_groups
+
+      make = lambda: t.linen_state(t.LayerStack(scanned=True))
+      plan = group_plan([Group(tuple(ids[0]), 2, (2, 1), shard_params=True), Group(tuple(ids[1]), 1, (3, 2))], 11)
+      data = t.batches(11, steps=2)
+      ref = reference(t.linen_step, make(), data)
+      step = run_groups(t.linen_step, plan)
+      state = step.shard_state(make())
+      for i, batch in enumerate(data):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(np.asarray, metrics), i)
+      ref.check(jax.tree.map(np.asarray, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
+      print(json.dumps({"parts": step.execution.parts_exchange, "sums": len(step._latest.part_sums),
+                        "replicated": all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state))}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  assert all(r["parts"] and r["sums"] > 0 and r["replicated"] for r in results), results
+
+
+@pytest.mark.timeout(300)
 def test_plain_fsdp_over_two_processes_is_one_group_and_matches_one_device():
   """2 processes x 2 CPU devices (gloo): one group over all four devices that shards its parameters (plain FSDP
   over two hosts) is one program both processes call, not cut per process; uneven counts (lockstep, masked), a

@@ -374,3 +374,31 @@ def test_user_shaped_models_in_a_sharded_group_match_one_device(module):
   plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 2, 1)), ((4, 5, 6, 7), 1, (1, 1, 1, 1))], 18)
   step, _ = _trained(plan, state, _layers_step, opt_state=False)
   assert len(step._latest.shards[0].at) == len(jax.tree.leaves(params))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layers", [None, "unrolled", "layer-scan"])
+def test_beside_a_sharded_group_an_unsharded_one_hands_over_parts(layers):
+  """Groups of one size, one sharding its parameters and one not, the state replicated: the unsharded group
+  reduce-scatters its sums after its loop onto the sharded group's parts (a layer scan's stacked sums along the
+  axis the sharded group splits them), so no device hands the exchange a whole-sized row of a gradient; exact
+  against one device."""
+  require_devices(8)
+  n = 4
+  if layers is None:
+    params, state, fn = _state(256).params, lambda: _state(256), dropout_step
+  else:
+    params, state = _layer_state(_Layers(scanned=layers == "layer-scan", width=64))
+    fn = _layers_step
+  plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (1, 1, 2, 2))], 18)
+  step, _ = _trained(plan, state, fn)
+  assert step.execution.parts_exchange and step._latest.part_sums
+  assert "the unsharded groups reduce-scatter their sums onto the sharded groups' parts" in step.explain()
+  leaves = jax.tree.leaves(params)
+  whole = sum(x.nbytes for x in leaves)
+  padding = sum(x.size // min(x.shape) * x.dtype.itemsize for x in leaves)
+  loss = 4 * 8  # the loss's and the metrics' float32 sums, whole on every device
+  outputs = step.memory_analysis()
+  for name in ("group 0", "group 1"):  # per device: its parts, not whole-shaped rows
+    assert outputs[name].output_size_in_bytes <= whole / n + padding + loss, (name, outputs[name], whole)
+  assert whole / n + padding + loss < whole / 2  # the bound tells parts from whole-shaped rows

@@ -51,7 +51,8 @@ class GroupMeshes:
   mesh: Mesh
   groups: tuple
   execution: Execution  # how the plan runs on these processes, decided once
-  # a hybrid plan's (Execution.hybrid) devices as (group, part): each group's devices a row, in the plan's order
+  # a hybrid plan's (Execution.hybrid, or parts_exchange) devices as (group, part): each group's devices a row, in
+  # the plan's order
   parts: Mesh | None = None
 
   @classmethod
@@ -73,7 +74,7 @@ class GroupMeshes:
                                 "(or let it shard its parameters: Group(shard_params=True) runs over several)")
     execution = Execution.of(plan, {d.id: d.process_index for d in devices})
     parts = (Mesh(np.array([[by_id[d] for d in g.devices] for g in plan.groups]), (GROUP, PART))
-             if execution.hybrid else None)
+             if execution.hybrid or execution.parts_exchange else None)
     return cls(devices, Mesh(np.array(devices), (DATA,)), groups, execution, parts)
 
   def held_split(self, axis: int) -> NamedSharding:
@@ -210,15 +211,16 @@ def build(fn: Callable[..., Any], plan: GroupPlan, meshes: GroupMeshes, state: A
   to_owner = units is not None and execution.owners_reduce
   splits = [_shards(progs[group.remat], group, state, held_inputs, wide) for group in plan.groups]
   # there, a group sharding its parameters hands the owners its parts of the sums the exchange program does not read;
-  # in a hybrid plan every group hands the exchange program its parts of every sum, and holds its state split
+  # in a hybrid plan every group hands the exchange program its parts of every sum, and holds its state split;
+  # beside unsharded groups of their size, those hand over the same parts (Execution.parts_exchange)
   held_split = _held_split(state, splits, len(plan.groups[0].devices)) if execution.hybrid else {}
   kept = (group_lowering.part_sums(prog, units.common) if to_owner and any(splits) else
-          group_lowering.part_sums(prog, ()) if execution.hybrid else {})
+          group_lowering.part_sums(prog, ()) if execution.hybrid or execution.parts_exchange else {})
   loops, stages, shards = [], [], []
   free = [i for i in range(step.n_state) if i not in owner]
   for group, mesh, split in zip(plan.groups, meshes.groups, splits):
     programs, names = _group_loops(progs, plan, group, mesh, state, held=held_inputs, wide=wide, shards=split,
-                                   kept=kept)
+                                   kept=kept, parts=execution.parts_exchange)
     loops.append(programs)
     stages.append(names)
     shards.append(SplitParams(tuple(free.index(i) for i in split), shard_program(mesh, tuple(split.values())),
@@ -345,11 +347,13 @@ def _shards(own: Program, group: Any, state: Any, held: tuple[int, ...], wide: d
 
 
 def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: Mesh, state: Any, *,
-                 held: tuple[int, ...], wide: dict, shards: dict, kept: dict) -> tuple[list, tuple]:
+                 held: tuple[int, ...], wide: dict, shards: dict, kept: dict, parts: bool = False
+                 ) -> tuple[list, tuple]:
   """``group``'s program of each loop, ``jax.jit`` over its ``mesh``, and its stages' names: its own trace's loop
   (its remat policy's, from ``progs``; ``shards``: the parameters it takes split over its devices, FSDP-style, in
-  lockstep, the sums ``kept`` names, as the exchange program's trace numbers them, left as parts), its partial
-  sums laid out and narrowed as the exchange program takes them, one row per device."""
+  lockstep, the sums ``kept`` names, as the exchange program's trace numbers them, left as parts; ``parts``: a
+  group that does not shard hands those over as the same parts), its partial sums laid out and narrowed as the
+  exchange program takes them, one row per device."""
   prog, own = progs[plan.tail_remat], progs[group.remat]
   loops = prog.analysis.loops
   layout = Layout(mesh, DATA, group.microbatch, group.max_count, group.positions, lockstep=group.shard_params,
@@ -367,7 +371,8 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
               ("reorder", functools.partial(reordered, order)),
               ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.grad_reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
-    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept), *stages)
+    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept, parts),
+                       *stages)
     out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
   return out, ("loop",) + names
 

@@ -69,6 +69,13 @@ def _hybrid(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
           "group's size does not divide is held whole"]
 
 
+def _parts_exchange(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
+  sums = f" ({len(built.part_sums)} sums)" if built is not None else ""
+  return [f"  the groups that do not shard reduce-scatter their sums within the group after their loop, onto the "
+          f"parts the sharded groups hold{sums}: no device hands over a whole-sized row; one uniform program adds "
+          "the parts across the groups and updates, every device getting the whole new state"]
+
+
 def _tail(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
   return [f"  tail: every device runs {plan.tail_count} microbatch(es) of {plan.tail_microbatch} in the uniform "
           "program after its group's loop, the reduction overlapping the last one's backward pass"]
@@ -104,6 +111,9 @@ FEATURES: tuple[Feature, ...] = (
             ("sharding.sharded_kind_cost", "sharding.sharded_peak", "sharding.microbatch_comm_seconds"), _sharded),
     Feature("hybrid", lambda plan, ex: ex.hybrid, ("loop",), None, ("transfers.split_on", "transfers.group_part", "transfers.part_rows"),
             ("sharding.hybrid_exchange_seconds",), _hybrid),
+    Feature("parts exchange", lambda plan, ex: ex.parts_exchange, ("loop",), None,
+            ("param_shards.ParamShards", "transfers.part_rows"),
+            ("sharding.parts_exchange_seconds", "sharding.sharded_peak"), _parts_exchange),
     Feature("tail", lambda plan, ex: ex.tail, (), None, (), ("grouping._kind_cost",), _tail),
     Feature("casts", lambda plan, ex: plan.zero_stage == 3, ("widen",), "param", ("transfers.cast_value",),
             ("group_shares.loop_param_bytes",), _casts),

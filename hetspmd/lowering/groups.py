@@ -317,7 +317,7 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
 
 
 def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None,
-                  kept: frozenset = frozenset()):
+                  kept: frozenset = frozenset(), parts: bool = False):
   """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
   last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
@@ -335,7 +335,9 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   accumulate,
   each device's row of a split sum its part in place and zeros elsewhere (:class:`~hetspmd.lowering.param_shards.ParamShards`),
   or its part alone for the sums ``kept`` names (flat, as the loop returns them: :func:`part_sums`).
-  The layout must be in lockstep."""
+  The layout must be in lockstep. Without ``shards``, ``parts`` (beside sharded groups of its size:
+  :attr:`~hetspmd.plan.execution.Execution.parts_exchange`) makes each device's row of a sum ``kept`` names the
+  part a sharded group's device would hold: the group's sum reduce-scattered after the loop."""
   axis = layout.data_axis
   s = prog.analysis.loops - 1 if s is None else s
   pe_outs = per_example_outputs(prog) if s == prog.analysis.loops - 1 else ()
@@ -343,6 +345,8 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   derived = _derived(prog, split) if split else ()
   made = {v for k in derived for v in prog.eqns[k].outvars}
   param_shards = _param_shards(prog, shards, axis, layout.mesh.shape[axis], kept) if shards else None
+  scatter = (ParamShards(axis, layout.mesh.shape[axis], (), (), frozenset(kept))
+             if parts and not shards and kept and prog.analysis.loops - 1 == s else None)
 
   def run(inputs, counts, starts, earlier=None):
     parts = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
@@ -357,7 +361,7 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
       outer = dict(zip(read + list(split), values))
       _after_earlier(prog, ops.cut_outs, earlier, s, outer)
       ctx = LoopContext(prog, layout, ops.cut_outs, ops.batch_vars, tuple(buffers), counts[0], starts[0],
-                        param_shards)
+                        param_shards, scatter)
       partials, outs = one_loop(ctx, s, outer, mine, pe_outs)
       outs = [example_rows(x, prog.analysis.axes[v].dim, width)[None] for v, x in zip(pe_outs, outs)]
       return [[x[None] for x in part] for part in partials], outs  # the cuts', then the sums the loop adds into

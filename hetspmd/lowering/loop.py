@@ -112,6 +112,9 @@ class LoopContext:
   # a group's parameters split over its devices (hetspmd.lowering.param_shards.ParamShards): gathered in each
   # microbatch, its sums reduce-scattered into parts and made rows after the loop; the layout is in lockstep
   shards: Any = None
+  # a group that does not shard beside groups of its size that do (Execution.parts_exchange): a ParamShards of no
+  # parameters whose kept sums each device reduce-scatters after its loop onto a sharded group's parts
+  parts: Any = None
 
 
 def one_loop(ctx: LoopContext, s: int, outer: dict, mine: Sequence[int], pe_outs: Sequence[Any] = ()):
@@ -216,7 +219,11 @@ class _DeviceLoop:
     """``{(partial position, value position): (path, ys position, axis, whole shape)}``: where each of
     :attr:`presplit`'s values is stacked (``path``: ``()`` for the cut's own scan, ``(k,)`` for equation ``k`` of
     its checkpointed body)."""
-    shards, prog = self.ctx.shards, self.ctx.prog
+    return self._stacked_in(self.ctx.shards)
+
+  def _stacked_in(self, shards: Any) -> dict:
+    """:attr:`_stacked` for a group split as ``shards`` (a :class:`~hetspmd.lowering.param_shards.ParamShards`)."""
+    prog = self.ctx.prog
     if shards is None:
       return {}
     out = {}
@@ -271,12 +278,16 @@ class _DeviceLoop:
     return zeros, [jnp.zeros((self.ctx.layout.max_count,) + x.shape, x.dtype) for x in shapes[1]]
 
   def run(self):
-    """The schedule's partial values and per-example outputs; a sharded group's parts made rows."""
+    """The schedule's partial values and per-example outputs; a sharded group's parts made rows, or beside
+    sharded groups (``ctx.parts``) the sums they keep as parts reduce-scattered onto the same parts."""
     acc, pe = self.schedule()
     if self.ctx.shards is not None:
       wholes = [[jax.ShapeDtypeStruct(self.presplit[(p, q)][1], x.dtype) if (p, q) in self.presplit else x
                  for q, x in enumerate(xs)] for p, xs in enumerate(self.shapes[0])]
       acc = self.ctx.shards.rows(acc, self.kinds, wholes, self.presplit)
+    elif self.ctx.parts is not None:
+      stacked = {at: axis for at, (_, _, axis, _) in self._stacked_in(self.ctx.parts).items()}
+      acc = self.ctx.parts.parted(acc, self.kinds, stacked)
     return acc, pe
 
   def schedule(self):

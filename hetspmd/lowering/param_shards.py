@@ -197,6 +197,25 @@ class ParamShards:
             for p, (r, xs, ss) in enumerate(zip(kinds, acc, shapes))]
 
 
+  def parted(self, acc: list, kinds: list, stacked: dict) -> list:
+    """A group that does not shard, beside groups of its size that do
+    (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): each sum :attr:`kept` names (this device's own,
+    accumulated whole over its loop) reduce-scattered over the group onto the part a sharded group's device holds
+    of it: along :meth:`axis_of`'s axis, or for a layer scan's stacked sum (``stacked``: ``{(partial, value):
+    axis}``, :meth:`slice_axis`'s) along that one, widened as :meth:`scattered_slice` widens it."""
+    first = list(itertools.accumulate((len(xs) for xs in acc), initial=0))
+
+    def part(x, reduce, at):
+      if first[at[0]] + at[1] not in self.kept:
+        return x
+      if at in stacked:
+        return self._scatter(x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x, stacked[at])
+      a = self.axis_of(reduce, x)
+      return x if a is None else self._scatter(x, a)
+
+    return [[part(x, r, (p, q)) for q, x in enumerate(xs)] for p, (r, xs) in enumerate(zip(kinds, acc))]
+
+
 def _numeric(x: Any) -> bool:
   """Whether ``x`` is a non-empty array of numbers (not a PRNG key): one a zero can be made of."""
   dtype = getattr(x, "dtype", None)

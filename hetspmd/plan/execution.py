@@ -34,7 +34,10 @@ class Execution:
   each device's update reduces only the sums its own state reads (else the exchange program reduces every sum
   onto every device). ``parts_to_owners``: there, the groups that shard hand the owners their parts of the sums.
   ``zero3_parts``: ZeRO-3 in one process and no tail: a parameter made on one device reaches a sharded group as
-  its parts only."""
+  its parts only. ``parts_exchange``: some groups shard and some do not, all of one size, one remat policy and no
+  model axis, with the state replicated and no tail: each group that does not shard reduce-scatters its sums
+  within itself after its loop, onto the parts the sharded groups hold, and the exchange adds parts across the
+  groups, as in a hybrid plan (no device hands over a whole-sized row of a sum)."""
 
   groups: tuple[tuple[tuple[int, ...], int, bool], ...]
   hybrid: bool
@@ -42,26 +45,32 @@ class Execution:
   owners_reduce: bool
   parts_to_owners: bool
   zero3_parts: bool
+  parts_exchange: bool = False
 
   @classmethod
   def made(cls, groups: Sequence[tuple[tuple[int, ...], int, bool]], *, zero_stage: int, shares: bool,
-           tail: bool) -> "Execution":
+           tail: bool, uniform: bool = True) -> "Execution":
     """The execution of group programs ``groups`` (``(processes, devices, sharded)`` each, as they run) with the
-    optimizer state in ``shares`` or not, under ``zero_stage``, with a ``tail`` or not."""
+    optimizer state in ``shares`` or not, under ``zero_stage``, with a ``tail`` or not; ``uniform``: every group
+    runs one remat policy and a device per data position (no model axis)."""
     groups = tuple(sorted((tuple(sorted(set(p))), n, s) for p, n, s in groups))
     one_process = len({q for p, _, _ in groups for q in p}) == 1
     sharded = [s for _, _, s in groups]
     owners_reduce = shares and not tail and one_process
-    return cls(groups=groups, hybrid=is_hybrid(sharded, [n for _, n, _ in groups], shares=shares, tail=tail),
+    sizes = [n for _, n, _ in groups]
+    return cls(groups=groups, hybrid=is_hybrid(sharded, sizes, shares=shares, tail=tail),
                tail=tail, owners_reduce=owners_reduce, parts_to_owners=owners_reduce and any(sharded),
-               zero3_parts=zero_stage == 3 and shares and not tail and one_process)
+               zero3_parts=zero_stage == 3 and shares and not tail and one_process,
+               parts_exchange=(any(sharded) and not all(sharded) and len(set(sizes)) == 1 and uniform
+                               and not shares and not tail))
 
   @classmethod
   def of(cls, plan: GroupPlan, process_of: Mapping[int, int]) -> "Execution":
     """``plan`` run by the processes ``process_of`` names (device id -> process index)."""
     groups = split_by_process(plan, process_of).groups
     return cls.made([({process_of[d] for d in g.devices}, len(g.devices), g.shard_params) for g in groups],
-                    zero_stage=plan.zero_stage or 0, shares=bool(plan.state_shares), tail=bool(plan.tail_count))
+                    zero_stage=plan.zero_stage or 0, shares=bool(plan.state_shares), tail=bool(plan.tail_count),
+                    uniform=len({g.remat for g in groups}) == 1 and all(g.model == 1 for g in groups))
 
   @property
   def processes(self) -> int:
@@ -85,4 +94,7 @@ class Execution:
                                                                  if self.parts_to_owners else ""))
     if self.zero3_parts:
       said.append("ZeRO-3 parameters reach sharded groups as parts")
+    if self.parts_exchange:
+      said.append("the unsharded groups reduce-scatter their sums onto the sharded groups' parts, the parts added "
+                  "across the groups")
     return ["  execution: " + "; ".join(said)]

@@ -81,21 +81,27 @@ def shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
   return len(shard_groups(costing, layout)[kind][0])
 
 
-def execution_of(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int
-                 ) -> Execution:
+def execution_of(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int, *,
+                 uniform: bool = True) -> Execution:
   """How the group plan priced on ``layout`` runs (:class:`~hetspmd.plan.execution.Execution`): its groups as the
-  runtime runs them (the kinds in ``sharded`` sharding their parameters, a group per host: :func:`shard_groups`;
-  any other kind's devices cut per process), the state in shares under ``zero`` > 0, ``tail`` microbatches or
-  none."""
-  key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail))
+  runtime runs them (:func:`run_groups`), the state in shares under ``zero`` > 0, ``tail`` microbatches or none;
+  ``uniform``: one remat policy and no model axis in every group."""
+  key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail), uniform)
   if key not in costing.shard_groups:
     process = process_of(costing.cluster)
-    cut = {**_kind_groups(costing.cluster, layout, process),
-           **{k: g for k, g in shard_groups(costing, layout).items() if k in sharded}}
-    groups = [({process[i] for i in g}, len(g), kind in sharded) for kind, kind_groups in cut.items()
-              for g in kind_groups]
-    costing.shard_groups[key] = Execution.made(groups, zero_stage=zero, shares=bool(zero), tail=bool(tail))
+    groups = [({process[i] for i in g}, len(g), kind in sharded)
+              for kind, kind_groups in run_groups(costing, layout, sharded).items() for g in kind_groups]
+    costing.shard_groups[key] = Execution.made(groups, zero_stage=zero, shares=bool(zero), tail=bool(tail),
+                                               uniform=uniform)
   return costing.shard_groups[key]
+
+
+def run_groups(costing: Costing, layout: DeviceGroups, sharded: frozenset[str]
+               ) -> dict[str, tuple[tuple[int, ...], ...]]:
+  """Per kind, the groups of ``layout``'s devices as the runtime runs them: the kinds in ``sharded`` a group per
+  host (:func:`shard_groups`), any other kind's devices cut per process."""
+  return {**_kind_groups(costing.cluster, layout, process_of(costing.cluster)),
+          **{k: g for k, g in shard_groups(costing, layout).items() if k in sharded}}
 
 
 def one_process(costing: Costing, layout: DeviceGroups) -> bool:

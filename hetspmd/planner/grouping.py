@@ -44,7 +44,7 @@ from hetspmd.planner.data_axis import (GRAD_BYTES, WORKSPACE, NO_TENSOR_PARALLEL
                                        gradient_reductions, microbatch_bytes)
 from hetspmd.planner import sharding
 from hetspmd.planner.group_execution import (PROGRAM_DISPATCH_SECONDS, execution_of, holds_every_process, one_process,
-                                             shard_groups, shard_key, shard_size)
+                                             run_groups, shard_groups, shard_key, shard_size)
 from hetspmd.planner.group_shares import COPIED, gather_seconds, loop_param_bytes, share_factor, split_fraction
 from hetspmd.planner.pricing import (OVERLAP_EFFICIENCY, Costing, DeviceGroups, Evaluated, GroupPart, device_groups,
                                      position_seconds)
@@ -161,7 +161,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   if _refused(costing, layout, tps, zero, count, sharded):
     return None
-  execution = execution_of(costing, layout, sharded, zero, count)
+  execution = execution_of(costing, layout, sharded, zero, count,
+                           uniform=len(set(remats.values())) == 1 and all(tp.m == 1 for tp in tps.values()))
   owner, hybrid = execution.owners_reduce, execution.hybrid  # each device reduces its own share; hybrid
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
@@ -178,7 +179,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
                           rows=sums[0] * (1 / n + 2 * shares[k]) + sums[2] + sums[1] * received * shares[k] if owner
                           else None, tp=tps[k], zero=zero, narrow=narrow, sharded=sharded, dtype=dtype,
-                          g=shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid) for k in order}
+                          g=shard_size(costing, layout, k) if k in sharded else 0, hybrid=hybrid,
+                          parts=execution.parts_exchange) for k in order}
   if any(memory[k] > costing.cluster.spec_of(k).memory_bytes for k in order):
     return None
   costs = {k: _group_cost(costing, layout, k, sizes[k], remats[k], shares.get(k), tp=tps[k], zero=zero,
@@ -194,7 +196,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   per_position = _lockstep(position_seconds(costing, blocked, with_tail, counts, False), blocked, sharded)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce = _reduce_seconds(costing, layout, dtype, hybrid=hybrid, owner=owner, spread=spread, sums=sums,
-                           received=received)
+                           received=received, parts=sharded if execution.parts_exchange else None)
   gather = gather_seconds(costing, layout, spread, zero) if zero else 0.0
   hidden = 0.0
   if count:
@@ -227,7 +229,7 @@ def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParall
 
 
 def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybrid: bool, owner: bool,
-                    spread: list, sums: tuple, received: int) -> float:
+                    spread: list, sums: tuple, received: int, parts: frozenset[str] | None = None) -> float:
   """The exchange's reduction of the sums in ``dtype``: an all-reduce over every device; in a hybrid plan the
   groups' parts added across the groups (:func:`hetspmd.planner.sharding.hybrid_exchange_seconds`); where each
   owner reduces its own sums, the busiest owner's rows (``spread``: the state's shares per position; ``sums``: how
@@ -235,10 +237,15 @@ def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybri
   device's bytes, :func:`hetspmd.plan.groups.copy_factor`; or, where some devices hold much more than the rest,
   reduce-scattered evenly and then made whole on their owner, :func:`hetspmd.plan.groups.relay_factor`), scaled by
   the rows it ``received`` of each sum against one per device (across processes the exchange program reduces
-  every sum onto every device)."""
+  every sum onto every device). ``parts``: the sharded kinds where the groups exchange parts
+  (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): the groups' parts added across the groups, with a
+  reduce-scatter and an all-gather in each group (:func:`hetspmd.planner.sharding.parts_exchange_seconds`)."""
   if hybrid:
     groups = [g for kind_groups in shard_groups(costing, layout).values() for g in kind_groups]
     return sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
+  if parts is not None:
+    groups = [g for kind_groups in run_groups(costing, layout, parts).values() for g in kind_groups]
+    return sharding.parts_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   return reduce / 2 * share_factor(spread, sums) * received / len(layout.groups) if owner else reduce
 
@@ -343,13 +350,13 @@ def _state_shares(costing: Costing, kinds: Sequence[str], sizes: dict[str, int],
 
 def _kind_peak(costing: Costing, counts: dict[str, int], kind: str, loop: tuple[int, str], tail: tuple[int, str], *,
                share: float | None, rows: float | None, tp: TensorParallel, zero: int, narrow: bool,
-               sharded: frozenset[str], dtype: str, g: int = 0, hybrid: bool = False) -> int:
+               sharded: frozenset[str], dtype: str, g: int = 0, hybrid: bool = False, parts: bool = False) -> int:
   """A device of ``kind``'s bytes (``counts``: each kind's positions, one device each): :func:`_peak`, or in a
   group of ``g`` devices (its kind's count where 0) sharding its parameters (``kind`` in ``sharded``)
   :func:`hetspmd.planner.sharding.sharded_peak` (``hybrid``: holding its part of the state between steps)."""
   if kind in sharded:
     return sharding.sharded_peak(costing.profile, g or counts[kind], loop, share, rows, dtype, zero=zero,
-                                 state_sharded=hybrid)
+                                 state_sharded=hybrid, part_row=parts)
   return _peak(costing, sum(counts.values()), loop, tail, share, rows, tp=tp, zero=zero, narrow=narrow)
 
 

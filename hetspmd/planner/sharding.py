@@ -99,7 +99,7 @@ def live_gathered_bytes(profile: StepProfile) -> float:
 
 
 def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: float | None, rows: float | None,
-                 dtype: str = "float32", *, state_sharded: bool = False, zero: int = 0) -> int:
+                 dtype: str = "float32", *, state_sharded: bool = False, zero: int = 0, part_row: bool = False) -> int:
   """A device's peak bytes in a group of ``g`` devices sharding its parameters: ``loop`` ``(microbatch, remat)``.
 
   Held through the step: the whole float32 parameters (:data:`WHOLE_PARAMS_HELD`) and ``share`` of the optimizer
@@ -111,7 +111,9 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
   sums (``rows`` not None, :data:`PARTS_TO_OWNERS`), beside ``rows`` (the received gradients, a fraction of one
   whole copy; the reduced gradients, one, where None). ``state_sharded`` (the ``fsdp`` baseline): the
   parameters and optimizer state held only as ``1/g`` parts and no exchange after the loop. ``zero=3``: ``share``
-  is of the parameters and the optimizer state together, and no whole parameters are held."""
+  is of the parameters and the optimizer state together, and no whole parameters are held. ``part_row``: the
+  groups exchange parts (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): the row it hands over is its
+  part."""
   p = profile
   part = (p.param_bytes + p.param_count * GRAD_BYTES) / g
   # the traced microbatch holds each parameter's cast whole; a sharded group casts its part and gathers the cast
@@ -122,7 +124,7 @@ def sharded_peak(profile: StepProfile, g: int, loop: tuple[int, str], share: flo
     return int((p.opt_state_bytes / g + working) * WORKSPACE)
   fraction = 1.0 if share is None else share
   wire = REDUCE_BYTES[dtype]
-  whole_row = WHOLE_ROWS and not (PARTS_TO_OWNERS and rows is not None)
+  whole_row = WHOLE_ROWS and not (PARTS_TO_OWNERS and rows is not None) and not part_row
   after = p.param_count * wire * ((1.0 if whole_row else 1.0 / g) + (1.0 if rows is None else rows))
   if zero == 3:  # its share of the parameters and the optimizer state; the parameters reach its loop as parts
     held = (p.param_bytes + p.opt_state_bytes) * fraction
@@ -168,6 +170,17 @@ def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], p
     return 0.0
   firsts = [group[0] for group in groups]
   return allreduce_seconds(cluster, firsts, profile.param_count * REDUCE_BYTES[dtype] / g, g)
+
+
+def parts_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
+                           dtype: str) -> float:
+  """The exchange of groups of one size ``g`` (``groups``: device positions) some of which shard their parameters
+  and some not (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): the parts added across the groups as
+  in a hybrid plan (:func:`hybrid_exchange_seconds`), and in the slowest group a reduce-scatter of the sums (the
+  unsharded groups', after their loops) and an all-gather of the updated parameters, priced together as one
+  all-reduce of the gradients in ``dtype``."""
+  within = max(allreduce_seconds(cluster, g, profile.param_count * REDUCE_BYTES[dtype]) for g in groups)
+  return within + hybrid_exchange_seconds(cluster, groups, profile, dtype)
 
 
 def exposed_seconds(kind: str, comm: float, compute: float) -> float:
