@@ -34,8 +34,8 @@ from hetspmd.planner.pricing import OVERLAP_EFFICIENCY, Costing, Evaluated, Grou
 # share, and a sharded group receives its parts only (hetspmd.lowering.group_build.GroupPrograms.parted).
 WHOLE_PARAMS_HELD = True
 # After its loop a sharded group hands the uniform exchange program one row per device the whole gradients' size
-# (its part in place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype. False once it hands only its
-# part there too.
+# (its part in place, zeros elsewhere: ParamShards.rows), in the plan's reduce dtype, unless the groups exchange
+# parts (Execution.parts_exchange, sharded_peak's part_row). False once it hands only its part everywhere.
 WHOLE_ROWS = True
 # Where each owner reduces the sums its units read itself (state shares, no tail, one process), a sharded group
 # hands the owners its parts alone (ParamShards.kept, hetspmd.lowering.transfers.Pieces), copied, not in two hops:
