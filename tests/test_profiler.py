@@ -1,5 +1,6 @@
 """The profiler on the emulated CPU devices: positive, monotone, fitted."""
 
+import dataclasses
 import json
 
 import jax
@@ -86,20 +87,39 @@ def test_profile_cli_json_and_out(tmp_path, capsys):
 
 @pytest.mark.timeout(240)
 def test_profile_across_two_processes():
-  """Each process measures its own devices; every process gets all of them."""
+  """Each process measures its own devices; every process gets all of them. The processes of one machine make
+  one host (they share its links); told there are two machines, two hosts, each device keeping its process."""
   from multiprocess import run_processes
 
   results = run_processes("""
       import json, hetspmd
+      from hetspmd.hardware import profiler
       p = hetspmd.profile(message_bytes=(4096, 65536), progress=False)
       c = hetspmd.Cluster.from_profile(p)
+      profiler.hostname = lambda: f"machine-{jax.process_index()}"
+      two = hetspmd.Cluster.from_profile(hetspmd.profile(message_bytes=(4096,), progress=False))
       print(json.dumps({"ids": [d.id for d in p.devices], "processes": [d.process for d in p.devices],
+                        "machines": [d.machine for d in p.devices],
                         "hosts": [h.count for h in c.hosts], "groups": [f.group_size for f in p.collectives],
-                        "cluster_processes": c.processes}))
+                        "cluster_processes": c.processes, "two": [h.count for h in two.hosts],
+                        "of": list(two.device_processes)}))
   """)
   assert results[0] == results[1]
-  assert results[0]["processes"] == [0, 0, 1, 1]
-  assert results[0]["hosts"] == [2, 2] and results[0]["groups"] == [4, 4, 4] and results[0]["cluster_processes"] == 2
+  assert results[0]["processes"] == [0, 0, 1, 1] and results[0]["machines"] == [0, 0, 0, 0]
+  assert results[0]["hosts"] == [4] and results[0]["groups"] == [4, 4, 4] and results[0]["cluster_processes"] == 2
+  assert results[0]["two"] == [2, 2] and results[0]["of"] == [0, 0, 1, 1]
+
+
+def test_a_profile_without_machines_makes_a_host_per_process():
+  """A profile that does not say which machine each device is on (machine -1) keeps a host per process and
+  kind."""
+  from hetspmd.hardware.profiler import Profile
+
+  devices = tuple(dataclasses.replace(_measured("cpu", 1e10), id=i, process=i // 2) for i in range(4))
+  cluster = Cluster.from_profile(Profile(devices, (), "cpu", 2, 0.0))
+  assert [h.count for h in cluster.hosts] == [2, 2] and cluster.device_processes == (0, 0, 1, 1)
+  on_one = tuple(dataclasses.replace(d, machine=0) for d in devices)
+  assert [h.count for h in Cluster.from_profile(Profile(on_one, (), "cpu", 2, 0.0)).hosts] == [4]
 
 
 def _measured(kind, float32, reduced=None):

@@ -327,8 +327,10 @@ class Cluster:
 
   @classmethod
   def from_profile(cls, profile: Profile) -> "Cluster":
-    """The measured cluster of :func:`hetspmd.profile`'s result: hosts by process, then kind, and the number of
-    processes that measured it (so that group plans are priced on the path one process runs).
+    """The measured cluster of :func:`hetspmd.profile`'s result: a host per machine and kind (a machine's
+    processes share its links: one process per GPU still makes one host; by process where the profile does not
+    say), and the number of processes that measured it (so that group plans are priced on the path one process
+    runs).
 
     Each kind's spec is the profile's (``measured=True``); each host records
     how much faster one device runs alone (:func:`~hetspmd.hardware.profiler.alone_speedup`);
@@ -336,9 +338,13 @@ class Cluster:
     """
     specs = {k: profile.device_spec(k) for k in dict.fromkeys(d.kind for d in profile.devices)}
     measured = profile.link("measured")
-    ordered = sorted(profile.devices, key=lambda d: (d.process, d.id))
+    known = all(d.machine >= 0 for d in profile.devices)
+    machine = {d.id: d.machine if known else d.process for d in profile.devices}
+    order = _host_order([d.process for d in profile.devices], [d.kind for d in profile.devices],
+                        [machine[d.id] for d in profile.devices] if known else None, [d.id for d in profile.devices])
+    ordered = [profile.devices[i] for i in order]
     hosts = []
-    for (_, kind), group in itertools.groupby(ordered, key=lambda d: (d.process, d.kind)):
+    for (_, kind), group in itertools.groupby(ordered, key=lambda d: (machine[d.id], d.kind)):
       members = list(group)
       hosts.append(Host(specs[kind], len(members), measured or _default_intra(kind), alone_speedup(members)))
     ids = tuple(d.id for d in ordered)
@@ -387,9 +393,7 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
   machine, kind (in order of first appearance), then process."""
   process = [getattr(d, "process_index", 0) for d in devices]
   machine = [machines[p] if machines is not None else p for p in process]
-  first = {k: i for i, k in reversed(list(enumerate(kinds)))}
-  order = sorted(range(len(devices)), key=lambda i: (machine[i], first[kinds[i]], process[i], i)
-                 if machines is not None else (process[i], i))
+  order = _host_order(process, kinds, machine if machines is not None else None, range(len(devices)))
   hosts: list[Host] = []
   ids: list[int] = []
   previous = None
@@ -404,6 +408,18 @@ def _grouped(devices: Sequence[Any], kinds: Sequence[str], specs: dict[str, Devi
     ids.append(int(devices[i].id))
   return Cluster(tuple(hosts), inter, name, tuple(ids), len(set(process)),
                  device_processes=tuple(process[i] for i in order))
+
+
+def _host_order(process: Sequence[int], kinds: Sequence[str], machine: Sequence[int] | None,
+                tiebreak: Sequence[int]) -> list[int]:
+  """The order of devices (given per device: their ``process``, ``kinds``, ``machine`` or None where not known,
+  and a last ``tiebreak``) in which each host's devices come together: by machine, kind (in order of first
+  appearance), then process; or, without machines, by process."""
+  first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+  tiebreak = list(tiebreak)
+  if machine is None:
+    return sorted(range(len(process)), key=lambda i: (process[i], tiebreak[i]))
+  return sorted(range(len(process)), key=lambda i: (machine[i], first[kinds[i]], process[i], tiebreak[i]))
 
 
 def _allocator_limit(device: Any) -> int | None:

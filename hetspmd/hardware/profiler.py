@@ -81,6 +81,7 @@ class DeviceMeasurement:
   busy_read_bandwidth: float = 0.0  # bytes/s per device, every device summing an array at once (0: not measured)
   cache_bytes: int = 0  # a core's private cache (CPU; 0: not known)
   busy_cache_write_bandwidth: float = 0.0  # bytes/s per device into a cache-sized value in a loop (0: not measured)
+  machine: int = -1  # the machine its process runs on (process_machines: its processes share links); -1: not known
 
   @property
   def bandwidth(self) -> float:
@@ -525,6 +526,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
 
   start = time.perf_counter()
   devices = list(jax.devices() if devices is None else devices)
+  machines = process_machines(devices)  # a collective: first, before anything one process alone could fail in
   local = [d for d in devices if d.process_index == jax.process_index()]
   key = _platform_key(local[0])
   sizes = _MATMUL_SIZES[key]
@@ -559,7 +561,7 @@ def profile(devices: Sequence[Any] | None = None, *, mesh=None, message_bytes: S
     measurements.append(DeviceMeasurement(
         d.id, _kind_name(d), d.process_index, {k: tuple(v) for k, v in alone.items()},
         {k: tuple(v) for k, v in busy.items()}, bandwidth, _memory_bytes(d), busy_bandwidth, busy_read, cache,
-        cache_write))
+        cache_write, machines[d.process_index]))
   fits = tuple(_fit_collective(g, op, axis, tuple(message_bytes), bar) for axis, g in groups for op in COLLECTIVES)
   measurements = _gather_across_processes(measurements)
   return Profile(tuple(measurements), fits, local[0].platform, jax.process_count(), time.perf_counter() - start)
