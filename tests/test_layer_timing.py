@@ -117,7 +117,7 @@ def test_a_layer_timing_saves_and_loads(tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,part,said", [("gpt2-tiny-scan", "layer", "one layer of the step timed"),
-                                            ("gpt2-tiny", "block", "one unrolled layer's forward timed")])
+                                            ("gpt2-tiny", "unrolled", "one unrolled layer's forward and backward timed")])
 def test_a_gpt_that_fits_no_device_is_searched_on_one_layer(fits_no_device, name, part, said):
   """calibrate=True on the NNX GPT, scanned or unrolled, whose whole step fits no device: each kind's layer (of
   the layer scan, or the middle block) is timed at the search's microbatch sizes, explain() says what priced each
@@ -365,20 +365,23 @@ def test_only_a_step_that_cannot_be_timed_whole_falls_back_to_a_layer():
 @pytest.mark.parametrize("size", [1, 4])
 def test_an_unrolled_step_times_its_middle_block(size):
   """The unrolled NNX GPT has no layer scan: its middle block (h_1 of h_0, h_1) is found, at one example too;
-  its forward runs in loops of two and four trips as a program of its own, and one block's seconds come out
-  positive."""
+  its forward, and its forward and backward, run in loops of two and four trips as programs of their own (the
+  backward's values the gradients of every floating input), and one block's seconds come out positive."""
   w = models.get("gpt2-tiny")
   fn = w.make_train_step(hs.value_and_grad)
   with pytest.raises(NoLayerStackError):
     layer_scans(fn, w.abstract_state(), w.example_batch(2), [size])
   block = step_layers(fn, w.abstract_state(), w.example_batch(2), [size])[size]
-  assert isinstance(block, LayerBlock) and block.part == "block" and block.segment.layer.endswith("h_1")
+  assert isinstance(block, LayerBlock) and block.part == "unrolled" and block.segment.layer.endswith("h_1")
   assert any(jx.aval_shape(v)[:1] == (max(size, 2),) for v in block.segment.inputs)
-  program, inputs = block_program(block.eqns, block.segment, 2)
-  out = program(*inputs)
-  assert len(out) == len(block.segment.residuals)
-  assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out)
-             if np.issubdtype(np.asarray(x).dtype, np.floating))
+  floats = [v for v in block.segment.inputs if jnp.issubdtype(jx.aval_dtype(v), jnp.floating)]
+  for backward, made in ((False, block.segment.residuals), (True, floats)):
+    program, inputs = block_program(block.eqns, block.segment, 2, backward=backward)
+    out = program(*inputs)
+    assert [np.shape(x) for x in out] == [jx.aval_shape(v) for v in made]
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+  assert any(np.any(np.asarray(x) != 0) for x in out)  # the gradients are not all zero
   assert LayerTimer(tuple(jax.devices()[:2])).seconds(block, max(size, 2), repeats=2) > 0
 
 
@@ -391,22 +394,31 @@ def test_a_step_with_no_layer_at_all_says_why():
     step_layers(_linen_step, state, batch, [4])
 
 
+@pytest.mark.parametrize("part", ["unrolled", "block"])
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
-def test_a_block_timing_scales_the_whole_microbatch(scale):
-  """A block's forward measured at ``scale`` times its prediction prices the kind's whole microbatch (its
-  backward, the embedding and the head too) at ``scale`` times the prediction."""
+def test_a_block_timing_scales_the_whole_microbatch(scale, part):
+  """A block's forward and backward (or, as earlier versions timed it, its forward alone) measured at ``scale``
+  times its prediction prices the kind's whole microbatch (the embedding and the head too) at ``scale`` times
+  the prediction. The backward is tied to no block: a block's is predicted as its forward times the
+  microbatch's predicted seconds over its forward's, which is between 2 and 4 for a GPT."""
   w = models.get("gpt2-tiny")
   profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
   mask = block_nodes(profile)
   assert layer_nodes(profile) is None and mask.any() and mask.sum() < 0.2 * mask.size
   spec = hs.Cluster.emulate(jax.devices()[:1], kinds=KINDS[:1]).spec_of(KINDS[0])
-  points = tuple((size, scale * float(profile.node_seconds(spec, size)[mask].sum())) for size in (2, 8))
-  timing = measured_timing(KindTiming(KINDS[0], points, part="block"), profile, spec)
+  each = ~profile.per_step
+  passes = {size: float(nodes[each].sum()) / float(nodes[each & profile.forward].sum())
+            for size in (2, 8) for nodes in [profile.node_seconds(spec, size)]}
+  assert all(2 < p < 4 for p in passes.values()), passes
+  points = tuple((size, scale * float(profile.node_seconds(spec, size)[mask].sum())
+                  * (passes[size] if part == "unrolled" else 1)) for size in (2, 8))
+  timing = measured_timing(KindTiming(KINDS[0], points, part=part), profile, spec)
   for size in (2, 8):
     assert timing.micro(size) == pytest.approx(scale * profile.microbatch_seconds(spec, size)
                                                + profile.accumulate_seconds(spec), rel=1e-9)
-  assert timing.part == "block"
-  assert "one unrolled layer's forward" in Calibration("", (KindTiming(KINDS[0], points, part="block"),)).describe()[0]
+  assert timing.part == part
+  said = "one unrolled layer's forward" + (" and backward" if part == "unrolled" else " per")
+  assert said in Calibration("", (KindTiming(KINDS[0], points, part=part),)).describe()[0]
 
 
 class _Block(nnx.Module):
@@ -467,8 +479,8 @@ def test_a_gemma_shaped_nnx_list_model_that_fits_no_device_is_searched_on_one_bl
   mine = _lm_objects()
   for b in batches:
     step(*mine, b)
-  assert {t.part for t in step.calibration.kinds} == {"block"}
-  assert "one unrolled layer's forward timed" in step.explain()
+  assert {t.part for t in step.calibration.kinds} == {"unrolled"}
+  assert "one unrolled layer's forward and backward timed" in step.explain()
   for what, kind in (("params", nnx.Param), ("opt_state", nnx.OptState)):
     assert_exact(nnx.state(mine, kind), nnx.state(ref.single, kind), nnx.state(ref.ref64, kind), what=what)
 
@@ -493,21 +505,23 @@ def _blocks():
                             batches(4, steps=1)[0])}
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward-and-backward"])
 @pytest.mark.parametrize("name", ["gpt2-tiny", "linen dropout"])
-def test_a_timed_block_runs_all_its_work_in_every_trip(name):
+def test_a_timed_block_runs_all_its_work_in_every_trip(name, backward):
   """XLA hoists nothing of the block out of the timing loop (not its matmuls, not the dropout bits drawn from a
-  key) and keeps every matmul of the block in the loop's body: each trip is one block's forward."""
+  key) and keeps every matmul of the block in the loop's body: each trip is one block's forward (and backward:
+  at least one more matmul per forward one, for its operands' gradients)."""
   import re
 
   fn, state, batch = _blocks()[name]
   block = step_layers(fn, state, batch, [4])[4]
-  program, inputs = block_program(block.eqns, block.segment, 2, block.per_example)
+  program, inputs = block_program(block.eqns, block.segment, 2, block.per_example, backward=backward)
   text = program.lower(*inputs).compile().as_text()
   entry = text[text.index("ENTRY"):]
   entry = entry[:entry.index("\n}\n")]
   assert set(re.findall(r"= \S+ ([a-z-]+)\(", entry)) <= OUTSIDE_THE_LOOP, entry
   matmuls = sum(jx.primitive_name(block.eqns[i]) == "dot_general" for i in block.segment.members)
-  assert matmuls > 0 and text.count(" dot(") == matmuls
+  assert matmuls > 0 and (text.count(" dot(") >= 2 * matmuls if backward else text.count(" dot(") == matmuls)
 
 
 def test_a_block_of_one_example_is_timed_at_two():
@@ -523,7 +537,7 @@ def test_a_block_of_one_example_is_timed_at_two():
   from hetspmd.runtime.layer_timing import layer_calibration
 
   calibration = layer_calibration(fn, w.abstract_state(), w.example_batch(2), cluster, [1])
-  assert all([size for size, _ in t.points] == [2] and t.part == "block" for t in calibration.kinds)
+  assert all([size for size, _ in t.points] == [2] and t.part == "unrolled" for t in calibration.kinds)
 
 
 @pytest.mark.parametrize("scalable", [True, False])

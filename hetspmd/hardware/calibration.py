@@ -11,8 +11,9 @@ modelled.
 
 A calibration carries the step's jaxpr fingerprint (its primitives and input dtypes), which tells one step's
 calibration from another's. Where the step fits no one device, a kind's timing may be of one layer of its layer
-scan instead (``part="layer"``), or of one numbered block's forward where the step unrolls its layers
-(``part="block"``: :mod:`hetspmd.runtime.layer_timing`).
+scan instead (``part="layer"``), or of one numbered block's forward and backward where the step unrolls its
+layers (``part="unrolled"``: :mod:`hetspmd.runtime.layer_timing`; ``part="block"``, its forward alone, as earlier
+versions timed it, is still read).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError
 
 FORMAT = "hetspmd.calibration/1"
-# what a KindTiming timed: the step's microbatches, one layer of its layer scan, or one unrolled layer's forward
-PARTS = ("step", "layer", "block")
+# what a KindTiming timed (:attr:`KindTiming.part`), in words: the step's microbatches, or one layer of it
+PARTS = {"step": "the step's microbatches", "layer": "one layer of the step",
+         "block": "one unrolled layer's forward", "unrolled": "one unrolled layer's forward and backward"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +47,9 @@ class KindTiming:
       gradient reduction is part of ``fixed``).
     part: what was timed: ``"step"``, the step's microbatches; for a step that fits no one device
       (:mod:`hetspmd.runtime.layer_timing`), ``"layer"``, one layer of the step's layer scan (forward and
-      backward), or ``"block"``, the forward of one numbered layer of a step that unrolls its layers:
-      ``points`` are then that part's seconds, and ``fixed`` is not measured (the search models it).
+      backward), or ``"unrolled"``, the forward and backward of one numbered layer of a step that unrolls its
+      layers (``"block"``: its forward alone): ``points`` are then that part's seconds, and ``fixed`` is not
+      measured (the search models it).
   """
 
   kind: str
@@ -66,7 +69,7 @@ class KindTiming:
     if not math.isfinite(self.fixed) or self.fixed < 0:
       raise InvalidValueError(f"{self.kind!r}: fixed seconds must be a finite number >= 0, got {self.fixed!r}")
     if self.part not in PARTS:
-      raise InvalidValueError(f"{self.kind!r}: part must be one of {PARTS}, got {self.part!r}")
+      raise InvalidValueError(f"{self.kind!r}: part must be one of {tuple(PARTS)}, got {self.part!r}")
 
   def line(self) -> tuple[float, float]:
     """``(a, b)``: seconds per microbatch ``a + b x microbatch``, least squares over the points (one point: a
@@ -156,7 +159,7 @@ class Calibration:
     for t in self.kinds:
       points = ", ".join(f"{m}: {s * 1e3:.3g} ms" for m, s in t.points)
       if t.part != "step":
-        what = "one layer (forward and backward)" if t.part == "layer" else "one unrolled layer's forward"
+        what = "one layer (forward and backward)" if t.part == "layer" else PARTS[t.part]
         lines.append(f"{t.kind}: {what} per microbatch {points}")
         continue
       lines.append(f"{t.kind}: per microbatch {points}; per step {t.fixed * 1e3:.3g} ms (remat {t.remat}, "

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from hetspmd.errors import InvalidValueError, UnknownNameError, closest
 from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
                                       preset_for_device_kind)
+from hetspmd.hardware.calibration import PARTS
 from hetspmd.hardware.efficiency import CHIPS
 from hetspmd.hardware.profiler import Profile, alone_speedup, device_spec, measure_device_spec, process_machines
 
@@ -170,7 +171,7 @@ class Cluster:
       spec, timing = self.spec_of(kind), self.calibration.of(kind) if self.calibration else None
       e = spec.efficiency
       if timing is not None and timing.part != "step":
-        what = "one layer of the step" if timing.part == "layer" else "one unrolled layer's forward"
+        what = PARTS[timing.part]
         how = (f"{what} timed ({len(timing.points)} microbatch size(s)), its measured over predicted "
                "seconds scaling the whole microbatch")
       elif timing is not None:

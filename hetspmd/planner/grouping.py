@@ -161,8 +161,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   if _refused(costing, layout, tps, zero, count, sharded):
     return None
-  execution = execution_of(costing, layout, sharded, zero, count,
-                           uniform=len(set(remats.values())) == 1 and all(tp.m == 1 for tp in tps.values()))
+  execution = execution_of(costing, layout, sharded, zero, count, uniform=_uniform(remats, tps))
   owner, hybrid = execution.owners_reduce, execution.hybrid  # each device reduces its own share; hybrid
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
@@ -172,8 +171,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
     return None
   spread = list(map(shares.__getitem__, kinds)) if zero else []
   split = split_fraction(costing.profile, spread) if zero else COPIED  # two hops, copies, padded
-  # a sharded group hands each owner its parts of the sums, copied (sharding.PARTS_TO_OWNERS): the owner
-  # receives one joined row per sharded group, and one per device of the others
+  # a sharded group hands each owner its parts of the sums, copied: one joined row per sharded group, one per device
   parts = execution.parts_to_owners and sharding.PARTS_TO_OWNERS
   sums, received = (COPIED, n - sum(layout.kind_counts[k] - 1 for k in sharded)) if parts else (split, n)
   memory = {k: _kind_peak(costing, layout.kind_counts, k, (sizes[k], remats[k]), (size, last), share=shares.get(k),
@@ -216,6 +214,11 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
           each(sizes), tail=tail, state_shares=each(shares) if zero else (), remats=each(remats),
           group_models=each(tps) if blocked is not layout else (),
           shard_params=tuple(map(sharded.__contains__, on)) if sharded else (), execution=execution))
+
+
+def _uniform(remats: dict[str, str], tps: dict[str, TensorParallel]) -> bool:
+  """Whether every kind's group runs one remat policy and no model axis (:meth:`Execution.made`'s ``uniform``)."""
+  return len(set(remats.values())) == 1 and all(tp.m == 1 for tp in tps.values())
 
 
 def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParallel], zero: int, tail: int,

@@ -205,12 +205,14 @@ class Candidate:
 def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) -> KindTiming | None:
   """A kind's measured times as the search prices them: ``timing`` itself where it timed the step's
   microbatches; where it timed one layer (:mod:`hetspmd.runtime.layer_timing`: ``part="layer"``, the layer
-  scan's forward and backward; ``part="block"``, the forward of one numbered block of a step that unrolls its
-  layers), the predicted microbatch scaled by that part's measured over predicted seconds at each measured
-  size, with the per-step seconds predicted (its ``part`` stays: the first microbatch's extra and the
-  recomputation of exact batch statistics are priced as predicted, not measured). The rest of the microbatch
-  (embedding, head, loss; a block's backward) takes the same correction: priced from a datasheet, it is off by
-  as much as the timed part is. None without a timing, or where the profile finds no such part to scale from."""
+  scan's forward and backward; ``part="unrolled"``, the forward and backward of one numbered block of a step
+  that unrolls its layers, set against the block's predicted forward scaled by the microbatch's predicted
+  seconds over its forward's (:func:`_block_pass`: the step's backward is tied to no block); ``part="block"``,
+  that block's forward alone), the predicted microbatch scaled by that part's measured over predicted seconds
+  at each measured size, with the per-step seconds predicted (its ``part`` stays: the first microbatch's extra
+  and the recomputation of exact batch statistics are priced as predicted, not measured). The rest of the
+  microbatch (embedding, head, loss) takes the same correction: priced from a datasheet, it is off by as much
+  as the timed part is. None without a timing, or where the profile finds no such part to scale from."""
   if timing is None or timing.part == "step":
     return timing
   found = layer_nodes(profile) if timing.part == "layer" else (block_nodes(profile), 1)
@@ -220,11 +222,20 @@ def measured_timing(timing: KindTiming | None, profile: StepProfile, spec: Any) 
   accumulate = profile.accumulate_seconds(spec)
   points = []
   for size, seconds in timing.points:
-    predicted = float(profile.node_seconds(spec, size)[mask].sum()) / length
+    nodes = profile.node_seconds(spec, size)
+    predicted = float(nodes[mask].sum()) / length * (_block_pass(profile, nodes) if timing.part == "unrolled" else 1)
     if predicted <= 0:
       return None
     points.append((size, profile.microbatch_seconds(spec, size) * seconds / predicted + accumulate))
   return KindTiming(timing.kind, tuple(points), profile.step_fixed_seconds(spec), timing.remat, part=timing.part)
+
+
+def _block_pass(profile: StepProfile, nodes: np.ndarray) -> float:
+  """A microbatch's predicted seconds over its forward's (``nodes``: per node, predicted): what a block's
+  forward is scaled by to price its forward and backward."""
+  each = ~profile.per_step
+  forward = float(nodes[each & profile.forward].sum()) if profile.forward.size else 0.0
+  return float(nodes[each].sum()) / forward if forward > 0 else 3.0
 
 
 class Costing:

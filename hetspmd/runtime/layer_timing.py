@@ -8,10 +8,12 @@ each kind (a process's devices of the kind at once), as Cephalo times its layers
   ``jax.lax.scan``), the layer scan's forward and its transpose, each as it is in the step, over two stacked
   layers and over four (:class:`LayerScans`; ``part="layer"``).
 - Where the step unrolls its layers (numbered blocks: ``h_0``, ``layers/3``, an ``nnx.List`` of blocks, as
-  Flax's Gemma example builds them), the forward of the middle block: its per-example work, the equations
-  remat ``"layers"`` runs again (:mod:`hetspmd.passes.remat`), in a loop of two trips and of four
-  (:class:`LayerBlock`; ``part="block"``). Backward equations are not tied to a block (NNX names no scope),
-  so the backward takes the forward's correction.
+  Flax's Gemma example builds them), the middle block's forward and backward: its per-example work, the
+  equations remat ``"layers"`` runs again (:mod:`hetspmd.passes.remat`), and their gradients (``jax.vjp``) with
+  respect to every floating input (its parameters and its input activations), as the step's backward takes
+  them, in a loop of two trips and of four (:class:`LayerBlock`; ``part="unrolled"``). The step's backward
+  equations are not tied to a block (NNX names no scope), so the prediction it is set against is the block's
+  forward nodes scaled by the step's predicted backward over forward seconds.
 
 Each program runs at the microbatch size, its inputs ones and zeros (a step's time does not depend on its
 values); the difference between its two lengths is one layer's seconds without the program's dispatch. The
@@ -82,11 +84,11 @@ class LayerBlock:
   size: int
   per_example: tuple[bool, ...]
 
-  part = "block"
+  part = "unrolled"
   scalable = True  # more trips are one input changed
 
   def programs(self) -> tuple[tuple[str, Callable[[int], tuple]], ...]:
-    return (("forward", self._trips),)
+    return (("forward and backward", self._trips),)
 
   def _trips(self, rows: int) -> tuple[Callable[..., Any], list]:
     program, inputs = self._program
@@ -94,7 +96,7 @@ class LayerBlock:
 
   @functools.cached_property
   def _program(self) -> tuple[Callable[..., Any], list]:
-    return block_program(self.eqns, self.segment, ROWS[0], self.per_example)
+    return block_program(self.eqns, self.segment, ROWS[0], self.per_example, backward=True)
 
 
 def step_layers(fn: Callable[[Any, Any], Any], state: Any, batch: Any, sizes: Sequence[int]
@@ -276,28 +278,49 @@ def scan_program(eqn: Any, rows: int) -> tuple[Callable[..., Any], list]:
   return jax.jit(lambda *args: jx.bind(eqn, args, params)), inputs
 
 
-def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int, moved: Sequence[bool] | None = None
-                  ) -> tuple[Callable[..., Any], list]:
+def block_program(eqns: Sequence[Any], segment: remat.Segment, rows: int, moved: Sequence[bool] | None = None, *,
+                  backward: bool = False) -> tuple[Callable[..., Any], list]:
   """``segment``'s equations (one block's forward, of the flat ``eqns``) run ``rows`` times in a loop, as a
   program, and filled inputs for it (the trip count first). XLA must run every trip: the trip count is an input,
   so the loop is never unrolled, and each trip's inputs that carry the example axis (``moved``, per input of the
   segment; default all), and every input that is not floating (indices, masks, keys), are offset by the
   previous trip's values times a zero that is also an input, so nothing that reads them is hoisted out of the
   loop. The parameters are read as they are (offsetting them would add a pass over them per trip). The last
-  trip's values are the outputs."""
+  trip's values are the outputs. With ``backward``, each trip also runs the block's backward: the gradients of
+  its floating outputs, given cotangents that are inputs too (ones: never a constant XLA could fold into the
+  transposed work; offset as the per-example inputs are, so no work on them alone is hoisted), with respect to
+  its floating inputs, which are then the trip's values."""
   body = remat.segment_body(segment, eqns)
-  avals = [(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.residuals]
-  inputs = [np.int32(rows), np.float32(0)] + [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.inputs]
   dtypes = [jx.aval_dtype(v) for v in segment.inputs]
+  floats = [i for i, d in enumerate(dtypes) if _floating(d)]
+  made = [v for v in segment.residuals if _floating(jx.aval_dtype(v))]
+  if backward:
+    avals = [(jx.aval_shape(segment.inputs[i]), dtypes[i]) for i in floats]
+    cotangents = [_filled(jx.aval_shape(v), jx.aval_dtype(v)) for v in made]
+  else:
+    avals, cotangents = [(jx.aval_shape(v), jx.aval_dtype(v)) for v in segment.residuals], []
+  inputs = ([np.int32(rows), np.float32(0)] + [_filled(jx.aval_shape(v), d) for v, d in zip(segment.inputs, dtypes)]
+            + cotangents)
   moved = [m or not _floating(d) for m, d in zip(moved or [True] * len(dtypes), dtypes)]
   moved = moved if any(m and _floating(d) for m, d in zip(moved, dtypes)) else [True] * len(dtypes)
 
-  def run(trips, zero, *args):
+  def gradients(fresh: list, cts: Sequence[Any]) -> list:
+    def floating_outputs(*xs):
+      given = dict(zip(floats, xs))
+      return [y for y in body(*(given.get(i, x) for i, x in enumerate(fresh))) if _floating(y.dtype)]
+
+    _, pullback = jax.vjp(floating_outputs, *(fresh[i] for i in floats))
+    return list(pullback(list(cts)))
+
+  def run(trips, zero, *given):
+    args, cts = given[:len(dtypes)], given[len(dtypes):]
+
     def trip(_, previous):
       offset = zero * sum((x.reshape(-1)[0].astype(jnp.float32) for x in previous if _floating(x.dtype)),
                           jnp.float32(0))
       fresh = [_offset(x, offset) if m else x for x, m in zip(args, moved)]
-      return tuple(_as(x, dtype) for x, (_, dtype) in zip(body(*fresh), avals))
+      out = gradients(fresh, [_offset(c, offset) for c in cts]) if backward else body(*fresh)
+      return tuple(_as(x, dtype) for x, (_, dtype) in zip(out, avals))
 
     return jax.lax.fori_loop(0, trips, trip, tuple(jnp.zeros(shape, dtype) for shape, dtype in avals))
 
