@@ -140,3 +140,21 @@ def test_the_forms_reach_every_feature(profile):
     if f.name in ("model axis", "remat per group", "narrow reduction"):  # priced elsewhere (their own tests)
       continue
     assert any(f.applies(plan, ex) for plan, ex in made), f.name
+
+
+def test_the_priced_peak_of_a_sharded_group_holds_its_part_where_groups_exchange_parts(profile):
+  """Beside an unsharded group of its size, a sharded group's device hands the exchange its part of the sums,
+  not a whole-sized row: its priced peak is lower by three quarters of a row (groups of 4), and nothing else
+  about it changes; beside a group of another size it still holds the whole row."""
+  import dataclasses
+
+  from hetspmd.planner.data_axis import REDUCE_BYTES, WORKSPACE
+
+  # the step's parameters made large enough that the rows after the loop, not a microbatch, set the peak
+  profile = dataclasses.replace(profile, param_count=10**8, param_bytes=4 * 10**8)
+  _, parts = _priced("1x4xBig+1x4xSmall;processes=1", ("Small",), 0, (0, 0), profile)
+  _, rows = _priced("1x2xBig+1x4xSmall;processes=1", ("Small",), 0, (0, 0), profile)
+  assert parts.group.execution.parts_exchange and not rows.group.execution.parts_exchange
+  small = lambda p: max(m for m, k in zip(p.memory_bytes, p.kinds) if k == "Small")
+  row = profile.param_count * REDUCE_BYTES["float32"] * WORKSPACE
+  assert small(rows) - small(parts) == pytest.approx(row * 3 / 4, abs=2) and small(parts) > row

@@ -341,6 +341,9 @@ def test_batchnorm_over_the_global_batch_in_a_sharded_group_matches_one_device()
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_normed_state())[0]]
   split = {paths[i] for i in step._latest.shards[0].at}
   assert split == {p for p in paths if "params" in p and "scale" not in p}, split
+  # groups of one size, but the earlier loop's sums feed the later one: whole-shaped rows, and explain() says so
+  assert step.execution.parts_exchange and not step._latest.part_sums
+  assert "the groups hand over whole-shaped rows: the step runs several microbatch loops" in step.explain()
 
 
 class _Normalised(nn.Module):

@@ -70,6 +70,9 @@ def _hybrid(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
 
 
 def _parts_exchange(plan: GroupPlan, execution: Any, built: Any) -> list[str]:
+  if built is not None and not built.part_sums:  # a step of several loops: an earlier loop's sums feed a later one
+    return ["  the groups hand over whole-shaped rows: the step runs several microbatch loops, whose sums are not "
+            "split (the groups would otherwise exchange parts)"]
   sums = f" ({len(built.part_sums)} sums)" if built is not None else ""
   return [f"  the groups that do not shard reduce-scatter their sums within the group after their loop, onto the "
           f"parts the sharded groups hold{sums}: no device hands over a whole-sized row; one uniform program adds "

@@ -349,7 +349,7 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
              if parts and not shards and kept and prog.analysis.loops - 1 == s else None)
 
   def run(inputs, counts, starts, earlier=None):
-    parts = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
+    given = {v: inputs[i] for i, v in enumerate(prog.invars) if v in split}
     whole = [jnp.zeros(jx.aval_shape(v), jx.aval_dtype(v)) if v in split else x for v, x in zip(prog.invars, inputs)]
     env, ops = before_loops(prog, whole, counts, starts)  # the zeros' work is dead: the loop redoes it on the parts
     mine = loop_cuts(ops.cut_outs, s)
@@ -368,7 +368,7 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
 
     return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(specs, P(axis), P(axis), P(axis), P()),
                          out_specs=P(axis), axis_names={axis}, check_vma=False)(
-                             [env[v] for v in read] + [parts[v] for v in split], list(ops.buffers), counts, starts,
+                             [env[v] for v in read] + [given[v] for v in split], list(ops.buffers), counts, starts,
                              dict(earlier or {}))
 
   return run

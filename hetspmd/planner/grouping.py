@@ -247,8 +247,10 @@ def _reduce_seconds(costing: Costing, layout: DeviceGroups, dtype: str, *, hybri
     groups = [g for kind_groups in shard_groups(costing, layout).values() for g in kind_groups]
     return sharding.hybrid_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
   if parts is not None:
-    groups = [g for kind_groups in run_groups(costing, layout, parts).values() for g in kind_groups]
-    return sharding.parts_exchange_seconds(costing.cluster, groups, costing.profile, dtype)
+    every = run_groups(costing, layout, parts)
+    groups = [g for kind_groups in every.values() for g in kind_groups]
+    unsharded = [g for kind, kind_groups in every.items() if kind not in parts for g in kind_groups]
+    return sharding.parts_exchange_seconds(costing.cluster, groups, unsharded, costing.profile, dtype)
   reduce, _ = costing.gradient_seconds(layout, NO_TENSOR_PARALLEL, 0, dtype)
   return reduce / 2 * share_factor(spread, sums) * received / len(layout.groups) if owner else reduce
 

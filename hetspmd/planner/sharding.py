@@ -172,15 +172,17 @@ def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], p
   return allreduce_seconds(cluster, firsts, profile.param_count * REDUCE_BYTES[dtype] / g, g)
 
 
-def parts_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
-                           dtype: str) -> float:
-  """The exchange of groups of one size ``g`` (``groups``: device positions) some of which shard their parameters
-  and some not (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): the parts added across the groups as
-  in a hybrid plan (:func:`hybrid_exchange_seconds`), and in the slowest group a reduce-scatter of the sums (the
-  unsharded groups', after their loops) and an all-gather of the updated parameters, priced together as one
-  all-reduce of the gradients in ``dtype``."""
-  within = max(allreduce_seconds(cluster, g, profile.param_count * REDUCE_BYTES[dtype]) for g in groups)
-  return within + hybrid_exchange_seconds(cluster, groups, profile, dtype)
+def parts_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], unsharded: Sequence[Sequence[int]],
+                           profile: StepProfile, dtype: str) -> float:
+  """The exchange of groups of one size (``groups``: device positions) some of which shard their parameters
+  and some not (``unsharded``; :attr:`~hetspmd.plan.execution.Execution.parts_exchange`): in the slowest
+  unsharded group, the reduce-scatter of its float32 sums after its loop (half an all-reduce; a sharded group's
+  runs in its loop, priced there); the parts added across the groups in ``dtype``, as in a hybrid plan
+  (:func:`hybrid_exchange_seconds`); and in the slowest group, the all-gather of the new parameters (half an
+  all-reduce of their bytes)."""
+  scatter = max((allreduce_seconds(cluster, g, profile.param_count * GRAD_BYTES) / 2 for g in unsharded), default=0.0)
+  gather = max(allreduce_seconds(cluster, g, profile.param_bytes) / 2 for g in groups)
+  return scatter + gather + hybrid_exchange_seconds(cluster, groups, profile, dtype)
 
 
 def exposed_seconds(kind: str, comm: float, compute: float) -> float:

@@ -70,6 +70,7 @@ from hetspmd.lowering import transfers
 from hetspmd.lowering.group_build import GroupMeshes, GroupPrograms, build
 from hetspmd.lowering.group_features import explained
 from hetspmd.lowering.group_stages import DATA
+from hetspmd.plan.execution import Execution
 from hetspmd.plan.groups import GroupPlan, split_by_process
 from hetspmd.plan.state_layout import role_of
 from hetspmd.runtime import group_calls as calls
@@ -221,7 +222,7 @@ class GroupedStep:
       chains = self._latest.group_stages
       lines += (["  each group's program: " + " -> ".join(chains[0])] if len(set(chains)) == 1 else
                 [f"  group {g}'s program: " + " -> ".join(names) for g, names in enumerate(chains)])
-    lines += _sharded_lines(self.plan, self._latest)
+    lines += _sharded_lines(self.plan, self._latest, self.execution)
     lines += explained(self.plan, self.execution, self._latest)  # each feature's own lines (group_features)
     for built in self._built.values():
       if built.units is not None:
@@ -387,7 +388,7 @@ def _same_but_counts(mine: GroupPlan, theirs: GroupPlan) -> bool:
   return (blank(mine) == blank(theirs) and all(g.slots for g in mine.groups)
           and [g.max_count for g in mine.groups] == [g.max_count for g in theirs.groups])
 
-def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
+def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None, execution: Execution) -> list[str]:
   """:meth:`GroupedStep.explain`'s lines on the groups that shard their parameters (FSDP within the group)."""
   lines = []
   for g, group in enumerate(plan.groups):
@@ -400,7 +401,7 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
                  f"evenly (zero-padded along one axis), each gathered for each equation that reads it (forward and "
                  f"backward apart; a layer scan's a slice per iteration), each microbatch's gradient sums "
                  f"reduce-scattered into parts; its devices run {group.max_count} microbatch(es) in lockstep (the "
-                 "ones a device lacks masked); " + _handed(built))
+                 "ones a device lacks masked); " + _handed(built, execution))
     sizes = split.sizes if split is not None else None
     if sizes is not None:
       lines.append(f"    per device: {_mb(sizes.held)} of the parameters held in its loop (of {_mb(sizes.whole)} "
@@ -411,13 +412,16 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None) -> list[str]:
   return lines
 
 
-def _handed(built: GroupPrograms | None) -> str:
+def _handed(built: GroupPrograms | None, execution: Execution) -> str:
   """What a sharded group hands over after its loop, in words."""
   rows = "each device's row is its part in place, zeros elsewhere"
   if built is None or not built.part_sums:
     return rows
-  return (f"each device hands the state's owners its parts of {len(built.part_sums)} sums, which each owner "
-          f"joins (of any other sum, {rows})")
+  if execution.owners_reduce:
+    return (f"each device hands the state's owners its parts of {len(built.part_sums)} sums, which each owner "
+            f"joins (of any other sum, {rows})")
+  return (f"each device hands the exchange its parts of {len(built.part_sums)} sums, added across the groups "
+          f"(of any other sum, {rows})")
 
 
 def _mb(n: int) -> str:
