@@ -1,7 +1,8 @@
 """Calibrating on one layer against calibrating on the whole step: GPTs on 8 profiled CPU devices.
 
 A step too large for one device is calibrated on one layer (``hetspmd.runtime.layer_timing``): one layer of its
-layer scan (the ``-scan`` models), or the forward of its middle block where it unrolls its layers (the others).
+layer scan (the ``-scan`` models), or the forward and backward of its middle block where it unrolls its layers
+(the others).
 The search scales each kind's predicted microbatch by the timed part's measured over predicted seconds. Here the
 models fit, so the same plans are priced three ways and run:
 
@@ -115,7 +116,7 @@ def main() -> None:
   met = all(medians[k] - medians["step"] <= 0.10 for k in ("scan", "block"))
   print(f"median absolute error: predicted {medians['predicted']:.0%}, step-calibrated {medians['step']:.0%}, "
         f"layer-calibrated {medians['layer']:.0%} (a layer scan's layer {medians['scan']:.0%}, an unrolled "
-        f"block's forward {medians['block']:.0%}; goal: each within 10 points of step-calibrated: "
+        f"block's forward and backward {medians['block']:.0%}; goal: each within 10 points of step-calibrated: "
         f"{'met' if met else 'NOT met'})")
   print(f"run to run: the two passes differ by {statistics.median(spreads):.0%} (median), the floor under any "
         "error here")

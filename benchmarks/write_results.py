@@ -98,7 +98,7 @@ BENCHES = (
     Bench("layer_calibration", (), "measured",
           "Scanned and unrolled GPTs on 8 profiled CPU devices, each plan priced on the specs, on the whole step's "
           "timing and on one layer's timing (the calibration of a step too large for a device: a layer scan's layer, "
-          "or an unrolled block's forward), against its measured step (goal: each layer-calibrated median error "
+          "or an unrolled block's forward and backward), against its measured step (goal: each layer-calibrated median error "
           "within 10 points of the step-calibrated one)."),
     Bench("trace_time", (), "measured",
           "Seconds to trace GPT-2 medium's step and to run the microbatch pass on its jaxpr."),
