@@ -508,6 +508,29 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
     hs.parallelize(w.make_train_step(), global_batch=64, calibrate="sometimes")
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_kind_is_timed_as_the_step_runs_and_the_callers_state_stays(donate):
+  """Where the step donates its state, a kind is timed on a program that donates too, fed each call's new state
+  (a donated state's program runs slower on CPU than one that keeps it), on a copy: the caller's state, whole on
+  the timed device, is never donated and still trains after the timing."""
+  from hetspmd.runtime.calibrating import KindTimer
+
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:1], kinds=["V100-32GB"])
+  front = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=16,
+                         donate_state=donate)
+  state = jax.device_put(w.init_state(0), jax.devices()[0])
+  timer = KindTimer(front, jax.devices()[0])
+  runs = timer.runs((state, w.synthetic_batch(0, batch=8)), {}, [4], counts=(2, 3), repeats=3)
+  assert [c for _, c, _ in runs] == [2, 3] and all(s > 0 for _, _, s in runs)
+  runner = timer._runners[4, 2]
+  lowered = runner.lower((state, w.synthetic_batch(0, batch=8)), {}).as_text()
+  assert runner.front.donate_state == donate and ("tf.aliasing_output" in lowered) == donate
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  new, _ = w.make_train_step()(state, w.synthetic_batch(1, batch=8))  # the caller's state still trains
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new))
+
+
 def test_calibrate_true_measures_before_the_search():
   """calibrate=True on emulated kinds: the first call times both kinds, then searches on the measured cluster."""
   if jax.device_count() < 2:

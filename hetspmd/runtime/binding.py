@@ -340,6 +340,15 @@ class Call:
       return (jax.lax.with_sharding_constraint(outputs[0], state_shardings),) + tuple(outputs[1:])
     return outputs
 
+  def new_state(self, outputs: Any) -> Any:
+    """The new state among the program's ``outputs``, where the step hands one back (NNX objects' state, or a
+    first output shaped like the state: as :meth:`constrain` finds it), else None."""
+    if self.graph_args:
+      return outputs[0]
+    if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == jax.tree.structure(self.state):
+      return outputs[0]
+    return None
+
   def finish(self, outputs: Any) -> Any:
     from flax import nnx
 

@@ -95,7 +95,7 @@ class KindTimer:
                       global_batch=size * count * len(devices), microbatch=size, counts=(count,) * len(devices),
                       remat=self.remat)
       front = dataclasses.replace(self.front, requested_plan=plan, global_batch=plan.global_batch, bound=(),
-                                  donate_state=False, example_batch=None, batch_argnums=batch_argnums, cluster=None,
+                                  example_batch=None, batch_argnums=batch_argnums, cluster=None,
                                   rebalancer=None, _runner=None, _note="")
       self._runners[key] = SingleRunner(front, plan)
     return self._runners[key]
