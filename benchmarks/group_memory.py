@@ -201,8 +201,8 @@ def _sharded_rows(layers: int, width: int) -> None:
         f"them): {', '.join(f'{x:.2f}' for x in ratios)}")
   print("goals: arguments about 1/4 of the parameters; temporaries beside the accumulator about 3 layers or fewer "
         "(a layer scan: beside its stacked part of the gradients too); outputs (the gradient sums it hands over) "
-        "about 1/4 of the parameters where each owner reduces its own sums (ZeRO-3 shares here) or in a hybrid plan "
-        "(whole-shaped rows to the uniform exchange program otherwise); between steps, under ZeRO-3 shares, each "
+        "about 1/4 of the parameters where each owner reduces its own sums (ZeRO-3 shares here), in a hybrid plan, "
+        "and beside the unsharded group of 4 (it hands over the same parts); between steps, under ZeRO-3 shares, each "
         "device its share, in a hybrid plan a quarter of the state")
 
 

@@ -334,15 +334,14 @@ class Call:
 
   def constrain(self, outputs: Any, state_shardings: Any) -> Any:
     """The new state leaves of ``outputs`` held to the plan's shardings."""
-    if self.graph_args:
-      return jax.lax.with_sharding_constraint(outputs[0], state_shardings), outputs[1]
-    if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == jax.tree.structure(self.state):
-      return (jax.lax.with_sharding_constraint(outputs[0], state_shardings),) + tuple(outputs[1:])
-    return outputs
+    new = self.new_state(outputs)
+    if new is None:
+      return outputs
+    return (jax.lax.with_sharding_constraint(new, state_shardings),) + tuple(outputs[1:])
 
   def new_state(self, outputs: Any) -> Any:
     """The new state among the program's ``outputs``, where the step hands one back (NNX objects' state, or a
-    first output shaped like the state: as :meth:`constrain` finds it), else None."""
+    first output shaped like the state), else None."""
     if self.graph_args:
       return outputs[0]
     if isinstance(outputs, tuple) and outputs and jax.tree.structure(outputs[0]) == jax.tree.structure(self.state):

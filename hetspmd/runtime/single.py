@@ -140,7 +140,7 @@ class SingleRunner:
     def fed() -> None:
       outputs = compiled(held[0], others, counts, starts)
       made = jax.tree.leaves(call.new_state(outputs))  # the state's array leaves, in the order the program takes
-      same = [np.shape(x) for x in made] == [np.shape(x) for x in jax.tree.leaves(state)]
+      same = [(np.shape(x), x.dtype) for x in made] == [(np.shape(x), x.dtype) for x in jax.tree.leaves(state)]
       # (a step that hands back no state: a fresh copy)
       held[0] = jax.tree.unflatten(jax.tree.structure(state), made) if same else jax.tree.map(jnp.copy, state)
       jax.block_until_ready(outputs)
