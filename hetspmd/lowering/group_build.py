@@ -371,7 +371,7 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
               ("reorder", functools.partial(reordered, order)),
               ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.grad_reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
-    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept, parts),
+    run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept, parts=parts),
                        *stages)
     out.append(jax.jit(run, out_shardings=NamedSharding(mesh, P(tuple(mesh.axis_names)))))
   return out, ("loop",) + names

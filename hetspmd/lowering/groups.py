@@ -317,7 +317,7 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
 
 
 def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None,
-                  kept: frozenset = frozenset(), parts: bool = False):
+                  kept: frozenset = frozenset(), *, parts: bool = False):
   """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
   last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
