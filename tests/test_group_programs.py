@@ -700,17 +700,20 @@ def gradients_step(state, batch):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tail,shares", [((0, 0), ()), ((1, 1), ()), ((0, 0), SHARES_80_16)],
-                         ids=["exchange", "tail", "owners"])
-def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail, shares):
+@pytest.mark.parametrize("tail,shares,parts", [((0, 0), (), False), ((1, 1), (), False), ((0, 0), SHARES_80_16, False),
+                                              ((0, 0), (), True)], ids=["exchange", "tail", "owners", "parts"])
+def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail, shares, parts):
   """With ``grad_reduce_dtype="bfloat16"`` each device's partial gradient leaves its group program in bfloat16 (half
   the bytes the exchange reduces, or that are copied to the devices owning state shares) and is summed over the
   8 devices in bfloat16, the loss's sum in float32: every gradient element is within the bound of that
   rounding, gamma(n + 1) of the sum of the examples' gradients' magnitudes (no smaller than the devices'
-  partials'), of the float32 gradient; the bound is not vacuous, and the loss is float32's."""
+  partials'), of the float32 gradient; the bound is not vacuous, and the loss is float32's. ``parts``: a group
+  sharding its parameters beside an unsharded one of its size, which reduce-scatters its gradients in bfloat16
+  onto the sharded group's parts."""
   require_devices(8)
-  groups = PLANS[0]
-  size = sum(m * sum(c) for _, m, c in groups) + 8 * tail[0] * tail[1]
+  groups = ([((0, 1, 2, 3), 2, (2, 2, 1, 1), "none", 1, (), True), ((4, 5, 6, 7), 2, (2, 1, 1, 1))] if parts
+            else PLANS[0])
+  size = sum(g[1] * sum(g[2]) for g in groups) + 8 * tail[0] * tail[1]
   plan = group_plan(groups, size, tail=tail, state_shares=shares, grad_reduce_dtype="bfloat16")
   rs = np.random.RandomState(0)
   batch = {"x": rs.randn(size, 12).astype(np.float32), "y": rs.randn(size, 4).astype(np.float32)}
@@ -740,6 +743,10 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
   rows = {str(x.dtype) for name in grouped for x in jax.tree.leaves(step._last[name][0].lower(
       *step._last[name][1]).out_info)}
   assert ("bfloat16" in rows) == (not tail[1])  # with a tail, the tail's reduction narrows them
+  if parts:  # the unsharded group's reduce-scatters after its loop, of bfloat16 (XLA:CPU may widen them itself)
+    text = step._last["group 1"][0].lower(*step._last["group 1"][1]).as_text()
+    scatters = re.findall(r'"stablehlo\.reduce_scatter".*?\}\) : \((.*?)\) ->', text, re.DOTALL)
+    assert len(scatters) == 3 and all("bf16" in operand for operand in scatters), scatters
   exchange = step._last["exchange"][0].lower(*step._last["exchange"][1]).as_text()
   narrowed = re.findall(r'"stablehlo\.all_reduce".*?\}\) : \(([^)]*)\)', exchange, re.DOTALL) if tail[1] else (
       re.findall(r"stablehlo\.reduce\(.*?: \(([^)]*)\)", exchange))

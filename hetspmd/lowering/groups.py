@@ -317,7 +317,7 @@ def with_placeholders(prog: Program, inputs: Sequence[Any], missing: Sequence[in
 
 
 def group_program(prog: Program, layout: Layout, s: int | None = None, width: int = 0, shards: dict | None = None,
-                  kept: frozenset = frozenset(), *, parts: bool = False):
+                  kept: frozenset = frozenset(), *, parts: bool = False, narrow: dict | None = None):
   """``program(inputs, counts, starts, earlier) -> (partials, examples)``: the group's loop ``s`` (default: the
   last).
   ``inputs``: the step's flat jaxpr inputs on the group's devices, each batch input its padded microbatch buffer
@@ -337,7 +337,8 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   or its part alone for the sums ``kept`` names (flat, as the loop returns them: :func:`part_sums`).
   The layout must be in lockstep. Without ``shards``, ``parts`` (beside sharded groups of its size:
   :attr:`~hetspmd.plan.execution.Execution.parts_exchange`) makes each device's row of a sum ``kept`` names the
-  part a sharded group's device would hold: the group's sum reduce-scattered after the loop."""
+  part a sharded group's device would hold: the group's sum reduce-scattered after the loop, in the dtype
+  ``narrow`` (``{flat partial value: dtype}``) gives it where it names it."""
   axis = layout.data_axis
   s = prog.analysis.loops - 1 if s is None else s
   pe_outs = per_example_outputs(prog) if s == prog.analysis.loops - 1 else ()
@@ -345,7 +346,8 @@ def group_program(prog: Program, layout: Layout, s: int | None = None, width: in
   derived = _derived(prog, split) if split else ()
   made = {v for k in derived for v in prog.eqns[k].outvars}
   param_shards = _param_shards(prog, shards, axis, layout.mesh.shape[axis], kept) if shards else None
-  scatter = (ParamShards(axis, layout.mesh.shape[axis], (), (), frozenset(kept))
+  scatter = (ParamShards(axis, layout.mesh.shape[axis], (), (), frozenset(kept),
+                         tuple(sorted((narrow or {}).items())))
              if parts and not shards and kept and prog.analysis.loops - 1 == s else None)
 
   def run(inputs, counts, starts, earlier=None):

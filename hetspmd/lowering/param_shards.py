@@ -44,6 +44,8 @@ class ParamShards:
   # the last loop's partial values (flat, as the loop returns them) left as this device's part after the loop,
   # not made rows: their owners join the parts (:func:`rows_on`), so no device of the group holds them whole
   kept: frozenset = frozenset()
+  # (parted only) {flat partial value: the dtype it crosses devices in} of the kept sums narrowed before they do
+  narrow: tuple = ()
 
   @functools.cached_property
   def made(self) -> frozenset:
@@ -202,15 +204,21 @@ class ParamShards:
     (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): each sum :attr:`kept` names (this device's own,
     accumulated whole over its loop) reduce-scattered over the group onto the part a sharded group's device holds
     of it: along :meth:`axis_of`'s axis, or for a layer scan's stacked sum (``stacked``: ``{(partial, value):
-    axis}``, :meth:`slice_axis`'s) along that one, widened as :meth:`scattered_slice` widens it."""
+    axis}``, :meth:`slice_axis`'s) along that one, widened as :meth:`scattered_slice` widens it. A sum
+    :attr:`narrow` names is cast to its dtype first: it crosses devices in it, as the sharded group's part
+    does after its loop."""
     first = list(itertools.accumulate((len(xs) for xs in acc), initial=0))
+    narrow = dict(self.narrow)
 
     def part(x, reduce, at):
-      if first[at[0]] + at[1] not in self.kept:
+      j = first[at[0]] + at[1]
+      if j not in self.kept:
         return x
+      a = stacked[at] if at in stacked else self.axis_of(reduce, x)
+      if j in narrow and a is not None:
+        return self._scatter(x.astype(narrow[j]), a)
       if at in stacked:
-        return self._scatter(x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x, stacked[at])
-      a = self.axis_of(reduce, x)
+        return self._scatter(x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x, a)
       return x if a is None else self._scatter(x, a)
 
     return [[part(x, r, (p, q)) for q, x in enumerate(xs)] for p, (r, xs) in enumerate(zip(kinds, acc))]

@@ -176,11 +176,12 @@ def parts_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], un
                            profile: StepProfile, dtype: str) -> float:
   """The exchange of groups of one size (``groups``: device positions) some of which shard their parameters
   and some not (``unsharded``; :attr:`~hetspmd.plan.execution.Execution.parts_exchange`): in the slowest
-  unsharded group, the reduce-scatter of its float32 sums after its loop (half an all-reduce; a sharded group's
-  runs in its loop, priced there); the parts added across the groups in ``dtype``, as in a hybrid plan
+  unsharded group, the reduce-scatter of its sums after its loop in ``dtype`` (half an all-reduce; a sharded
+  group's runs in its loop, priced there); the parts added across the groups in ``dtype``, as in a hybrid plan
   (:func:`hybrid_exchange_seconds`); and in the slowest group, the all-gather of the new parameters (half an
   all-reduce of their bytes)."""
-  scatter = max((allreduce_seconds(cluster, g, profile.param_count * GRAD_BYTES) / 2 for g in unsharded), default=0.0)
+  scatter = max((allreduce_seconds(cluster, g, profile.param_count * REDUCE_BYTES[dtype]) / 2 for g in unsharded),
+                default=0.0)
   gather = max(allreduce_seconds(cluster, g, profile.param_bytes) / 2 for g in groups)
   return scatter + gather + hybrid_exchange_seconds(cluster, groups, profile, dtype)
 

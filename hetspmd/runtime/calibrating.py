@@ -5,9 +5,10 @@ A kind is timed on one of its devices, the step run there alone as the plan runs
 microbatch size, remat policy and dtypes, compiled for one device (a one-device
 :class:`~hetspmd.plan.value.Plan`). Each size is run at two microbatch counts, each the median of a few runs
 after a warm-up run the first time, so the difference is one microbatch's seconds and the rest the step's per-step seconds
-(:func:`~hetspmd.hardware.calibration.fit_points`). Outputs are dropped: nothing is written back to the state or
-to NNX objects, and no buffer is donated. The state is read where it lies: a device holding a whole replica
-(data parallelism) is timed on it without a copy.
+(:func:`~hetspmd.hardware.calibration.fit_points`). Nothing is written back to the state or to NNX objects. The
+state is read where it lies: a device holding a whole replica (data parallelism) is timed on it without a copy;
+where the step donates its state, the timed programs donate one copy of it instead, each taking the new state
+the call before made (:meth:`~hetspmd.runtime.single.SingleRunner.prepared`).
 
 Across processes each process times the kinds of its own devices, and the times are gathered so every process
 holds the same numbers (:func:`gathered`).
@@ -64,12 +65,12 @@ class KindTimer:
     at = batch_positions(self.front, args)
     found = []
     for size in sizes:
-      calls = []
+      calls, held = [], []  # held: the state a donating step's timed programs take in turn (one copy)
       for count in counts:
         first = (size, count) not in self._runners
         runner = self._runner(size, count, at, args)
         cut = tuple(_examples(a, count * size * self.width) if i in at else a for i, a in enumerate(args))
-        calls.append(runner.prepared(cut, kwargs, self._here))
+        calls.append(runner.prepared(cut, kwargs, self._here, held))
         if first:
           calls[-1]()
       seconds = [[] for _ in counts]

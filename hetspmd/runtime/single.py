@@ -120,31 +120,37 @@ class SingleRunner:
                        self._starts())
     return call.finish(outputs)
 
-  def prepared(self, args: tuple, kwargs: dict, here: Callable[[list], list]) -> Callable[[], None]:
+  def prepared(self, args: tuple, kwargs: dict, here: Callable[[list], list], held: list | None = None
+               ) -> Callable[[], None]:
     """A call that runs the program once on the call's arguments and waits for it, the state and other
     arguments moved with ``here`` (onto this plan's devices), nothing written back. For timing a kind
-    (:mod:`hetspmd.runtime.calibrating`) as the step runs: where the front donates the state, the program takes
-    a copy of it (never the caller's own buffers), and each call the new state the call before made, as a
-    training loop feeds it (on CPU a donated state's program measured up to a fifth slower than one that keeps
-    it); else the outputs are dropped."""
+    (:mod:`hetspmd.runtime.calibrating`) as the step runs: where the program donates the state, it takes a copy
+    of it (never the caller's own buffers; ``held``, a list shared by the calls of one state's shape, holds it),
+    and each call the new state the call before made, as a training loop feeds it (on CPU a donated state's
+    program measured up to a fifth slower than one that keeps it); it runs once here, so that the timed calls
+    find the program compiled for the state it makes. Else the outputs are dropped."""
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     compiled = self._executable(call)
     state, others = call.dynamic
     n_batch = len(call.batch_inputs)
     state, others = here(state), others[:n_batch] + here(others[n_batch:])
     counts, starts = call.batch.counts, self._starts()
-    if not self.front.donate_state:
+    if not compiled.donates:
       return lambda: jax.block_until_ready(compiled(state, others, counts, starts))
-    held = [jax.tree.map(jnp.copy, state)]
+    held = [] if held is None else held
+    if not held:
+      held.append(jax.tree.map(jnp.copy, state))
+    signature = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(state)]
 
     def fed() -> None:
       outputs = compiled(held[0], others, counts, starts)
       made = jax.tree.leaves(call.new_state(outputs))  # the state's array leaves, in the order the program takes
-      same = [(np.shape(x), x.dtype) for x in made] == [(np.shape(x), x.dtype) for x in jax.tree.leaves(state)]
-      # (a step that hands back no state: a fresh copy)
+      same = [(np.shape(x), jnp.result_type(x)) for x in made] == signature
+      # (a new state found elsewhere among the outputs than first: a fresh copy, timed with the call)
       held[0] = jax.tree.unflatten(jax.tree.structure(state), made) if same else jax.tree.map(jnp.copy, state)
       jax.block_until_ready(outputs)
 
+    fed()
     return fed
 
   def lower(self, args: tuple, kwargs: dict) -> Any:
@@ -201,6 +207,8 @@ class SingleRunner:
                              stages=plan.stages,
                              clock=front.rebalancer.clock_for(mesh) if front.rebalancer is not None else None)
 
+    donates = front.donate_state and call.returns_state(out_tree, analysis.jaxpr)
+
     def make(lockstep: bool):
       program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
 
@@ -208,8 +216,7 @@ class SingleRunner:
         outputs = program(call.inputs((state, others)), counts, starts)
         return call.constrain(jax.tree.unflatten(out_tree, outputs), state_shardings)
 
-      donate = (0,) if front.donate_state and call.returns_state(out_tree, analysis.jaxpr) else ()
-      return jax.jit(run, donate_argnums=donate, compiler_options=_compiler_options(plan, mesh))
+      return jax.jit(run, donate_argnums=(0,) if donates else (), compiler_options=_compiler_options(plan, mesh))
 
     programs: dict = {}
 
@@ -229,6 +236,7 @@ class SingleRunner:
       return chosen(state, others, counts, starts)
 
     run.lower = lambda *a: program(bool(self._lockstep)).lower(*a)
+    run.donates = donates  # the state's buffers (prepared feeds each call's new state back)
     return run
 
 
