@@ -27,7 +27,7 @@ SPECS = {"Big": hs.DeviceSpec("Big", memory_bytes=2**34, **_FAST),
 
 # every form the group search returns: (pool, sharded kinds, ZeRO stage, tail)
 POOLS = ("1x2xBig+1x4xSmall;processes=1", "1x2xBig+1x4xSmall", "2x4xSmall", "2x4xSmall;processes=1",
-         "1x4xBig+1x4xSmall;processes=1")
+         "1x4xBig+1x4xSmall;processes=1", "1x4xBig+1x4xSmall")
 FORMS = [((), 0, (0, 0)), ((), 1, (0, 0)), ((), 3, (0, 0)), ((), 0, (1, 2)), ((), 1, (1, 2)),
          (("Small",), 0, (0, 0)), (("Small",), 1, (0, 0)), (("Big", "Small"), 0, (0, 0)),
          (("Big", "Small"), 1, (0, 0)), (("Small",), 3, (0, 0))]
