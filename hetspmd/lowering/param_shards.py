@@ -198,7 +198,6 @@ class ParamShards:
     return [[row(x, r, like, (p, q)) for q, (x, like) in enumerate(zip(xs, ss))]
             for p, (r, xs, ss) in enumerate(zip(kinds, acc, shapes))]
 
-
   def parted(self, acc: list, kinds: list, stacked: dict) -> list:
     """A group that does not shard, beside groups of its size that do
     (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): each sum :attr:`kept` names (this device's own,
