@@ -142,16 +142,20 @@ def test_an_orbax_checkpoint_moves_between_a_hybrid_plan_and_a_single_program(sa
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
-  """2 processes x 2 CPU devices (gloo), each process one group sharding its parameters: the exchange adds the
-  groups' parts across processes, each group holds its own copy of the state split over its devices."""
+@pytest.mark.parametrize("second", ["sharded", "unsharded"])
+def test_two_processes_one_group_each_match_one_device(second):
+  """2 processes x 2 CPU devices (gloo), each process one group; process 0's shards its parameters.
+  ``sharded``: so does process 1's, a hybrid plan: the exchange adds the groups' parts across processes, and each
+  group holds its own copy of the state split over its devices. ``unsharded``: process 1's group reduce-scatters
+  its sums onto the sharded group's parts after its loop, the exchange adds the parts across processes, and the
+  state comes back whole on every device."""
   from multiprocess import group_child, run_processes
 
-  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent("""
+  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent(f"""
       from hetspmd.plan.groups import Group, group_plan
       from hetspmd.runtime.grouped import run_groups
 
-      def here(x):  # this process's group holds every part of a split leaf: the whole value
+      def here(x):  # this process's devices hold every part of a leaf: the whole value
         out = np.zeros(x.shape, x.dtype)
         for s in x.addressable_shards:
           out[s.index] = np.asarray(s.data)
@@ -159,7 +163,7 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
 
       make = lambda: t.linen_state(t.LayerStack(scanned=True))
       plan = group_plan([Group(tuple(ids[0]), 2, (2, 1), shard_params=True),
-                         Group(tuple(ids[1]), 1, (3, 2), shard_params=True)], 11)
+                         Group(tuple(ids[1]), 1, (3, 2), shard_params={second == "sharded"})], 11)
       data = t.batches(11, steps=3)
       ref = reference(t.linen_step, make(), data)
       step = run_groups(t.linen_step, plan)
@@ -169,36 +173,13 @@ def test_two_processes_one_group_each_in_a_hybrid_plan_match_one_device():
         ref.check_metrics(jax.tree.map(here, metrics), i)
       ref.check(jax.tree.map(here, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
       split = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
-      print(json.dumps({"hybrid": plan.hybrid, "split": split}))
+      print(json.dumps({{"hybrid": plan.hybrid, "split": split, "parts": step.execution.parts_exchange,
+                        "sums": len(step._latest.part_sums)}}))
   """), num_processes=2, devices_per_process=2, timeout=240)
-  assert all(r["hybrid"] and r["split"] > 0 for r in results)
-
-
-@pytest.mark.timeout(300)
-def test_two_processes_a_sharded_group_beside_an_unsharded_one_exchange_parts():
-  """2 processes x 2 CPU devices (gloo): process 0's group shards its parameters, process 1's does not. The
-  unsharded group reduce-scatters its sums onto the sharded group's parts after its loop, the exchange adds the
-  parts across processes, and the state comes back whole on every device; exact against one device."""
-  from multiprocess import group_child, run_processes
-
-  results = run_processes(group_child("test_sharded_groups_users") + textwrap.dedent("""
-      from hetspmd.plan.groups import Group, group_plan
-      from hetspmd.runtime.grouped import run_groups
-
-      make = lambda: t.linen_state(t.LayerStack(scanned=True))
-      plan = group_plan([Group(tuple(ids[0]), 2, (2, 1), shard_params=True), Group(tuple(ids[1]), 1, (3, 2))], 11)
-      data = t.batches(11, steps=2)
-      ref = reference(t.linen_step, make(), data)
-      step = run_groups(t.linen_step, plan)
-      state = step.shard_state(make())
-      for i, batch in enumerate(data):
-        state, metrics = step(state, fed(step, batch))
-        ref.check_metrics(jax.tree.map(np.asarray, metrics), i)
-      ref.check(jax.tree.map(np.asarray, (state.params, state.opt_state)), lambda s: (s.params, s.opt_state))
-      print(json.dumps({"parts": step.execution.parts_exchange, "sums": len(step._latest.part_sums),
-                        "replicated": all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state))}))
-  """), num_processes=2, devices_per_process=2, timeout=240)
-  assert all(r["parts"] and r["sums"] > 0 and r["replicated"] for r in results), results
+  if second == "sharded":
+    assert all(r["hybrid"] and r["split"] > 0 and not r["parts"] for r in results), results
+  else:
+    assert all(not r["hybrid"] and r["split"] == 0 and r["parts"] and r["sums"] > 0 for r in results), results
 
 
 @pytest.mark.timeout(300)
