@@ -51,6 +51,7 @@ class Searched:
   plan: Any
   runtime: Any = None
   note: str = ""
+  runners_up: tuple = ()  # the next ranked single programs' runnable plans, best first (``top`` > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Priced:
   ideal_throughput: float
   trace_seconds: float
   error: str = ""  # why no single program fits, where none does
+  runners_up: tuple = ()  # the ranked single programs after the choice that run from ``processes`` processes
 
   @property
   def grouped(self) -> bool:
@@ -136,9 +138,10 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   if best is not result.plans[0] and best is not None:
     note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
             "some runs" + (f"; {note}" if note else ""))
-  return Priced(result, result.group_plan, stages, grouped or best, note, processes, policies,
-                result.ideal_throughput, traced,
-                "" if grouped or best else "no plan that fits gives every one of the job's processes devices")
+  chosen = grouped or best
+  return Priced(result, result.group_plan, stages, chosen, note, processes, policies, result.ideal_throughput, traced,
+                "" if chosen else "no plan that fits gives every one of the job's processes devices",
+                tuple(p for p in result.plans if covers(p) and p is not chosen))
 
 
 def device_processes(cluster: Cluster) -> tuple[int, ...]:
@@ -158,13 +161,14 @@ def _covering(cluster: Cluster, profile: Any, global_batch: int, whole: Any, opt
     return None
 
 
-def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
+def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int = 1) -> Searched:
   """The search's best plan for ``step`` (a ``ParallelStep``) traced as ``trace`` (a :class:`~hetspmd.runtime.runner.Trace`: the
   step as ``f(state, batch, rest, kwargs)``, the batch it is called with), and for a group plan its runtime (its
   programs built: the plan is final before anything is placed on its devices). Across processes, every process
   must have found the same plan (the same pool, step and batch shapes): one that did not is refused here rather
-  than left to wait in a collective the others never run."""
-  searched = _searched_plan(step, cluster, state, trace)
+  than left to wait in a collective the others never run. ``top``: single programs ranked (the choice's
+  runners-up, for :mod:`hetspmd.runtime.verifying`)."""
+  searched = _searched_plan(step, cluster, state, trace, top)
   if jax.process_count() > 1:
     check_same_plan(searched.plan)
   return searched
@@ -182,14 +186,15 @@ def check_same_plan(plan: Any) -> None:
                        "load the saved plan in every process (plan='plan.json')")
 
 
-def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any) -> Searched:
+def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int) -> Searched:
   """:func:`searched_plan` in this process."""
-  priced = price_step(step, cluster, state, trace, processes=jax.process_count())
+  priced = price_step(step, cluster, state, trace, processes=jax.process_count(), top=top)
   if priced.choice is None:
     raise PlanDoesNotFitError(priced.error)
   if not priced.grouped:
-    return Searched(single_plan(priced.choice, cluster, state, priced.ideal_throughput, step.specs), None,
-                    priced.note)
+    runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
+    return Searched(runnable(priced.choice), None, priced.note,
+                    tuple(runnable(e) for e in priced.runners_up[:top - 1]))
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
     group_plan = kept_specs(to_group_plan(cluster, priced.choice, priced.ideal_throughput), state, step.specs)
     runtime = GroupedStep.across_processes(step.fn, group_plan, batch_stats=step.batch_stats,

@@ -25,7 +25,7 @@ from hetspmd.errors import HetSpmdError
 from hetspmd.passes import _jax_adapter as jx
 from hetspmd.passes.batch_axis.analysis import analyse
 from hetspmd.plan.value import Plan
-from hetspmd.runtime.binding import Call, distinct_leaves
+from hetspmd.runtime.binding import Call, distinct_leaves, is_dynamic
 from hetspmd.runtime.placement import (ShardedBatch, check_live, positions_array, process_examples,
                                        shard_batch)
 from hetspmd.runtime.searching import step_traced
@@ -120,10 +120,11 @@ class SingleRunner:
                        self._starts())
     return call.finish(outputs)
 
-  def prepared(self, args: tuple, kwargs: dict, here: Callable[[list], list], held: list | None = None
-               ) -> Callable[[], None]:
+  def prepared(self, args: tuple, kwargs: dict, here: Callable[[list], list] | None = None,
+               held: list | None = None) -> Callable[[], None]:
     """A call that runs the program once on the call's arguments and waits for it, the state and other
-    arguments moved with ``here`` (onto this plan's devices), nothing written back. For timing a kind
+    arguments moved with ``here`` (onto this plan's devices; None: a copy of the state placed as the plan
+    places it, the other arguments as a call passes them), nothing written back. For timing a kind
     (:mod:`hetspmd.runtime.calibrating`) as the step runs: where the program donates the state, it takes a copy
     of it (never the caller's own buffers; ``held``, a list shared by the calls of one state's shape, holds it),
     and each call the new state the call before made, as a training loop feeds it (on CPU a donated state's
@@ -133,7 +134,10 @@ class SingleRunner:
     compiled = self._executable(call)
     state, others = call.dynamic
     n_batch = len(call.batch_inputs)
-    state, others = here(state), others[:n_batch] + here(others[n_batch:])
+    if here is None:  # (a donating program takes a copy of this below: device_put may alias the caller's buffers)
+      state = [jax.device_put(x, s) for x, s in zip(state, self._dynamic_shardings(call))]
+    else:
+      state, others = here(state), others[:n_batch] + here(others[n_batch:])
     counts, starts = call.batch.counts, self._starts()
     if not compiled.donates:
       return lambda: jax.block_until_ready(compiled(state, others, counts, starts))
@@ -152,6 +156,11 @@ class SingleRunner:
 
     fed()
     return fed
+
+  def _dynamic_shardings(self, call: Call) -> list:
+    """The plan's sharding of each of the call's state leaves that the program takes (its arrays)."""
+    shardings = jax.tree.leaves(self.state_shardings(call.state))
+    return [s for x, s in zip(jax.tree.leaves(call.state), shardings) if is_dynamic(x)]
 
   def lower(self, args: tuple, kwargs: dict) -> Any:
     call = Call.bind(self.front, args, kwargs, self.shard_batch)

@@ -44,6 +44,8 @@ from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
 from hetspmd.runtime.searching import Priced, price_step, searched_plan
 from hetspmd.runtime.single import SingleRunner
+from hetspmd.runtime import verifying
+from hetspmd.runtime.verifying import Verification
 
 
 @dataclasses.dataclass
@@ -74,6 +76,8 @@ class ParallelStep:
   rebalancer: Rebalancer | None = None  # parallelize(..., rebalance=...): microbatches moved while training
   calibrating: Any = "auto"  # parallelize(..., calibrate=...): True, False or "auto" (calibrating.wanted)
   calibration: Calibration | None = None  # the step's measured times the search prices on (given, or measured)
+  verify: Any = "auto"  # parallelize(..., verify=...): time the searched plan on its first call (verifying.wanted)
+  verification: Verification | None = None  # the plans timed whole on the first call, and which runs
   _runner: Runner | None = None  # the plan form's runner, once the plan is resolved
   _note: str = ""  # the search's word on why the plan is (or is not) a group plan
   _pricing: tuple[str, ...] = ()  # what the search priced each kind's compute from (Cluster.pricing)
@@ -104,10 +108,11 @@ class ParallelStep:
     :mod:`hetspmd.runtime.grouped`); False before the plan is resolved."""
     return self._runner is not None and self._runner.grouped
 
-  def _resolve(self, state: Any, trace: Trace | None = None) -> Runner:
+  def _resolve(self, state: Any, trace: Trace | None = None, call: tuple | None = None) -> Runner:
     """The plan form's runner, the plan resolved on ``state`` (and for ``"search"``, the step traced as
-    ``trace``) the first time."""
+    ``trace``, and its choice timed on ``call``'s ``(args, kwargs)`` where it verifies) the first time."""
     if self._runner is None:
+      runner = None
       if state is None and self.requested_plan in ("auto", "search"):
         raise HetSpmdError("the plan is made from the train state: call .shard_state(state) (or the step) first")
       requested, runtime = self.requested_plan, None
@@ -128,9 +133,16 @@ class ParallelStep:
               lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
               calibrating.sizes_for(self, cluster)))
         priced = cluster.calibrated(self.calibration)
-        searched = searched_plan(self, priced, state, self._search_trace(trace))
+        checks = verifying.wanted(self.verify, self.calibration, call)
+        searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
         self._pricing = tuple(priced.pricing())
         plan, runtime, self._note = searched.plan, searched.runtime, searched.note
+        if checks and runtime is None:
+          runner, self.verification = verifying.verified(self, (plan, *searched.runners_up), *call)
+          plan = runner.plan
+        elif checks:
+          self._note = "; ".join(filter(None, [self._note, "the group plan is not timed whole before it runs "
+                                               "(rebalance= times each group's loop while training)"]))
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
@@ -138,7 +150,7 @@ class ParallelStep:
         raise HetSpmdError(f"the plan is for a global batch of {plan.global_batch}; parallelize() was given "
                            f"global_batch={self.global_batch}")
       _check_plan_kinds(plan, self.cluster)
-      self._runner = next(r for form, r in RUNNERS.items() if isinstance(plan, form)).of(self, plan, runtime)
+      self._runner = runner or next(r for form, r in RUNNERS.items() if isinstance(plan, form)).of(self, plan, runtime)
     if state is not None:
       self._runner.check_state(state)
     return self._runner
@@ -155,7 +167,7 @@ class ParallelStep:
         self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
             lambda: calibrating.timed_whole(self, args, kwargs, cluster), lambda: self._search_trace(trace),
             parts.state, cluster, calibrating.sizes_for(self, cluster)))
-    runner = self._resolve(parts.state, trace)
+    runner = self._resolve(parts.state, trace, (args, kwargs))
     if parts.graph_args:
       nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
 
@@ -339,6 +351,8 @@ class ParallelStep:
       notes.append(f"  not calibrated (calibrate='auto'): {self._uncalibrated}")
     if self._pricing:
       notes += ["  the search priced compute from:"] + [f"    {line}" for line in self._pricing]
+    if self.verification is not None:
+      notes += self.verification.describe()
     if self.rebalancer is not None:
       notes += self.rebalancer.describe()
     return self._resolve(None).explain(notes)
@@ -377,7 +391,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
                 specs: Any = None, example_batch: Any = None, batch_argnums: Any = None,
                 batch_stats: str = "local", grad_reduce_dtype: str = "float32", axis_name: Any = None,
                 group_plans: bool = True, static_argnums: Any = None, static_argnames: Any = None,
-                rebalance: Any = None, calibrate: Any = "auto"):
+                rebalance: Any = None, calibrate: Any = "auto", verify: Any = "auto"):
   """Runs a single-device train step, unchanged, on a (mixed) cluster.
 
   Usable as ``@hetspmd.parallelize(cluster=..., global_batch=256)``. The step is written as for one device:
@@ -441,14 +455,20 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
       (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), or
       a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
+    verify: for ``plan="search"``: on the first call, time the chosen single program whole (a copy of the state)
+      and where it runs more than 25% slower than predicted, time the search's runners-up too and run the
+      fastest measured (:mod:`hetspmd.runtime.verifying`; ``step.verification``, ``explain()``): ``True``,
+      ``False``, or ``"auto"``: where the search priced compute from a calibration.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
   _check_flags(donate_state=donate_state, group_plans=group_plans)
+  if not (isinstance(verify, (bool, np.bool_)) or verify == "auto"):
+    raise InvalidValueError(f"verify must be True, False or 'auto' (where the search is calibrated), got {verify!r}")
   option = as_option(rebalance)
   given = _calibration(calibrate)
   wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
       rebalancer=Rebalancer(option) if option is not None else None, cluster=_bound_cluster(cluster),
-      calibrating=calibrate if given is None else False, calibration=given,
+      calibrating=calibrate if given is None else False, calibration=given, verify=verify,
       requested_plan=plan, global_batch=global_batch, microbatch=microbatch, donate_state=donate_state,
       specs=specs, example_batch=example_batch, batch_stats=batch_stats, grad_reduce_dtype=grad_reduce_dtype, axis_name=named_axes.axis_names(axis_name), group_plans=group_plans))
   return wrap if fn is None else wrap(fn)

@@ -1,0 +1,196 @@
+"""A calibrated search's choice timed whole on its first call (hetspmd.runtime.verifying): kept where it runs
+as predicted, its runners-up timed and the fastest measured run where it misses, exact against one device
+either way, and nothing of the caller's (state buffers, NNX objects) touched by the timing.
+
+Whether a plan misses is made certain, not left to this machine's speed: the search is given the step's own
+calibration scaled 30x too fast (every plan's prediction far below what any run takes) or 30x too slow. Group
+plans are left out of these searches (a group plan is not timed whole: its groups' loops are, by rebalancing)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import hetspmd as hs
+from exactness import Reference
+from hetspmd import models
+from hetspmd.errors import InvalidValueError
+from hetspmd.hardware.calibration import Calibration
+from hetspmd.models.mlp import MLPConfig
+from hetspmd.runtime import verifying
+
+SCALE = 30.0
+
+
+def _workload():
+  return dataclasses.replace(models.get("mlp"), name="mlp-verify", config=MLPConfig((32, 64, 10)))
+
+
+def _cluster():
+  return hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+
+
+def _scaled(cal: Calibration, factor: float) -> Calibration:
+  return Calibration(cal.fingerprint, tuple(dataclasses.replace(
+      t, points=tuple((m, s * factor) for m, s in t.points), fixed=t.fixed * factor) for t in cal.kinds))
+
+
+@pytest.fixture(scope="module")
+def calibration():
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=_cluster(), plan="search", global_batch=64)
+  return probe.calibrate(w.init_state(0), w.synthetic_batch(0, batch=8))
+
+
+def _run(calibration, steps=2, **options):
+  """A searched step given ``calibration`` run ``steps`` times beside one device, checked exact; the step."""
+  w = _workload()
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=_cluster(), plan="search", global_batch=64,
+                        calibrate=calibration, group_plans=False, **options)
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = w.init_state(0)
+  for i in range(steps):
+    batch = w.synthetic_batch(i, batch=64)
+    state, metrics = step(state, batch)
+    ref.step(batch)
+    ref.check_metrics(metrics, i)
+  ref.check(state)
+  return step
+
+
+def test_a_plan_that_misses_its_prediction_is_replaced_by_the_fastest_measured(calibration):
+  """Predicted 30x too fast: the choice misses by far more than 25%, so its runners-up are timed too (each
+  whole, with its own prediction), the fastest measured runs (its programs built during the timing: the next
+  calls compile nothing), and the step is exact."""
+  with pytest.warns(UserWarning, match="slower than predicted"):
+    step = _run(_scaled(calibration, 1 / SCALE), steps=1)
+  v = step.verification
+  assert len(v.timed) == verifying.PLANS and v.timed[0].off > verifying.MISS
+  assert all(t.measured > 0 and 0 < t.predicted < t.measured for t in v.timed)
+  assert len({t.label for t in v.timed}) == len(v.timed)  # distinct plans
+  assert v.runs == min(range(len(v.timed)), key=lambda i: v.timed[i].measured)
+  assert verifying.label(step.plan) == v.timed[v.runs].label
+  text = step.explain()
+  assert "so its runners-up were timed too and the fastest measured runs:" in text
+  assert text.count("<- runs") == 1 and v.timed[v.runs].label + ": predicted" in text
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, seconds, **_: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+  w = _workload()
+  state = step.shard_state(w.init_state(0))
+  jax.block_until_ready(step(state, w.synthetic_batch(1, batch=64)))
+  assert not compiles, compiles
+  assert v.to_json()["timed"][v.runs]["plan"] == v.timed[v.runs].label
+
+
+def test_a_plan_that_runs_as_predicted_is_kept(calibration):
+  """Predicted 30x too slow: the choice runs well within its prediction, so it alone is timed and it runs."""
+  step = _run(_scaled(calibration, SCALE))
+  v = step.verification
+  assert len(v.timed) == 1 and v.runs == 0 and not v.replanned and v.timed[0].off < 0
+  assert "verified on the first call: the search's plan ran a step in" in step.explain()
+  assert "within the 25% past which its runners-up are timed" in step.explain()
+
+
+@pytest.mark.parametrize("verify,timed", [(False, False), ("auto", True), (True, True)])
+def test_verify_option(calibration, verify, timed):
+  """verify=False never times; "auto" and True time where the search is calibrated."""
+  step = _run(_scaled(calibration, SCALE), steps=1, verify=verify)
+  assert (step.verification is not None) == timed
+
+
+def test_verify_auto_without_a_calibration_times_nothing_and_true_does():
+  """Uncalibrated (CPU devices under calibrate="auto"), "auto" leaves the choice untimed; verify=True times it."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  assert _run("auto", steps=1).verification is None
+  with pytest.warns(UserWarning, match="slower than predicted"):  # priced from V100 and P100 datasheets
+    assert _run("auto", steps=1, verify=True).verification is not None
+
+
+@pytest.mark.parametrize("fails", [(1,), (0,)])
+def test_a_plan_that_does_not_run_beside_the_copy_is_not_chosen(calibration, monkeypatch, fails):
+  """A timed plan that runs out of memory beside the state's copy: a runner-up is skipped (listed as not run);
+  the choice itself leaves the step unverified, and it runs as searched."""
+  from hetspmd.runtime.single import SingleRunner
+
+  prepared, seen = SingleRunner.prepared, []
+
+  def failing(self, *args, **kwargs):
+    seen.append(self.plan)
+    if len(seen) - 1 in fails:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB.")
+    return prepared(self, *args, **kwargs)
+
+  monkeypatch.setattr(SingleRunner, "prepared", failing)
+  with pytest.warns(UserWarning) if fails == (1,) else _no_warning():
+    step = _run(_scaled(calibration, 1 / SCALE), steps=1)
+  v = step.verification
+  if fails == (1,):
+    assert len(v.timed) == verifying.PLANS and v.runs != 1 and v.to_json()["timed"][1]["measured_seconds"] is None
+    assert "did not run (out of memory)" in step.explain()
+  else:
+    assert len(v.timed) == 1 and v.runs == 0 and step.plan == seen[0]
+    assert "not verified: the search's plan did not run beside a copy of the state" in step.explain()
+
+
+def _no_warning():
+  import contextlib
+  import warnings
+
+  @contextlib.contextmanager
+  def none():
+    with warnings.catch_warnings():
+      warnings.filterwarnings("error", message="the plan runs a step")
+      yield
+
+  return none()
+
+
+def test_bad_verify_is_refused():
+  with pytest.raises(InvalidValueError, match="verify must be True, False or 'auto'"):
+    hs.parallelize(lambda s, b: s, global_batch=8, verify="sometimes")
+
+
+def test_verifying_an_nnx_step_writes_nothing_into_its_objects():
+  """An NNX step trained in place, its search's choice missing and re-planned: the timing runs on copies of
+  the objects' state, so after one call the objects hold exactly one step's update (equal to a step whose plan
+  was not verified)."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  import optax
+  from flax import nnx
+
+  def make():
+    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  def train_step(model, optimizer, batch):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.integers(0, 4, 32).astype(np.int32)}
+  probe = hs.parallelize(train_step, cluster=_cluster(), plan="search", global_batch=32)
+  fast = _scaled(probe.calibrate(*make(), batch), 1 / SCALE)
+  model, optimizer = make()
+  step = hs.parallelize(train_step, cluster=_cluster(), plan="search", global_batch=32, calibrate=fast,
+                        group_plans=False)
+  with pytest.warns(UserWarning, match="slower than predicted"):
+    loss = step(model, optimizer, batch)
+  assert step.verification is not None and len(step.verification.timed) > 1
+  ref_model, ref_optimizer = make()
+  ref_loss = nnx.jit(train_step)(ref_model, ref_optimizer, batch)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+  got = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(nnx.state(model)))])
+  want = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(nnx.state(ref_model)))])
+  before = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(nnx.state(make()[0])))])
+  # one Adam step of lr 1e-2 moves each parameter by about 1e-2; several steps would move it several times
+  assert np.max(np.abs(got - want)) < 1e-3 < np.max(np.abs(want - before))
