@@ -150,6 +150,26 @@ def _no_warning():
   return none()
 
 
+def test_a_plan_made_at_shard_state_is_timed_on_the_example_batch(calibration):
+  """step.shard_state(state) before any call (a step(state, batch) with example_batch= of 8 examples): the
+  choice is timed on the state and the example batch repeated to the global batch, the caller's state is left
+  whole, and the step then trains exactly."""
+  w = _workload()
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=_cluster(), plan="search", global_batch=64,
+                        calibrate=_scaled(calibration, SCALE), group_plans=False,
+                        example_batch=w.synthetic_batch(0, batch=8))
+  given = w.init_state(0)
+  state = step.shard_state(given)
+  assert step.verification is not None and len(step.verification.timed) == 1
+  assert not any(x.is_deleted() for x in jax.tree.leaves(given) if isinstance(x, jax.Array))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  batch = w.synthetic_batch(1, batch=64)
+  state, metrics = step(state, batch)
+  ref.step(batch)
+  ref.check_metrics(metrics, 0)
+  ref.check(state)
+
+
 def test_bad_verify_is_refused():
   with pytest.raises(InvalidValueError, match="verify must be True, False or 'auto'"):
     hs.parallelize(lambda s, b: s, global_batch=8, verify="sometimes")

@@ -69,7 +69,7 @@ class KindTimer:
       for count in counts:
         first = (size, count) not in self._runners
         runner = self._runner(size, count, at, args)
-        cut = tuple(_examples(a, count * size * self.width) if i in at else a for i, a in enumerate(args))
+        cut = tuple(examples(a, count * size * self.width) if i in at else a for i, a in enumerate(args))
         calls.append(runner.prepared(cut, kwargs, self._here, held))
         if first:
           calls[-1]()
@@ -166,7 +166,7 @@ def _replica_on(x: jax.Array, device: Any) -> jax.Array | None:
     return None
 
 
-def _examples(batch: Any, n: int) -> Any:
+def examples(batch: Any, n: int) -> Any:
   """``batch``'s first ``n`` examples (repeated from the start where it has fewer)."""
 
   def cut(x):

@@ -133,6 +133,7 @@ class ParallelStep:
               lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
               calibrating.sizes_for(self, cluster)))
         priced = cluster.calibrated(self.calibration)
+        call = call or self._example_call(state)
         checks = verifying.wanted(self.verify, self.calibration, call)
         searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
         self._pricing = tuple(priced.pricing())
@@ -198,6 +199,15 @@ class ParallelStep:
       return None
     front = dataclasses.replace(self, batch_argnums=(1,), rebalancer=None, _runner=None)
     return calibrating.timed_whole(front, (state, self.example_batch), {}, cluster)
+
+  def _example_call(self, state: Any) -> tuple | None:
+    """``((state, example_batch repeated to the global batch), {})``, a call to time plans on where the plan is
+    made before any call (a ``step(state, batch)``); None where no concrete example batch says what it takes."""
+    batch = self.example_batch
+    if (batch is None or state is None or self.bound or isinstance(batch, (tuple, list))
+        or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))):
+      return None
+    return (state, calibrating.examples(batch, self.global_batch)), {}
 
   def _search_trace(self, trace: Trace | None) -> Trace:
     """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:

@@ -9,8 +9,9 @@ after a warm-up. Where it runs more than :data:`MISS` slower than its prediction
 programs are timed the same way, and the fastest measured runs. Every timed program is kept: the one chosen
 is the step's, compiled already.
 
-Across processes each process times its share of every program (they run as one), and the slowest process's
-time counts, so every process makes the same choice.
+The choice is verified in one process: on the first call's arguments, or, where the plan is made before any
+call (``step.shard_state`` of a ``step(state, batch)``), on the state and ``example_batch`` repeated to the
+global batch.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ import warnings
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from hetspmd.runtime.calibrating import batch_positions, now
+from hetspmd.runtime.calibrating import now
 from hetspmd.runtime.single import SingleRunner
 
 MISS = 0.25    # measured slower than predicted by more than this: the runners-up are timed too
@@ -85,10 +84,12 @@ class Verification:
 
 
 def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
-  """Whether a search verifies its choice (``parallelize(..., verify=option)``): on a call's concrete arguments
-  (``call``; None where the plan is made before any call, from ``example_batch``), under ``True``, or under
-  ``"auto"`` where the search priced compute from a ``calibration``."""
-  if option is False or call is None:
+  """Whether a search verifies its choice (``parallelize(..., verify=option)``): in one process, on concrete
+  arguments (``call``: a call's, or the state and ``example_batch`` repeated to the global batch; None where
+  neither is at hand), under ``True``, or under ``"auto"`` where the search priced compute from a
+  ``calibration``. Across processes the choice is not timed: each process would time another share of each
+  runner-up, from examples it does not hold."""
+  if option is False or call is None or jax.process_count() > 1:
     return False
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(call)):  # step.resolve on abstract values
     return False
@@ -96,23 +97,23 @@ def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
 
 
 def label(plan: Any) -> str:
-  """A plan in one line: its mesh, microbatches, ZeRO stage, remat and counts."""
-  return (f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, microbatch {plan.microbatch}, ZeRO-{plan.zero_stage}, "
-          f"remat {plan.remat}, counts {list(plan.microbatch_counts)}")
+  """A plan in one line: its mesh and devices, microbatches, ZeRO stage, remat and reduction dtype."""
+  return (f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))} on devices {list(plan.device_ids)}, counts "
+          f"{list(plan.microbatch_counts)} of {plan.microbatch}, ZeRO-{plan.zero_stage}, remat {plan.remat}, "
+          f"reduced in {plan.grad_reduce_dtype}{', overlapped' if plan.overlap_reduction else ''}")
 
 
 def verified(front: Any, plans: Sequence[Any], args: tuple, kwargs: dict, *, miss: float = MISS,
              repeats: int = REPEATS) -> tuple[SingleRunner, Verification]:
   """The runner ``front`` runs and how it was chosen: ``plans[0]`` (the search's single program) timed whole on
   a call's arguments, and where it runs more than ``miss`` slower than predicted, ``plans[1:]`` too, the fastest
-  measured kept (its programs built). ``args`` hold the global batch (across processes, each process times its
-  own examples of each plan)."""
+  measured kept (its programs built). ``args`` hold the global batch."""
   runners, timed = [], []
   for plan in plans:
     runner = SingleRunner.of(front, plan)
     runners.append(runner)
     timed.append(Timed(label(plan), dict(plan.predicted).get("step_seconds", 0.0),
-                       _slowest(_time(runner, _own_examples(front, runner, args), kwargs, repeats))))
+                       _time(runner, args, kwargs, repeats)))
     if len(timed) == 1 and (timed[0].off <= miss or timed[0].measured == float("inf")):
       break
   best = min(range(len(timed)), key=lambda i: timed[i].measured)
@@ -138,21 +139,3 @@ def _time(runner: SingleRunner, args: tuple, kwargs: dict, repeats: int) -> floa
     run()
     seconds.append(now() - start)
   return statistics.median(seconds)
-
-
-def _own_examples(front: Any, runner: SingleRunner, args: tuple) -> tuple:
-  """The call's arguments with each batch argument cut to the examples this process feeds ``runner``'s plan
-  (one process: all of them, as given)."""
-  if jax.process_count() == 1:
-    return args
-  mine = runner.process_examples()
-  at = batch_positions(front, args)
-  return tuple(jax.tree.map(lambda x: np.asarray(x)[mine] if np.ndim(x) else x, a) if i in at else a
-               for i, a in enumerate(args))
-
-
-def _slowest(seconds: float) -> float:
-  """The slowest process's ``seconds`` (every process gets the same number)."""
-  if jax.process_count() == 1:
-    return seconds
-  return float(np.max(np.asarray(multihost_utils.process_allgather(np.array([seconds], np.float64)))))
