@@ -95,6 +95,10 @@ BENCHES = (
           "(goals: Spearman >= 0.8, median absolute error <= 25%), and priced on the step's calibrated times "
           "(goals: Spearman >= 0.9, median error <= 10%); every plan measured in two passes, whose difference is "
           "this machine's run-to-run spread."),
+    Bench("verify", (), "measured",
+          "The calibrated search's choice against the same search with its choice timed whole before it runs "
+          "(re-planned to the fastest measured of its runners-up where it misses its prediction by 25%), on 8 "
+          "profiled CPU devices: each step timed in turns, and each first call's seconds."),
     Bench("layer_calibration", (), "measured",
           "Scanned and unrolled GPTs on 8 profiled CPU devices, each plan priced on the specs, on the whole step's "
           "timing and on one layer's timing (the calibration of a step too large for a device: a layer scan's layer, "
