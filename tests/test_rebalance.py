@@ -483,7 +483,7 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   probe = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
   cal = probe.calibrate(w.init_state(0), w.synthetic_batch(0, batch=8))  # any batch size
   assert set(cal.kind_names) == {"V100-32GB", "P100-16GB"}
-  assert all(len(t.points) == 2 and all(s > 0 for _, s in t.points) and t.fixed >= 0 for t in cal.kinds)
+  assert all(len(t.points) == 3 and all(s > 0 for _, s in t.points) and t.fixed >= 0 for t in cal.kinds)
   assert len(cal.fingerprint) == 64 and probe.calibration is None  # asked for, not kept
   cal.save(tmp_path / "cal.json")
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
@@ -494,7 +494,7 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   ref.check_metrics(metrics, 0)
   ref.check(state)
   assert step.calibration == cal
-  assert "the search priced compute from:\n    V100-32GB: the step's measured times (2 microbatch size(s)" in (
+  assert "the search priced compute from:\n    V100-32GB: the step's measured times (3 microbatch size(s)" in (
       step.explain())
   auto = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
   auto(w.init_state(0), batch)
@@ -536,6 +536,28 @@ def test_a_kind_is_timed_as_the_step_runs_and_the_callers_state_stays(donate):
   assert not compiles, compiles
   new, _ = w.make_train_step()(state, w.synthetic_batch(1, batch=8))  # the caller's state still trains
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(new))
+
+
+@pytest.mark.parametrize("batch,devices,sizes", [(64, 2, (1, 8, 32)), (128, 8, (1, 4, 16)), (8, 8, (1,)),
+                                                 (48, 4, (1, 3, 12)), (6, 4, (1,))])
+def test_calibration_sizes_reach_the_smallest_size_the_search_may_choose(batch, devices, sizes):
+  from hetspmd.planner.ranking import microbatch_sizes
+  from hetspmd.runtime.calibrating import calibration_sizes
+
+  assert calibration_sizes(batch, devices, microbatch_sizes(batch)) == sizes
+
+
+@pytest.mark.parametrize("size,expected", [(1, 1.0), (2, 1.5), (4, 2.5), (8, 4.0), (10, 4.75), (16, 7.0),
+                                           (32, None)])
+def test_a_microbatch_between_timed_sizes_is_interpolated_between_its_neighbours(size, expected):
+  """Points at 1, 4 and 16 that no one line fits: between two sizes the line through those two; beyond the
+  largest the least-squares line (with its floor)."""
+  timing = KindTiming("V100-32GB", ((1, 1.0), (4, 2.5), (16, 7.0)))
+  if expected is not None:
+    assert timing.micro(size) == pytest.approx(expected)
+  else:
+    a, b = timing.line()  # no lower than the smallest size's seconds scaled down by size, halved
+    assert timing.micro(size) == pytest.approx(max(a + b * size, 1.0 * size / 1 * 0.5))
 
 
 def test_calibrate_true_measures_before_the_search():
@@ -587,7 +609,7 @@ def test_a_step_that_fits_no_one_device_is_searched_uncalibrated_under_auto(monk
   later = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64,
                          calibrate=calibrate)
   later(w.init_state(0), w.synthetic_batch(0, batch=64))
-  assert "RESOURCE_EXHAUSTED" in later.explain() and 0 < len(tries) <= 4  # two kinds at up to two sizes, once
+  assert "RESOURCE_EXHAUSTED" in later.explain() and 0 < len(tries) <= 6  # two kinds at up to three sizes, once
 
 
 # --- across processes -------------------------------------------------------------------------------------------

@@ -86,11 +86,16 @@ class KindTiming:
     return mean_t - b * mean_m, b
 
   def micro(self, microbatch: int) -> float:
-    """Seconds of one microbatch of ``microbatch`` examples: the measured point where there is one, else the
-    fitted line, no lower than the smallest measured size's time scaled down by size."""
+    """Seconds of one microbatch of ``microbatch`` examples: the measured point where there is one, between two
+    measured sizes the line through them, else the fitted line, no lower than the smallest measured size's time
+    scaled down by size."""
     for size, seconds in self.points:
       if size == microbatch:
         return seconds
+    ordered = sorted(self.points)
+    for (m0, t0), (m1, t1) in zip(ordered, ordered[1:]):
+      if m0 < microbatch < m1:
+        return t0 + (t1 - t0) * (microbatch - m0) / (m1 - m0)
     a, b = self.line()
     smallest, at = min(self.points)
     return max(a + b * microbatch, at * microbatch / smallest * 0.5)

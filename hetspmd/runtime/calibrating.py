@@ -286,13 +286,15 @@ def sizes_for(front: Any, cluster: Any) -> tuple[int, ...]:
 
 
 def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]) -> tuple[int, ...]:
-  """Two microbatch sizes to calibrate at: the largest candidate within an even share of the batch, and the
-  largest within a quarter of it (the line ``a + b x microbatch`` is fitted through them)."""
+  """Up to three microbatch sizes to calibrate at: the largest candidate within an even share of the batch, the
+  largest within a quarter of it, and the smallest candidate, which the search may choose too (a microbatch's
+  seconds are interpolated between the sizes timed; below them a line extrapolates a small microbatch's
+  per-iteration cost badly: GPT-2 tiny's plan at microbatch 1 ran 1.9x its price calibrated at 4 and 16)."""
   share = max(1, global_batch // max(1, devices))
   within = [m for m in sorted(candidates) if m <= share] or [min(candidates)]
   top = within[-1]
   low = [m for m in within if m <= max(1, top // 4)] or [within[0]]
-  return tuple(sorted({low[-1], top}))
+  return tuple(sorted({within[0], low[-1], top}))
 
 
 def where_it_runs(option: Any, measure: Callable[[], Calibration | None]) -> tuple[Calibration | None, str]:
