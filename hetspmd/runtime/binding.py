@@ -17,6 +17,7 @@ unwrapped to the step's own value as it is called.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from typing import Any, Callable
@@ -331,6 +332,15 @@ class Call:
     producer = {v: e for e in jx.equations(closed) for v in e.outvars}
     made = [producer.get(jx.outvars(closed)[i]) for i in first]
     return not all(e is not None and jx.phase(e) == "backward" for e in made)
+
+  def skeleton(self) -> "Call":
+    """This call without its values: the structure a built program reads (:meth:`inputs`, :meth:`constrain`),
+    the state as shapes, so that a program kept for later calls holds none of this call's arrays alive."""
+    out = copy.copy(self)
+    out.args, out.kwargs, out.rest, out.batch, out._dynamic = (), {}, (), None, []
+    out.state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), traced_dtype(x)) if is_dynamic(x) else x,
+                             self.state)
+    return out
 
   def constrain(self, outputs: Any, state_shardings: Any) -> Any:
     """The new state leaves of ``outputs`` held to the plan's shardings."""

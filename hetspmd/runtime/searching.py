@@ -204,8 +204,10 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
   except HetSpmdError as e:
     if priced.result is None:
       raise PlanDoesNotFitError(f"{priced.error}; and the group plan that fits does not run this step: {e}") from e
-    return Searched(single_plan(priced.result.plans[0], cluster, state, priced.ideal_throughput, step.specs), None,
-                    f"the search's group plan does not run this step, so it runs as one program: {e}")
+    runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
+    return Searched(runnable(priced.result.plans[0]), None,
+                    f"the search's group plan does not run this step, so it runs as one program: {e}",
+                    tuple(runnable(e) for e in priced.runners_up[:top] if e is not priced.result.plans[0]))
   return Searched(runtime.plan, runtime, priced.note)
 
 

@@ -217,9 +217,10 @@ class SingleRunner:
                              clock=front.rebalancer.clock_for(mesh) if front.rebalancer is not None else None)
 
     donates = front.donate_state and call.returns_state(out_tree, analysis.jaxpr)
+    batch_inputs, call = call.batch_inputs, call.skeleton()  # the programs kept hold no argument alive
 
     def make(lockstep: bool):
-      program = lowering.build(analysis, call.batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
+      program = lowering.build(analysis, batch_inputs, dataclasses.replace(layout, lockstep=lockstep))
 
       def run(state, others, counts, starts):  # only the state's buffers may be donated
         outputs = program(call.inputs((state, others)), counts, starts)

@@ -133,17 +133,20 @@ class ParallelStep:
               lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
               calibrating.sizes_for(self, cluster)))
         priced = cluster.calibrated(self.calibration)
+        on = "the first call" if call else "example_batch repeated to the global batch"
         call = call or self._example_call(state)
         checks = verifying.wanted(self.verify, self.calibration, call)
         searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
         self._pricing = tuple(priced.pricing())
         plan, runtime, self._note = searched.plan, searched.runtime, searched.note
         if checks and runtime is None:
-          runner, self.verification = verifying.verified(self, (plan, *searched.runners_up), *call)
+          runner, self.verification = verifying.verified(self, (plan, *searched.runners_up), *call, on=on)
           plan = runner.plan
         elif checks:
           self._note = "; ".join(filter(None, [self._note, "the group plan is not timed whole before it runs "
                                                "(rebalance= times each group's loop while training)"]))
+        elif self.verify is True:
+          self._note = "; ".join(filter(None, [self._note, "not verified (verify=True): " + verifying.unverified(call)]))
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")

@@ -6,8 +6,8 @@ A calibration measures each kind's compute on its own; the whole program adds wh
 search the first call times the chosen single program on the call's own arguments (a copy of the state,
 placed as the plan places it: nothing the caller holds is donated or written), as the median of a few runs
 after a warm-up. Where it runs more than :data:`MISS` slower than its prediction, the next ranked single
-programs are timed the same way, and the fastest measured runs. Every timed program is kept: the one chosen
-is the step's, compiled already.
+programs are timed the same way, and the fastest measured runs (a runner-up only where :data:`MARGIN` faster
+than the choice). The runner that runs is the one timed, its programs compiled already.
 
 The choice is verified in one process: on the first call's arguments, or, where the plan is made before any
 call (``step.shard_state`` of a ``step(state, batch)``), on the state and ``example_batch`` repeated to the
@@ -23,10 +23,12 @@ from typing import Any, Sequence
 
 import jax
 
+from hetspmd.errors import HetSpmdError
 from hetspmd.runtime.calibrating import now
 from hetspmd.runtime.single import SingleRunner
 
 MISS = 0.25    # measured slower than predicted by more than this: the runners-up are timed too
+MARGIN = 0.05  # a runner-up replaces the choice where it measured at least this much faster
 REPEATS = 3    # timed runs per plan, after a warm-up run (which compiles)
 PLANS = 3      # plans timed at most: the choice and its runners-up
 
@@ -38,6 +40,7 @@ class Timed:
   label: str
   predicted: float
   measured: float
+  error: str = ""  # why it did not run (measured is then infinite)
 
   @property
   def off(self) -> float:
@@ -52,33 +55,34 @@ class Verification:
   timed: tuple[Timed, ...]
   runs: int
   miss: float = MISS
+  on: str = "the first call"  # what it was timed on
 
   @property
   def replanned(self) -> bool:
     return self.runs != 0
 
   def to_json(self) -> dict[str, Any]:
-    return {"miss": self.miss, "runs": self.runs, "replanned": self.replanned,
+    return {"miss": self.miss, "runs": self.runs, "replanned": self.replanned, "on": self.on,
             "timed": [{"plan": t.label, "predicted_seconds": t.predicted,
-                       "measured_seconds": t.measured if t.measured < float("inf") else None}  # None: did not run
+                       "measured_seconds": None if t.error else t.measured, "error": t.error}
                       for t in self.timed]}
 
   def describe(self) -> list[str]:
     first = self.timed[0]
-    if first.measured == float("inf"):
-      return ["  not verified: the search's plan did not run beside a copy of the state (out of memory)"]
+    if first.error:
+      return [f"  not verified: the search's plan did not run beside a copy of the state on {self.on}: {first.error}"]
     said = (f"the search's plan ran a step in {first.measured * 1e3:.3g} ms, predicted {first.predicted * 1e3:.3g} ms "
             f"({first.off:+.0%}")
     if first.off <= self.miss:
-      return [f"  verified on the first call: {said}, within the {self.miss:.0%} past which its runners-up are timed)"]
+      return [f"  verified on {self.on}: {said}, within the {self.miss:.0%} past which its runners-up are timed)"]
     if len(self.timed) == 1:
-      return [f"  verified on the first call: {said}, more than {self.miss:.0%} slower; the search ranked no other "
-              "single program to time)"]
-    lines = [f"  verified on the first call: {said}, more than {self.miss:.0%} slower), so its runners-up were timed "
-             "too and the fastest measured runs:"]
+      return [f"  verified on {self.on}: {said}, more than {self.miss:.0%} slower; there was no other single "
+              "program to time)"]
+    lines = [f"  verified on {self.on}: {said}, more than {self.miss:.0%} slower), so its runners-up were timed too "
+             f"and the fastest measured runs (a runner-up where {MARGIN:.0%} faster than the choice):"]
     for i, t in enumerate(self.timed):
       mark = "  <- runs" if i == self.runs else ""
-      ran = f"measured {t.measured * 1e3:.3g} ms" if t.measured < float("inf") else "did not run (out of memory)"
+      ran = f"did not run ({t.error})" if t.error else f"measured {t.measured * 1e3:.3g} ms"
       lines.append(f"    {t.label}: predicted {t.predicted * 1e3:.3g} ms, {ran}{mark}")
     return lines
 
@@ -96,6 +100,16 @@ def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
   return bool(option) if option != "auto" else calibration is not None
 
 
+def unverified(call: tuple | None) -> str:
+  """Why :func:`wanted` said no to ``verify=True``."""
+  if jax.process_count() > 1:
+    return "plans are not timed whole across processes"
+  if call is None:
+    return ("the plan was made before any call, and example_batch does not say the step's call (give a concrete "
+            "example_batch of a step(state, batch), or call the step first)")
+  return "the plan was made from abstract arguments (step.resolve on shapes); call the step on arrays"
+
+
 def label(plan: Any) -> str:
   """A plan in one line: its mesh and devices, microbatches, ZeRO stage, remat and reduction dtype."""
   return (f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))} on devices {list(plan.device_ids)}, counts "
@@ -103,39 +117,49 @@ def label(plan: Any) -> str:
           f"reduced in {plan.grad_reduce_dtype}{', overlapped' if plan.overlap_reduction else ''}")
 
 
-def verified(front: Any, plans: Sequence[Any], args: tuple, kwargs: dict, *, miss: float = MISS,
-             repeats: int = REPEATS) -> tuple[SingleRunner, Verification]:
+def verified(front: Any, plans: Sequence[Any], args: tuple, kwargs: dict, *, on: str = "the first call",
+             miss: float = MISS, repeats: int = REPEATS) -> tuple[SingleRunner, Verification]:
   """The runner ``front`` runs and how it was chosen: ``plans[0]`` (the search's single program) timed whole on
-  a call's arguments, and where it runs more than ``miss`` slower than predicted, ``plans[1:]`` too, the fastest
-  measured kept (its programs built). ``args`` hold the global batch."""
+  a call's arguments (``on`` says which), and where it runs more than ``miss`` slower than predicted,
+  ``plans[1:]`` too (those ``front``'s rebalancing can move, where it rebalances); a runner-up replaces the choice
+  where it measured :data:`MARGIN` faster, so noise alone does not. ``args`` hold the global batch."""
+  plans = [plans[0]] + [p for p in plans[1:] if front.rebalancer is None or movable(p)]
   runners, timed = [], []
   for plan in plans:
     runner = SingleRunner.of(front, plan)
     runners.append(runner)
-    timed.append(Timed(label(plan), dict(plan.predicted).get("step_seconds", 0.0),
-                       _time(runner, args, kwargs, repeats)))
-    if len(timed) == 1 and (timed[0].off <= miss or timed[0].measured == float("inf")):
+    seconds, error = _time(runner, args, kwargs, repeats)
+    timed.append(Timed(label(plan), dict(plan.predicted).get("step_seconds", 0.0), seconds, error))
+    if len(timed) == 1 and (timed[0].off <= miss or error):
       break
   best = min(range(len(timed)), key=lambda i: timed[i].measured)
-  if timed[best].off > miss and timed[best].measured < float("inf"):
+  if timed[best].measured > (1 - MARGIN) * timed[0].measured:
+    best = 0
+  if timed[best].off > miss and not timed[best].error:
     warnings.warn(f"the plan runs a step in {timed[best].measured * 1e3:.3g} ms, {timed[best].off:+.0%} slower than "
                   f"predicted ({timed[best].predicted * 1e3:.3g} ms; {len(timed)} plan(s) timed): the search priced "
                   "it from times that do not hold here (calibrate the step on this pool: step.calibrate)",
                   stacklevel=4)
-  return runners[best], Verification(tuple(timed), best, miss)
+  return runners[best], Verification(tuple(timed), best, miss, on)
 
 
-def _time(runner: SingleRunner, args: tuple, kwargs: dict, repeats: int) -> float:
-  """Median seconds of ``repeats`` runs of ``runner``'s program on a copy of the call's state, after a warm-up;
-  infinite where it does not run here (out of memory beside the copy)."""
+def movable(plan: Any) -> bool:
+  """Whether rebalancing can move ``plan``'s microbatches: one device per data position, no stages."""
+  return not plan.stages and plan.mesh_shape[1] == 1
+
+
+def _time(runner: SingleRunner, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
+  """Median seconds of ``repeats`` runs of ``runner``'s program on a copy of the call's state, after a warm-up,
+  and ``""``; ``(inf, why)`` where it does not run here (out of memory beside the copy, or arguments it cannot
+  take)."""
   try:
     run = runner.prepared(args, kwargs)
     run()
-  except jax.errors.JaxRuntimeError:
-    return float("inf")
-  seconds = []
-  for _ in range(repeats):
-    start = now()
-    run()
-    seconds.append(now() - start)
-  return statistics.median(seconds)
+    seconds = []
+    for _ in range(repeats):
+      start = now()
+      run()
+      seconds.append(now() - start)
+  except (jax.errors.JaxRuntimeError, HetSpmdError) as e:
+    return float("inf"), (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+  return statistics.median(seconds), ""
