@@ -262,6 +262,18 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
   return Calibration(fingerprint, timings)
 
 
+def on_example(front: Any, state: Any, cluster: Any) -> Calibration | None:
+  """A calibration on ``step(state, example_batch)`` where ``front``'s plan is made before any call; None where
+  no example batch says what the step takes."""
+  if front.example_batch is None or front.bound or isinstance(front.example_batch, (tuple, list)):
+    if front.calibrating is True:
+      raise HetSpmdError("calibrate=True times the step on a call's arguments: call the step first (or "
+                         "step.resolve(...)), or pass example_batch= for a step(state, batch)")
+    return None
+  front = dataclasses.replace(front, batch_argnums=(1,), rebalancer=None, _runner=None)
+  return timed_whole(front, (state, front.example_batch), {}, cluster)
+
+
 def call_trace(front: Any, args: tuple, kwargs: dict) -> tuple[Arguments, Trace]:
   """A call's arguments as ``front`` (a :class:`~hetspmd.runtime.step.ParallelStep`) binds them, its batch of any
   size, and the step as the search traces it."""

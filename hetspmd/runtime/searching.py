@@ -75,7 +75,6 @@ class Priced:
   ideal_throughput: float
   trace_seconds: float
   error: str = ""  # why no single program fits, where none does
-  runners_up: tuple = ()  # the ranked single programs after the choice that run from ``processes`` processes
 
   @property
   def grouped(self) -> bool:
@@ -138,10 +137,9 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   if best is not result.plans[0] and best is not None:
     note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
             "some runs" + (f"; {note}" if note else ""))
-  chosen = grouped or best
-  return Priced(result, result.group_plan, stages, chosen, note, processes, policies, result.ideal_throughput, traced,
-                "" if chosen else "no plan that fits gives every one of the job's processes devices",
-                tuple(p for p in result.plans if covers(p) and p is not chosen))
+  return Priced(result, result.group_plan, stages, grouped or best, note, processes, policies,
+                result.ideal_throughput, traced,
+                "" if grouped or best else "no plan that fits gives every one of the job's processes devices")
 
 
 def device_processes(cluster: Cluster) -> tuple[int, ...]:
@@ -191,10 +189,10 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
   priced = price_step(step, cluster, state, trace, processes=jax.process_count(), top=top)
   if priced.choice is None:
     raise PlanDoesNotFitError(priced.error)
+  runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
   if not priced.grouped:
-    runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
     return Searched(runnable(priced.choice), None, priced.note,
-                    tuple(runnable(e) for e in priced.runners_up[:top - 1]))
+                    tuple(runnable(e) for e in _runners_up(priced, priced.choice)[:top - 1]))
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
     group_plan = kept_specs(to_group_plan(cluster, priced.choice, priced.ideal_throughput), state, step.specs)
     runtime = GroupedStep.across_processes(step.fn, group_plan, batch_stats=step.batch_stats,
@@ -204,11 +202,18 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
   except HetSpmdError as e:
     if priced.result is None:
       raise PlanDoesNotFitError(f"{priced.error}; and the group plan that fits does not run this step: {e}") from e
-    runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
-    return Searched(runnable(priced.result.plans[0]), None,
-                    f"the search's group plan does not run this step, so it runs as one program: {e}",
-                    tuple(runnable(e) for e in priced.runners_up[:top] if e is not priced.result.plans[0]))
+    first = priced.result.plans[0]
+    return Searched(runnable(first), None, f"the search's group plan does not run this step, so it runs as one "
+                    f"program: {e}", tuple(runnable(e) for e in _runners_up(priced, first)[:top - 1]))
   return Searched(runtime.plan, runtime, priced.note)
+
+
+def _runners_up(priced: Priced, chosen: Evaluated) -> list[Evaluated]:
+  """The ranked single programs after ``chosen``, where one process runs them all (across processes: none, as
+  plans are not timed whole there)."""
+  if priced.processes > 1 or priced.result is None:
+    return []
+  return [e for e in priced.result.plans if e is not chosen]
 
 
 def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float, specs: Any = None) -> Any:

@@ -130,23 +130,16 @@ class ParallelStep:
         cluster = self.cluster or Cluster.from_devices(jax.devices())
         if self.calibration is None and not self._uncalibrated and calibrating.wanted(self.calibrating, cluster):
           self.calibration, self._uncalibrated = calibrating.where_it_runs(self.calibrating, lambda: step_or_layer(
-              lambda: self._calibrate_example(state, cluster), lambda: self._search_trace(trace), state, cluster,
+              lambda: calibrating.on_example(self, state, cluster), lambda: self._search_trace(trace), state, cluster,
               calibrating.sizes_for(self, cluster)))
         priced = cluster.calibrated(self.calibration)
-        on = "the first call" if call else "example_batch repeated to the global batch"
-        call = call or self._example_call(state)
+        on, call = ("the first call", call) if call else (verifying.ON_EXAMPLES, verifying.example_call(self, state))
         checks = verifying.wanted(self.verify, self.calibration, call)
         searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
         self._pricing = tuple(priced.pricing())
-        plan, runtime, self._note = searched.plan, searched.runtime, searched.note
-        if checks and runtime is None:
-          runner, self.verification = verifying.verified(self, (plan, *searched.runners_up), *call, on=on)
-          plan = runner.plan
-        elif checks:
-          self._note = "; ".join(filter(None, [self._note, "the group plan is not timed whole before it runs "
-                                               "(rebalance= times each group's loop while training)"]))
-        elif self.verify is True:
-          self._note = "; ".join(filter(None, [self._note, "not verified (verify=True): " + verifying.unverified(call)]))
+        runtime = searched.runtime
+        runner, self.verification, self._note = verifying.checked(self, searched, call, checks, on)
+        plan = runner.plan if runner is not None else searched.plan
       else:
         raise InvalidValueError(
             f"plan must be 'search', 'auto', a Plan, a GroupPlan or a path to a plan JSON file, got {requested!r}")
@@ -191,26 +184,6 @@ class ParallelStep:
                            parts.state, cluster, sizes)
 
     return self._with_static(measured, args, kwargs)
-
-  def _calibrate_example(self, state: Any, cluster: Cluster) -> Calibration | None:
-    """A calibration on ``step(state, example_batch)`` where the plan is made before any call; None where no
-    example batch says what the step takes."""
-    if self.example_batch is None or self.bound or isinstance(self.example_batch, (tuple, list)):
-      if self.calibrating is True:
-        raise HetSpmdError("calibrate=True times the step on a call's arguments: call the step first (or "
-                           "step.resolve(...)), or pass example_batch= for a step(state, batch)")
-      return None
-    front = dataclasses.replace(self, batch_argnums=(1,), rebalancer=None, _runner=None)
-    return calibrating.timed_whole(front, (state, self.example_batch), {}, cluster)
-
-  def _example_call(self, state: Any) -> tuple | None:
-    """``((state, example_batch repeated to the global batch), {})``, a call to time plans on where the plan is
-    made before any call (a ``step(state, batch)``); None where no concrete example batch says what it takes."""
-    batch = self.example_batch
-    if (batch is None or state is None or self.bound or isinstance(batch, (tuple, list))
-        or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))):
-      return None
-    return (state, calibrating.examples(batch, self.global_batch)), {}
 
   def _search_trace(self, trace: Trace | None) -> Trace:
     """What the search traces: the call's step on ``example_batch`` where given, else on the call's batch (none:
@@ -426,15 +399,12 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     fn: the single-device step.
     cluster: the devices, bound to JAX (``Cluster.from_devices``, ``.emulate``), or a preset, TOML file or
       spec string for ``jax.devices()`` in order; default ``Cluster.from_devices(jax.devices())``.
-    plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan`
-      (:mod:`hetspmd.runtime.grouped`), either's JSON object
-      (``step.plan.to_json()``, as saved beside an orbax checkpoint), or
-      a path to either's JSON file. ``"search"`` runs :func:`hetspmd.search`
-      on the state and ``example_batch`` (or the first call's batch) and takes
-      the best plan, or the best group plan where it is priced at least
-      :data:`~hetspmd.planner.ranking.GROUP_PLAN_MARGIN` times faster and runs
-      the step (``explain()`` says which). ``"auto"`` skips the search: every
-      device on the data axis, microbatches in proportion to peak FLOP/s.
+    plan: ``"search"``, ``"auto"``, a :class:`Plan`, a :class:`GroupPlan` (:mod:`hetspmd.runtime.grouped`),
+      either's JSON object (``step.plan.to_json()``, as saved beside an orbax checkpoint), or a path to either's
+      JSON file. ``"search"`` runs :func:`hetspmd.search` on the state and ``example_batch`` (or the first call's
+      batch) and takes the best plan, or the best group plan where it is priced at least
+      :data:`~hetspmd.planner.ranking.GROUP_PLAN_MARGIN` times faster and runs the step (``explain()`` says
+      which). ``"auto"`` skips the search: every device on the data axis, microbatches in proportion to peak FLOP/s.
     global_batch: examples per step.
     microbatch: examples per microbatch (``"auto"`` plans only).
     donate_state: let XLA reuse the input state's buffers for the new state the step returns (none if it
@@ -468,15 +438,12 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
       (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), or
       a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
-    verify: for ``plan="search"``: on the first call, time the chosen single program whole (a copy of the state)
-      and where it runs more than 25% slower than predicted, time the search's runners-up too and run the
-      fastest measured (:mod:`hetspmd.runtime.verifying`; ``step.verification``, ``explain()``): ``True``,
-      ``False``, or ``"auto"``: where the search priced compute from a calibration.
+    verify: ``plan="search"``'s choice timed whole before it runs, its runners-up too where it misses its
+      prediction by 25%, the fastest measured run (:mod:`hetspmd.runtime.verifying`, ``step.verification``):
+      ``True``, ``False``, or ``"auto"``: where the search priced compute from a calibration.
   """
   _check_options(plan, global_batch, microbatch, batch_stats, grad_reduce_dtype)
-  _check_flags(donate_state=donate_state, group_plans=group_plans)
-  if not (isinstance(verify, (bool, np.bool_)) or verify == "auto"):
-    raise InvalidValueError(f"verify must be True, False or 'auto' (where the search is calibrated), got {verify!r}")
+  _check_flags(donate_state=donate_state, group_plans=group_plans, verify=verify)
   option = as_option(rebalance)
   given = _calibration(calibrate)
   wrap = functools.partial(_parallel_step, batch_argnums, (static_argnums, static_argnames), dict(
@@ -520,7 +487,9 @@ def _calibration(calibrate: Any) -> Calibration | None:
 
 def _check_flags(**flags: Any) -> None:
   for name, value in flags.items():
-    if not isinstance(value, (bool, np.bool_)):
+    if name == "verify" and not (isinstance(value, (bool, np.bool_)) or value == "auto"):
+      raise InvalidValueError(f"verify must be True, False or 'auto' (where the search is calibrated), got {value!r}")
+    if name != "verify" and not isinstance(value, (bool, np.bool_)):
       raise InvalidValueError(f"{name} must be True or False, got {value!r}")
 
 

@@ -24,13 +24,14 @@ from typing import Any, Sequence
 import jax
 
 from hetspmd.errors import HetSpmdError
-from hetspmd.runtime.calibrating import now
+from hetspmd.runtime.calibrating import examples, now
 from hetspmd.runtime.single import SingleRunner
 
 MISS = 0.25    # measured slower than predicted by more than this: the runners-up are timed too
 MARGIN = 0.05  # a runner-up replaces the choice where it measured at least this much faster
 REPEATS = 3    # timed runs per plan, after a warm-up run (which compiles)
 PLANS = 3      # plans timed at most: the choice and its runners-up
+ON_EXAMPLES = "example_batch repeated to the global batch"  # what a plan made before any call is timed on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,32 @@ def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(call)):  # step.resolve on abstract values
     return False
   return bool(option) if option != "auto" else calibration is not None
+
+
+def checked(front: Any, searched: Any, call: tuple | None, checks: bool, on: str
+            ) -> tuple[SingleRunner | None, Verification | None, str]:
+  """For ``front``'s search (``searched``: its plan, runners-up and note): the runner :func:`verified` keeps
+  (None where nothing was timed, or the plan is a group plan), the verification, and the search's note with
+  why nothing was timed where ``verify=True`` asked."""
+  why = ""
+  if checks and searched.runtime is None:
+    runner, verification = verified(front, (searched.plan, *searched.runners_up), *call, on=on)
+    return runner, verification, searched.note
+  if checks:
+    why = "the group plan is not timed whole before it runs (rebalance= times each group's loop while training)"
+  elif front.verify is True:
+    why = f"not verified (verify=True): {unverified(call)}"
+  return None, None, "; ".join(filter(None, [searched.note, why]))
+
+
+def example_call(front: Any, state: Any) -> tuple | None:
+  """``((state, example_batch repeated to the global batch), {})``, a call to time plans on where the plan is
+  made before any call (a ``step(state, batch)``); None where no concrete example batch says what it takes."""
+  batch = front.example_batch
+  if (batch is None or state is None or front.bound or isinstance(batch, (tuple, list))
+      or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))):
+    return None
+  return (state, examples(batch, front.global_batch)), {}
 
 
 def unverified(call: tuple | None) -> str:
