@@ -122,6 +122,7 @@ def example_call(front: Any, state: Any) -> tuple | None:
   made before any call (a ``step(state, batch)``); None where no concrete example batch says what it takes."""
   batch = front.example_batch
   if (batch is None or state is None or front.bound or isinstance(batch, (tuple, list))
+      or front.batch_argnums not in (None, (1,))
       or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))):
     return None
   return (state, examples(batch, front.global_batch)), {}
