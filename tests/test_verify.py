@@ -214,15 +214,44 @@ def test_verify_true_says_why_nothing_was_timed():
   assert "not verified (verify=True): the plan was made from abstract arguments" in step.explain()
 
 
+@pytest.mark.parametrize("factor", [1 / SCALE, SCALE])
+def test_a_group_plan_is_timed_whole_and_replaced_where_it_misses(calibration, monkeypatch, factor):
+  """The search made to run its group plan (no margin over the best single program): timed whole (its group
+  programs, exchange and update, on a copy of the state), and where it misses (predicted 30x too fast), its
+  best single programs are timed too and the fastest measured runs; where it does not, it runs. Exact."""
+  monkeypatch.setattr("hetspmd.runtime.searching.GROUP_PLAN_MARGIN", 0.0)
+  w = _workload()
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=_cluster(), plan="search", global_batch=64,
+                        calibrate=_scaled(calibration, factor))
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state = w.init_state(0)
+  with pytest.warns(UserWarning, match="slower than predicted") if factor < 1 else _no_warning():
+    for i in range(2):
+      batch = w.synthetic_batch(i, batch=64)
+      state, metrics = step(state, batch)
+      ref.step(batch)
+      ref.check_metrics(metrics, i)
+  ref.check(state)
+  v = step.verification
+  assert v.timed[0].label.startswith("group plan: ") and v.timed[0].measured > 0
+  if factor < 1:
+    assert len(v.timed) == verifying.PLANS and not any(t.label.startswith("group") for t in v.timed[1:])
+    assert step.grouped == (v.runs == 0)
+  else:
+    assert len(v.timed) == 1 and step.grouped
+  assert f"verified on the first call: the search's plan ran a step in" in step.explain()
+
+
 def test_bad_verify_is_refused():
   with pytest.raises(InvalidValueError, match="verify must be True, False or 'auto'"):
     hs.parallelize(lambda s, b: s, global_batch=8, verify="sometimes")
 
 
-def test_verifying_an_nnx_step_writes_nothing_into_its_objects():
-  """An NNX step trained in place, its search's choice missing and re-planned: the timing runs on copies of
-  the objects' state, so after one call the objects hold exactly one step's update (equal to a step whose plan
-  was not verified)."""
+@pytest.mark.parametrize("form", ["single program", "group plan"])
+def test_verifying_an_nnx_step_writes_nothing_into_its_objects(monkeypatch, form):
+  """An NNX step trained in place, its search's choice (a single program, or a group plan) missing and
+  re-planned: the timing runs on copies of the objects' state, so after one call the objects hold exactly one
+  step's update (equal to a step whose plan was not verified)."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices")
   import optax
@@ -245,11 +274,14 @@ def test_verifying_an_nnx_step_writes_nothing_into_its_objects():
   probe = hs.parallelize(train_step, cluster=_cluster(), plan="search", global_batch=32)
   fast = _scaled(probe.calibrate(*make(), batch), 1 / SCALE)
   model, optimizer = make()
+  if form == "group plan":
+    monkeypatch.setattr("hetspmd.runtime.searching.GROUP_PLAN_MARGIN", 0.0)
   step = hs.parallelize(train_step, cluster=_cluster(), plan="search", global_batch=32, calibrate=fast,
-                        group_plans=False)
+                        group_plans=form == "group plan")
   with pytest.warns(UserWarning, match="slower than predicted"):
     loss = step(model, optimizer, batch)
   assert step.verification is not None and len(step.verification.timed) > 1
+  assert step.verification.timed[0].label.startswith("group plan") == (form == "group plan")
   ref_model, ref_optimizer = make()
   ref_loss = nnx.jit(train_step)(ref_model, ref_optimizer, batch)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

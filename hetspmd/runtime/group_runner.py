@@ -6,8 +6,10 @@ binds them to its one program."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hetspmd.errors import HetSpmdError
@@ -122,6 +124,34 @@ class GroupRunner:
       new_state, out = out
       nnx.update(tuple(args[i] for i in parts.graph_args), new_state)
     return out
+
+  def prepared(self, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """A call that runs the group programs once on the call's arguments and waits for them, for timing the plan
+    whole (:mod:`hetspmd.runtime.verifying`): on a copy of the state (never the caller's own buffers), each call
+    taking the new state the call before made, as a training loop feeds it; the batch placed once; nothing
+    written back, and no group clock reads it. It runs once here (building the programs)."""
+    front = self.front
+    parts = Arguments.of(front, args)
+    trace = Trace.of(front, parts.function(front.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
+    placed = self.runtime.shard_batch(parts.batch)
+    copy = lambda: jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, parts.state)
+    structure, held = jax.tree.structure(parts.state), [copy()]
+
+    def fed() -> None:
+      clock, self.runtime.clock = self.runtime.clock, None
+      try:
+        out = self.runtime.run(trace.f, held[0], placed, trace.rest, graphdef=parts.graphdef, static=trace.static)
+      finally:
+        self.runtime.clock = clock
+      returned = isinstance(out, tuple) and out and (parts.graph_args or jax.tree.structure(out[0]) == structure)
+      if returned:
+        held[0] = out[0]
+      elif any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(held[0])):
+        held[0] = copy()  # donated with no new state handed back: a fresh copy, timed with the call
+      jax.block_until_ready(out)
+
+    fed()
+    return fed
 
   def lower(self, args: tuple, kwargs: dict) -> Any:
     raise HetSpmdError("under a group plan the step runs as several programs (one per group, the exchange, the "

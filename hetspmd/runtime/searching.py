@@ -205,7 +205,8 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
     first = priced.result.plans[0]
     return Searched(runnable(first), None, f"the search's group plan does not run this step, so it runs as one "
                     f"program: {e}", tuple(runnable(e) for e in _runners_up(priced, first)[:top - 1]))
-  return Searched(runtime.plan, runtime, priced.note)
+  return Searched(runtime.plan, runtime, priced.note,
+                  tuple(runnable(e) for e in _runners_up(priced, priced.choice)[:top - 1]))
 
 
 def _runners_up(priced: Priced, chosen: Evaluated) -> list[Evaluated]:

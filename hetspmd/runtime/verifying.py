@@ -3,9 +3,9 @@ prediction, the search's runners-up timed too and the fastest measured run inste
 
 A calibration measures each kind's compute on its own; the whole program adds what no kind's timing sees
 (the reduction as it really runs, the loop's padding, XLA's fusion across the program). So after a calibrated
-search the first call times the chosen single program on the call's own arguments (a copy of the state,
-placed as the plan places it: nothing the caller holds is donated or written), as the median of a few runs
-after a warm-up. Where it runs more than :data:`MISS` slower than its prediction, the next ranked single
+search the first call times the chosen plan on the call's own arguments (a copy of the state, placed as the
+plan places it: nothing the caller holds is donated or written), as the median of a few runs after a warm-up:
+a single program, or a group plan's programs, its exchange and updates, as a step runs them. Where it runs more than :data:`MISS` slower than its prediction, the next ranked single
 programs are timed the same way, and the fastest measured runs (a runner-up only where :data:`MARGIN` faster
 than the choice). The runner that runs is the one timed, its programs compiled already.
 
@@ -24,7 +24,9 @@ from typing import Any, Sequence
 import jax
 
 from hetspmd.errors import HetSpmdError
+from hetspmd.plan.groups import GroupPlan
 from hetspmd.runtime.calibrating import examples, now
+from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.runtime.single import SingleRunner
 
 MISS = 0.25    # measured slower than predicted by more than this: the runners-up are timed too
@@ -101,19 +103,15 @@ def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
   return bool(option) if option != "auto" else calibration is not None
 
 
-def checked(front: Any, searched: Any, call: tuple | None, checks: bool, on: str
-            ) -> tuple[SingleRunner | None, Verification | None, str]:
-  """For ``front``'s search (``searched``: its plan, runners-up and note): the runner :func:`verified` keeps
-  (None where nothing was timed, or the plan is a group plan), the verification, and the search's note with
-  why nothing was timed where ``verify=True`` asked."""
-  why = ""
-  if checks and searched.runtime is None:
-    runner, verification = verified(front, (searched.plan, *searched.runners_up), *call, on=on)
-    return runner, verification, searched.note
+def checked(front: Any, searched: Any, call: tuple | None, checks: bool, on: str) -> tuple[Any, Any, str]:
+  """For ``front``'s search (``searched``: its plan, a group plan's runtime, runners-up and note): the runner
+  :func:`verified` keeps (None where nothing was timed), the verification, and the search's note with why
+  nothing was timed where ``verify=True`` asked."""
   if checks:
-    why = "the group plan is not timed whole before it runs (rebalance= times each group's loop while training)"
-  elif front.verify is True:
-    why = f"not verified (verify=True): {unverified(call)}"
+    runner, verification = verified(front, (searched.plan, *searched.runners_up), *call, on=on,
+                                    runtime=searched.runtime)
+    return runner, verification, searched.note
+  why = f"not verified (verify=True): {unverified(call)}" if front.verify is True else ""
   return None, None, "; ".join(filter(None, [searched.note, why]))
 
 
@@ -139,22 +137,28 @@ def unverified(call: tuple | None) -> str:
 
 
 def label(plan: Any) -> str:
-  """A plan in one line: its mesh and devices, microbatches, ZeRO stage, remat and reduction dtype."""
+  """A plan in one line: its mesh and devices (a group plan: each group's), microbatches, ZeRO stage, remat and
+  reduction dtype."""
+  if isinstance(plan, GroupPlan):
+    return "group plan: " + "; ".join(
+        f"devices {list(g.devices)}, counts {list(g.counts)} of {g.microbatch}, remat {g.remat}"
+        + (f", model {g.model}" if g.model > 1 else "") + (", FSDP" if g.shard_params else "") for g in plan.groups)
   return (f"mesh {dict(zip(plan.axis_names, plan.mesh_shape))} on devices {list(plan.device_ids)}, counts "
           f"{list(plan.microbatch_counts)} of {plan.microbatch}, ZeRO-{plan.zero_stage}, remat {plan.remat}, "
           f"reduced in {plan.grad_reduce_dtype}{', overlapped' if plan.overlap_reduction else ''}")
 
 
 def verified(front: Any, plans: Sequence[Any], args: tuple, kwargs: dict, *, on: str = "the first call",
-             miss: float = MISS, repeats: int = REPEATS) -> tuple[SingleRunner, Verification]:
-  """The runner ``front`` runs and how it was chosen: ``plans[0]`` (the search's single program) timed whole on
+             miss: float = MISS, repeats: int = REPEATS, runtime: Any = None) -> tuple[Any, Verification]:
+  """The runner ``front`` runs and how it was chosen: ``plans[0]`` (the search's choice: a single program, or a
+  group plan whose ``runtime`` the search built) timed whole on
   a call's arguments (``on`` says which), and where it runs more than ``miss`` slower than predicted,
   ``plans[1:]`` too (those ``front``'s rebalancing can move, where it rebalances); a runner-up replaces the choice
   where it measured :data:`MARGIN` faster, so noise alone does not. ``args`` hold the global batch."""
   plans = [plans[0]] + [p for p in plans[1:] if front.rebalancer is None or movable(p)]
   runners, timed = [], []
   for plan in plans:
-    runner = SingleRunner.of(front, plan)
+    runner = (GroupRunner.of(front, plan, runtime) if isinstance(plan, GroupPlan) else SingleRunner.of(front, plan))
     runners.append(runner)
     seconds, error = _time(runner, args, kwargs, repeats)
     timed.append(Timed(label(plan), dict(plan.predicted).get("step_seconds", 0.0), seconds, error))
@@ -176,7 +180,7 @@ def movable(plan: Any) -> bool:
   return not plan.stages and plan.mesh_shape[1] == 1
 
 
-def _time(runner: SingleRunner, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
+def _time(runner: Any, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
   """Median seconds of ``repeats`` runs of ``runner``'s program on a copy of the call's state, after a warm-up,
   and ``""``; ``(inf, why)`` where it does not run here (out of memory beside the copy, or arguments it cannot
   take)."""
