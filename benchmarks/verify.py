@@ -4,8 +4,8 @@
 
 On 8 profiled CPU devices, each model's step is calibrated (``ParallelStep.calibrate``), then searched twice
 on that calibration: ``verify=False`` runs the search's choice as priced; ``verify=True`` times the choice whole
-on its first call and, where it runs more than 25% slower than predicted, times its runners-up too and runs
-the fastest measured (:mod:`hetspmd.runtime.verifying`). Both steps are then timed in turns (ABAB, the median
+on its first call (a single program, or a group plan's programs and exchange) and, where it runs more than 25%
+slower than predicted, times the best single programs after it too and runs the fastest measured (:mod:`hetspmd.runtime.verifying`). Both steps are then timed in turns (ABAB, the median
 of ``--steps`` steps per turn, two turns each), and the first call's seconds of each (search, timing, compile)
 are printed beside them. Where the choice is within its prediction, both run the same plan: the ratio is the
 machine's noise. ``--json`` ends with one line: ``median_ratio`` (verified over unverified step time),
@@ -74,10 +74,6 @@ def main() -> None:
   for name, batch, v, plain, verified, first_plain, first_verified in rows:
     ratios.append(verified / plain)
     firsts.append(first_verified / first_plain)
-    if v is None:  # a group plan: not timed whole (rebalancing times its groups' loops)
-      print(f"{name:<10} {batch:>5} {'a group plan, not timed whole':>41} {plain * 1e3:13.3f} {verified * 1e3:11.3f} "
-            f"{verified / plain:6.2f} {first_plain:12.2f} {first_verified:8.2f}")
-      continue
     choice = v.timed[0]
     print(f"{name:<10} {batch:>5} {choice.predicted * 1e3:12.3f} {choice.measured * 1e3:9.3f} {len(v.timed):>5} "
           f"{'yes' if v.replanned else 'no':>10} {plain * 1e3:13.3f} {verified * 1e3:11.3f} {verified / plain:6.2f} "
@@ -85,7 +81,7 @@ def main() -> None:
     for i, t in enumerate(v.timed):
       print(f"    {'->' if i == v.runs else '  '} {t.label}: predicted {t.predicted * 1e3:.3f} ms, "
             f"measured {t.measured * 1e3:.3f} ms ({t.off:+.0%})")
-  replanned = sum(r[2] is not None and r[2].replanned for r in rows)
+  replanned = sum(r[2].replanned for r in rows)
   print(f"verified over unverified step time: median {statistics.median(ratios):.2f} (best {min(ratios):.2f}, "
         f"worst {max(ratios):.2f}); {replanned} of {len(rows)} re-planned; first call "
         f"{statistics.median(firsts):.2f}x as long (median)")
