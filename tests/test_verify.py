@@ -3,7 +3,7 @@ as predicted, its runners-up timed and the fastest measured run where it misses,
 either way, and nothing of the caller's (state buffers, NNX objects) touched by the timing.
 
 Whether a plan misses is made certain, not left to this machine's speed: the search is given the step's own
-calibration scaled 30x too fast (every plan's prediction far below what any run takes) or 30x too slow. Group
+calibration scaled 30x too fast (every plan's prediction far below what any run takes) or 900x too slow. Group
 plans are left out of these searches (a group plan is not timed whole: its groups' loops are, by rebalancing)."""
 
 import dataclasses
@@ -22,6 +22,7 @@ from hetspmd.models.mlp import MLPConfig
 from hetspmd.runtime import verifying
 
 SCALE = 30.0
+SLOW = SCALE ** 2  # a group plan's several programs add milliseconds of dispatch no calibration sees
 
 
 def _workload():
@@ -92,8 +93,8 @@ def test_a_plan_that_misses_its_prediction_is_replaced_by_the_fastest_measured(c
 
 
 def test_a_plan_that_runs_as_predicted_is_kept(calibration):
-  """Predicted 30x too slow: the choice runs well within its prediction, so it alone is timed and it runs."""
-  step = _run(_scaled(calibration, SCALE))
+  """Predicted 900x too slow: the choice runs well within its prediction, so it alone is timed and it runs."""
+  step = _run(_scaled(calibration, SLOW))
   v = step.verification
   assert len(v.timed) == 1 and v.runs == 0 and not v.replanned and v.timed[0].off < 0
   assert "verified on the first call: the search's plan ran a step in" in step.explain()
@@ -103,7 +104,7 @@ def test_a_plan_that_runs_as_predicted_is_kept(calibration):
 @pytest.mark.parametrize("verify,timed", [(False, False), ("auto", True), (True, True)])
 def test_verify_option(calibration, verify, timed):
   """verify=False never times; "auto" and True time where the search is calibrated."""
-  step = _run(_scaled(calibration, SCALE), steps=1, verify=verify)
+  step = _run(_scaled(calibration, SLOW), steps=1, verify=verify)
   assert (step.verification is not None) == timed
 
 
@@ -161,7 +162,7 @@ def test_a_plan_made_at_shard_state_is_timed_on_the_example_batch(calibration):
   whole, and the step then trains exactly."""
   w = _workload()
   step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=_cluster(), plan="search", global_batch=64,
-                        calibrate=_scaled(calibration, SCALE), group_plans=False,
+                        calibrate=_scaled(calibration, SLOW), group_plans=False,
                         example_batch=w.synthetic_batch(0, batch=8))
   given = jax.device_put(w.init_state(0), jax.devices()[0])
   values = jax.device_get(given)
@@ -214,7 +215,7 @@ def test_verify_true_says_why_nothing_was_timed():
   assert "not verified (verify=True): the plan was made from abstract arguments" in step.explain()
 
 
-@pytest.mark.parametrize("factor", [1 / SCALE, SCALE])
+@pytest.mark.parametrize("factor", [1 / SCALE, SLOW])
 def test_a_group_plan_is_timed_whole_and_replaced_where_it_misses(calibration, monkeypatch, factor):
   """The search made to run its group plan (no margin over the best single program): timed whole (its group
   programs, exchange and update, on a copy of the state), and where it misses (predicted 30x too fast), its

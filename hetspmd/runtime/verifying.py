@@ -9,9 +9,10 @@ a single program, or a group plan's programs, its exchange and updates, as a ste
 programs are timed the same way, and the fastest measured runs (a runner-up only where :data:`MARGIN` faster
 than the choice). The runner that runs is the one timed, its programs compiled already.
 
-The choice is verified in one process: on the first call's arguments, or, where the plan is made before any
-call (``step.shard_state`` of a ``step(state, batch)``), on the state and ``example_batch`` repeated to the
-global batch.
+The choice is timed on the first call's arguments, or, where the plan is made before any call
+(``step.shard_state`` of a ``step(state, batch)``), on the state and ``example_batch`` repeated to the global
+batch. Across processes each process runs its share of each plan (its batch cut or repeated to the examples it
+would feed that plan), and the slowest process's time counts, so every process makes the same choice.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import warnings
 from typing import Any, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.plan.groups import GroupPlan
-from hetspmd.runtime.calibrating import examples, now
+from hetspmd.runtime.calibrating import batch_positions, examples, now
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.runtime.single import SingleRunner
 
@@ -94,9 +97,8 @@ def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
   """Whether a search verifies its choice (``parallelize(..., verify=option)``): in one process, on concrete
   arguments (``call``: a call's, or the state and ``example_batch`` repeated to the global batch; None where
   neither is at hand), under ``True``, or under ``"auto"`` where the search priced compute from a
-  ``calibration``. Across processes the choice is not timed: each process would time another share of each
-  runner-up, from examples it does not hold."""
-  if option is False or call is None or jax.process_count() > 1:
+  ``calibration``."""
+  if option is False or call is None:
     return False
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(call)):  # step.resolve on abstract values
     return False
@@ -128,8 +130,6 @@ def example_call(front: Any, state: Any) -> tuple | None:
 
 def unverified(call: tuple | None) -> str:
   """Why :func:`wanted` said no to ``verify=True``."""
-  if jax.process_count() > 1:
-    return "plans are not timed whole across processes"
   if call is None:
     return ("the plan was made before any call, and example_batch does not say the step's call (give a concrete "
             "example_batch of a step(state, batch), or call the step first)")
@@ -160,7 +160,7 @@ def verified(front: Any, plans: Sequence[Any], args: tuple, kwargs: dict, *, on:
   for plan in plans:
     runner = (GroupRunner.of(front, plan, runtime) if isinstance(plan, GroupPlan) else SingleRunner.of(front, plan))
     runners.append(runner)
-    seconds, error = _time(runner, args, kwargs, repeats)
+    seconds, error = _time(front, runner, args, kwargs, repeats)
     timed.append(Timed(label(plan), dict(plan.predicted).get("step_seconds", 0.0), seconds, error))
     if len(timed) == 1 and (timed[0].off <= miss or error):
       break
@@ -180,10 +180,15 @@ def movable(plan: Any) -> bool:
   return not plan.stages and plan.mesh_shape[1] == 1
 
 
-def _time(runner: Any, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
+def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
   """Median seconds of ``repeats`` runs of ``runner``'s program on a copy of the call's state, after a warm-up,
   and ``""``; ``(inf, why)`` where it does not run here (out of memory beside the copy, or arguments it cannot
-  take)."""
+  take). Each process runs its share (the call's batch cut, or repeated, to the examples it feeds ``runner``'s
+  plan: values do not change a step's time), and the slowest process's seconds count."""
+  at = batch_positions(front, args)
+  n = len(runner.process_examples())
+  args = tuple(examples(a, n) if i in at else a for i, a in enumerate(args))
+  before, front.batch_argnums = front.batch_argnums, at  # this share is the batch, whatever its size
   try:
     run = runner.prepared(args, kwargs)
     run()
@@ -193,5 +198,15 @@ def _time(runner: Any, args: tuple, kwargs: dict, repeats: int) -> tuple[float, 
       run()
       seconds.append(now() - start)
   except (jax.errors.JaxRuntimeError, HetSpmdError) as e:
-    return float("inf"), (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-  return statistics.median(seconds), ""
+    return _slowest(float("inf")), (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+  finally:
+    front.batch_argnums = before
+  slowest = _slowest(statistics.median(seconds))
+  return slowest, "" if slowest < float("inf") else "it did not run on another process"
+
+
+def _slowest(seconds: float) -> float:
+  """The slowest process's ``seconds`` (every process gets the same number, so the same choice)."""
+  if jax.process_count() == 1:
+    return seconds
+  return float(np.max(np.asarray(multihost_utils.process_allgather(np.array([seconds], np.float64)))))
