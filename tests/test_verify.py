@@ -243,6 +243,46 @@ def test_a_group_plan_is_timed_whole_and_replaced_where_it_misses(calibration, m
   assert f"verified on the first call: the search's plan ran a step in" in step.explain()
 
 
+@pytest.mark.timeout(300)
+def test_two_processes_time_each_plan_and_agree():
+  """2 processes x 2 CPU devices over gloo, V100s on one and P100s on the other, the search made to run its
+  group plan and priced from datasheets (so it misses): each process times its share of the group plan and of
+  two single programs, and every process gets the same times and so runs the same plan, planned at
+  shard_state from example_batch and fed only its own examples; exact against one device."""
+  import textwrap
+
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import warnings
+      import hetspmd as hs
+      import hetspmd.runtime.searching as searching
+      from hetspmd.runtime import verifying
+
+      searching.GROUP_PLAN_MARGIN = 0.0
+      pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
+      batches = t._batches(128)
+      ref = reference(t.dropout_step, t._state(4096), batches)
+      step = hs.parallelize(t.dropout_step, cluster=pool, plan="search", global_batch=128, example_batch=batches[0],
+                            verify=True)
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # priced from datasheets: even the fastest misses
+        state = step.shard_state(t._state(4096))
+      for i, batch in enumerate(batches):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(local, metrics), i)
+      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+      v = step.verification
+      print(json.dumps({"labels": [x.label for x in v.timed], "measured": [x.measured for x in v.timed],
+                        "runs": v.runs, "plan": verifying.label(step.plan), "on": v.on}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  first, second = results
+  assert first == second, results  # the same times, so the same choice, on every process
+  assert first["labels"][0].startswith("group plan: ") and len(first["labels"]) == verifying.PLANS
+  assert first["plan"] == first["labels"][first["runs"]] and all(m > 0 for m in first["measured"])
+  assert first["on"] == verifying.ON_EXAMPLES
+
+
 def test_bad_verify_is_refused():
   with pytest.raises(InvalidValueError, match="verify must be True, False or 'auto'"):
     hs.parallelize(lambda s, b: s, global_batch=8, verify="sometimes")

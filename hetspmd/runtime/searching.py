@@ -192,7 +192,7 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
   runnable = lambda e: single_plan(e, cluster, state, priced.ideal_throughput, step.specs)
   if not priced.grouped:
     return Searched(runnable(priced.choice), None, priced.note,
-                    tuple(runnable(e) for e in _runners_up(priced, priced.choice)[:top - 1]))
+                    tuple(runnable(e) for e in _runners_up(priced, priced.choice, cluster)[:top - 1]))
   try:  # a step group programs do not run (a loop reading optimizer state in shares) runs as one program
     group_plan = kept_specs(to_group_plan(cluster, priced.choice, priced.ideal_throughput), state, step.specs)
     runtime = GroupedStep.across_processes(step.fn, group_plan, batch_stats=step.batch_stats,
@@ -204,17 +204,18 @@ def _searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int
       raise PlanDoesNotFitError(f"{priced.error}; and the group plan that fits does not run this step: {e}") from e
     first = priced.result.plans[0]
     return Searched(runnable(first), None, f"the search's group plan does not run this step, so it runs as one "
-                    f"program: {e}", tuple(runnable(e) for e in _runners_up(priced, first)[:top - 1]))
+                    f"program: {e}", tuple(runnable(e) for e in _runners_up(priced, first, cluster)[:top - 1]))
   return Searched(runtime.plan, runtime, priced.note,
-                  tuple(runnable(e) for e in _runners_up(priced, priced.choice)[:top - 1]))
+                  tuple(runnable(e) for e in _runners_up(priced, priced.choice, cluster)[:top - 1]))
 
 
-def _runners_up(priced: Priced, chosen: Evaluated) -> list[Evaluated]:
-  """The ranked single programs after ``chosen``, where one process runs them all (across processes: none, as
-  plans are not timed whole there)."""
-  if priced.processes > 1 or priced.result is None:
+def _runners_up(priced: Priced, chosen: Evaluated, cluster: Cluster) -> list[Evaluated]:
+  """The ranked single programs after ``chosen`` that run from the priced processes (each holds devices)."""
+  if priced.result is None:
     return []
-  return [e for e in priced.result.plans if e is not chosen]
+  whole = device_processes(cluster) if priced.processes > 1 else None
+  return [e for e in priced.result.plans
+          if e is not chosen and (whole is None or holds_every_process(e.device_positions, whole))]
 
 
 def single_plan(evaluated: Evaluated, cluster: Cluster, state: Any, ideal: float, specs: Any = None) -> Any:
