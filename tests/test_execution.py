@@ -158,3 +158,23 @@ def test_the_priced_peak_of_a_sharded_group_holds_its_part_where_groups_exchange
   small = lambda p: max(m for m, k in zip(p.memory_bytes, p.kinds) if k == "Small")
   row = profile.param_count * REDUCE_BYTES["float32"] * WORKSPACE
   assert small(rows) - small(parts) == pytest.approx(row * 3 / 4, abs=2) and small(parts) > row
+
+
+def test_a_sharded_group_s_masked_microbatches_take_their_share_of_a_shared_host(profile):
+  """A group that shards its parameters runs in lockstep: a device with fewer microbatches than the group's
+  most runs the rest masked, so on a host whose devices share compute (emulated CPU devices: alone_speedup)
+  it frees no share for the others. Priced so, a sharded group of 8 with only 2 microbatches to run costs
+  what it costs where devices do not share compute (it was priced up to 4x faster)."""
+  import dataclasses
+
+  plain = hs.Cluster.parse("1x8xSmall;processes=1", devices=SPECS)
+  shared = plain.replace(hosts=(dataclasses.replace(plain.hosts[0], alone_speedup=8.0),))
+  layout = device_groups(plain, "every device", tuple(range(8)), 1)
+
+  def priced(cluster, sharded):
+    return price_groups(Costing(cluster, profile, 1), layout, {"Small": 16}, "none", 32,
+                        sharded=frozenset(sharded))
+
+  lockstep, alone = priced(shared, {"Small"}), priced(plain, {"Small"})
+  assert sum(c > 0 for c in lockstep.counts) < 8  # devices with nothing of their own to run
+  assert lockstep.compute_seconds == pytest.approx(alone.compute_seconds)
