@@ -3,8 +3,9 @@ as predicted, its runners-up timed and the fastest measured run where it misses,
 either way, and nothing of the caller's (state buffers, NNX objects) touched by the timing.
 
 Whether a plan misses is made certain, not left to this machine's speed: the search is given the step's own
-calibration scaled 30x too fast (every plan's prediction far below what any run takes) or 900x too slow. Group
-plans are left out of these searches (a group plan is not timed whole: its groups' loops are, by rebalancing)."""
+calibration scaled 30x too fast (every plan's prediction far below what any run takes) or 900x too slow (a
+group plan's several programs add milliseconds of dispatch no calibration sees). Most searches here leave group
+plans out, so that their choice is a single program; the group plan's own cases make the search run it."""
 
 import dataclasses
 import gc
@@ -213,6 +214,7 @@ def test_verify_true_says_why_nothing_was_timed():
   step.resolve(w.init_state(0), w.example_batch(64))  # abstract: ShapeDtypeStructs
   assert step.verification is None
   assert "not verified (verify=True): the plan was made from abstract arguments" in step.explain()
+  assert not verifying.wanted(True, None, ((jax.ShapeDtypeStruct((2,), np.float32),), {}))
 
 
 @pytest.mark.parametrize("factor", [1 / SCALE, SLOW])
@@ -240,7 +242,7 @@ def test_a_group_plan_is_timed_whole_and_replaced_where_it_misses(calibration, m
     assert step.grouped == (v.runs == 0)
   else:
     assert len(v.timed) == 1 and step.grouped
-  assert f"verified on the first call: the search's plan ran a step in" in step.explain()
+  assert "verified on the first call: the search's plan ran a step in" in step.explain()
 
 
 @pytest.mark.timeout(300)
@@ -281,6 +283,51 @@ def test_two_processes_time_each_plan_and_agree():
   assert first["labels"][0].startswith("group plan: ") and len(first["labels"]) == verifying.PLANS
   assert first["plan"] == first["labels"][first["runs"]] and all(m > 0 for m in first["measured"])
   assert first["on"] == verifying.ON_EXAMPLES
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_one_process_cannot_prepare_runs_on_none():
+  """2 processes: the second cannot cut its batch for the first runner-up (an error before anything runs). Both
+  agree that it did not run, neither waits in its collectives, and both run the same plan, exact against one
+  device."""
+  import textwrap
+
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import warnings
+      import hetspmd as hs
+      from hetspmd.runtime import verifying
+      cut, seen = verifying.examples, []
+
+      def failing(*args, **kwargs):
+        seen.append(1)
+        if jax.process_index() == 1 and len(seen) == 3:  # after example_call and the choice: the first runner-up
+          raise hs.HetSpmdError("cannot cut this batch here")
+        return cut(*args, **kwargs)
+
+      verifying.examples = failing
+      pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
+      batches = t._batches(64)
+      ref = reference(t.dropout_step, t._state(), batches)
+      step = hs.parallelize(t.dropout_step, cluster=pool, plan="search", global_batch=64, example_batch=batches[0],
+                            verify=True, group_plans=False)
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = step.shard_state(t._state())
+      for i, batch in enumerate(batches):
+        state, metrics = step(state, fed(step, batch))
+        ref.check_metrics(jax.tree.map(local, metrics), i)
+      ref.check(jax.tree.map(local, state.params), lambda s: s.params)
+      v = step.verification
+      print(json.dumps({"measured": [x.measured for x in v.timed], "runs": v.runs, "errors": [x.error for x in v.timed]}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  first, second = results
+  assert first["measured"] == second["measured"] and first["runs"] == second["runs"] != 1, results
+  assert len(first["measured"]) == verifying.PLANS, results
+  assert first["measured"][1] == float("inf") == second["measured"][1]
+  assert second["errors"][1] == "cannot cut this batch here"
+  assert first["errors"][1] == "it did not run on another process"
 
 
 def test_bad_verify_is_refused():

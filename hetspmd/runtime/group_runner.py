@@ -129,7 +129,7 @@ class GroupRunner:
     """A call that runs the group programs once on the call's arguments and waits for them, for timing the plan
     whole (:mod:`hetspmd.runtime.verifying`): on a copy of the state (never the caller's own buffers), each call
     taking the new state the call before made, as a training loop feeds it; the batch placed once; nothing
-    written back, and no group clock reads it. It runs once here (building the programs)."""
+    written back, and no group clock reads it. Nothing runs here (the first call builds the programs)."""
     front = self.front
     parts = Arguments.of(front, args)
     trace = Trace.of(front, parts.function(front.fn, len(args)), parts.batch, (parts.rest, kwargs), parts.graphdef)
@@ -150,7 +150,6 @@ class GroupRunner:
         held[0] = copy()  # donated with no new state handed back: a fresh copy, timed with the call
       jax.block_until_ready(out)
 
-    fed()
     return fed
 
   def lower(self, args: tuple, kwargs: dict) -> Any:

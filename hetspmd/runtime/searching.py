@@ -168,13 +168,13 @@ def searched_plan(step: Any, cluster: Cluster, state: Any, trace: Any, top: int 
   runners-up, for :mod:`hetspmd.runtime.verifying`)."""
   searched = _searched_plan(step, cluster, state, trace, top)
   if jax.process_count() > 1:
-    check_same_plan(searched.plan)
+    check_same_plan(searched.plan, *searched.runners_up)  # the runners-up too: a verification times them
   return searched
 
 
-def check_same_plan(plan: Any) -> None:
-  """Refuses a plan that not every process holds (compared by a digest of its JSON, gathered from each)."""
-  text = json.dumps(plan.to_json(), sort_keys=True)
+def check_same_plan(*plans: Any) -> None:
+  """Refuses plans that not every process holds (compared by a digest of their JSON, gathered from each)."""
+  text = json.dumps([plan.to_json() for plan in plans], sort_keys=True)
   digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)
   every = np.asarray(multihost_utils.process_allgather(digest)).ravel()
   if len(set(every.tolist())) > 1:

@@ -128,8 +128,9 @@ class SingleRunner:
     (:mod:`hetspmd.runtime.calibrating`) as the step runs: where the program donates the state, it takes a copy
     of it (never the caller's own buffers; ``held``, a list shared by the calls of one state's shape, holds it),
     and each call the new state the call before made, as a training loop feeds it (on CPU a donated state's
-    program measured up to a fifth slower than one that keeps it); it runs once here, so that the timed calls
-    find the program compiled for the state it makes. Else the outputs are dropped."""
+    program measured up to a fifth slower than one that keeps it); it runs once here (given ``here``; else the
+    caller runs it first), so that the timed calls find the program compiled for the state it makes. Else the
+    outputs are dropped."""
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     compiled = self._executable(call)
     state, others = call.dynamic
@@ -154,7 +155,8 @@ class SingleRunner:
       held[0] = jax.tree.unflatten(jax.tree.structure(state), made) if same else jax.tree.map(jnp.copy, state)
       jax.block_until_ready(outputs)
 
-    fed()
+    if here is not None:  # a whole plan's timing warms it itself, once every process has prepared it
+      fed()
     return fed
 
   def _dynamic_shardings(self, call: Call) -> list:

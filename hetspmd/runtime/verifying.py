@@ -94,15 +94,20 @@ class Verification:
 
 
 def wanted(option: Any, calibration: Any, call: tuple | None) -> bool:
-  """Whether a search verifies its choice (``parallelize(..., verify=option)``): in one process, on concrete
+  """Whether a search verifies its choice (``parallelize(..., verify=option)``): on concrete host-addressable
   arguments (``call``: a call's, or the state and ``example_batch`` repeated to the global batch; None where
   neither is at hand), under ``True``, or under ``"auto"`` where the search priced compute from a
   ``calibration``."""
   if option is False or call is None:
     return False
-  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(call)):  # step.resolve on abstract values
+  if any(_unreadable(x) for x in jax.tree.leaves(call)):  # step.resolve on abstract values, or a global array
     return False
   return bool(option) if option != "auto" else calibration is not None
+
+
+def _unreadable(x: Any) -> bool:
+  """An argument a timing cannot cut to its examples: abstract, or an array split across processes."""
+  return isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array) and not x.is_fully_addressable)
 
 
 def checked(front: Any, searched: Any, call: tuple | None, checks: bool, on: str) -> tuple[Any, Any, str]:
@@ -133,7 +138,8 @@ def unverified(call: tuple | None) -> str:
   if call is None:
     return ("the plan was made before any call, and example_batch does not say the step's call (give a concrete "
             "example_batch of a step(state, batch), or call the step first)")
-  return "the plan was made from abstract arguments (step.resolve on shapes); call the step on arrays"
+  return ("the plan was made from abstract arguments (step.resolve on shapes) or arrays split across processes; "
+          "resolve it on this process's host arrays")
 
 
 def label(plan: Any) -> str:
@@ -184,13 +190,20 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
   """Median seconds of ``repeats`` runs of ``runner``'s program on a copy of the call's state, after a warm-up,
   and ``""``; ``(inf, why)`` where it does not run here (out of memory beside the copy, or arguments it cannot
   take). Each process runs its share (the call's batch cut, or repeated, to the examples it feeds ``runner``'s
-  plan: values do not change a step's time), and the slowest process's seconds count."""
-  at = batch_positions(front, args)
-  n = len(runner.process_examples())
-  args = tuple(examples(a, n) if i in at else a for i, a in enumerate(args))
+  plan: values do not change a step's time), and the slowest process's seconds count. The processes agree that
+  every one of them has its share before any prepares the plan (placing it may gather across processes); one
+  that fails later, out of memory, stops the others in the plan's collectives, as the step itself would."""
+  cut, error, seconds = None, "", [float("inf")]
+  try:
+    at = batch_positions(front, args)
+    cut = tuple(examples(a, len(runner.process_examples())) if i in at else a for i, a in enumerate(args))
+  except Exception as e:  # noqa: BLE001 (every process must reach the agreement below, whatever failed here)
+    error = _first_line(e)
+  if not _everywhere(cut is not None):
+    return float("inf"), error or "it did not run on another process"
   before, front.batch_argnums = front.batch_argnums, at  # this share is the batch, whatever its size
   try:
-    run = runner.prepared(args, kwargs)
+    run = runner.prepared(cut, kwargs)
     run()
     seconds = []
     for _ in range(repeats):
@@ -198,11 +211,22 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
       run()
       seconds.append(now() - start)
   except (jax.errors.JaxRuntimeError, HetSpmdError) as e:
-    return _slowest(float("inf")), (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    seconds, error = [float("inf")], _first_line(e)
   finally:
     front.batch_argnums = before
   slowest = _slowest(statistics.median(seconds))
-  return slowest, "" if slowest < float("inf") else "it did not run on another process"
+  return slowest, error or ("" if slowest < float("inf") else "it did not run on another process")
+
+
+def _first_line(error: BaseException) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _everywhere(flag: bool) -> bool:
+  """Whether ``flag`` holds on every process."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).min())
 
 
 def _slowest(seconds: float) -> float:
