@@ -190,10 +190,8 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
-  # loop, then tail, on every device; a sharded group's devices each run its most microbatches (in lockstep, those
-  # a device lacks masked: work that takes its share of a host whose devices share compute)
-  running = _lockstep(counts, blocked, sharded)
-  per_position = _lockstep(position_seconds(costing, blocked, with_tail, running, False), blocked, sharded)
+  # loop, then tail, on every device; a sharded group's each its most microbatches (masked: they take host share)
+  per_position = position_seconds(costing, blocked, with_tail, _lockstep(counts, blocked, sharded), False)
   busiest = per_position.index(max(per_position))  # the first that finishes last
   reduce = _reduce_seconds(costing, layout, dtype, hybrid=hybrid, owner=owner, spread=spread, sums=sums,
                            received=received, parts=sharded if execution.parts_exchange else None)
@@ -270,9 +268,9 @@ def _plan_name(name: str, zero: int, remats: dict[str, str], tail: tuple[int, in
       f", parameters sharded (FSDP) on {k}" for k in remats if k in sharded)
 
 
-def _lockstep(per_position: Sequence[float], layout: DeviceGroups, sharded: frozenset[str]) -> tuple[float, ...]:
-  """Each position's seconds (or microbatch count), those of a sharded group's devices each the group's longest
-  (most): they run in lockstep, every device the group's most microbatches (those it lacks masked)."""
+def _lockstep(per_position: Sequence[int], layout: DeviceGroups, sharded: frozenset[str]) -> tuple[float, ...]:
+  """Each position's microbatch count, those of a sharded group's devices each the group's most: they run in
+  lockstep, every device the group's most microbatches (those it lacks masked)."""
   if not sharded:
     return per_position
   seconds, index = np.array(per_position), layout.kind_index
