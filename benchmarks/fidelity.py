@@ -8,8 +8,9 @@ uneven counts, remat policies, ZeRO stages) through ``hetspmd.parallelize`` and 
 each plan's predicted step time next to the measured median. Goals: Spearman rank
 correlation >= 0.8, median absolute error <= 25%.
 
-Beside each prediction, the same plan priced on a calibrated cluster: each model's step timed on one device at
-its plans' microbatch sizes (``ParallelStep.calibrate``), the cost model's compute scaled to those times
+Beside each prediction, the same plan priced on a calibrated cluster: each model's step timed on the devices at
+its plans' microbatch sizes, under each of its plans' remat policies (``ParallelStep.calibrate(remats=...)``),
+the cost model's compute scaled to those times
 (``Cluster.calibrated``; communication stays modelled). Goal: calibrated median absolute error <= 10%,
 Spearman >= 0.9.
 
@@ -81,7 +82,9 @@ def main() -> None:
       sizes = sorted({p[2] for p in PLANS if p[0] == name})
       front = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan="search",
                              global_batch=batch)
-      calibration = front.calibrate(workload.init_state(0), workload.synthetic_batch(0, batch=8), sizes=sizes)
+      remats = ["none", *sorted({p[4] for p in PLANS if p[0] == name} - {"none"})]
+      calibration = front.calibrate(workload.init_state(0), workload.synthetic_batch(0, batch=8), sizes=sizes,
+                                    remats=remats)
       calibrated[name] = cluster.calibrated(calibration)
     positions = tuple(range(cluster.num_devices))
     predicted = evaluate(cluster, profiles[name], positions, microbatch, zero, remat, global_batch=batch,

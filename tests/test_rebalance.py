@@ -196,6 +196,45 @@ def test_a_calibrated_cluster_prices_compute_as_measured():
   assert shares["swapped"] == pytest.approx(0.75, abs=0.04)
 
 
+def test_a_kind_timed_under_several_remat_policies_keeps_each():
+  none, full = KindTiming("V100-32GB", ((8, 1e-3),), 0.01), KindTiming("V100-32GB", ((8, 1.6e-3),), 0.01, "full")
+  dots = KindTiming("V100-32GB", ((8, 1.2e-3),), 0.01, "dots")
+  cal = Calibration("f" * 64, (full, none))
+  assert cal.of("V100-32GB") == none and cal.of("V100-32GB", "full") == full and cal.of("V100-32GB", "dots") is None
+  assert cal.kind_names == ("V100-32GB",) and cal.remats("V100-32GB") == ("full", "none")
+  assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+  assert Calibration("f" * 64, (full,)).of("V100-32GB") == full  # no timing without remat: the first scales
+  merged = cal.merged(Calibration("f" * 64, (dots, dataclasses.replace(full, points=((8, 9.0),)))))
+  assert merged.of("V100-32GB", "dots") == dots and merged.of("V100-32GB", "full") == full
+  with pytest.raises(InvalidValueError, match="once per remat policy"):
+    Calibration("f" * 64, (none, none))
+
+
+@pytest.mark.parametrize("remat,measured", [("full", 1.7e-3), ("dots", 1.25e-3), ("all_dots", 1.05e-3)])
+def test_a_remat_policy_timed_is_priced_from_its_own_times(remat, measured):
+  """Where a kind was timed under a remat policy, the search prices its microbatches under it at the measured
+  seconds (the step's time moves by the measured difference per microbatch); where it was not, by the
+  recomputed operations' modelled share, as before."""
+  from hetspmd.passes.profile import profile_step
+  from hetspmd.planner.pricing import evaluate
+
+  w = models.get("gpt2-tiny")
+  profile = profile_step(w.make_train_step(hs.value_and_grad), w.abstract_state(), w.example_batch(2))
+  base = KindTiming("A100-80GB", ((4, 1e-3), (8, 1.8e-3)), 1e-3)
+  timed = KindTiming("A100-80GB", ((4, measured), (8, 1.8 * measured)), 1e-3, remat)
+  cluster = hs.Cluster.parse("1xA100-80GB")
+
+  def step_seconds(*timings, policy):
+    c = cluster.calibrated(Calibration("0" * 64, timings))
+    return evaluate(c, profile, (0,), 4, 0, policy, global_batch=16, counts_rule=(4,), name="r").step_seconds
+
+  plain = step_seconds(base, policy="none")
+  assert step_seconds(base, timed, policy=remat) - plain == pytest.approx(4 * (measured - 1e-3), rel=1e-6)
+  modelled = step_seconds(base, policy=remat)
+  assert modelled != pytest.approx(step_seconds(base, timed, policy=remat), rel=1e-3)
+  assert step_seconds(base, timed, policy="none") == pytest.approx(plain, rel=1e-9)  # "none" keeps its own
+
+
 # --- a running step -----------------------------------------------------------------------------------------------
 
 
@@ -506,6 +545,51 @@ def test_calibrate_times_each_kind_and_the_search_uses_it(tmp_path):
   assert calibrating.wanted(True, cluster) and not calibrating.wanted(False, cluster)
   with pytest.raises(InvalidValueError, match="calibrate must be"):
     hs.parallelize(w.make_train_step(), global_batch=64, calibrate="sometimes")
+
+
+def test_calibrate_times_each_remat_policy_asked_for():
+  """step.calibrate(..., remats=...) times every kind under each policy, as the plan would run it; the search's
+  pricing names the policies timed; an unknown policy is refused before anything runs."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=64)
+  cal = step.calibrate(w.init_state(0), w.synthetic_batch(0, batch=8), sizes=(4, 16), remats=("none", "full"))
+  assert sorted((t.kind, t.remat) for t in cal.kinds) == [("P100-16GB", "full"), ("P100-16GB", "none"),
+                                                          ("V100-32GB", "full"), ("V100-32GB", "none")]
+  assert all(len(t.points) == 2 and all(s > 0 for _, s in t.points) for t in cal.kinds)
+  assert "remat none, full timed" in "\n".join(cluster.calibrated(cal).pricing())
+  with pytest.raises(InvalidValueError, match="remats: one or more of"):
+    step.calibrate(w.init_state(0), w.synthetic_batch(0, batch=8), remats=("sometimes",))
+
+
+def test_the_choices_remat_policy_is_timed_and_the_search_runs_again_on_it(monkeypatch):
+  """Where the search chooses a remat policy its calibration did not time, that policy is timed on the call (at
+  the sizes timed before) and the search runs again on its own times; the step stays exact. (The search is
+  given only the full recomputation to choose, so its choice runs it.)"""
+  from hetspmd.runtime import calibrating, searching
+
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  monkeypatch.setattr(searching, "SEARCHED_REMAT", ("full",))
+  w = _workload()
+  cluster = hs.Cluster.emulate(jax.devices()[:2], kinds=["V100-32GB", "P100-16GB"])
+  step = hs.parallelize(w.make_train_step(hs.value_and_grad), cluster=cluster, plan="search", global_batch=32,
+                        calibrate=True, verify=False)
+  batch = w.synthetic_batch(0, batch=32)
+  ref = Reference(w.make_train_step(), w.init_state(0))
+  state, metrics = step(w.init_state(0), batch)
+  ref.step(batch)
+  ref.check_metrics(metrics, 0)
+  ref.check(state)
+  assert step.plan.remat == "full"
+  assert {(t.kind, t.remat) for t in step.calibration.kinds} == {
+      (k, r) for k in ("V100-32GB", "P100-16GB") for r in ("none", "full")}
+  assert {m for t in step.calibration.kinds for m, _ in t.points} == set(calibrating.sizes_for(step, cluster))
+  assert "remat none, full timed" in step.explain()
+  assert calibrating.untimed_remats(step.plan, step.calibration) == ()
+  assert calibrating.with_remats(step, step.calibration, step.plan, ((w.init_state(0), batch), {}), cluster) is None
 
 
 @pytest.mark.parametrize("donate", [True, False])

@@ -175,7 +175,9 @@ class Cluster:
         how = (f"{what} timed ({len(timing.points)} microbatch size(s)), its measured over predicted "
                "seconds scaling the whole microbatch")
       elif timing is not None:
-        how = f"the step's measured times ({len(timing.points)} microbatch size(s))"
+        remats = self.calibration.remats(kind)
+        how = (f"the step's measured times ({len(timing.points)} microbatch size(s); remat "
+               f"{', '.join(remats)} timed)")
       elif spec.measured:
         how = "a measured spec (hetspmd profile)"
       else:

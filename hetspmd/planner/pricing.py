@@ -250,6 +250,8 @@ class Costing:
     self.measured = {k: measured_timing(cluster.calibration.of(k), profile, self.specs[k])
                      for k in cluster.kinds} if cluster.calibration else {}
     self.measured = {k: t for k, t in self.measured.items() if t is not None}
+    self.measured_remat = {(k, r): cluster.calibration.of(k, r) for k, t in self.measured.items()
+                           if t.part == "step" for r in cluster.calibration.remats(k) if r != t.remat}
     self.fixed = {k: self._measured_fixed(k) if k in self.measured else profile.step_fixed_seconds(s)
                   for k, s in self.specs.items()}
     self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)
@@ -350,13 +352,20 @@ class Costing:
     return self._first[key]
 
   def remat_factor(self, kind: str, microbatch: int, remat: str) -> float:
-    """Compute with the policy's recomputation over compute without."""
+    """Compute with the policy's recomputation over compute without: where the kind was timed under the policy,
+    its measured microbatch (less the accumulation) over the compute its scaled nodes price; else the nodes the
+    policy recomputes, priced."""
     key = (kind, microbatch, remat)
     if key not in self._remat:
       seconds = self.node_seconds(kind, microbatch)
       plain = float(seconds.sum())
-      again = float(seconds[self.profile.recomputed(remat)].sum())
-      self._remat[key] = (1.0 + again / plain if plain > 0 else 1.0) * self.recompute
+      timing = self.measured_remat.get((kind, remat))
+      if timing is not None and plain > 0:
+        micro = timing.micro(microbatch)
+        self._remat[key] = max(micro - self.profile.accumulate_seconds(self.specs[kind]), 0.1 * micro) / plain
+      else:
+        again = float(seconds[self.profile.recomputed(remat)].sum())
+        self._remat[key] = (1.0 + again / plain if plain > 0 else 1.0) * self.recompute
     return self._remat[key]
 
   def kind_cost(self, kind: str, tp: TensorParallel, microbatch: int, remat: str, zero: int, n: int) -> KindCost:

@@ -26,10 +26,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetspmd.errors import CannotTimeError, HetSpmdError
+from hetspmd.errors import CannotTimeError, HetSpmdError, InvalidValueError
 from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
+from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.runtime.binding import Arguments, batch_arguments, is_graph_node, leading_sizes
 from hetspmd.runtime.runner import Trace
 from hetspmd.runtime.single import SingleRunner
@@ -214,30 +215,63 @@ def now() -> float:
 
 
 def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int], *, fingerprint: str,
-              counts: Sequence[int] = (2, 4), repeats: int = 5) -> Calibration:
+              counts: Sequence[int] = (2, 4), repeats: int = 5, remats: Sequence[str] = ("none",)) -> Calibration:
   """The step's own times on each kind of ``cluster`` (a cluster bound to JAX devices): this process times each
   of its kinds on all its devices of that kind at once (:class:`KindTimer` ``together``), at every microbatch
-  size in ``sizes`` (a size that fails there, out of memory, is left out), and every process gathers every
-  kind's points. A kind whose devices cannot hold the state (by their specs' memory) is not tried. Raises where
-  some kind has no point at all: a search would then price it from its spec beside measured kinds, the error a
-  calibration is for (:func:`hetspmd.runtime.layer_timing.step_or_layer` then times one layer of every kind).
+  size in ``sizes`` (a size that fails there, out of memory, is left out) and under every remat policy in
+  ``remats`` (one :class:`KindTiming` each), and every process gathers every kind's points. A kind whose devices
+  cannot hold the state (by their specs' memory) is not tried. Raises where some kind has no point at all under
+  the first policy: a search would then price it from its spec beside measured kinds, the error a calibration is
+  for (:func:`hetspmd.runtime.layer_timing.step_or_layer` then times one layer of every kind); a later policy
+  with no point is left out (priced from the first's timing and a model of what it recomputes).
   ``fingerprint``: the step's (:func:`step_fingerprint`)."""
   if cluster.jax_device_ids is None:
     raise HetSpmdError("calibrating times the step on the cluster's devices: give a cluster bound to JAX devices "
                        "(Cluster.from_devices, Cluster.emulate)")
+  remats = policies(remats)
   kinds = tuple(cluster.kinds)
   every = local_kind_devices(cluster.jax_device_ids, [d.spec.name for d in cluster.devices], every=True)
-  timers = {kind: KindTimer(front, devices[0], together=tuple(devices[1:])) for kind, devices in every.items()}
-  points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
-  fixed: dict[str, list[float]] = {k: [] for k in kinds}
-  failed = ""
-  held = state_bytes(front, args)
+  failed, held = "", state_bytes(front, args)
   memory = {k: min(d.spec.memory_bytes for d in cluster.devices if d.spec.name == k) for k in kinds}
-  for kind in [k for k in timers if held > memory[k]]:
+  for kind in [k for k in every if held > memory[k]]:
     failed = (f"{kind}: the state alone ({held / 2**30:.3g} GiB) is more than a device's memory "
               f"({memory[kind] / 2**30:.3g} GiB)")
-    del timers[kind]
-  for size in sorted(set(sizes)):
+    del every[kind]
+  width = {k: len(every[k]) if k in every else 0 for k in kinds}
+  widths = np.asarray(multihost_utils.process_allgather(np.array([width[k] for k in kinds]))).reshape(-1, len(kinds)) \
+      if jax.process_count() > 1 else np.array([[width[k] for k in kinds]])
+  timings = []
+  for remat in remats:
+    timers = {kind: KindTimer(front, devices[0], remat, tuple(devices[1:])) for kind, devices in every.items()}
+    points, fixed, failed = _timed_sizes(timers, kinds, sorted(set(sizes)), (args, kwargs, counts, repeats),
+                                         failed)
+    missing = [k for k in kinds if not points[k]]
+    if missing and remat == remats[0]:
+      raise CannotTimeError(f"no microbatch size of {sorted(set(sizes))} ran on {', '.join(missing)}, each device "
+                            f"holding the whole state ({failed or 'no device of the cluster here'}): a step that "
+                            "fits no one device is priced from its devices' specs (calibrate=False)")
+    timings.extend(KindTiming(k, tuple(points[k]), statistics.median(fixed[k]), remat, int(widths[:, j].max()))
+                   for j, k in enumerate(kinds) if points[k])
+  return Calibration(fingerprint, tuple(timings))
+
+
+def policies(remats: Any) -> tuple[str, ...]:
+  """``remats`` (a remat policy or several) as a tuple without repeats, checked."""
+  found = (remats,) if isinstance(remats, str) else tuple(dict.fromkeys(remats))
+  if not found or any(r not in REMAT_POLICIES for r in found):
+    raise InvalidValueError(f"remats: one or more of {REMAT_POLICIES}, got {remats!r}")
+  return found
+
+
+def _timed_sizes(timers: dict[str, KindTimer], kinds: Sequence[str], sizes: Sequence[int], call: tuple,
+                 failed: str) -> tuple[dict, dict, str]:
+  """``(points, fixed, failed)``: per kind, ``(size, seconds per microbatch)`` and seconds per step at each size
+  of ``sizes`` that ran (gathered over processes), timed by ``timers`` on ``call`` (``(args, kwargs, counts,
+  repeats)``); ``failed``, the last failure's words (a size that does not fit a device)."""
+  args, kwargs, counts, repeats = call
+  points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
+  fixed: dict[str, list[float]] = {k: [] for k in kinds}
+  for size in sizes:
     mine = {}
     for kind, timer in timers.items():
       try:
@@ -249,17 +283,7 @@ def calibrate(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequen
     for kind, (micro, step_seconds) in gathered(kinds, mine).items():
       points[kind].append((size, micro))
       fixed[kind].append(step_seconds)
-  width = {k: len(every[k]) if k in every else 0 for k in kinds}
-  widths = np.asarray(multihost_utils.process_allgather(np.array([width[k] for k in kinds]))).reshape(-1, len(kinds)) \
-      if jax.process_count() > 1 else np.array([[width[k] for k in kinds]])
-  timings = tuple(KindTiming(k, tuple(points[k]), statistics.median(fixed[k]), devices=int(widths[:, j].max()))
-                  for j, k in enumerate(kinds) if points[k])
-  if len(timings) < len(kinds):
-    missing = [k for k in kinds if not points[k]]
-    raise CannotTimeError(f"no microbatch size of {sorted(set(sizes))} ran on {', '.join(missing)}, each device "
-                       f"holding the whole state ({failed or 'no device of the cluster here'}): a step that fits "
-                       "no one device is priced from its devices' specs (calibrate=False)")
-  return Calibration(fingerprint, timings)
+  return points, fixed, failed
 
 
 def on_example(front: Any, state: Any, cluster: Any) -> Calibration | None:
@@ -283,13 +307,40 @@ def call_trace(front: Any, args: tuple, kwargs: dict) -> tuple[Arguments, Trace]
                          parts.graphdef)
 
 
-def timed_whole(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int] | None = None
-                ) -> Calibration:
-  """:func:`calibrate` on a call's arguments at ``sizes`` (default :func:`sizes_for`), carrying the step's
-  fingerprint."""
+def timed_whole(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int] | None = None,
+                remats: Sequence[str] = ("none",)) -> Calibration:
+  """:func:`calibrate` on a call's arguments at ``sizes`` (default :func:`sizes_for`) under ``remats``, carrying
+  the step's fingerprint."""
   parts, trace = call_trace(front, args, kwargs)
   return calibrate(front, args, kwargs, cluster, sizes or sizes_for(front, cluster),
-                   fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch))
+                   fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch), remats=remats)
+
+
+def untimed_remats(plan: Any, calibration: Calibration | None) -> tuple[str, ...]:
+  """The remat policies ``plan`` (a plan or a group plan) runs under that ``calibration`` timed no kind under,
+  where it timed the step's microbatches (one layer's timing is under no policy: none then)."""
+  if calibration is None or any(t.part != "step" for t in calibration.kinds):
+    return ()
+  runs = (plan.remat,) if hasattr(plan, "remat") else tuple(g.remat for g in plan.groups)
+  timed = {t.remat for t in calibration.kinds}
+  return tuple(r for r in dict.fromkeys(runs) if r not in timed)
+
+
+def with_remats(front: Any, calibration: Calibration | None, plan: Any, call: tuple | None, cluster: Any
+                ) -> Calibration | None:
+  """``calibration`` with the remat policies ``plan`` runs under that it did not time (:func:`untimed_remats`),
+  timed on ``call`` (``(args, kwargs)``) at the sizes it was timed at: the search then prices the policy its
+  choice runs from the step's own times, not from a model of what the policy recomputes (on CPU devices that
+  model priced GPT-2 tiny's recomputation at a fifth to a half of what it measured). None where there is no such
+  policy, no call to time on, or the policy does not run on some kind (it stays priced from the model)."""
+  remats = untimed_remats(plan, calibration)
+  if not remats or call is None:
+    return None
+  sizes = sorted({m for t in calibration.kinds for m, _ in t.points})
+  try:
+    return calibration.merged(timed_whole(front, *call, cluster, sizes, remats))
+  except (HetSpmdError, jax.errors.JaxRuntimeError):
+    return None
 
 
 def sizes_for(front: Any, cluster: Any) -> tuple[int, ...]:

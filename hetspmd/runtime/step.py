@@ -136,6 +136,10 @@ class ParallelStep:
         on, call = ("the first call", call) if call else (verifying.ON_EXAMPLES, verifying.example_call(self, state))
         checks = verifying.wanted(self.verify, self.calibration, call)
         searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
+        more = calibrating.with_remats(self, self.calibration, searched.plan, call, cluster)
+        if more is not None:  # the choice's remat policy timed: the search again, on its own times
+          self.calibration, priced = more, cluster.calibrated(more)
+          searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
         self._pricing = tuple(priced.pricing())
         runtime = searched.runtime
         runner, self.verification, self._note = verifying.checked(self, searched, call, checks, on)
@@ -168,19 +172,22 @@ class ParallelStep:
     if parts.graph_args:
       nnx.update(tuple(args[i] for i in parts.graph_args), runner.placed_objects(parts.state))
 
-  def calibrate(self, *args: Any, cluster: Cluster | None = None, sizes: Any = None, **kwargs: Any) -> Calibration:
+  def calibrate(self, *args: Any, cluster: Cluster | None = None, sizes: Any = None, remats: Any = ("none",),
+                **kwargs: Any) -> Calibration:
     """The step's own times on each kind of ``cluster`` (default the step's, or JAX's devices), measured on
     these arguments (a call's: the state and a batch of any size, repeated where it has fewer examples): per
-    kind, seconds per microbatch at ``sizes`` (default two the search would try) and per step. Pass the result
+    kind and remat policy of ``remats`` (a policy timed is priced from its own times, one not timed from the
+    first's and what it recomputes), seconds per microbatch at ``sizes`` (default up to three the search would
+    try) and per step. Pass the result
     to ``parallelize(..., calibrate=...)`` or ``Cluster.calibrated``, or ``save`` it. Nothing is run on the
     state in place. Where the step fits no one device of a kind, one layer is timed instead (of its layer scan, or
     the forward of a numbered block where it unrolls its layers: :mod:`hetspmd.runtime.layer_timing`)."""
     cluster = cluster or self.cluster or Cluster.from_devices(jax.devices())
-    sizes = sizes or calibrating.sizes_for(self, cluster)
+    sizes, remats = sizes or calibrating.sizes_for(self, cluster), calibrating.policies(remats)
 
     def measured(args: tuple, kwargs: dict) -> Calibration:
       parts, trace = calibrating.call_trace(self, args, kwargs)
-      return step_or_layer(lambda: calibrating.timed_whole(self, args, kwargs, cluster, sizes), lambda: trace,
+      return step_or_layer(lambda: calibrating.timed_whole(self, args, kwargs, cluster, sizes, remats), lambda: trace,
                            parts.state, cluster, sizes)
 
     return self._with_static(measured, args, kwargs)
