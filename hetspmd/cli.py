@@ -3,6 +3,7 @@
     hetspmd trace --model gpt2-small [--batch B] [--seq S] [--json]
     hetspmd profile [--json] [--out cluster.toml]
     hetspmd calibrate --model gpt2-small --out calibration.json [--devices N] [--kinds A,B] [--global-batch 64]
+                      [--remat none,layers]
     hetspmd search [--model gpt2-small | --step FILE_OR_MODULE:FUNCTION] [--cluster amp-t4-v100]
                    [--global-batch 64] [--calibration calibration.json] [--out plan.json]
                    [--group-plan-out groups.json] [--json]
@@ -39,6 +40,7 @@ from hetspmd.hardware.profiler import profile as profile_devices
 from hetspmd.passes import Role
 from hetspmd.passes import trace as trace_graph
 from hetspmd.plan.groups import GroupPlan, is_group_plan_file
+from hetspmd.plan.options import REMAT_POLICIES
 from hetspmd.plan.value import Plan
 from hetspmd.planner.grouping import to_group_plan
 from hetspmd.runtime.searching import single_plan
@@ -166,6 +168,10 @@ def _add_calibrate(sub: Any) -> None:
   calibrate.add_argument("--seq", type=_positive_int, help="sequence length (default: the model's own)")
   calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                          help="the model's compute dtype, as hetspmd search --dtype (default: float32)")
+  calibrate.add_argument("--remat", default="none",
+                         help="comma-separated remat policies to time each kind under (of "
+                         f"{', '.join(REMAT_POLICIES)}; the search prices a policy timed from its own times, "
+                         "one not timed from a model of what it recomputes; default: none)")
   calibrate.add_argument("--json", action="store_true", help="print the calibration as JSON")
   calibrate.set_defaults(run=_run_calibrate)
 
@@ -296,7 +302,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     print(f"timing {workload.name} on {cluster.num_devices} device(s): {', '.join(cluster.kinds)}", file=sys.stderr)
   with jax.default_device(jax.devices("cpu")[0]):  # in host memory: the state may fit no device
     state = workload.init_state(0)
-  calibration = step.calibrate(state, batch)
+  calibration = step.calibrate(state, batch, remats=[r.strip() for r in args.remat.split(",")])
   if args.json:
     print(json.dumps(calibration.to_json(), indent=2))
   else:

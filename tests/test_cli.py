@@ -224,3 +224,5 @@ def test_calibrate_then_search_on_the_measured_times(tmp_path, capsys):
   assert "measured on another step" in capsys.readouterr().err
   assert main(["calibrate", "--model", "mlp", "--devices", "2", "--kinds", "A,B,C", "--out", str(out)]) == 2
   assert "--kinds names 3 kind(s) for 2 device(s)" in capsys.readouterr().err
+  assert main(["calibrate", "--model", "mlp", "--devices", "2", "--remat", "none,sometimes", "--out", str(out)]) == 2
+  assert "remats: one or more of ('none', 'all_dots'" in capsys.readouterr().err
