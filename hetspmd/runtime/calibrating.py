@@ -31,6 +31,7 @@ from hetspmd.hardware.calibration import Calibration, KindTiming, fit_points
 from hetspmd.hardware.cluster import Cluster
 from hetspmd.planner.building import plan_for
 from hetspmd.plan.options import REMAT_POLICIES
+from hetspmd.runtime import calibration_store
 from hetspmd.runtime.binding import Arguments, batch_arguments, is_graph_node, leading_sizes
 from hetspmd.runtime.runner import Trace
 from hetspmd.runtime.single import SingleRunner
@@ -290,7 +291,7 @@ def on_example(front: Any, state: Any, cluster: Any) -> Calibration | None:
   """A calibration on ``step(state, example_batch)`` where ``front``'s plan is made before any call; None where
   no example batch says what the step takes."""
   if front.example_batch is None or front.bound or isinstance(front.example_batch, (tuple, list)):
-    if front.calibrating is True:
+    if front.calibrating is True or calibration_store.directory_of(front.calibrating) is not None:
       raise HetSpmdError("calibrate=True times the step on a call's arguments: call the step first (or "
                          "step.resolve(...)), or pass example_batch= for a step(state, batch)")
     return None
@@ -310,10 +311,21 @@ def call_trace(front: Any, args: tuple, kwargs: dict) -> tuple[Arguments, Trace]
 def timed_whole(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequence[int] | None = None,
                 remats: Sequence[str] = ("none",)) -> Calibration:
   """:func:`calibrate` on a call's arguments at ``sizes`` (default :func:`sizes_for`) under ``remats``, carrying
-  the step's fingerprint."""
+  the step's fingerprint; where ``front``'s ``calibrate`` option names a directory, the calibration kept there for
+  this step and pool instead, where it covers those sizes and policies (:mod:`calibration_store`), else the new
+  timing, written there."""
   parts, trace = call_trace(front, args, kwargs)
-  return calibrate(front, args, kwargs, cluster, sizes or sizes_for(front, cluster),
-                   fingerprint=step_fingerprint(trace.state_batch(), parts.state, trace.batch), remats=remats)
+  fingerprint = step_fingerprint(trace.state_batch(), parts.state, trace.batch)
+  sizes, remats = sizes or sizes_for(front, cluster), policies(remats)
+  directory = calibration_store.directory_of(front.calibrating)
+  if directory is None:
+    return calibrate(front, args, kwargs, cluster, sizes, fingerprint=fingerprint, remats=remats)
+  usable, kept = calibration_store.load(directory, fingerprint, cluster, sizes, remats)
+  if usable is not None:
+    return usable
+  timed = calibrate(front, args, kwargs, cluster, sizes, fingerprint=fingerprint, remats=remats)
+  calibration_store.save(directory, timed, kept, cluster)
+  return timed
 
 
 def untimed_remats(plan: Any, calibration: Calibration | None) -> tuple[str, ...]:
@@ -363,11 +375,12 @@ def calibration_sizes(global_batch: int, devices: int, candidates: Sequence[int]
 def where_it_runs(option: Any, measure: Callable[[], Calibration | None]) -> tuple[Calibration | None, str]:
   """``(measure(), "")``; under ``calibrate="auto"`` (``option``), ``(None, why)`` where the step cannot be timed
   here (it fits no one device of a kind, or its state is split across processes): the search then prices
-  compute from the devices' specs, and ``explain()`` says why. ``calibrate=True`` raises instead."""
+  compute from the devices' specs, and ``explain()`` says why. ``calibrate=True`` (or a directory) raises
+  instead."""
   try:
     return measure(), ""
   except (HetSpmdError, jax.errors.JaxRuntimeError) as e:
-    if option is True:
+    if option is True or calibration_store.directory_of(option) is not None:
       raise
     return None, str(e).splitlines()[0]
 
@@ -376,9 +389,9 @@ def wanted(option: Any, cluster: Any) -> bool:
   """Whether ``parallelize(..., calibrate=option)`` times the step before its search: ``True``/``False``, or
   ``"auto"``: on accelerators. Not on CPU devices, which share the host's cores (emulated kinds are labels, and
   a measured CPU pool is one kind): there ``plan="search"`` takes the plan ``hetspmd search`` prints, unless
-  ``calibrate=True``."""
-  if option in (True, False):
-    return bool(option)
+  ``calibrate=True``. A directory (:mod:`calibration_store`) counts as ``True``."""
+  if option in (True, False) or calibration_store.directory_of(option) is not None:
+    return option is not False
   if cluster.jax_device_ids is None:
     return False
   ids = set(cluster.jax_device_ids)

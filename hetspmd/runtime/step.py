@@ -38,7 +38,7 @@ from hetspmd.runtime.binding import Arguments, StaticArgs, positional_function, 
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.plan.balance import as_option
 from hetspmd.runtime.placement import GroupedBatch, ShardedBatch
-from hetspmd.runtime import calibrating
+from hetspmd.runtime import calibrating, calibration_store
 from hetspmd.runtime.layer_timing import step_or_layer
 from hetspmd.runtime.rebalancing import Rebalancer
 from hetspmd.runtime.runner import Runner, Trace
@@ -443,8 +443,10 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     rebalance: ``True`` or a :class:`hetspmd.Rebalance`: move a single program's microbatches while training,
       from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
-      (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), or
-      a saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file).
+      (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), a
+      saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file), or a directory: as ``True``,
+      reusing the calibration kept there for this step and pool, else timing and keeping it there
+      (:mod:`hetspmd.runtime.calibration_store`).
     verify: ``plan="search"``'s choice timed whole before it runs, its runners-up too where it misses its
       prediction by 25%, the fastest measured run (:mod:`hetspmd.runtime.verifying`, ``step.verification``):
       ``True``, ``False``, or ``"auto"``: where the search priced compute from a calibration.
@@ -486,10 +488,12 @@ def _calibration(calibrate: Any) -> Calibration | None:
     return calibrate
   if isinstance(calibrate, (bool, np.bool_)) or calibrate == "auto":
     return None
-  if isinstance(calibrate, (str, os.PathLike)) and pathlib.Path(calibrate).is_file():
-    return Calibration.load(calibrate)
-  raise InvalidValueError(f"calibrate must be True, False, 'auto', a Calibration or the path of a saved one, got "
-                          f"{calibrate!r}")
+  if isinstance(calibrate, (str, os.PathLike)) and pathlib.Path(calibrate).expanduser().is_file():
+    return Calibration.load(pathlib.Path(calibrate).expanduser())
+  if calibration_store.directory_of(calibrate) is not None:
+    return None
+  raise InvalidValueError(f"calibrate must be True, False, 'auto', a Calibration, the path of a saved one or an "
+                          f"existing directory to keep calibrations in, got {calibrate!r}")
 
 
 def _check_flags(**flags: Any) -> None:
