@@ -88,6 +88,26 @@ def test_another_pool_or_policy_is_timed_and_kept_beside(tmp_path):
   assert not calibration_store.covers(again, pool.kinds, (4,), ("none", "dots"))
 
 
+def test_sizes_asked_for_count_as_covered_and_a_directory_that_cannot_be_written_warns(tmp_path, monkeypatch):
+  """A size that did not run on some kind (out of memory) is left out of its timing; the store records the sizes
+  asked for, so the same request reads the file instead of timing again. A write that fails warns and loses
+  nothing (the search goes on with the new timing)."""
+  from hetspmd.hardware.calibration import KindTiming
+
+  cal = Calibration("a" * 64, (KindTiming("V100-32GB", ((4, 1e-3), (16, 3e-3))), KindTiming("P100-16GB", ((4, 2e-3),))))
+  kinds = ("V100-32GB", "P100-16GB")
+  assert not calibration_store.covers(cal, kinds, (4, 16), ("none",))
+  assert calibration_store.covers(cal, kinds, (4, 16), ("none",), {"none": [4, 16]})
+  assert not calibration_store.covers(cal, kinds, (4, 16), ("none", "full"), {"none": [4, 16]})
+  pool = _pool(kinds)
+  calibration_store.save(tmp_path, cal, None, pool, (4, 16))
+  usable, (kept, asked) = calibration_store.load(tmp_path, cal.fingerprint, pool, (4, 16), ("none",))
+  assert usable == cal == kept and asked == {"none": [4, 16]}
+  monkeypatch.setattr(calibration_store.tempfile, "mkstemp", lambda **kw: (_ for _ in ()).throw(OSError("read-only")))
+  with pytest.warns(UserWarning, match="could not be kept in .*read-only"):
+    calibration_store.save(tmp_path, cal, None, pool, (4,))
+
+
 def test_a_path_that_is_neither_a_calibration_nor_a_directory_is_refused(tmp_path):
   with pytest.raises(InvalidValueError, match="an existing directory to keep calibrations in"):
     hs.parallelize(_workload().make_train_step(), global_batch=32, calibrate=str(tmp_path / "missing"))

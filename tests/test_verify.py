@@ -345,20 +345,10 @@ def test_verifying_an_nnx_step_writes_nothing_into_its_objects(monkeypatch, form
   import optax
   from flax import nnx
 
-  def make():
-    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  import nnx_toy
+  from nnx_toy import train_step
 
-  def train_step(model, optimizer, batch):
-    def loss_fn(model):
-      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  rng = np.random.default_rng(0)
-  batch = {"x": rng.normal(size=(32, 16)).astype(np.float32), "y": rng.integers(0, 4, 32).astype(np.int32)}
+  make, batch = lambda: nnx_toy.make(optax.adam(1e-2)), nnx_toy.batch()
   probe = hs.parallelize(train_step, cluster=_cluster(), plan="search", global_batch=32)
   fast = _scaled(probe.calibrate(*make(), batch), 1 / SCALE)
   model, optimizer = make()

@@ -251,7 +251,8 @@ class Costing:
                      for k in cluster.kinds} if cluster.calibration else {}
     self.measured = {k: t for k, t in self.measured.items() if t is not None}
     self.measured_remat = {(k, r): cluster.calibration.of(k, r) for k, t in self.measured.items()
-                           if t.part == "step" for r in cluster.calibration.remats(k) if r != t.remat}
+                           if t.part == "step" for r in cluster.calibration.remats(k)
+                           if r != t.remat and cluster.calibration.of(k, r).part == "step"}
     self.fixed = {k: self._measured_fixed(k) if k in self.measured else profile.step_fixed_seconds(s)
                   for k, s in self.specs.items()}
     self.sharing = frozenset(h for h, host in enumerate(cluster.hosts) if host.alone_speedup > 1.0)

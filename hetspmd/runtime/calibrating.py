@@ -292,7 +292,7 @@ def on_example(front: Any, state: Any, cluster: Any) -> Calibration | None:
   no example batch says what the step takes."""
   if front.example_batch is None or front.bound or isinstance(front.example_batch, (tuple, list)):
     if front.calibrating is True or calibration_store.directory_of(front.calibrating) is not None:
-      raise HetSpmdError("calibrate=True times the step on a call's arguments: call the step first (or "
+      raise HetSpmdError(f"calibrate={front.calibrating!r} times the step on a call's arguments: call the step first (or "
                          "step.resolve(...)), or pass example_batch= for a step(state, batch)")
     return None
   front = dataclasses.replace(front, batch_argnums=(1,), rebalancer=None, _runner=None)
@@ -318,13 +318,13 @@ def timed_whole(front: Any, args: tuple, kwargs: dict, cluster: Any, sizes: Sequ
   fingerprint = step_fingerprint(trace.state_batch(), parts.state, trace.batch)
   sizes, remats = sizes or sizes_for(front, cluster), policies(remats)
   directory = calibration_store.directory_of(front.calibrating)
-  if directory is None:
+  if directory is None or cluster.jax_device_ids is None:  # (unbound: calibrate says what to give)
     return calibrate(front, args, kwargs, cluster, sizes, fingerprint=fingerprint, remats=remats)
   usable, kept = calibration_store.load(directory, fingerprint, cluster, sizes, remats)
   if usable is not None:
     return usable
   timed = calibrate(front, args, kwargs, cluster, sizes, fingerprint=fingerprint, remats=remats)
-  calibration_store.save(directory, timed, kept, cluster)
+  calibration_store.save(directory, timed, kept, cluster, sizes)
   return timed
 
 
@@ -346,13 +346,30 @@ def with_remats(front: Any, calibration: Calibration | None, plan: Any, call: tu
   model priced GPT-2 tiny's recomputation at a fifth to a half of what it measured). None where there is no such
   policy, no call to time on, or the policy does not run on some kind (it stays priced from the model)."""
   remats = untimed_remats(plan, calibration)
-  if not remats or call is None:
+  if not remats or call is None or not wanted(front.calibrating, cluster):  # given, not measured here: kept as is
     return None
   sizes = sorted({m for t in calibration.kinds for m, _ in t.points})
   try:
     return calibration.merged(timed_whole(front, *call, cluster, sizes, remats))
   except (HetSpmdError, jax.errors.JaxRuntimeError):
     return None
+
+
+def searched_on_remats(front: Any, search: Callable[[Any], Any], call: tuple | None, cluster: Any
+                       ) -> tuple[Calibration | None, Any]:
+  """``(calibration, searched)``: ``search(cluster priced on front.calibration)``, and while its choice runs a
+  remat policy the calibration did not time, that policy timed (:func:`with_remats`) and the search run again on
+  it (a policy priced from its model is usually priced below its measured cost, so a second choice may run
+  another), at most once per policy."""
+  calibration = front.calibration
+  searched = search(cluster.calibrated(calibration))
+  for _ in REMAT_POLICIES:
+    more = with_remats(front, calibration, searched.plan, call, cluster)
+    if more is None:
+      break
+    calibration = more
+    searched = search(cluster.calibrated(calibration))
+  return calibration, searched
 
 
 def sizes_for(front: Any, cluster: Any) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import tempfile
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -49,11 +50,16 @@ def path(directory: pathlib.Path, fingerprint: str, cluster: Any) -> pathlib.Pat
   return directory / f"calibration-{fingerprint[:16]}-{key}.json"
 
 
-def covers(calibration: Calibration, kinds: Sequence[str], sizes: Sequence[int], remats: Sequence[str]) -> bool:
+def covers(calibration: Calibration, kinds: Sequence[str], sizes: Sequence[int], remats: Sequence[str],
+           asked: dict | None = None) -> bool:
   """Whether ``calibration`` timed the step's microbatches on every kind of ``kinds`` under every policy of
-  ``remats`` at every size of ``sizes``."""
-  for kind in kinds:
-    for remat in remats:
+  ``remats`` at every size of ``sizes``, or was asked to (``asked``: ``{policy: sizes}`` a store recorded; a
+  size that ran out of memory on some kind is left out of its timing, and timing it again would not fit)."""
+  asked = asked or {}
+  for remat in remats:
+    if set(sizes) <= set(asked.get(remat, ())) and all(calibration.of(k, remat) is not None for k in kinds):
+      continue
+    for kind in kinds:
       timing = calibration.of(kind, remat)
       if timing is None or timing.part != "step" or not set(sizes) <= {m for m, _ in timing.points}:
         return False
@@ -61,32 +67,42 @@ def covers(calibration: Calibration, kinds: Sequence[str], sizes: Sequence[int],
 
 
 def load(directory: pathlib.Path, fingerprint: str, cluster: Any, sizes: Sequence[int],
-         remats: Sequence[str]) -> tuple[Calibration | None, Calibration | None]:
+         remats: Sequence[str]) -> tuple[Calibration | None, tuple[Calibration, dict] | None]:
   """``(usable, kept)``: the calibration kept in ``directory`` for this step and pool, ``usable`` where it covers
   ``sizes`` and ``remats`` and every process found the same one (else None); ``kept``, what this process read
-  (merged into a new timing before it is written again)."""
-  kept = None
+  and the sizes each policy was asked for (merged into a new timing before it is written again), or None."""
+  kept, asked = None, {}
   try:
-    found = Calibration.load(path(directory, fingerprint, cluster))
+    data = json.loads(path(directory, fingerprint, cluster).read_text())
+    found = Calibration.from_json(data)
     kept = found if found.fingerprint == fingerprint else None
-  except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one: timed anew and written over
+    asked = {str(r): [int(m) for m in ms] for r, ms in dict(data.get("asked", {})).items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not one: timed anew, written over
     pass
-  usable = kept is not None and covers(kept, cluster.kinds, sizes, remats)
+  usable = kept is not None and covers(kept, cluster.kinds, sizes, remats, asked)
   if jax.process_count() > 1:  # 4 words of 28 bits: gathered as int32 where JAX runs without 64-bit types
     text = hashlib.sha256(json.dumps(kept.to_json()).encode()).hexdigest() if usable else "f" * 28
     digest = np.array([int(text[i:i + 7], 16) for i in range(0, 28, 7)] + [int(usable)], np.int32)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
     usable = bool((every == digest).all() and every[:, -1].all())
-  return (kept if usable else None), kept
+  return (kept if usable else None), ((kept, asked) if kept is not None else None)
 
 
-def save(directory: pathlib.Path, calibration: Calibration, kept: Calibration | None, cluster: Any) -> None:
-  """Writes ``calibration`` (with the policies ``kept`` timed that it did not) for its step and ``cluster``,
-  atomically (a temporary file renamed), so a process reading it never sees half of it."""
-  merged = calibration if kept is None else calibration.merged(kept)
-  target = path(directory, calibration.fingerprint, cluster)
-  data = {**merged.to_json(), "pool": pool(cluster)}
-  handle, temporary = tempfile.mkstemp(dir=directory, prefix=".calibration-", suffix=".json")
-  with os.fdopen(handle, "w") as f:
-    f.write(json.dumps(data, indent=1) + "\n")
-  os.replace(temporary, target)
+def save(directory: pathlib.Path, calibration: Calibration, kept: tuple[Calibration, dict] | None, cluster: Any,
+         sizes: Sequence[int]) -> None:
+  """Writes ``calibration`` (with the policies ``kept`` timed that it did not), and the ``sizes`` it was asked
+  to time under each of its policies, for its step and ``cluster``, atomically (a temporary file renamed), so a
+  process reading it never sees half of it. A directory that cannot be written is warned about, not raised:
+  the other processes go on, and so does this one."""
+  before, asked = kept if kept is not None else (None, {})
+  merged = calibration if before is None else calibration.merged(before)
+  asked = {**{r: m for r, m in asked.items() if r in {t.remat for t in merged.kinds}},
+           **{t.remat: sorted(set(sizes)) for t in calibration.kinds}}
+  data = {**merged.to_json(), "asked": asked, "pool": pool(cluster)}
+  try:
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".calibration-", suffix=".json")
+    with os.fdopen(handle, "w") as f:
+      f.write(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path(directory, calibration.fingerprint, cluster))
+  except OSError as e:
+    warnings.warn(f"the calibration could not be kept in {directory}: {e}", stacklevel=2)

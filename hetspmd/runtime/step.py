@@ -74,7 +74,7 @@ class ParallelStep:
   group_plans: bool = True  # plan="search" also prices group plans and runs one priced well ahead
   static: StaticArgs = StaticArgs()  # the arguments bound as jax.jit binds static ones
   rebalancer: Rebalancer | None = None  # parallelize(..., rebalance=...): microbatches moved while training
-  calibrating: Any = "auto"  # parallelize(..., calibrate=...): True, False or "auto" (calibrating.wanted)
+  calibrating: Any = "auto"  # parallelize(..., calibrate=...): True, False, "auto" or a directory (calibrating.wanted)
   calibration: Calibration | None = None  # the step's measured times the search prices on (given, or measured)
   verify: Any = "auto"  # parallelize(..., verify=...): time the searched plan on its first call (verifying.wanted)
   verification: Verification | None = None  # the plans timed whole on the first call, and which runs
@@ -135,11 +135,9 @@ class ParallelStep:
         priced = cluster.calibrated(self.calibration)
         on, call = ("the first call", call) if call else (verifying.ON_EXAMPLES, verifying.example_call(self, state))
         checks = verifying.wanted(self.verify, self.calibration, call)
-        searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
-        more = calibrating.with_remats(self, self.calibration, searched.plan, call, cluster)
-        if more is not None:  # the choice's remat policy timed: the search again, on its own times
-          self.calibration, priced = more, cluster.calibrated(more)
-          searched = searched_plan(self, priced, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
+        search = lambda c: searched_plan(self, c, state, self._search_trace(trace), top=verifying.PLANS if checks else 1)
+        self.calibration, searched = calibrating.searched_on_remats(self, search, call, cluster)
+        priced = cluster.calibrated(self.calibration)
         self._pricing = tuple(priced.pricing())
         runtime = searched.runtime
         runner, self.verification, self._note = verifying.checked(self, searched, call, checks, on)
@@ -178,7 +176,8 @@ class ParallelStep:
     these arguments (a call's: the state and a batch of any size, repeated where it has fewer examples): per
     kind and remat policy of ``remats`` (a policy timed is priced from its own times, one not timed from the
     first's and what it recomputes), seconds per microbatch at ``sizes`` (default up to three the search would
-    try) and per step. Pass the result
+    try) and per step; where ``parallelize``'s ``calibrate`` names a directory, the one kept there for this step
+    and pool where it covers them, timing nothing. Pass the result
     to ``parallelize(..., calibrate=...)`` or ``Cluster.calibrated``, or ``save`` it. Nothing is run on the
     state in place. Where the step fits no one device of a kind, one layer is timed instead (of its layer scan, or
     the forward of a numbered block where it unrolls its layers: :mod:`hetspmd.runtime.layer_timing`)."""
@@ -419,10 +418,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
     specs: ``{path suffix: PartitionSpec}`` to keep for the leaves they match (``"auto"`` and ``"search"``
       plans), e.g. ``hetspmd.annotated_specs(params, rules)`` to respect a model's own sharding annotations.
     example_batch: for ``plan="search"``: the batch's structure, arrays or ``ShapeDtypeStruct``s, any leading size.
-    batch_argnums: the positional argument(s) holding the batch (counted
-      among the call's own arguments, after any ``nnx.cached_partial``
-      binds); default every argument all of whose arrays lead with
-      ``global_batch``.
+    batch_argnums: the positional argument(s) holding the batch (counted among the call's own arguments, after
+      any ``nnx.cached_partial`` binds); default every argument all of whose arrays lead with ``global_batch``.
     batch_stats: ``"local"``: statistics over the batch that normalise
       activations (BatchNorm in training) are each microbatch's own, as
       per-device BatchNorm in data-parallel training, and the new running
@@ -444,9 +441,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, cluster: Cluster | None
       from each kind's measured time (:mod:`hetspmd.runtime.rebalancing`; ``step.history``).
     calibrate: for ``plan="search"``: time the step on each kind first and search on those times
       (:meth:`ParallelStep.calibrate`): ``True``, ``False``, ``"auto"`` (on accelerators, not CPU devices), a
-      saved :class:`~hetspmd.hardware.calibration.Calibration` (or its JSON file), or a directory: as ``True``,
-      reusing the calibration kept there for this step and pool, else timing and keeping it there
-      (:mod:`hetspmd.runtime.calibration_store`).
+      saved :class:`~hetspmd.hardware.calibration.Calibration` (or its file), or a directory: ``True``, kept
+      there per step and pool and reused (:mod:`hetspmd.runtime.calibration_store`).
     verify: ``plan="search"``'s choice timed whole before it runs, its runners-up too where it misses its
       prediction by 25%, the fastest measured run (:mod:`hetspmd.runtime.verifying`, ``step.verification``):
       ``True``, ``False``, or ``"auto"``: where the search priced compute from a calibration.
