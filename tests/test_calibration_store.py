@@ -165,3 +165,42 @@ def test_two_processes_reuse_only_a_calibration_both_hold(tmp_path):
   for r in results:
     assert 0 < r["counts"][0] < r["counts"][1] == r["counts"][2], results  # timed, timed again, reused
     assert r["digests"][2] == r["digests"][1] and r["files"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_timing_that_fails_on_one_process_fails_on_both():
+  """2 processes: the second cannot time its kind (an error before the calibration gathers its times). Both
+  hear of it at the same point and take the same way on (one layer timed instead, or the same error), so
+  neither waits in a gather the other never reaches."""
+  import textwrap
+
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import hetspmd as hs
+      from hetspmd.runtime import calibrating
+
+      runs = calibrating.KindTimer.runs
+
+      def failing(self, *args, **kwargs):
+        if jax.process_index() == 1:
+          raise hs.HetSpmdError("cannot time here")
+        return runs(self, *args, **kwargs)
+
+      calibrating.KindTimer.runs = failing
+      pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
+      batches = t._batches(64)
+      step = hs.parallelize(t.dropout_step, cluster=pool, plan="search", global_batch=64, example_batch=batches[0])
+      try:
+        calibration = step.calibrate(t._state(), batches[0], sizes=(4,))
+        outcome = sorted({k.part for k in calibration.kinds})
+      except hs.HetSpmdError as e:
+        outcome = "error: " + str(e)[:300]
+      print(json.dumps({"outcome": outcome}))
+  """), num_processes=2, devices_per_process=2, timeout=240)
+  first, second = results
+  assert type(first["outcome"]) is type(second["outcome"]), results
+  if isinstance(first["outcome"], str):
+    assert "cannot time here" in second["outcome"] and "another process" in first["outcome"], results
+  else:
+    assert first["outcome"] == second["outcome"] != ["step"], results

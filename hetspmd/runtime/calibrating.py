@@ -211,6 +211,13 @@ def gathered(kinds: Sequence[str], mine: dict[str, tuple[float, float]]) -> dict
   return out
 
 
+def everywhere(flag: bool) -> bool:
+  """Whether ``flag`` holds on every process (each process must ask, at the same point)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).min())
+
+
 def now() -> float:
   return time.perf_counter()
 
@@ -273,14 +280,23 @@ def _timed_sizes(timers: dict[str, KindTimer], kinds: Sequence[str], sizes: Sequ
   points: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
   fixed: dict[str, list[float]] = {k: [] for k in kinds}
   for size in sizes:
-    mine = {}
+    mine, raised = {}, None
     for kind, timer in timers.items():
       try:
         (point,), step_seconds = fit_points(timer.runs(args, kwargs, [size], counts, repeats))
       except jax.errors.JaxRuntimeError as e:  # this size does not fit the device
         failed = f"{kind} at microbatch {size}: {str(e).splitlines()[0][:200]}"
         continue
+      except HetSpmdError as e:  # it cannot be timed here: every process hears of it before the gather below
+        raised = e
+        break
       mine[kind] = (point[1], step_seconds)
+    if raised is not None and jax.process_count() == 1:
+      raise raised
+    if not everywhere(raised is None):
+      # one error type on every process, so each takes the same way on (step_or_layer: one layer timed instead)
+      raise CannotTimeError(str(raised) if raised else "the step could not be timed on another process (its error "
+                            "is raised there)") from raised
     for kind, (micro, step_seconds) in gathered(kinds, mine).items():
       points[kind].append((size, micro))
       fixed[kind].append(step_seconds)

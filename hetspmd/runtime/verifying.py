@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 
 from hetspmd.errors import HetSpmdError
 from hetspmd.plan.groups import GroupPlan
-from hetspmd.runtime.calibrating import batch_positions, examples, now
+from hetspmd.runtime.calibrating import batch_positions, everywhere, examples, now
 from hetspmd.runtime.group_runner import GroupRunner
 from hetspmd.runtime.single import SingleRunner
 
@@ -199,7 +199,7 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
     cut = tuple(examples(a, len(runner.process_examples())) if i in at else a for i, a in enumerate(args))
   except Exception as e:  # noqa: BLE001 (every process must reach the agreement below, whatever failed here)
     error = _first_line(e)
-  if not _everywhere(cut is not None):
+  if not everywhere(cut is not None):
     return float("inf"), error or "it did not run on another process"
   before, front.batch_argnums = front.batch_argnums, at  # this share is the batch, whatever its size
   try:
@@ -220,13 +220,6 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
 
 def _first_line(error: BaseException) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-
-
-def _everywhere(flag: bool) -> bool:
-  """Whether ``flag`` holds on every process."""
-  if jax.process_count() == 1:
-    return flag
-  return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).min())
 
 
 def _slowest(seconds: float) -> float:
