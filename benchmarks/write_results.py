@@ -34,7 +34,7 @@ class Bench:
   args: tuple[str, ...]
   source: str  # "predicted", "measured" or "published"
   what: str
-  slow: bool = False  # minutes of a busy loop on a second core, or a long search
+  slow: bool = False  # minutes of a busy loop on a second core, a long search, or calibrations
   script: str = ""  # benchmarks/<script>.py when it is not the name (one script, two sections)
 
   @property
@@ -93,8 +93,9 @@ BENCHES = (
     Bench("fidelity", (), "measured",
           "Predicted against measured step time for plans of the MLP and GPT-tiny on 8 profiled CPU devices "
           "(goals: Spearman >= 0.8, median absolute error <= 25%), and priced on the step's calibrated times "
-          "(goals: Spearman >= 0.9, median error <= 10%); every plan measured in two passes, whose difference is "
-          "this machine's run-to-run spread."),
+          "(goals: Spearman >= 0.9, median error <= 10%), each model calibrated in each pass just before its plans "
+          "are measured; every plan measured in two passes, whose difference is this machine's run-to-run "
+          "spread.", slow=True),
     Bench("verify", (), "measured",
           "The calibrated search's choice against the same search with its choice timed whole before it runs "
           "(re-planned to the fastest measured of its runners-up where it misses its prediction by 25%), on 8 "
