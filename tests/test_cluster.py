@@ -378,7 +378,7 @@ def test_a_cluster_says_what_each_kinds_compute_is_priced_from():
       "A100-80GB: datasheet peaks at the datasheet efficiencies (matrix 0.60, vector 0.60, memory 0.70)",
       "V100-32GB: datasheet peaks at gv100's fitted efficiencies (matrix 0.31, vector 0.80, memory 0.70)"]
   timed = cluster.calibrated(Calibration("step", (KindTiming("V100-32GB", ((2, 0.01), (4, 0.02)), 0.001),)))
-  assert timed.pricing()[1] == "V100-32GB: the step's measured times (2 microbatch size(s))"
+  assert timed.pricing()[1] == "V100-32GB: the step's measured times (2 microbatch size(s); remat none timed)"
   measured = hetspmd.hardware.device_spec("cpu")
   assert Cluster.parse("2xcpu").pricing() == [f"{measured.name}: a measured spec (hetspmd profile)"]
 
