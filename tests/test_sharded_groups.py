@@ -395,6 +395,11 @@ def test_beside_a_sharded_group_an_unsharded_one_hands_over_parts(layers):
     fn = _layers_step
   plan = group_plan([_sharded((0, 1, 2, 3), 2, (2, 2, 1, 1)), ((4, 5, 6, 7), 1, (1, 1, 2, 2))], 18)
   step, _ = _trained(plan, state, fn)
+  _check_parts_handed_over(step, params, n)
+
+
+def _check_parts_handed_over(step, params, n):
+  """Every group's program hands over per device its parts of the sums (of ``n``), not whole-shaped rows."""
   assert step.execution.parts_exchange and step._latest.part_sums
   assert "the unsharded groups reduce-scatter their sums onto the sharded groups' parts" in step.explain()
   leaves = jax.tree.leaves(params)
@@ -405,3 +410,21 @@ def test_beside_a_sharded_group_an_unsharded_one_hands_over_parts(layers):
   for name in ("group 0", "group 1"):  # per device: its parts, not whole-shaped rows
     assert outputs[name].output_size_in_bytes <= whole / n + padding + loss, (name, outputs[name], whole)
   assert whole / n + padding + loss < whole / 2  # the bound tells parts from whole-shaped rows
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scanned,remats,fn", [
+    (False, ("layers", "none"), _layers_step),  # the user's own jax.value_and_grad, its layers rematted
+    (True, ("none", "dots"), _layers_step_rematted),  # hs.value_and_grad: the loss checkpointed
+], ids=["unrolled-layers-beside-none", "layer-scan-none-beside-dots"])
+def test_groups_of_their_own_remat_policies_hand_over_parts(scanned, remats, fn):
+  """A sharded group beside an unsharded one of its size, each under its own remat policy: each trace's sums are
+  matched to the exchange program's, and the unsharded group still reduce-scatters them onto the sharded
+  group's parts; exact against one device."""
+  require_devices(8)
+  params, state = _layer_state(_Layers(scanned=scanned, width=64))
+  plan = group_plan([Group((0, 1, 2, 3), 2, (2, 2, 1, 1), remats[0], shard_params=True),
+                     Group((4, 5, 6, 7), 1, (1, 1, 2, 2), remats[1])], 18)
+  step, _ = _trained(plan, state, fn)
+  assert {g.remat for g in plan.groups} == set(remats)
+  _check_parts_handed_over(step, params, 4)

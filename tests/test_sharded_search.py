@@ -13,8 +13,8 @@ from hetspmd.models.gpt2 import GPT2Config
 from hetspmd.passes.profile import profile_step
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.planner import sharding
-from hetspmd.planner.grouping import _may_fit, _may_fit_sharded, _peak, search_groups, to_group_plan
-from hetspmd.planner.pricing import Costing
+from hetspmd.planner.grouping import _may_fit, _may_fit_sharded, _peak, price_groups, search_groups, to_group_plan
+from hetspmd.planner.pricing import Costing, device_groups
 from hetspmd.planner.ranking import SEARCHED_REMAT, microbatch_sizes, search
 from hetspmd.report import explain_group_text
 
@@ -131,6 +131,24 @@ def test_where_every_kind_shards_the_plan_is_hybrid_and_holds_its_state_split(de
   exchange = sharding.hybrid_exchange_seconds(cluster, [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)], deep_profile,
                                               e.grad_reduce_dtype)
   assert e.comm_seconds == pytest.approx(exchange)
+
+
+def test_kinds_of_their_own_remat_policies_are_priced_handing_over_parts(deep_profile):
+  """A sharded kind beside an unsharded one of its size, each under its own remat policy, is priced as the runtime
+  runs it (:attr:`~hetspmd.plan.execution.Execution.parts_exchange`): the sharded devices hand over their parts,
+  not whole-shaped rows, whatever policy each kind runs."""
+  deep_profile = dataclasses.replace(deep_profile, traces=(), strategy_spaces={})
+  fast = dict(fp32_flops=2e12, bf16_flops=4e12, memory_bandwidth=4e11)
+  specs = {k: hs.DeviceSpec(k, memory_bytes=2**32, **fast) for k in ("Roomy", "Tight")}
+  cluster = hs.Cluster.parse("1x4xRoomy+1x4xTight;inter=100Gbps", devices=specs)
+  costing = Costing(cluster, deep_profile, 1)
+  layout = device_groups(cluster, "group programs by kind", tuple(range(8)), 1)
+  for remats in ({"Roomy": "dots", "Tight": "dots"}, {"Roomy": "none", "Tight": "full"}):
+    e = price_groups(costing, layout, {"Roomy": 2, "Tight": 2}, remats, BATCH, sharded=frozenset({"Tight"}))
+    assert e.group.execution.parts_exchange and set(e.group.remats) == set(remats.values())
+    tight = e.kinds.index("Tight")
+    assert e.memory_bytes[tight] == sharding.sharded_peak(deep_profile, 4, (2, remats["Tight"]), None, None,
+                                                          part_row=True)
 
 
 @pytest.mark.parametrize("processes,size,spans", [

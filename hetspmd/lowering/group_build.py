@@ -372,7 +372,8 @@ def _group_loops(progs: dict[str, Program], plan: GroupPlan, group: Any, mesh: M
               ("narrow", functools.partial(narrowed, mask if s == loops - 1 else None, plan.grad_reduce_dtype)),
               ("spread", functools.partial(spread, prog, s, group.model)))
     # beside sharded groups, its gradients reduce-scattered in the reduce dtype they then cross in
-    narrow = ({j: plan.grad_reduce_dtype for j, flag in enumerate(f for part in mask for f in part) if flag}
+    narrow = ({j if order is None else order[0][j]: plan.grad_reduce_dtype
+               for j, flag in enumerate(f for part in mask for f in part) if flag}
               if parts and not shards and mask is not None and s == loops - 1 else None)
     run, names = chain(group_lowering.group_program(own, layout, s, plan.example_width, shards, kept, parts=parts,
                                                     narrow=narrow), *stages)

@@ -34,8 +34,8 @@ class Execution:
   each device's update reduces only the sums its own state reads (else the exchange program reduces every sum
   onto every device). ``parts_to_owners``: there, the groups that shard hand the owners their parts of the sums.
   ``zero3_parts``: ZeRO-3 in one process and no tail: a parameter made on one device reaches a sharded group as
-  its parts only. ``parts_exchange``: some groups shard and some do not, all of one size, one remat policy and no
-  model axis, with the state replicated and no tail: each group that does not shard reduce-scatters its sums
+  its parts only. ``parts_exchange``: some groups shard and some do not, all of one size and no model axis (each its own
+  remat policy), with the state replicated and no tail: each group that does not shard reduce-scatters its sums
   within itself after its loop, onto the parts the sharded groups hold, and the exchange adds parts across the
   groups, as in a hybrid plan (no device hands over a whole-sized row of a sum)."""
 
@@ -49,10 +49,10 @@ class Execution:
 
   @classmethod
   def made(cls, groups: Sequence[tuple[tuple[int, ...], int, bool]], *, zero_stage: int, shares: bool,
-           tail: bool, uniform: bool = True) -> "Execution":
+           tail: bool, data_only: bool = True) -> "Execution":
     """The execution of group programs ``groups`` (``(processes, devices, sharded)`` each, as they run) with the
-    optimizer state in ``shares`` or not, under ``zero_stage``, with a ``tail`` or not; ``uniform``: every group
-    runs one remat policy and a device per data position (no model axis)."""
+    optimizer state in ``shares`` or not, under ``zero_stage``, with a ``tail`` or not; ``data_only``: every group
+    runs a device per data position (no model axis)."""
     groups = tuple(sorted((tuple(sorted(set(p))), n, s) for p, n, s in groups))
     one_process = len({q for p, _, _ in groups for q in p}) == 1
     sharded = [s for _, _, s in groups]
@@ -61,7 +61,7 @@ class Execution:
     return cls(groups=groups, hybrid=is_hybrid(sharded, sizes, shares=shares, tail=tail),
                tail=tail, owners_reduce=owners_reduce, parts_to_owners=owners_reduce and any(sharded),
                zero3_parts=zero_stage == 3 and shares and not tail and one_process,
-               parts_exchange=(any(sharded) and not all(sharded) and len(set(sizes)) == 1 and uniform
+               parts_exchange=(any(sharded) and not all(sharded) and len(set(sizes)) == 1 and data_only
                                and not shares and not tail))
 
   @classmethod
@@ -70,7 +70,7 @@ class Execution:
     groups = split_by_process(plan, process_of).groups
     return cls.made([({process_of[d] for d in g.devices}, len(g.devices), g.shard_params) for g in groups],
                     zero_stage=plan.zero_stage or 0, shares=bool(plan.state_shares), tail=bool(plan.tail_count),
-                    uniform=len({g.remat for g in groups}) == 1 and all(g.model == 1 for g in groups))
+                    data_only=all(g.model == 1 for g in groups))
 
   @property
   def processes(self) -> int:

@@ -82,17 +82,17 @@ def shard_size(costing: Costing, layout: DeviceGroups, kind: str) -> int:
 
 
 def execution_of(costing: Costing, layout: DeviceGroups, sharded: frozenset[str], zero: int, tail: int, *,
-                 uniform: bool = True) -> Execution:
+                 data_only: bool = True) -> Execution:
   """How the group plan priced on ``layout`` runs (:class:`~hetspmd.plan.execution.Execution`): its groups as the
   runtime runs them (:func:`run_groups`), the state in shares under ``zero`` > 0, ``tail`` microbatches or none;
-  ``uniform``: one remat policy and no model axis in every group."""
-  key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail), uniform)
+  ``data_only``: no model axis in any group."""
+  key = ("execution", tuple(layout.devices), tuple(layout.hosts.items()), sharded, zero, bool(tail), data_only)
   if key not in costing.shard_groups:
     process = process_of(costing.cluster)
     groups = [({process[i] for i in g}, len(g), kind in sharded)
               for kind, kind_groups in run_groups(costing, layout, sharded).items() for g in kind_groups]
     costing.shard_groups[key] = Execution.made(groups, zero_stage=zero, shares=bool(zero), tail=bool(tail),
-                                               uniform=uniform)
+                                               data_only=data_only)
   return costing.shard_groups[key]
 
 

@@ -161,7 +161,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   last = max(remats.values(), key=REMAT_POLICIES.index)  # the tail's
   if _refused(costing, layout, tps, zero, count, sharded):
     return None
-  execution = execution_of(costing, layout, sharded, zero, count, uniform=_uniform(remats, tps))
+  execution = execution_of(costing, layout, sharded, zero, count, data_only=_data_only(tps))
   owner, hybrid = execution.owners_reduce, execution.hybrid  # each device reduces its own share; hybrid
   narrow = dtype != "float32" and not count  # the group programs hand over bfloat16 rows
   shares = _state_shares(costing, kinds, sizes, tail, remats, owner, tps=tps, zero=zero, narrow=narrow,
@@ -216,9 +216,10 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
           shard_params=tuple(map(sharded.__contains__, on)) if sharded else (), execution=execution))
 
 
-def _uniform(remats: dict[str, str], tps: dict[str, TensorParallel]) -> bool:
-  """Whether every kind's group runs one remat policy and no model axis (:meth:`Execution.made`'s ``uniform``)."""
-  return len(set(remats.values())) == 1 and all(tp.m == 1 for tp in tps.values())
+def _data_only(tps: dict[str, TensorParallel]) -> bool:
+  """Whether every kind's group runs a device per data position, no model axis (:meth:`Execution.made`'s
+  ``data_only``)."""
+  return all(tp.m == 1 for tp in tps.values())
 
 
 def _refused(costing: Costing, layout: DeviceGroups, tps: dict[str, TensorParallel], zero: int, tail: int,
