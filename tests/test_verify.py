@@ -9,6 +9,7 @@ plans out, so that their choice is a single program; the group plan's own cases 
 
 import dataclasses
 import gc
+import re
 
 import jax
 import numpy as np
@@ -144,6 +145,30 @@ def test_a_plan_that_does_not_run_beside_the_copy_is_not_chosen(calibration, mon
     assert "not verified: the search's plan did not run beside a copy of the state" in step.explain()
 
 
+def test_a_plan_that_would_not_fit_beside_the_state_is_not_placed(calibration, monkeypatch):
+  """Where a device says what it has free (an accelerator; patched here to one byte) and a timed plan needs more
+  (XLA's memory analysis of its program), the plan is neither placed nor run: the choice runs unverified, and
+  its error says what it needs and what is free. Where every device has room, nothing is refused."""
+  from hetspmd.runtime.single import SingleRunner
+
+  prepared, placed, needed = SingleRunner.prepared, [], []
+  monkeypatch.setattr(SingleRunner, "prepared", lambda self, *a, **k: placed.append(1) or prepared(self, *a, **k))
+  measure = SingleRunner.needed_bytes
+  monkeypatch.setattr(SingleRunner, "needed_bytes", lambda self, *a: needed.append(measure(self, *a)) or needed[-1])
+  monkeypatch.setattr(verifying, "free_bytes", lambda device: 1)
+  step = _run(_scaled(calibration, 1 / SCALE), steps=1)
+  v = step.verification
+  assert len(v.timed) == 1 and v.runs == 0 and not placed
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(_workload().init_state(0)))
+  assert needed and all(n > state_bytes for devices in needed for n in devices.values())  # a copy, and the new state
+  assert re.fullmatch(r"it needs \S+ GiB on device \d, which has 9.31e-10 GiB free beside the state", v.timed[0].error)
+  assert "not verified: the search's plan did not run beside a copy of the state" in step.explain()
+  monkeypatch.setattr(verifying, "free_bytes", lambda device: 2**40)
+  with pytest.warns(UserWarning, match="slower than predicted"):  # priced 30x too fast: every plan misses
+    roomy = _run(_scaled(calibration, 1 / SCALE), steps=1).verification
+  assert placed and not any(t.error for t in roomy.timed)
+
+
 def _no_warning():
   import contextlib
   import warnings
@@ -243,6 +268,11 @@ def test_a_group_plan_is_timed_whole_and_replaced_where_it_misses(calibration, m
   else:
     assert len(v.timed) == 1 and step.grouped
   assert "verified on the first call: the search's plan ran a step in" in step.explain()
+  priced = dict(step.plan.predicted_per_device)["memory_bytes"] if step.grouped else None
+  if priced:  # a group plan's programs are built by their first call: the search's priced peaks stand for them
+    runner = step._runner
+    assert {d.id: b for d, b in runner.needed_bytes((), {}).items()} == dict(
+        zip([d for g in step.plan.groups for d in g.devices], priced))
 
 
 @pytest.mark.timeout(300)
@@ -285,19 +315,8 @@ def test_two_processes_time_each_plan_and_agree():
   assert first["on"] == verifying.ON_EXAMPLES
 
 
-@pytest.mark.timeout(300)
-def test_a_plan_one_process_cannot_prepare_runs_on_none():
-  """2 processes: the second cannot cut its batch for the first runner-up (an error before anything runs). Both
-  agree that it did not run, neither waits in its collectives, and both run the same plan, exact against one
-  device."""
-  import textwrap
-
-  from multiprocess import group_child, run_processes
-
-  results = run_processes(group_child() + textwrap.dedent("""
-      import warnings
-      import hetspmd as hs
-      from hetspmd.runtime import verifying
+# the second process cannot cut its batch for the first runner-up, or finds it would not fit its devices' free memory
+_CANNOT_CUT = """
       cut, seen = verifying.examples, []
 
       def failing(*args, **kwargs):
@@ -307,6 +326,34 @@ def test_a_plan_one_process_cannot_prepare_runs_on_none():
         return cut(*args, **kwargs)
 
       verifying.examples = failing
+"""
+_SHORT_OF_MEMORY = """
+      checked, seen = verifying.short_of_memory, []
+
+      def counted(*args, **kwargs):
+        seen.append(1)
+        return checked(*args, **kwargs)
+
+      verifying.short_of_memory = counted  # the first runner-up is the second plan checked
+      verifying.free_bytes = lambda device: 1 if jax.process_index() == 1 and len(seen) == 2 else 2**40
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("failure", [_CANNOT_CUT, _SHORT_OF_MEMORY], ids=["cannot-cut", "short-of-memory"])
+def test_a_plan_one_process_cannot_prepare_runs_on_none(failure):
+  """2 processes: the second cannot cut its batch for the first runner-up, or finds that XLA's memory analysis of
+  it needs more than its devices have free (an error before anything is placed or runs). Both agree that it did
+  not run, neither waits in its collectives, and both run the same plan, exact against one device."""
+  import textwrap
+
+  from multiprocess import group_child, run_processes
+
+  results = run_processes(group_child() + textwrap.dedent("""
+      import warnings
+      import hetspmd as hs
+      from hetspmd.runtime import verifying
+  """) + textwrap.dedent(failure) + textwrap.dedent("""
       pool = hs.Cluster.emulate(jax.devices(), kinds=["V100-32GB"] * 2 + ["P100-16GB"] * 2)
       batches = t._batches(64)
       ref = reference(t.dropout_step, t._state(), batches)
@@ -326,8 +373,13 @@ def test_a_plan_one_process_cannot_prepare_runs_on_none():
   assert first["measured"] == second["measured"] and first["runs"] == second["runs"] != 1, results
   assert len(first["measured"]) == verifying.PLANS, results
   assert first["measured"][1] == float("inf") == second["measured"][1]
-  assert second["errors"][1] == "cannot cut this batch here"
+  if failure is _CANNOT_CUT:
+    assert second["errors"][1] == "cannot cut this batch here"
+  else:
+    assert re.fullmatch(r"it needs \S+ GiB on device \d+, which has 9.31e-10 GiB free beside the state",
+                        second["errors"][1]), results
   assert first["errors"][1] == "it did not run on another process"
+  assert not any(first["errors"][i] or second["errors"][i] for i in (0, 2)), results
 
 
 def test_bad_verify_is_refused():

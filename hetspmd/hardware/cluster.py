@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hetspmd.errors import InvalidValueError, UnknownNameError, closest
-from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, link, mean_spec, parse_latency,
+from hetspmd.hardware.devices import (LINK_PRESETS, DeviceSpec, Link, allocator_stats, link, mean_spec, parse_latency,
                                       preset_for_device_kind)
 from hetspmd.hardware.calibration import PARTS
 from hetspmd.hardware.efficiency import CHIPS
@@ -427,11 +427,7 @@ def _host_order(process: Sequence[int], kinds: Sequence[str], machine: Sequence[
 
 def _allocator_limit(device: Any) -> int | None:
   """Bytes the device's allocator may hand out, where the backend says (``None`` otherwise)."""
-  try:
-    stats = device.memory_stats()
-  except Exception:  # backends without memory stats raise different errors
-    return None
-  limit = (stats or {}).get("bytes_limit")
+  limit = allocator_stats(device).get("bytes_limit")
   return int(limit) if limit else None
 
 

@@ -414,3 +414,12 @@ def link(name_or_bandwidth: str, latency: float | None = None) -> Link:
     return Link(name_or_bandwidth.strip(), parse_bandwidth(name_or_bandwidth), 20e-6 if latency is None else latency)
   raise UnknownNameError(
       f"unknown link {name_or_bandwidth!r}; use one of {', '.join(LINK_PRESETS)} or a bandwidth such as 25Gbps")
+
+
+def allocator_stats(device: Any) -> dict:
+  """``device.memory_stats()`` (``bytes_limit``, ``bytes_in_use``, ...), or ``{}`` where its backend keeps none
+  (CPU)."""
+  try:
+    return dict(device.memory_stats() or {})
+  except Exception:  # noqa: BLE001 (backends without memory stats raise different errors)
+    return {}

@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hetspmd.errors import UnknownNameError
-from hetspmd.hardware.devices import DeviceSpec, Link, preset_for_device_kind, preset_spec, unknown_device_error
+from hetspmd.hardware.devices import (DeviceSpec, Link, allocator_stats, preset_for_device_kind, preset_spec,
+                                      unknown_device_error)
 
 _MATMUL_SIZES = {"cpu": (128, 256, 512), "default": (1024, 2048, 4096)}
 _COPY_BYTES = {"cpu": 32 * 2**20, "default": 512 * 2**20}
@@ -236,12 +237,8 @@ def first_cpu_device():
 
 
 def _memory_bytes(device: Any) -> int:
-  stats = None
-  try:
-    stats = device.memory_stats()
-  except Exception:  # backends without memory stats raise different errors
-    stats = None
-  if stats and stats.get("bytes_limit"):
+  stats = allocator_stats(device)
+  if stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
   import jax
 

@@ -157,6 +157,17 @@ class GroupRunner:
                        "updates): there is no one program to lower; step.explain() describes them and "
                        "step.memory_analysis() measures each")
 
+  def needed_bytes(self, args: tuple, kwargs: dict) -> dict[Any, int]:
+    """Per device of this process the plan runs on, the search's priced peak bytes (the plan's
+    ``predicted_per_device`` ``memory_bytes``; none where it has no price: its programs are built by their
+    first call, so XLA cannot say before it)."""
+    priced = dict(self.plan.predicted_per_device).get("memory_bytes")
+    if not priced:
+      return {}
+    mine = {d.id: d for d in jax.local_devices()}
+    ids = [d for g in self.plan.groups for d in g.devices]
+    return {mine[i]: int(b) for i, b in zip(ids, priced) if i in mine}
+
   def memory_analysis(self) -> dict[str, Any]:
     return self.runtime.memory_analysis()
 

@@ -81,3 +81,7 @@ class Runner(Protocol):
   def memory_analysis(self) -> dict[str, Any]:
     """Each program of the last call, by name, and XLA's ``Compiled.memory_analysis()`` of it."""
 
+  def needed_bytes(self, args: tuple, kwargs: dict) -> dict[Any, int]:
+    """Per device of this process, the bytes a step on these arguments takes (empty where not known before it
+    runs)."""
+

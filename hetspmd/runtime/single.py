@@ -168,6 +168,15 @@ class SingleRunner:
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
 
+  def needed_bytes(self, args: tuple, kwargs: dict) -> dict[Any, int]:
+    """Per device of this process the plan runs on, the bytes its program takes to run on these arguments: XLA's
+    memory analysis of it compiled (its arguments, outputs, temporaries and code, less the outputs that alias an
+    argument)."""
+    m = self.lower(args, kwargs).compile().memory_analysis()
+    need = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes - m.alias_size_in_bytes)
+    return {d: int(need) for d in self._devices if d.process_index == jax.process_index()}
+
   def memory_analysis(self) -> dict[str, Any]:
     if self._last is None:
       raise HetSpmdError("memory_analysis describes the program of the last call: call the step first")

@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from hetspmd.errors import HetSpmdError
+from hetspmd.hardware.devices import allocator_stats
 from hetspmd.plan.groups import GroupPlan
 from hetspmd.runtime.calibrating import batch_positions, everywhere, examples, now
 from hetspmd.runtime.group_runner import GroupRunner
@@ -191,17 +192,20 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
   and ``""``; ``(inf, why)`` where it does not run here (out of memory beside the copy, or arguments it cannot
   take). Each process runs its share (the call's batch cut, or repeated, to the examples it feeds ``runner``'s
   plan: values do not change a step's time), and the slowest process's seconds count. The processes agree that
-  every one of them has its share before any prepares the plan (placing it may gather across processes); one
-  that fails later, out of memory, stops the others in the plan's collectives, as the step itself would."""
-  cut, error, seconds = None, "", [float("inf")]
+  every one of them has its share, and that it fits (:func:`short_of_memory`), before any prepares the plan
+  (placing it may gather across processes); one that fails later, out of memory all the same, stops the others
+  in the plan's collectives, as the step itself would."""
+  cut, error, seconds, before = None, "", [float("inf")], front.batch_argnums
   try:
     at = batch_positions(front, args)
     cut = tuple(examples(a, len(runner.process_examples())) if i in at else a for i, a in enumerate(args))
+    front.batch_argnums = at  # this share is the batch, whatever its size
+    error = short_of_memory(runner, cut, kwargs)
   except Exception as e:  # noqa: BLE001 (every process must reach the agreement below, whatever failed here)
     error = _first_line(e)
-  if not everywhere(cut is not None):
+  if not everywhere(not error):
+    front.batch_argnums = before
     return float("inf"), error or "it did not run on another process"
-  before, front.batch_argnums = front.batch_argnums, at  # this share is the batch, whatever its size
   try:
     run = runner.prepared(cut, kwargs)
     run()
@@ -216,6 +220,31 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
     front.batch_argnums = before
   slowest = _slowest(statistics.median(seconds))
   return slowest, error or ("" if slowest < float("inf") else "it did not run on another process")
+
+
+def free_bytes(device: Any) -> int | None:
+  """The bytes ``device``'s allocator can still hand out (its limit less what is in use), where its backend says
+  (None on CPU)."""
+  stats = allocator_stats(device)
+  if not stats.get("bytes_limit"):
+    return None
+  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def short_of_memory(runner: Any, args: tuple, kwargs: dict) -> str:
+  """Why ``runner``'s step on ``args`` would not fit beside what this process's devices hold now (the caller's
+  state among it), or ``""``: where it needs more bytes on a device (:meth:`Runner.needed_bytes`) than the
+  device has free. Asked before anything is placed or run, so that a process that would run out of memory
+  says so while every process can still agree not to run the plan (one that failed inside the plan's
+  collectives would leave the others waiting). Nothing is compiled where no device says what it has free."""
+  free = {d: free_bytes(d) for d in jax.local_devices()}
+  if all(f is None for f in free.values()):
+    return ""
+  for device, need in runner.needed_bytes(args, kwargs).items():
+    if free.get(device) is not None and need > free[device]:
+      return (f"it needs {need / 2**30:.3g} GiB on device {device.id}, which has {free[device] / 2**30:.3g} GiB "
+              "free beside the state")
+  return ""
 
 
 def _first_line(error: BaseException) -> str:
