@@ -701,7 +701,8 @@ def gradients_step(state, batch):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tail,shares,parts", [((0, 0), (), False), ((1, 1), (), False), ((0, 0), SHARES_80_16, False),
-                                              ((0, 0), (), True)], ids=["exchange", "tail", "owners", "parts"])
+                                              ((0, 0), (), True), ((0, 0), (), "layers")],
+                         ids=["exchange", "tail", "owners", "parts", "parts-own-remat"])
 def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail, shares, parts):
   """With ``grad_reduce_dtype="bfloat16"`` each device's partial gradient leaves its group program in bfloat16 (half
   the bytes the exchange reduces, or that are copied to the devices owning state shares) and is summed over the
@@ -709,9 +710,11 @@ def test_bfloat16_gradients_under_group_programs_within_the_rounding_bound(tail,
   rounding, gamma(n + 1) of the sum of the examples' gradients' magnitudes (no smaller than the devices'
   partials'), of the float32 gradient; the bound is not vacuous, and the loss is float32's. ``parts``: a group
   sharding its parameters beside an unsharded one of its size, which reduce-scatters its gradients in bfloat16
-  onto the sharded group's parts."""
+  onto the sharded group's parts (``"layers"``: the sharded group under that remat policy, its sums matched to the
+  unsharded group's)."""
   require_devices(8)
-  groups = ([((0, 1, 2, 3), 2, (2, 2, 1, 1), "none", 1, (), True), ((4, 5, 6, 7), 2, (2, 1, 1, 1))] if parts
+  remat = parts if isinstance(parts, str) else "none"
+  groups = ([((0, 1, 2, 3), 2, (2, 2, 1, 1), remat, 1, (), True), ((4, 5, 6, 7), 2, (2, 1, 1, 1))] if parts
             else PLANS[0])
   size = sum(g[1] * sum(g[2]) for g in groups) + 8 * tail[0] * tail[1]
   plan = group_plan(groups, size, tail=tail, state_shares=shares, grad_reduce_dtype="bfloat16")

@@ -147,8 +147,8 @@ def test_a_plan_that_does_not_run_beside_the_copy_is_not_chosen(calibration, mon
 
 def test_a_plan_that_would_not_fit_beside_the_state_is_not_placed(calibration, monkeypatch):
   """Where a device says what it has free (an accelerator; patched here to one byte) and a timed plan needs more
-  (XLA's memory analysis of its program), the plan is neither placed nor run: the choice runs unverified, and
-  its error says what it needs and what is free. Where every device has room, nothing is refused."""
+  (its priced peak, a state among it), the plan is neither placed nor run: the choice runs unverified, and its
+  error says what it needs and what is free. Where every device has room, nothing is refused."""
   from hetspmd.runtime.single import SingleRunner
 
   prepared, placed, needed = SingleRunner.prepared, [], []
@@ -342,8 +342,8 @@ _SHORT_OF_MEMORY = """
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("failure", [_CANNOT_CUT, _SHORT_OF_MEMORY], ids=["cannot-cut", "short-of-memory"])
 def test_a_plan_one_process_cannot_prepare_runs_on_none(failure):
-  """2 processes: the second cannot cut its batch for the first runner-up, or finds that XLA's memory analysis of
-  it needs more than its devices have free (an error before anything is placed or runs). Both agree that it did
+  """2 processes: the second cannot cut its batch for the first runner-up, or finds that its priced peak is more
+  than its devices have free (an error before anything is placed or runs). Both agree that it did
   not run, neither waits in its collectives, and both run the same plan, exact against one device."""
   import textwrap
 

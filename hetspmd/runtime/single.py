@@ -169,13 +169,16 @@ class SingleRunner:
     return self._executable(call).lower(*call.dynamic, call.batch.counts, self._starts())
 
   def needed_bytes(self, args: tuple, kwargs: dict) -> dict[Any, int]:
-    """Per device of this process the plan runs on, the bytes its program takes to run on these arguments: XLA's
-    memory analysis of it compiled (its arguments, outputs, temporaries and code, less the outputs that alias an
-    argument)."""
-    m = self.lower(args, kwargs).compile().memory_analysis()
-    need = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            + m.generated_code_size_in_bytes - m.alias_size_in_bytes)
-    return {d: int(need) for d in self._devices if d.process_index == jax.process_index()}
+    """Per device of this process the plan runs on, the search's priced peak bytes (the plan's
+    ``predicted_per_position`` ``memory_bytes``, each data position's for its devices); none where the plan has
+    no price. (XLA's memory analysis would need the program compiled ahead, and a compiled ``Lowered`` is not
+    the executable a call then runs: it would compile twice.)"""
+    priced = dict(self.plan.predicted_per_position).get("memory_bytes")
+    ids = self.plan.device_ids
+    if not priced or len(ids) % len(priced):
+      return {}
+    mine, each = {d.id: d for d in jax.local_devices()}, len(ids) // len(priced)
+    return {mine[i]: int(priced[k // each]) for k, i in enumerate(ids) if i in mine}
 
   def memory_analysis(self) -> dict[str, Any]:
     if self._last is None:

@@ -195,7 +195,16 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
   every one of them has its share, and that it fits (:func:`short_of_memory`), before any prepares the plan
   (placing it may gather across processes); one that fails later, out of memory all the same, stops the others
   in the plan's collectives, as the step itself would."""
-  cut, error, seconds, before = None, "", [float("inf")], front.batch_argnums
+  before = front.batch_argnums
+  try:
+    return _timed_share(front, runner, args, kwargs, repeats)
+  finally:
+    front.batch_argnums = before
+
+
+def _timed_share(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> tuple[float, str]:
+  """:func:`_time`, ``front.batch_argnums`` left set to this process's share of the batch."""
+  cut, error, seconds = None, "", [float("inf")]
   try:
     at = batch_positions(front, args)
     cut = tuple(examples(a, len(runner.process_examples())) if i in at else a for i, a in enumerate(args))
@@ -204,7 +213,6 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
   except Exception as e:  # noqa: BLE001 (every process must reach the agreement below, whatever failed here)
     error = _first_line(e)
   if not everywhere(not error):
-    front.batch_argnums = before
     return float("inf"), error or "it did not run on another process"
   try:
     run = runner.prepared(cut, kwargs)
@@ -216,8 +224,6 @@ def _time(front: Any, runner: Any, args: tuple, kwargs: dict, repeats: int) -> t
       seconds.append(now() - start)
   except (jax.errors.JaxRuntimeError, HetSpmdError) as e:
     seconds, error = [float("inf")], _first_line(e)
-  finally:
-    front.batch_argnums = before
   slowest = _slowest(statistics.median(seconds))
   return slowest, error or ("" if slowest < float("inf") else "it did not run on another process")
 
@@ -233,10 +239,10 @@ def free_bytes(device: Any) -> int | None:
 
 def short_of_memory(runner: Any, args: tuple, kwargs: dict) -> str:
   """Why ``runner``'s step on ``args`` would not fit beside what this process's devices hold now (the caller's
-  state among it), or ``""``: where it needs more bytes on a device (:meth:`Runner.needed_bytes`) than the
-  device has free. Asked before anything is placed or run, so that a process that would run out of memory
-  says so while every process can still agree not to run the plan (one that failed inside the plan's
-  collectives would leave the others waiting). Nothing is compiled where no device says what it has free."""
+  state among it), or ``""``: where its priced peak on a device (:meth:`Runner.needed_bytes`: one state, the
+  copy timed, among it) is more than the device has free. Asked before the state's copy is placed or anything
+  runs, so that a process that would run out of memory says so while every process can still agree not to run
+  the plan (one that failed inside the plan's collectives would leave the others waiting)."""
   free = {d: free_bytes(d) for d in jax.local_devices()}
   if all(f is None for f in free.values()):
     return ""
