@@ -169,6 +169,26 @@ def test_a_plan_that_would_not_fit_beside_the_state_is_not_placed(calibration, m
   assert placed and not any(t.error for t in roomy.timed)
 
 
+def test_a_donating_plan_is_timed_on_one_placed_copy_of_the_state(calibration):
+  """A step that donates its state is timed on one copy placed as the plan places it (never the caller's
+  buffers), not on a placed state and a copy of it besides: the verification holds the one state the plan's
+  priced peak counts."""
+  w = _workload()
+  step = _run(calibration, steps=1)
+  runner, state = step._runner, w.init_state(0)
+  shape = max((x.shape for x in jax.tree.leaves(state)), key=np.prod)
+  count = lambda: sum(1 for x in jax.live_arrays() if x.shape == shape)
+  per_state = sum(1 for x in jax.tree.leaves(state) if x.shape == shape)
+  before = count()
+  run = runner.prepared((state, w.synthetic_batch(0, batch=64)), {})
+  assert count() - before == per_state
+  run()
+  assert count() - before == per_state  # the donated copy replaced by the state it made
+  del run
+  gc.collect()
+  assert count() == before
+
+
 def _no_warning():
   import contextlib
   import warnings

@@ -133,26 +133,33 @@ class SingleRunner:
     outputs are dropped."""
     call = Call.bind(self.front, args, kwargs, self.shard_batch)
     compiled = self._executable(call)
-    state, others = call.dynamic
+    given, others = call.dynamic
     n_batch = len(call.batch_inputs)
-    if here is None:  # (a donating program takes a copy of this below: device_put may alias the caller's buffers)
-      state = [jax.device_put(x, s) for x, s in zip(state, self._dynamic_shardings(call))]
+    if here is None:  # placed as the plan places it; a donating program's copy never aliases the caller's buffers
+      # (leaf by leaf, each placed value dropped once copied; device_put(may_alias=False) still hands a replicated
+      # sharding the caller's buffer on the device it came from, JAX 0.10.2)
+      shardings = self._dynamic_shardings(call)
+      copy = lambda: [jnp.copy(jax.device_put(x, s)) for x, s in zip(given, shardings)]
+      state = copy() if compiled.donates else [jax.device_put(x, s) for x, s in zip(given, shardings)]
     else:
-      state, others = here(state), others[:n_batch] + here(others[n_batch:])
+      state, others = here(given), others[:n_batch] + here(others[n_batch:])
+      copy = lambda: jax.tree.map(jnp.copy, state)
     counts, starts = call.batch.counts, self._starts()
     if not compiled.donates:
       return lambda: jax.block_until_ready(compiled(state, others, counts, starts))
     held = [] if held is None else held
-    if not held:
-      held.append(jax.tree.map(jnp.copy, state))
+    if not held:  # placed here: the copy itself (one state on the devices, as the plan's price counts)
+      held.append(state if here is None else copy())
     signature = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(state)]
+    structure = jax.tree.structure(state)
+    state = None if here is None else state  # the copy is held[0] alone: the program donates it
 
     def fed() -> None:
       outputs = compiled(held[0], others, counts, starts)
       made = jax.tree.leaves(call.new_state(outputs))  # the state's array leaves, in the order the program takes
       same = [(np.shape(x), jnp.result_type(x)) for x in made] == signature
       # (a new state found elsewhere among the outputs than first: a fresh copy, timed with the call)
-      held[0] = jax.tree.unflatten(jax.tree.structure(state), made) if same else jax.tree.map(jnp.copy, state)
+      held[0] = jax.tree.unflatten(structure, made) if same else copy()
       jax.block_until_ready(outputs)
 
     if here is not None:  # a whole plan's timing warms it itself, once every process has prepared it
