@@ -294,23 +294,28 @@ def test_a_sum_the_exchange_reads_stays_whole_rows_and_exact():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("zero", [0, 3], ids=["replicated", "zero-3-shares"])
-def test_a_priced_sharded_group_plan_runs_as_priced(zero):
+@pytest.mark.parametrize("zero,remat", [(0, "none"), (3, "none"), (0, {"V100-32GB": "none", "P100-16GB": "layers"})],
+                         ids=["replicated", "zero-3-shares", "replicated-own-remat"])
+def test_a_priced_sharded_group_plan_runs_as_priced(zero, remat):
   """The pricing's sharded group (each kind its microbatch, the sharded kind's devices in lockstep), made a plan by
-  ``to_group_plan`` and run: exact against one device, with the priced counts and the group that shards."""
+  ``to_group_plan`` and run: exact against one device, with the priced counts and the group that shards; with the
+  state replicated the groups exchange parts, as priced, whatever remat policy each kind runs."""
   require_devices(8)
   pool = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 4 + ["P100-16GB"] * 4)
   batches = _batches(24)
   profile = profile_step(dropout_step, _state(), {k: v[:2] for k, v in batches[0].items()})
   layout = device_groups(pool, "group programs by kind", tuple(range(8)), 1)
-  priced = price_groups(Costing(pool, profile, 2), layout, {"V100-32GB": 2, "P100-16GB": 1}, "none", 24, zero=zero,
+  priced = price_groups(Costing(pool, profile, 2), layout, {"V100-32GB": 2, "P100-16GB": 1}, remat, 24, zero=zero,
                         sharded=frozenset({"P100-16GB"}))
   plan = to_group_plan(pool, priced)
   by_kind = {g.devices[0] < 4: g for g in plan.groups}
   assert by_kind[False].shard_params and not by_kind[True].shard_params
   assert bool(plan.state_shares) == (zero == 3)
+  if isinstance(remat, dict):
+    assert (by_kind[True].remat, by_kind[False].remat) == ("none", "layers")
   step, _ = _trained(plan, _state)
   assert "shards its parameters over its 4 devices" in step.explain()
+  assert step.execution.parts_exchange == priced.group.execution.parts_exchange == (zero == 0)
 
 
 @pytest.mark.timeout(240)
