@@ -76,6 +76,8 @@ CASES = [
     # one microbatch per position: no loop
     ("mlp-tiny", (8, 1), (1,) * 8, 2),
     ("gpt2-tiny", (4, 2), (1, 1, 1, 1), 2),
+    # uneven, at most one microbatch per position: two buffer slots, one empty (LEAST_UNEVEN_SLOTS)
+    ("gpt2-tiny", (8, 1), (1, 1, 1, 1, 0, 0, 0, 0), 2),
 ]
 
 
@@ -88,6 +90,7 @@ def test_weighted_plan_matches_single_device(name, shape, counts, microbatch):
 
   state = workload.init_state(0)
   plan = hs.plan_for(_cluster(), state, global_batch=global_batch, layout=shape, microbatch=microbatch, counts=counts)
+  assert plan.max_count == (2 if max(counts) == 1 and len(set(counts)) > 1 and shape[1] == 1 else max(counts))
   step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=_cluster(), plan=plan,
                         global_batch=global_batch)
   state, losses = _train(step, step.shard_state(state), batches)
