@@ -76,8 +76,7 @@ CASES = [
     # one microbatch per position: no loop
     ("mlp-tiny", (8, 1), (1,) * 8, 2),
     ("gpt2-tiny", (4, 2), (1, 1, 1, 1), 2),
-    # uneven, at most one microbatch per position: two buffer slots, one empty (LEAST_UNEVEN_SLOTS)
-    ("gpt2-tiny", (8, 1), (1, 1, 1, 1, 0, 0, 0, 0), 2),
+    ("gpt2-tiny", (8, 1), (1, 1, 1, 1, 0, 0, 0, 0), 2),  # uneven, at most one each: two buffer slots
 ]
 
 
@@ -264,8 +263,7 @@ def test_plain_jax_grad_step_runs_weighted_without_a_warning(name, layout, count
   workload = _workload(name)
   batches = _batches(workload, 16)
   ref = _reference(name, 16)
-  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=16, layout=layout, microbatch=2,
-                     counts=counts)
+  plan = hs.plan_for(_cluster(), workload.init_state(0), global_batch=16, layout=layout, microbatch=2, counts=counts)
   step = hs.parallelize(workload.make_train_step(), cluster=_cluster(), plan=plan, global_batch=16)
   state = step.shard_state(workload.init_state(0))
   with warnings.catch_warnings():
@@ -626,8 +624,7 @@ def test_predicted_memory_bounds_what_xla_allocates_per_device(name):
   cluster = hs.Cluster.emulate(jax.devices()[:8], kinds=["V100-32GB"] * 8)
   predicted, compiled = {}, {}
   for zero in (0, 1, 3):
-    plan = hs.plan_for(cluster, state, global_batch=32, layout=(8, 1), microbatch=2, counts=(2,) * 8,
-                       zero_stage=zero)
+    plan = hs.plan_for(cluster, state, global_batch=32, layout=(8, 1), microbatch=2, counts=(2,) * 8, zero_stage=zero)
     step = hs.parallelize(workload.make_train_step(hs.value_and_grad), cluster=cluster, plan=plan, global_batch=32)
     compiled[zero] = _compiled_bytes(step.lower(step.shard_state(state), workload.synthetic_batch(0, batch=32)).compile())
     predicted[zero] = memory_per_device(profile, 8, 2, zero, "none") / WORKSPACE

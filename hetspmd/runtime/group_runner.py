@@ -18,7 +18,7 @@ from hetspmd.plan.groups import GroupPlan
 from hetspmd.runtime.binding import Arguments
 from hetspmd.runtime.grouped import GroupedStep
 from hetspmd.runtime.placement import GroupedBatch, check_live, global_abstract
-from hetspmd.runtime.runner import Trace
+from hetspmd.runtime.runner import Trace, priced_here
 
 
 @dataclasses.dataclass
@@ -161,12 +161,8 @@ class GroupRunner:
     """Per device of this process the plan runs on, the search's priced peak bytes (the plan's
     ``predicted_per_device`` ``memory_bytes``; none where it has no price: its programs are built by their
     first call, so XLA cannot say before it)."""
-    priced = dict(self.plan.predicted_per_device).get("memory_bytes")
-    if not priced:
-      return {}
-    mine = {d.id: d for d in jax.local_devices()}
-    ids = [d for g in self.plan.groups for d in g.devices]
-    return {mine[i]: int(b) for i, b in zip(ids, priced) if i in mine}
+    return priced_here([d for g in self.plan.groups for d in g.devices],
+                       dict(self.plan.predicted_per_device).get("memory_bytes"))
 
   def memory_analysis(self) -> dict[str, Any]:
     return self.runtime.memory_analysis()

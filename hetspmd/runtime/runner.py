@@ -11,9 +11,21 @@ from a table keyed by the plan's type (``step.RUNNERS``), nowhere else.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
 
 from hetspmd.runtime.binding import static_bound
+
+
+def priced_here(ids: Sequence[int], priced: Sequence[float] | None) -> dict[Any, int]:
+  """Per device of this process among ``ids`` (JAX ids, in the plan's order), its priced bytes: ``priced`` holds
+  one value per run of ``len(ids) // len(priced)`` consecutive devices (a device's, or a data position's); empty
+  where the plan has no price or the two do not line up."""
+  if not priced or len(ids) % len(priced):
+    return {}
+  mine, each = {d.id: d for d in jax.local_devices()}, len(ids) // len(priced)
+  return {mine[i]: int(priced[k // each]) for k, i in enumerate(ids) if i in mine}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from hetspmd.plan.value import Plan
 from hetspmd.runtime.binding import Call, distinct_leaves, is_dynamic
 from hetspmd.runtime.placement import (ShardedBatch, check_live, positions_array, process_examples,
                                        shard_batch)
+from hetspmd.runtime.runner import priced_here
 from hetspmd.runtime.searching import step_traced
 
 
@@ -180,12 +181,7 @@ class SingleRunner:
     ``predicted_per_position`` ``memory_bytes``, each data position's for its devices); none where the plan has
     no price. (XLA's memory analysis would need the program compiled ahead, and a compiled ``Lowered`` is not
     the executable a call then runs: it would compile twice.)"""
-    priced = dict(self.plan.predicted_per_position).get("memory_bytes")
-    ids = self.plan.device_ids
-    if not priced or len(ids) % len(priced):
-      return {}
-    mine, each = {d.id: d for d in jax.local_devices()}, len(ids) // len(priced)
-    return {mine[i]: int(priced[k // each]) for k, i in enumerate(ids) if i in mine}
+    return priced_here(self.plan.device_ids, dict(self.plan.predicted_per_position).get("memory_bytes"))
 
   def memory_analysis(self) -> dict[str, Any]:
     if self._last is None:
