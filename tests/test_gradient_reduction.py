@@ -183,6 +183,41 @@ def test_fused_pass_returns_per_example_outputs_in_global_order(lockstep):
   ref.check(new)
 
 
+LOCKSTEP_SLOT_CASES = [
+    # counts, slots, plan options
+    ((1, 1, 1, 1, 0, 0, 0, 0), 0, {}),  # at most one microbatch each: two slots, one of them empty
+    ((3, 3, 2, 2, 1, 1, 1, 1), 6, dict(overlap_reduction=True)),
+    ((4, 4, 3, 3, 2, 2, 2, 2), 6, dict(overlap_reduction=True, overlap_microbatches=2)),
+]
+_PMAX_OF_COUNTS = re.compile(r"all_reduce[^\n]*\n\s*\^bb0\(%\w+: tensor<i32>, %\w+: tensor<i32>\):\s*\n\s*%\w+ = "
+                             r"stablehlo\.maximum")
+
+
+@pytest.mark.parametrize("counts,slots,options", LOCKSTEP_SLOT_CASES,
+                         ids=[f"{c[0]}-slots{c[1]}" for c in LOCKSTEP_SLOT_CASES])
+def test_a_lockstep_loop_runs_the_longest_count_not_every_slot(counts, slots, options):
+  """A loop in lockstep (as if it held a collective-permute) runs the longest count over the data axis, one
+  scalar ``pmax`` read when it runs, not its buffer slots: the slots past the longest count are never run, and
+  the numbers are one device's."""
+  microbatch, tokens = 2, 3
+  batch = sum(counts) * microbatch
+  rs = np.random.RandomState(5)
+  data = {"x": rs.randn(batch, tokens, 4).astype(np.float32), "y": rs.randn(batch, tokens, 5).astype(np.float32)}
+  k = jax.random.split(jax.random.key(1))
+  params = {"w1": jax.random.normal(k[0], (4, 8)) * 0.3, "w2": jax.random.normal(k[1], (8, 5)) * 0.3}
+  ref = Reference(_per_token_step, params).run([data])
+  plan = hs.plan_for(_cluster(), params, global_batch=batch, microbatch=microbatch, counts=counts, **options)
+  plan = plan.replace(slots=slots)
+  assert plan.max_count > max(counts)
+  step = hs.parallelize(_per_token_step, cluster=_cluster(), plan=plan, global_batch=batch)
+  placed = step.shard_state(params)
+  step._runner._lockstep = True
+  new, out = step(placed, data)
+  ref.check_metrics(out, 0)
+  ref.check(new)
+  assert len(_PMAX_OF_COUNTS.findall(step.lower(placed, data).as_text())) == 1
+
+
 def _mlp_step(params, batch):
   def loss_fn(p):
     h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])

@@ -312,18 +312,16 @@ def test_counts_that_outgrow_the_buffers_get_room_and_the_moves_after_compile_no
   assert hs.Plan.from_json(step.plan.to_json()).max_count == 13
 
 
-@pytest.mark.parametrize("before,counts,lockstep,slots", [
-    ((8, 8, 0), (10, 6), False, 13),    # outgrows 8: the largest count and a quarter more
-    ((10, 6, 13), (12, 4), False, 13),  # fits the buffers of 13: kept
-    ((8, 8, 0), (15, 1), False, 16),    # room never above the whole batch's microbatches
-    ((8, 8, 0), (10, 6), True, 0),      # a lockstep loop runs every slot: none beyond the largest count
-    ((8, 8, 0), (10, 6), None, 0),      # not built yet: no room
+@pytest.mark.parametrize("before,counts,slots", [
+    ((8, 8, 0), (10, 6), 13),    # outgrows 8: the largest count and a quarter more
+    ((10, 6, 13), (12, 4), 13),  # fits the buffers of 13: kept
+    ((8, 8, 0), (15, 1), 16),    # room never above the whole batch's microbatches
 ])
-def test_slots_for_new_counts(before, counts, lockstep, slots):
+def test_slots_for_new_counts(before, counts, slots):
   from hetspmd.runtime.rebalancing import slots_for
 
   plan = hs.Plan(("data", "model"), (2, 1), (0, 1), 64, 4, before[:2], slots=before[2])
-  assert slots_for(plan, counts, lockstep) == slots
+  assert slots_for(plan, counts) == slots
 
 
 def test_plan_slots_are_checked_and_kept():

@@ -85,6 +85,7 @@ def test_a_hybrid_plan_rebalances_between_its_sharded_groups_exactly(monkeypatch
   step, seen = _rebalanced(monkeypatch, plan, {"group 0": (3e-3, 0.0), "group 1": (1e-3, 0.0)}, 4)
   assert step.grouped and step.plan.hybrid
   assert seen[0][0] == (4, 4, 4, 4) and seen[-1][0] == (2, 2, 6, 6)
+  assert [g.max_count for g in step.plan.groups] == [4, 8]  # room past 6: the lockstep loop runs 6 of 8 slots
 
 
 def test_groups_of_different_microbatch_sizes_rebalance_by_examples(monkeypatch):

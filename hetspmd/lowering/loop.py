@@ -291,7 +291,7 @@ class _DeviceLoop:
     return acc, pe
 
   def schedule(self):
-    """The schedule: a loop of this device's count (or, in lockstep, the longest count, masked), with the last
+    """The schedule: a loop of this device's count (or, in lockstep, the longest one, masked), with the last
     microbatch(es) peeled after it when the layout overlaps the reduction with them."""
     layout, prog, count = self.ctx.layout, self.ctx.prog, self.ctx.count
     step, zero = self.step, self.zero()
@@ -306,12 +306,19 @@ class _DeviceLoop:
       carry = jax.lax.fori_loop(0, uniform - peel, lambda i, c: step(i, c, False), zero)
       return step(uniform - 1, carry, False) if peel else carry
     if layout.lockstep:
-      carry = jax.lax.fori_loop(0, layout.max_count - peel, lambda i, c: step(i, c, True), zero)
-      return step(layout.max_count - 1, carry, True) if peel else carry
+      trips = self.trips()
+      carry = jax.lax.fori_loop(0, trips - peel, lambda i, c: step(i, c, True), zero)
+      return step(jnp.maximum(trips - 1, 0), carry, True) if peel else carry
     if not peel:
       return jax.lax.fori_loop(0, count, lambda i, c: step(i, c, False), zero)
     last = jnp.maximum(count - 1, 0)  # a device with no microbatch runs one, masked to nothing
     return step(last, jax.lax.fori_loop(0, last, lambda i, c: step(i, c, False), zero), True)
+
+  def trips(self):
+    """A lockstep loop's trip count: the longest count over the data axis (one scalar ``pmax``), the same on every
+    device, so the collectives inside it pair up; the buffer slots past it (:attr:`Layout.max_count`) are not run.
+    Read when the program runs, so that new counts that fit the buffers need no new program."""
+    return jax.lax.pmax(self.ctx.count, self.ctx.layout.data_axis)
 
   def _run_fused(self, k: int):
     """Every position has at least ``k`` microbatches (Plan checks): its last ``k`` run as one batch, unmasked."""
@@ -323,7 +330,7 @@ class _DeviceLoop:
     uniform = layout.uniform_count
     first = (uniform if uniform is not None else self.ctx.count) - k
     if layout.lockstep and uniform is None:  # every position runs the longest loop, its own slots from first masked
-      carry = jax.lax.fori_loop(0, layout.max_count - k, lambda i, c: step(i, c, True, limit=first), self.zero())
+      carry = jax.lax.fori_loop(0, self.trips() - k, lambda i, c: step(i, c, True, limit=first), self.zero())
     else:
       carry = jax.lax.fori_loop(0, first, lambda i, c: step(i, c, False), self.zero())
     return step(first, carry, False, k)

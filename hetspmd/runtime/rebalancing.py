@@ -124,7 +124,7 @@ class Rebalancer:
       plan = with_counts(runner.plan, counts)
       # programs that read the counts at run time: buffers with room, so later moves compile nothing
       plan = (with_group_slots(runner.plan, plan) if runner.grouped else
-              plan.replace(slots=slots_for(runner.plan, counts, runner.lockstep)))
+              plan.replace(slots=slots_for(runner.plan, counts)))
       new = type(runner).of(front, plan)
       any(new.adopt(r) for r in self._runners.values())
       self._runners[counts] = new
@@ -335,12 +335,10 @@ def plan_counts(plan: Any) -> tuple[int, ...]:
   return plan.microbatch_counts
 
 
-def slots_for(plan: Any, counts: tuple[int, ...], lockstep: bool | None) -> int:
+def slots_for(plan: Any, counts: tuple[int, ...]) -> int:
   """The buffer slots a single program of ``plan`` gets for new ``counts``: the current buffers where the
   counts fit them, else the largest count and :data:`SLOT_HEADROOM` more, so that the moves after it compile
-  nothing. A loop that runs in lockstep runs every slot (masked): there, none beyond the largest count."""
-  if lockstep is not False:
-    return 0
+  nothing. No loop runs the slots past the longest count, not even one in lockstep."""
   if max(counts) <= plan.max_count:
     return plan.max_count
   return min(sum(counts), math.ceil(max(counts) * (1 + SLOT_HEADROOM)))
@@ -350,13 +348,10 @@ def with_group_slots(before: GroupPlan, plan: GroupPlan) -> GroupPlan:
   """``plan`` (``before`` with new counts) with each group's buffer slots (:attr:`Group.slots`): its slots
   before where its new counts fit them, else its longest count and :data:`SLOT_HEADROOM` more (at most the
   groups' examples in its microbatches), so that its programs read the counts when they run and later moves compile
-  nothing. A group that shards its parameters runs in lockstep (every slot, masked): none there."""
+  nothing. A group that shards its parameters runs its longest count in lockstep, never the slots past it."""
   examples = sum(sum(g.counts) * g.microbatch for g in plan.groups)
   groups = []
   for old, g in zip(before.groups, plan.groups):
-    if g.shard_params:
-      groups.append(g)
-      continue
     fits = max(g.counts) <= old.max_count
     slots = old.max_count if fits else min(examples // g.microbatch,
                                            math.ceil(max(g.counts) * (1 + SLOT_HEADROOM)))
