@@ -38,11 +38,11 @@ the step ideal of this layout.
 other's measured speed), run static and with ``hetspmd.Rebalance`` for ``--steps`` steps, then core 1 freed for
 as many more (drift); each step's fraction of the step ideal (slowed, then freed), and the counts the
 controller moved to. Goals: the rebalanced run at >= 90% of the step ideal within 5 steps, and again within 5
-steps of the drift. The group plan is also run static at the best splits (slowed, then freed): its
-fractions there are the group form's ceiling on this machine, which its rebalanced run cannot pass. ``--json``
+steps of the drift. Each form is also run static at the best splits (slowed, then freed): its
+fractions there are the form's ceiling on this machine, which its rebalanced run cannot pass. ``--json``
 ends with one line: ``static_fraction``, ``rebalanced_fraction``, ``steps_to_balance``, ``drift_fraction``,
-``steps_after_drift``, the counts and the measurements (``group_plan`` also has ``best_static_fraction`` and
-``freed_best_fraction``).
+``steps_after_drift``, ``freed_best_fraction``, the counts and the measurements (``group_plan`` also has
+``best_static_fraction``).
 
 Goal: hetspmd (weighted) at >= 90% of the step ideal; the sharded group plan
 within 5 points of the unsharded one. Needs Linux with
@@ -256,8 +256,9 @@ WORKER_ADAPTIVE = PRELUDE.format(devices=1) + textwrap.dedent("""
     from hetspmd.plan.groups import Group, group_plan
     ids = [d.id for d in jax.devices()]
     both, slowed_only, freed_only = (("slowed", steps), ("freed", drift_steps)), (("slowed", steps),), (("freed", drift_steps),)
-    # (mode, group plan?, counts, rebalanced?, phases); the group plan at the best splits measures the form's ceiling
+    # (mode, group plan?, counts, rebalanced?, phases); each form at the best splits measures its ceiling
     modes = (("static", False, counts, False, slowed_only), ("best static", False, best, False, slowed_only),
+             ("freed best", False, freed_best, False, freed_only),
              ("rebalanced", False, counts, True, both), ("group plan, rebalanced", True, counts, True, both),
              ("group plan, best static", True, best, False, slowed_only),
              ("group plan, freed best", True, freed_best, False, freed_only))
@@ -329,7 +330,8 @@ def adaptive_rows(args) -> None:
 
   tail = max(1, n // 2)
   single, grouped = summary(result["rebalanced"]), summary(result["group plan, rebalanced"])
-  # the group form's own ceiling: the group plan run at the best splits, static
+  # each form's own ceiling: the form run at the best splits, static
+  single["freed_best_fraction"] = freed_ideal / statistics.median(result["freed best"]["times"])
   grouped["best_static_fraction"] = ideal / statistics.median(result["group plan, best static"]["times"])
   grouped["freed_best_fraction"] = freed_ideal / statistics.median(result["group plan, freed best"]["times"])
   out = {"prior": args.prior, "prior_counts": result["prior_counts"],
@@ -362,11 +364,11 @@ def adaptive_rows(args) -> None:
           f"step ideal, at >= 90% from step {r['steps_after_drift']} after it (goal: within 5: "
           f"{'met' if r['steps_after_drift'] and r['steps_after_drift'] <= 5 else 'NOT met'}); "
           f"{r['compiles']} program(s) built")
-    if name == "group plan":
-      print(f"  the group form's ceiling: the group plan run static at the best split {result['best_counts']} reaches "
-            f"{r['best_static_fraction']:.1%} of the step ideal (median), and at {result['freed_best_counts']} after "
-            f"the drift {r['freed_best_fraction']:.1%} of the new one: a goal above these is above the form, not the "
-            "rebalancing")
+    slowed_ceiling = out["best_static_fraction"] if name == "single program" else r["best_static_fraction"]
+    print(f"  the form's ceiling: run static at the best split {result['best_counts']} it reaches "
+          f"{slowed_ceiling:.1%} of the step ideal (median), and at {result['freed_best_counts']} after "
+          f"the drift {r['freed_best_fraction']:.1%} of the new one: a goal above these is above the form, not the "
+          "rebalancing")
     for h in [h for i, h in enumerate(r["measured"]) if i == 0 or h["moved_to"]]:  # the first and the moves
       print(f"  measured at call {h['call']}: " + ", ".join(f"{k} {v * 1e3:.1f} ms a microbatch"
                                                         for k, v in h["microbatch_seconds"].items())
