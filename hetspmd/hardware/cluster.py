@@ -24,6 +24,7 @@ process drives them all (otherwise each host is taken to be a process).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import tomllib
@@ -112,6 +113,17 @@ class ClusterDevice:
   spec: DeviceSpec
 
 
+@functools.lru_cache(maxsize=64)
+def _devices_of(hosts: tuple[Host, ...]) -> tuple[ClusterDevice, ...]:
+  """:attr:`Cluster.devices` of ``hosts``."""
+  out, gid = [], 0
+  for h, host in enumerate(hosts):
+    for local in range(host.count):
+      out.append(ClusterDevice(gid, h, local, host.device))
+      gid += 1
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Cluster:
   """Hosts of devices and the network between them.
@@ -195,12 +207,8 @@ class Cluster:
 
   @property
   def devices(self) -> tuple[ClusterDevice, ...]:
-    out, gid = [], 0
-    for h, host in enumerate(self.hosts):
-      for local in range(host.count):
-        out.append(ClusterDevice(gid, h, local, host.device))
-        gid += 1
-    return tuple(out)
+    """Every device, by cluster position (made once per set of hosts: the search reads it per priced plan)."""
+    return _devices_of(self.hosts)
 
   @property
   def kinds(self) -> tuple[str, ...]:

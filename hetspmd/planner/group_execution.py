@@ -71,8 +71,9 @@ def shard_groups(costing: Costing, layout: DeviceGroups) -> dict[str, tuple[tupl
 def _kind_groups(cluster: Cluster, layout: DeviceGroups, key: Sequence) -> dict[str, tuple[tuple[int, ...], ...]]:
   """Per kind, its devices on ``layout`` cut by ``key`` (per device), smallest first."""
   found: dict[str, dict] = {}
+  devices = cluster.devices
   for i in layout.devices:
-    found.setdefault(cluster.devices[i].spec.name, {}).setdefault(key[i], []).append(i)
+    found.setdefault(devices[i].spec.name, {}).setdefault(key[i], []).append(i)
   return {k: tuple(sorted((tuple(g) for g in cut.values()), key=len)) for k, cut in found.items()}
 
 

@@ -603,10 +603,10 @@ def _model_axis(costing: Costing, layout: DeviceGroups, kind: str, sizes: Sequen
   n = len(layout.groups)
   rows = 0.0 if one_process(costing, layout) else None  # the least it holds after the loop (no tail)
   spec = cluster.spec_of(kind)
-  per_host = {}
+  per_host, devices = {}, cluster.devices
   for i in layout.devices:
-    if cluster.devices[i].spec.name == kind:
-      per_host[cluster.devices[i].host] = per_host.get(cluster.devices[i].host, 0) + 1
+    if devices[i].spec.name == kind:
+      per_host[devices[i].host] = per_host.get(devices[i].host, 0) + 1
   for m in GROUP_MODEL_SIZES:
     if any(count % m for count in per_host.values()):
       continue
