@@ -24,7 +24,6 @@ process drives them all (otherwise each host is taken to be a process).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import re
 import tomllib
@@ -113,17 +112,6 @@ class ClusterDevice:
   spec: DeviceSpec
 
 
-@functools.lru_cache(maxsize=64)
-def _devices_of(hosts: tuple[Host, ...]) -> tuple[ClusterDevice, ...]:
-  """:attr:`Cluster.devices` of ``hosts``."""
-  out, gid = [], 0
-  for h, host in enumerate(hosts):
-    for local in range(host.count):
-      out.append(ClusterDevice(gid, h, local, host.device))
-      gid += 1
-  return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Cluster:
   """Hosts of devices and the network between them.
@@ -142,6 +130,7 @@ class Cluster:
   processes: int | None = None
   calibration: Any = None  # a hetspmd.hardware.calibration.Calibration: the step's measured times per kind
   device_processes: tuple[int, ...] | None = None
+  _devices: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     if not self.hosts:
@@ -207,8 +196,15 @@ class Cluster:
 
   @property
   def devices(self) -> tuple[ClusterDevice, ...]:
-    """Every device, by cluster position (made once per set of hosts: the search reads it per priced plan)."""
-    return _devices_of(self.hosts)
+    """Every device, by cluster position (made once per cluster: the search reads it per priced plan)."""
+    if self._devices is None:
+      out, gid = [], 0
+      for h, host in enumerate(self.hosts):
+        for local in range(host.count):
+          out.append(ClusterDevice(gid, h, local, host.device))
+          gid += 1
+      object.__setattr__(self, "_devices", tuple(out))
+    return self._devices
 
   @property
   def kinds(self) -> tuple[str, ...]:
