@@ -156,8 +156,10 @@ SAMPLE_ARGS = {"profile": ["--devices", "2"]}  # two devices measure in seconds;
 
 
 def template(line: str) -> str:
-  """A line without what varies from run to run: numbers, SI prefixes, bars; ``...`` where the sample elides."""
+  """A line without what varies from run to run: numbers, SI prefixes, bars; ``...`` where the sample elides. A
+  kind given no microbatch (``4xT4:0``) stays told apart from one at work."""
   line = re.sub(r"\s[#~]+\s*$", "", line)
+  line = re.sub(r"(x[\w-]+):0\b(?!\.)", r"\1:idle", line)
   line = re.sub(r"\d+(\.\d+)?", "N", line)
   line = re.sub(r"N [kMGTP]?(B/s|FLOP/s|B)\b", r"N \1", line)
   line = re.sub(r"N (s|ms|us|µs)\b", "N s", line)

@@ -135,8 +135,9 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered,
                         conflict=group_conflict(step.specs))
   if best is not result.plans[0] and best is not None:
-    note = (f"the best plan leaves a process without devices; from {processes} processes the best that gives each "
-            "some runs" + (f"; {note}" if note else ""))
+    note = (f"the best plan ({best.step_seconds / result.plans[0].step_seconds:.2f}x as fast) leaves a process "
+            f"without devices; from {processes} processes the best that gives each some runs"
+            + (f"; {note}" if note else ""))
   return Priced(result, result.group_plan, stages, grouped or best, note, processes, policies,
                 result.ideal_throughput, traced,
                 "" if grouped or best else "no plan that fits gives every one of the job's processes devices")
@@ -256,9 +257,9 @@ def _group_verdict(group_plans: bool, cluster: Cluster, result: Any, best: Any, 
       why = (f"the search runs them {GROUP_PLAN_CONDITIONS}" + (f" ({conflict})" if conflict else "") if group_plans else
              "parallelize(..., group_plans=False) runs single programs only")
       return f"the best group plan was priced {ratio:.2f}x this plan, but it does not run here: {why}"
-    return (f"chosen by the search: priced {ratio:.2f}x the best single program" if chosen else
-            f"the best group plan was priced {ratio:.2f}x this plan") + (
-                f" (group plans run at {GROUP_PLAN_MARGIN:.2f}x or more)")
+    return (f"chosen by the search: priced {ratio:.2f}x the best single program's throughput" if chosen else
+            f"the best group plan was priced {ratio:.2f}x this plan's throughput") + (
+                f" (a group plan runs at {GROUP_PLAN_MARGIN:.2f}x or more)")
   if group_plans and not considered and len(cluster.kinds) > 1:
     why = f" ({conflict})" if conflict else ""
     return f"group plans were not priced: the search prices them {GROUP_PLAN_CONDITIONS}{why}"
