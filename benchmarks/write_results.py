@@ -119,8 +119,8 @@ BENCHES = (
     Bench("emulated_hetero_adaptive", ("--adaptive", "--steps", "10"), "measured",
           "The same slowed pair planned as if equally fast: the static split, the best static split (each "
           "device's measured rate) and the same plan rebalanced while training (hetspmd.Rebalance, loop times "
-          "read inside the step), and a group plan rebalanced beside the same group plan static at the best "
-          "splits (the group form's ceiling); then the busy loop stops mid-run (goals: 90% of the step ideal "
+          "read inside the step), and a group plan rebalanced; each form also run static at the best splits "
+          "(its ceiling); then the busy loop stops mid-run (goals: 90% of the step ideal "
           "within 5 steps, again within 5 steps of the drift).", slow=True, script="emulated_hetero"),
     Bench("pipeline_hetero", (), "measured",
           "Two processes (gloo), one core slowed by a busy loop: pipeline layers split evenly and by measured "
