@@ -181,7 +181,7 @@ def explain_group_text(plan: GroupPlan) -> str:
                  f"{group.microbatch} ({group.examples} examples), remat {group.remat}"
                  + (f", model axis {group.model}" if group.model > 1 else "")
                  + (f", parameters sharded over its devices (FSDP: gathered per reader, gradients reduce-scattered;"
-                    f" every device runs {group.max_count} microbatch(es) in lockstep, the ones it lacks masked)"
+                    f" every device runs {max(group.counts)} microbatch(es) in lockstep, the ones it lacks masked)"
                     if group.shard_params else ""))
   if plan.hybrid:
     lines.append("  hybrid: each group holds its parameters and optimizer state split over its devices between steps, "

@@ -40,8 +40,8 @@ READABLE_SCHEMAS = (1, 2, 3, 4)
 # Uneven counts of at most one microbatch still get two buffer slots, one of them empty: given one slot, XLA:CPU
 # turns each position's microbatch slice into a static one and fuses the step otherwise, and the step ran 2.5-4x
 # slower (gpt2-tiny on 8 CPU devices: counts (1, 1, 0, ...) of 32 in 125 ms with one slot, 51 ms with two). The
-# loop still runs each position's own count, so the empty slot costs only its bytes (a loop in lockstep, whose
-# collectives need every position at every trip, runs both slots, the second masked).
+# loop still runs each position's own count (a loop in lockstep the longest), so the empty slot costs only its
+# bytes.
 LEAST_UNEVEN_SLOTS = 2
 
 

@@ -368,8 +368,8 @@ class GroupedStep:
     # programs dispatched after it
     if self.clock is not None and not fresh and name.startswith("group ") and name[6:].isdigit():
       g = int(name[6:])
-      group = self.plan.groups[g]  # a lockstep group runs every slot, masked
-      self.clock.watch(g, args, out, group.max_count if group.shard_params else max(group.counts))
+      # a lockstep group runs its longest count (hetspmd.lowering.loop._DeviceLoop.trips), never its spare slots
+      self.clock.watch(g, args, out, max(self.plan.groups[g].counts))
     return out
 
   def _placed(self, built: GroupPrograms, i: int, x: Any) -> Any:
@@ -400,7 +400,7 @@ def _sharded_lines(plan: GroupPlan, built: GroupPrograms | None, execution: Exec
     lines.append(f"  group {g} shards its parameters over its {len(group.devices)} devices (FSDP): {what} split "
                  f"evenly (zero-padded along one axis), each gathered for each equation that reads it (forward and "
                  f"backward apart; a layer scan's a slice per iteration), each microbatch's gradient sums "
-                 f"reduce-scattered into parts; its devices run {group.max_count} microbatch(es) in lockstep (the "
+                 f"reduce-scattered into parts; its devices run {max(group.counts)} microbatch(es) in lockstep (the "
                  "ones a device lacks masked); " + _handed(built, execution))
     sizes = split.sizes if split is not None else None
     if sizes is not None:

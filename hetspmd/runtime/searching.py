@@ -135,8 +135,9 @@ def price_step(step: Any, cluster: Cluster, state: Any, trace: Any, *, processes
   note = _group_verdict(step.group_plans, cluster, result, best, grouped is not None, considered,
                         conflict=group_conflict(step.specs))
   if best is not result.plans[0] and best is not None:
-    note = (f"the best plan ({best.step_seconds / result.plans[0].step_seconds:.2f}x as fast) leaves a process "
-            f"without devices; from {processes} processes the best that gives each some runs"
+    faster = best.step_seconds / result.plans[0].step_seconds
+    note = ("the best plan" + (f" ({faster:.2f}x this one's speed)" if faster >= 1.005 else "")
+            + f" leaves a process without devices; from {processes} processes the best that gives each some runs"
             + (f"; {note}" if note else ""))
   return Priced(result, result.group_plan, stages, grouped or best, note, processes, policies,
                 result.ideal_throughput, traced,
