@@ -106,3 +106,20 @@ def test_a_pool_of_one_kind_pays_no_heterogeneity_tax():
   result = search(Cluster.parse("2x4xV100-32GB;inter=25Gbps"), _profile("gpt2-tiny"), global_batch=64,
                   homogeneous=True)
   assert result.heterogeneity_tax == 0.0 and result.homogeneous_equivalent is result.plans[0]
+
+
+@pytest.mark.parametrize("pool,model,batch", [("amp-t4-v100", "gpt2-small", 64), _cases()[0], HELD_OUT])
+def test_plans_of_equal_time_rank_more_devices_at_work_first(pool, model, batch):
+  """Among ranked plans of one step time and microbatch total, more devices at work rank first: a pool whose
+  processes must all take part then runs a plan that gives each kind work where one as fast does (on amp-t4-v100
+  at 64 sequences, dp_proportional's split with the T4s at work ties a weighted split that idles them)."""
+  result = search(Cluster.resolve(pool), _profile(model), global_batch=batch, top=12)
+  key = lambda e: (float(f"{e.step_seconds:.9g}"), sum(e.counts))
+  at_work = lambda e: e.model * sum(c > 0 for c in e.counts)
+  for a, b in zip(result.plans, result.plans[1:]):
+    if key(a) == key(b):
+      assert at_work(a) >= at_work(b), (a.name, a.counts, b.name, b.counts)
+  if pool == "amp-t4-v100":
+    proportional = next(e for e in result.plans if e.name == "dp_proportional")
+    tied = [e for e in result.plans if key(e) == key(proportional)]
+    assert len(tied) >= 2 and tied[0] is proportional and at_work(tied[0]) == 16 > at_work(tied[-1])

@@ -453,10 +453,10 @@ def _homogeneous_best(cluster: Cluster, profile: StepProfile, global_batch: int,
 
 
 def _top(plans: Sequence[Evaluated], top: int) -> tuple[Evaluated, ...]:
-  """The ``top`` fastest distinct plans; a tie goes to fewer, larger microbatches, then to more positions at
-  work (a device kind given nothing only where no plan as fast gives it work)."""
+  """The ``top`` fastest distinct plans; a tie goes to fewer, larger microbatches, then to more devices at work
+  (a device kind given nothing only where no plan as fast gives it work)."""
   ranked = sorted(plans, key=lambda e: (float(f"{e.step_seconds:.9g}"), sum(e.counts),
-                                        -sum(c > 0 for c in e.counts)))
+                                        -e.model * sum(c > 0 for c in e.counts)))
   unique: list[Evaluated] = []
   for e in ranked:
     if not any(_same_plan(e, u) for u in unique):
