@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_calibrate(sub)
 
   search = sub.add_parser(
-      "search", help="rank device-weighted plans for a zoo model on a cluster",
+      "search", help="rank device-weighted plans for a zoo model or your own step on a cluster",
       description="Trace the model's train step, cost it on every device kind of the cluster, and rank "
       "plans over (data, model) layouts: per-operation tensor-parallel splits along model (an ILP), microbatch "
       "counts per data position weighted by device speed (balanced to the slowest position), microbatch size, "
