@@ -121,6 +121,35 @@ def test_the_first_microbatch_extra_is_paid_once_per_step():
   assert step((2, 0)) == pytest.approx(profile.step_fixed_seconds(spec) + first + 2 * micro)
 
 
+def test_a_layer_scan_pays_the_first_microbatch_extra_once_not_per_layer():
+  """A scan's body writes into the buffers its first iteration touched: the first microbatch's extra of a scan of
+  4 layers is that of 2 (each layer's per-microbatch work is twice as long), and equals one unrolled layer's."""
+  def step(ws, x, scanned):
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+    def loss(ws):
+      if scanned:
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+      h = x
+      for i in range(ws.shape[0]):
+        h = layer(h, ws[i])[0]
+      return jnp.sum(h)
+    return jax.grad(loss)(ws)
+
+  def profile(layers, scanned):
+    ws = jax.ShapeDtypeStruct((layers, 64, 64), jnp.float32)
+    small, large = (hs.trace(lambda ws, x: step(ws, x, scanned), ws, jax.ShapeDtypeStruct((b, 64), jnp.float32))
+                    for b in (2, 4))
+    return step_profile(small, large, 2, 4)
+
+  spec = DeviceSpec("cpu", 1e18, 1e18, 2**34, 1e9, measured=True, cache_bytes=2**20, cache_write_bandwidth=1e11)
+  extra = {(n, s): profile(n, s).first_microbatch_extra_seconds(spec, 8) for n in (2, 4) for s in (True, False)}
+  micro = {n: profile(n, True).microbatch_seconds(spec, 8) for n in (2, 4)}
+  assert extra[(2, True)] > 0 and micro[4] > 1.5 * micro[2]
+  assert extra[(4, True)] == pytest.approx(extra[(2, True)], rel=0.05)
+  assert extra[(4, False)] > 1.5 * extra[(2, False)]  # unrolled, every layer's values are their own buffers
+
+
 @pytest.mark.parametrize("kind,faster", [("A100-40GB", True), ("H100-80GB", True), ("TPU-v4", True), ("V100-32GB", False)])
 def test_float32_matmuls_run_on_tf32_tensor_cores_unless_full_precision_is_asked_for(kind, faster):
   # JAX's default precision lets XLA compute float32 matmuls with TF32 on Ampere and later GPUs

@@ -357,10 +357,12 @@ class StepProfile:
     return self._seconds(spec, microbatch, ~self.per_step)
 
   def first_microbatch_extra_seconds(self, spec: Device, microbatch: int) -> float:
-    """What the step's first microbatch costs over a later one: its values are written to fresh memory."""
+    """What the step's first microbatch costs over a later one: its values are written to fresh memory. A node
+    inside a loop of the step (a layer scan's body, run ``count`` times) pays it once: the loop's iterations
+    write into the buffers its first one touched."""
     micro = ~self.per_step
-    first = float(np.sum(self.node_seconds(spec, microbatch, first=True) * micro))
-    return max(0.0, first - self.microbatch_seconds(spec, microbatch))
+    extra = (self.node_seconds(spec, microbatch, first=True) - self.node_seconds(spec, microbatch)) * micro
+    return max(0.0, float(np.sum(extra / np.maximum(self.counts, 1))))
 
   def kept(self, policy: str) -> np.ndarray:
     """Per node: whether a remat policy saves its forward output for the backward pass.
