@@ -359,8 +359,9 @@ class StepProfile:
   def first_microbatch_extra_seconds(self, spec: Device, microbatch: int) -> float:
     """What the step's first microbatch costs over a later one: its values are written to fresh memory. A node
     inside a loop of the step (a layer scan's body, run ``count`` times) pays it once: the loop's iterations
-    write into the buffers its first one touched."""
-    micro = ~self.per_step
+    write into the buffers its first one touched. An elementwise node XLA fuses into its consumer
+    (:attr:`elementwise`) writes no buffer of its own, so it pays none."""
+    micro = ~self.per_step & ~self.elementwise if self.elementwise.size else ~self.per_step
     extra = (self.node_seconds(spec, microbatch, first=True) - self.node_seconds(spec, microbatch)) * micro
     return max(0.0, float(np.sum(extra / np.maximum(self.counts, 1))))
 
