@@ -162,14 +162,19 @@ def _per_token_step(params, batch):
   return new, {"loss": loss, "by_token": per_token.T, "flat": per_token.reshape(-1)}
 
 
+def _per_token_case(batch: int, data_seed: int, param_seed: int, tokens: int = 3) -> tuple[dict, dict]:
+  """A batch of ``batch`` sequences of ``tokens`` and the parameters of :func:`_per_token_step`."""
+  rs = np.random.RandomState(data_seed)
+  data = {"x": rs.randn(batch, tokens, 4).astype(np.float32), "y": rs.randn(batch, tokens, 5).astype(np.float32)}
+  k = jax.random.split(jax.random.key(param_seed))
+  return data, {"w1": jax.random.normal(k[0], (4, 8)) * 0.3, "w2": jax.random.normal(k[1], (8, 5)) * 0.3}
+
+
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_fused_pass_returns_per_example_outputs_in_global_order(lockstep):
-  counts, microbatch, tokens = (4, 4, 3, 3, 2, 2, 2, 2), 2, 3
+  counts, microbatch = (4, 4, 3, 3, 2, 2, 2, 2), 2
   batch = sum(counts) * microbatch
-  rs = np.random.RandomState(2)
-  data = {"x": rs.randn(batch, tokens, 4).astype(np.float32), "y": rs.randn(batch, tokens, 5).astype(np.float32)}
-  k = jax.random.split(jax.random.key(0))
-  params = {"w1": jax.random.normal(k[0], (4, 8)) * 0.3, "w2": jax.random.normal(k[1], (8, 5)) * 0.3}
+  data, params = _per_token_case(batch, 2, 0)
   ref = Reference(_per_token_step, params).run([data])
   plan = hs.plan_for(_cluster(), params, global_batch=batch, microbatch=microbatch, counts=counts,
                      overlap_reduction=True, overlap_microbatches=2)
@@ -199,12 +204,9 @@ def test_a_lockstep_loop_runs_the_longest_count_not_every_slot(counts, slots, op
   """A loop in lockstep (as if it held a collective-permute) runs the longest count over the data axis, one
   scalar ``pmax`` read when it runs, not its buffer slots: the slots past the longest count are never run, and
   the numbers are one device's."""
-  microbatch, tokens = 2, 3
+  microbatch = 2
   batch = sum(counts) * microbatch
-  rs = np.random.RandomState(5)
-  data = {"x": rs.randn(batch, tokens, 4).astype(np.float32), "y": rs.randn(batch, tokens, 5).astype(np.float32)}
-  k = jax.random.split(jax.random.key(1))
-  params = {"w1": jax.random.normal(k[0], (4, 8)) * 0.3, "w2": jax.random.normal(k[1], (8, 5)) * 0.3}
+  data, params = _per_token_case(batch, 5, 1)
   ref = Reference(_per_token_step, params).run([data])
   plan = hs.plan_for(_cluster(), params, global_batch=batch, microbatch=microbatch, counts=counts, **options)
   plan = plan.replace(slots=slots)
