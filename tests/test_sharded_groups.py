@@ -1,7 +1,9 @@
 """Groups that shard their parameters over their devices (FSDP within a group), beside unsharded groups: every step
 checked against one device, float64-referenced."""
 
+import collections
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -433,3 +435,30 @@ def test_groups_of_their_own_remat_policies_hand_over_parts(scanned, remats, fn)
   step, _ = _trained(plan, state, fn)
   assert {g.remat for g in plan.groups} == set(remats)
   _check_parts_handed_over(step, params, 4)
+
+
+_COLLECTIVE = re.compile(r"= \S+ (all-gather|reduce-scatter)(?:-start)?\(")
+
+
+def _zoo_case(name):
+  workload = models.get(name)
+  return workload.make_train_step(), workload.init_state(0), lambda n: workload.synthetic_batch(0, batch=n)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["layernorm-mlp", "gpt2-tiny"])
+def test_the_profile_counts_the_collectives_a_sharded_group_issues_per_microbatch(case):
+  """What CPU pricing counts (XLA:CPU combines no collectives: ``sharding.combines``): one all-gather per reader
+  of each parameter leaf (``StepProfile.param_reads``: a layer norm's reshaped scale read forward and backward
+  counts twice) and one reduce-scatter per leaf, as the compiled program of a group sharding its parameters
+  issues them for its one microbatch."""
+  require_devices(4)
+  step_fn, state, batch = ((dropout_step, _state(), lambda n: _batches(n)[0]) if case == "layernorm-mlp"
+                           else _zoo_case(case))
+  step = run_groups(step_fn, group_plan([_sharded((0, 1, 2, 3), 1, (1, 1, 1, 1))], 4))
+  step(step.shard_state(state), batch(4))
+  program, args = step._last["group 0"]
+  issued = collections.Counter(_COLLECTIVE.findall(program.lower(*args).compile().as_text()))
+  profile = profile_step(step_fn, state, batch(1))
+  assert issued["all-gather"] == sum(f + b for f, b in profile.param_reads), (issued, profile.param_reads)
+  assert issued["reduce-scatter"] == sum(size > 1 for size in profile.param_leaf_sizes), issued

@@ -221,3 +221,24 @@ def test_one_price_for_plain_fsdp(pool, medium_profile):
   assert (grouped.microbatch, grouped.remat) == (fsdp.microbatch, fsdp.remat)
   assert grouped.step_seconds == pytest.approx(fsdp.step_seconds, rel=1e-9)
   assert grouped.memory_bytes == fsdp.memory_bytes
+
+
+@pytest.mark.parametrize("remat", ["none", "layers"])
+def test_on_cpu_devices_a_sharded_group_pays_a_latency_per_collective_it_issues(deep_profile, remat):
+  """XLA:CPU combines no collectives, so a sharded group there pays a link latency for each all-gather and
+  reduce-scatter its program issues (one per reader of each leaf, one per leaf: 16 blocks give over a hundred),
+  where a GPU's combiners leave one per layer; the bytes moved are the same order either way."""
+  fast = dict(fp32_flops=2e12, bf16_flops=4e12, memory_bandwidth=4e11, memory_bytes=2**32)
+  specs = {name: hs.DeviceSpec(name, **fast) for name in ("cpu-like", "gpu-like")}
+  assert not sharding.combines("cpu-like") and sharding.combines("gpu-like")
+  cluster = hs.Cluster.parse("1x8xgpu-like", devices=specs)
+  devices, latency = tuple(range(8)), cluster.hosts[0].intra.latency
+  leaves = sum(size > 1 for size in deep_profile.param_leaf_sizes)
+  reads = sum(f * (2 if remat == "layers" else 1) + b for f, b in deep_profile.param_reads)
+  issued = reads + leaves
+  assert reads >= 2 * 16 and issued > 100  # every block's matmuls gathered forward and backward
+  combined, uncombined = (sharding.microbatch_comm_seconds(cluster, devices, deep_profile, "float32", remat,
+                                                           combined=c) for c in (True, False))
+  assert uncombined >= issued * 7 * latency > combined
+  free = dataclasses.replace(deep_profile, param_reads=())  # a profile that does not say: priced per layer
+  assert sharding.microbatch_comm_seconds(cluster, devices, free, "float32", remat, combined=False) == combined

@@ -118,10 +118,12 @@ def _joined(axes: tuple[tuple[int, int], ...]) -> Callable[[list], list]:
 
 def on(mesh: Mesh, x: Any) -> Any:
   """``x`` (a host value or a replicated array) replicated on ``mesh``'s devices, made from this process's
-  pieces: its own per-device buffers where it has them (no copy), a copy of one of them (or of the host value)
-  on this process's other devices of ``mesh``. (``jax.device_put`` of a single-device array onto devices of
+  pieces: itself where it is replicated on ``mesh`` already, else its own per-device buffers where it has them
+  (no copy), a copy of one of them (or of the host value) on this process's other devices of ``mesh``. (``jax.device_put`` of a single-device array onto devices of
   several processes does not give a usable array.)"""
   sharding = NamedSharding(mesh, P())
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x  # already there (the state between steps, a one-group plan's inputs): nothing to make
   if isinstance(x, jax.Array) and not x.is_fully_replicated:
     return jax.device_put(x, sharding)  # sharded: one process holds it all
   have = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}

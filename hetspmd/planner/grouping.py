@@ -303,7 +303,7 @@ def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str,
   if key not in costing.sharded_comm:
     devices = shard_groups(costing, layout)[kind][0]
     costing.sharded_comm[key] = sharding.microbatch_comm_seconds(costing.cluster, devices, costing.profile, dtype,
-                                                                 remat)
+                                                                 remat, combined=sharding.combines(kind))
   return costing.sharded_comm[key]
 
 

@@ -141,22 +141,48 @@ def overlaps(kind: str) -> bool:
   return not kind.lower().startswith("cpu")
 
 
+def combines(kind: str) -> bool:
+  """Whether a backend combines a group's small collectives into larger ones: GPUs and TPUs (XLA's all-gather
+  and reduce-scatter combiners) do; XLA:CPU runs each as issued (a sharded gpt2-tiny's microbatch: 43 all-gathers
+  and 28 reduce-scatters)."""
+  return overlaps(kind)
+
+
 def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: StepProfile, dtype: str,
-                            remat: str = "none") -> float:
+                            remat: str = "none", *, combined: bool = True) -> float:
   """One microbatch's collectives in a group of ``devices`` sharding its parameters, on the links between them
   (a ring in a host, hierarchical across hosts): two all-gathers of the parameters (forward, then backward:
   :func:`gathered_bytes`) and one reduce-scatter of the gradients (float32, or ``dtype`` where narrower:
   :data:`SCATTERS_REDUCE_DTYPE`), each
-  moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's), one collective per layer
-  (:func:`layer_shape`; the leaves of a layer combined, as XLA's combine thresholds sized to a layer do). Under
+  moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's). ``combined`` (a backend that
+  combines collectives, :func:`combines`): one collective per layer (:func:`layer_shape`; the leaves of a layer
+  combined, as XLA's combine thresholds sized to a layer do); else one all-gather per reader of each leaf and
+  one reduce-scatter per leaf, as the runtime issues them (:func:`_uncombined_gathers`). Under
   remat ``"layers"`` each recomputed layer gathers its parameters a third time (its recomputation reads them
   behind an optimization barrier, so XLA keeps no gathered copy from the forward pass)."""
+  layers = remat == "layers" and profile.layer_activation is not None
+  wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
+  if not combined and profile.param_reads:
+    nbytes, count = _uncombined_gathers(profile, layers)
+    gathers = allreduce_seconds(cluster, devices, nbytes, 1, count) / 2
+    leaves = sum(1 for size in profile.param_leaf_sizes if size > 1)
+    return gathers + allreduce_seconds(cluster, devices, profile.param_count * wire, 1, leaves) / 2
   _, count = layer_shape(profile)
   gathers = allreduce_seconds(cluster, devices, gathered_bytes(profile), 1, count) / 2
-  wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
   scatter = allreduce_seconds(cluster, devices, profile.param_count * wire, 1, count) / 2
-  passes = 3 if remat == "layers" and profile.layer_activation is not None else 2
-  return passes * gathers + scatter
+  return (3 if layers else 2) * gathers + scatter
+
+
+def _uncombined_gathers(profile: StepProfile, layers: bool) -> tuple[float, int]:
+  """(bytes, all-gathers) of one microbatch where each parameter leaf is gathered for each reader
+  (``profile.param_reads``; under remat ``"layers"`` the forward readers twice), in the gathered dtype."""
+  per_element = gathered_bytes(profile) / max(profile.param_count, 1)
+  nbytes, count = 0.0, 0
+  for size, (forward, backward) in zip(profile.param_leaf_sizes, profile.param_reads):
+    reads = forward * (2 if layers else 1) + backward
+    nbytes += reads * size * per_element
+    count += reads
+  return nbytes, max(count, 1)
 
 
 def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
@@ -221,7 +247,9 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
   execution = Execution.made([(set(process_of(cluster)), len(every), True)], zero_stage=0, shares=False, tail=False)
   devices, on = tuple(d.id for d in every), tuple(d.spec.name for d in every)
   n, kinds = len(devices), cluster.kinds
-  comm = {(d, r): microbatch_comm_seconds(cluster, devices, profile, d, r) for d in dtypes for r in remat_policies}
+  combined = all(combines(k) for k in cluster.kinds)
+  comm = {(d, r): microbatch_comm_seconds(cluster, devices, profile, d, r, combined=combined)
+          for d in dtypes for r in remat_policies}
   best = None
   for microbatch, remat, dtype in ((m, r, d) for m in sizes for r in remat_policies for d in dtypes):
     memory = sharded_peak(profile, n, (microbatch, remat), None, None, dtype, state_sharded=True)

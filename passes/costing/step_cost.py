@@ -310,6 +310,7 @@ class StepProfile:
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
+  param_reads: tuple[tuple[int, int], ...] = ()  # their (forward, backward) readers: _param_reads
   # the parameters the step reads only through casts to a narrower dtype, besides its update (a model computing
   # in bfloat16): their bytes, and the bytes of those casts (what ZeRO-3 group plans send and hold in the loop)
   castable_param_bytes: int = 0
@@ -451,6 +452,37 @@ def _cast_params(graph: Graph) -> tuple[int, int]:
   return castable, casts
 
 
+def _param_reads(graph: Graph) -> tuple[tuple[int, int], ...]:
+  """Per parameter leaf, the equations of the differentiated function that read it, ``(forward, backward)``, each
+  once per iteration of the loop it sits in. Example-free work on the parameters alone (a cast, a reshape) is
+  not a reader: its own readers stand for it, as a group that shards its parameters gathers each for each
+  reader of it or of such work on it (:class:`hetspmd.lowering.param_shards.ParamShards`)."""
+  params = {item.index for item in graph.inputs_with_role(Role.PARAM)}
+  readers: dict[tuple[Source, int], list[int]] = {}
+  derived: set[int] = set()
+  for k, node in enumerate(graph.nodes):
+    refs = [ref for ref in node.operands if ref.source in (Source.INPUT, Source.NODE)]
+    for ref in refs:
+      readers.setdefault((ref.source, ref.index), []).append(k)
+    if refs and all(ref.index in (params if ref.source is Source.INPUT else derived) for ref in refs):
+      derived.add(node.id)
+
+  def reads(key: tuple[Source, int]) -> tuple[int, int]:
+    forward = backward = 0
+    for k in readers.get(key, ()):
+      node = graph.nodes[k]
+      if not node.phase:
+        continue
+      if node.id in derived:
+        f, b = reads((Source.NODE, node.id))
+      else:
+        f, b = (node.count, 0) if node.phase == "forward" else (0, node.count)
+      forward, backward = forward + f, backward + b
+    return forward, backward
+
+  return tuple(reads((Source.INPUT, item.index)) for item in graph.inputs_with_role(Role.PARAM))
+
+
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
   """Fits a :class:`StepProfile` from the step traced at two batch sizes."""
   if [n.primitive for n in small.nodes] != [n.primitive for n in large.nodes]:
@@ -489,6 +521,7 @@ def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int)
       param_leaf_sizes=tuple(i.type.size for i in small.inputs_with_role(Role.PARAM)),
       param_leaf_shapes=tuple(tuple(i.type.shape) for i in small.inputs_with_role(Role.PARAM)),
       param_leaf_paths=tuple(i.path.split("/", 1)[-1] for i in small.inputs_with_role(Role.PARAM)),
+      param_reads=_param_reads(small),
       write_sizes_fit=write_sizes_fit,
       activation=fit_linear(microbatch_peak_bytes(small), microbatch_peak_bytes(large), small_batch, large_batch),
       flops=fit_linear(small.total_flops, large.total_flops, small_batch, large_batch),
