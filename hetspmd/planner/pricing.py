@@ -270,15 +270,24 @@ class Costing:
     self.shard_groups: dict[tuple, dict] = {}  # hetspmd.planner.group_execution.shard_groups
 
   def _measured_fixed(self, kind: str) -> float:
-    """A kind's measured per-step seconds without the gradient reduction its timing program ran over its devices
+    """A kind's measured per-step seconds without the accumulator's zeros its timed loops wrote (priced apart:
+    :meth:`one_pass`) and the gradient reduction its timing program ran over its devices
     (hetspmd.runtime.calibrating times a kind's devices together): the search prices communication itself."""
     timing = self.measured[kind]
+    zeros = self.profile.zeroing_seconds(self.specs[kind]) if timing.part == "step" else 0.0
     if timing.devices < 2:
-      return timing.fixed
+      return max(timing.fixed - zeros, 0.0)
     host = next(h for h, host in enumerate(self.cluster.hosts) if host.device.name == kind)
     reduce = gradient_seconds(self.cluster, {host: min(timing.devices, self.cluster.hosts[host].count)},
                               self.profile, NO_TENSOR_PARALLEL, 0, REDUCE_BYTES["float32"])
-    return max(timing.fixed - reduce, 0.0)
+    return max(timing.fixed - reduce - zeros, 0.0)
+
+  def one_pass(self, kind: str, cost: KindCost, tp: TensorParallel) -> KindCost:
+    """``cost`` (a position's, :meth:`kind_cost`) where every position runs one microbatch: the program runs no
+    loop, so it neither zeros a gradient accumulator nor adds into one (XLA folds both away)."""
+    spec = self.specs[kind]
+    return KindCost(cost.micro - self.profile.accumulate_seconds(spec) * tp.param_share,
+                    cost.fixed - self.profile.zeroing_seconds(spec) * tp.param_share, cost.model_comm, cost.first)
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -390,6 +399,7 @@ class Costing:
     remat_factor = self.remat_factor(kind, microbatch, remat)
     zs = zero_split(self.profile, n, tp)
     fixed = self.fixed[kind] * tp.param_share * (zs.kept(n) if zero >= 1 else 1)  # the update runs on ZeRO's shards
+    fixed += self.profile.zeroing_seconds(self.specs[kind]) * tp.param_share  # the whole accumulator, every step
     if zero >= 1 and n > 1:  # every device writes the gathered parameters into its memory
       fixed += self.profile.param_bytes * zs.gathered * tp.param_share / self.specs[kind].write_rate
     accumulate = self.profile.accumulate_seconds(self.specs[kind]) * tp.param_share
@@ -461,6 +471,8 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   counts = c.counts(layout.kinds, costs) if callable(c.counts) else tuple(c.counts)
   if len(counts) != n or sum(counts) != c.total:
     return []
+  if set(counts) == {1}:  # no loop (hetspmd.lowering.loop: a uniform count of one)
+    costs = {k: costing.one_pass(k, cost, tp) for k, cost in costs.items()}
   memory = (costing.memory(n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both
   options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]

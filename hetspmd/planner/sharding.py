@@ -222,11 +222,12 @@ def exposed_seconds(kind: str, comm: float, compute: float) -> float:
 def sharded_kind_cost(costing: Costing, kind: str, cost: KindCost, comm: float, g: int,
                       state_sharded: bool = False) -> KindCost:
   """``cost`` (an unsharded device's microbatch costs) for a device of a sharded group of ``g``: each microbatch
-  adds its collectives' exposed seconds (``comm``: :func:`microbatch_comm_seconds`) and adds into a ``1/g``
-  accumulator; the per-step update runs on ``1/g`` of the state where it is sharded (``state_sharded``)."""
-  accumulate = costing.profile.accumulate_seconds(costing.specs[kind])
+  adds its collectives' exposed seconds (``comm``: :func:`microbatch_comm_seconds`) and adds into (and zeros) a
+  ``1/g`` accumulator; the per-step update runs on ``1/g`` of the state where it is sharded (``state_sharded``)."""
+  spec = costing.specs[kind]
+  accumulate, zeros = costing.profile.accumulate_seconds(spec), costing.profile.zeroing_seconds(spec)
   micro = cost.micro - accumulate * (1 - 1 / g) + exposed_seconds(kind, comm, cost.micro)
-  fixed = cost.fixed / g if state_sharded else cost.fixed
+  fixed = cost.fixed / g if state_sharded else cost.fixed - zeros * (1 - 1 / g)
   return dataclasses.replace(cost, micro=micro, fixed=fixed)
 
 

@@ -421,6 +421,11 @@ class StepProfile:
     """
     return ACCUMULATOR_BYTES * self.param_count / (spec.read_rate * spec.efficiency.memory)
 
+  def zeroing_seconds(self, spec: Device) -> float:
+    """Writing the float32 accumulator's zeros, once per step of a program that loops over its microbatches:
+    a fresh buffer each step (a program of one microbatch everywhere folds its zeros away)."""
+    return ACCUMULATOR_BYTES * self.param_count / spec.write_rate
+
   def step_fixed_seconds(self, spec: Device) -> float:
     """Per-step work that does not scale with the batch (the optimizer update)."""
     return self._seconds(spec, 0, self.per_step)
