@@ -197,3 +197,30 @@ def test_group_counts_end_where_per_step_work_dwarfs_a_microbatch():
 
   costs = {"a": KindCost(1e-9, 100.0), "b": KindCost(1.7e-9, 90.0)}
   assert group_counts(["a", "a", "b"], costs, {"a": 2, "b": 1}, 1000) == (0, 0, 1000)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
+def test_a_group_of_one_microbatch_per_device_runs_no_loop(sharded, monkeypatch):
+  """As a single program (test_cost_model), a group whose every device runs one microbatch neither zeros a
+  gradient accumulator nor adds into one: priced so, it saves the zeros and the add; a group sharding its
+  parameters over its 4 devices, a quarter of them. Two microbatches a device are a loop, priced as before."""
+  from hetspmd.planner.grouping import price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  w = models.get("mlp-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  pool = hs.Cluster.parse("1x4xV100-32GB")
+  layout = device_groups(pool, "one kind", tuple(range(4)), 1)
+  kind = frozenset({"V100-32GB"} if sharded else ())
+
+  def priced(c):
+    return price_groups(Costing(pool, profile, 8), layout, {"V100-32GB": 8}, "none", 8 * 4 * c, sharded=kind)
+
+  once, twice = priced(1), priced(2)
+  assert once.counts == (1,) * 4 and twice.counts == (2,) * 4
+  monkeypatch.setattr(Costing, "one_pass", lambda self, kind, cost, share: cost)
+  looped_once, looped_twice = priced(1), priced(2)
+  spec = pool.spec_of("V100-32GB")
+  saved = (profile.accumulate_seconds(spec) + profile.zeroing_seconds(spec)) * (1 / 4 if sharded else 1.0)
+  assert looped_once.compute_seconds - once.compute_seconds == pytest.approx(saved, rel=1e-6) and saved > 0
+  assert looped_twice.compute_seconds == twice.compute_seconds

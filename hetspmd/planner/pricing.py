@@ -282,12 +282,13 @@ class Costing:
                               self.profile, NO_TENSOR_PARALLEL, 0, REDUCE_BYTES["float32"])
     return max(timing.fixed - reduce - zeros, 0.0)
 
-  def one_pass(self, kind: str, cost: KindCost, tp: TensorParallel) -> KindCost:
-    """``cost`` (a position's, :meth:`kind_cost`) where every position runs one microbatch: the program runs no
-    loop, so it neither zeros a gradient accumulator nor adds into one (XLA folds both away)."""
+  def one_pass(self, kind: str, cost: KindCost, share: float) -> KindCost:
+    """``cost`` (a position's, :meth:`kind_cost`) where every position of its program runs one microbatch: the
+    program runs no loop, so it neither zeros a gradient accumulator nor adds into one (XLA folds both away);
+    ``share``: of the parameters' elements the position accumulates (its tensor-parallel share)."""
     spec = self.specs[kind]
-    return KindCost(cost.micro - self.profile.accumulate_seconds(spec) * tp.param_share,
-                    cost.fixed - self.profile.zeroing_seconds(spec) * tp.param_share, cost.model_comm, cost.first)
+    return KindCost(cost.micro - self.profile.accumulate_seconds(spec) * share,
+                    cost.fixed - self.profile.zeroing_seconds(spec) * share, cost.model_comm, cost.first)
 
   def gradient_seconds(self, layout: "DeviceGroups", tp: TensorParallel, zero: int,
                        reduce_dtype: str = "float32") -> tuple[float, float]:
@@ -472,7 +473,7 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   if len(counts) != n or sum(counts) != c.total:
     return []
   if set(counts) == {1}:  # no loop (hetspmd.lowering.loop: a uniform count of one)
-    costs = {k: costing.one_pass(k, cost, tp) for k, cost in costs.items()}
+    costs = {k: costing.one_pass(k, cost, tp.param_share) for k, cost in costs.items()}
   memory = (costing.memory(n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both
   options = [False, True] if c.overlap and n > 1 and min(counts) == 0 else [c.overlap and n > 1]
