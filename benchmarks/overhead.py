@@ -9,6 +9,11 @@ the data axis (one microbatch per position for hetspmd):
 * ``hetspmd (unmodified)``: the same step with ``jax.value_and_grad``, as a Flax user writes it;
 * ``jax.jit``: the unmodified step under ``jax.jit`` with the plan's shardings.
 
+On a data-only layout, two group plans run the same microbatches: ``group plan, one group`` (one group of
+every device) and ``one group sharding params`` (the same group holding its parameters split, FSDP). Their
+ratios to ``jax.jit`` are printed without a goal: each runs a group program and an exchange program, and the
+host lays the state's leaves out between them.
+
 Steps rotate between them (each order in turn) so machine noise hits all alike; prints the median step
 time of each and the ratios (goals: marked / jit <= 1.03, unmodified / marked <= 1.02).
 """
@@ -35,6 +40,7 @@ def main() -> None:
 
   import hetspmd as hs
   from hetspmd import models
+  from hetspmd.plan.groups import Group, group_plan
 
   workload = models.get(args.model)
   layout = tuple(int(x) for x in args.layout.split(","))
@@ -58,6 +64,13 @@ def main() -> None:
           "jit": (plain, jit_batch)}
   states = {"hs": step.shard_state(state0), "unmodified": unmodified.shard_state(workload.init_state(0)),
             "jit": jax.device_put(workload.init_state(0), shardings)}
+  if layout[1] == 1:  # the same microbatches as group programs: one group of every device, unsharded and sharded
+    for name, sharded in (("group", False), ("fsdp group", True)):
+      grouped = hs.parallelize(workload.make_train_step(), plan=group_plan(
+          [Group(tuple(range(layout[0])), args.batch // layout[0], (1,) * layout[0], shard_params=sharded)],
+          args.batch), global_batch=args.batch)
+      runs[name] = (grouped, grouped.shard_batch(host_batch))
+      states[name] = grouped.shard_state(workload.init_state(0))
   from _steps import rotated_step_seconds
 
   names = list(runs)
@@ -65,7 +78,8 @@ def main() -> None:
   medians = {name: statistics.median(t) for name, t in times.items()}
   print(f"model {args.model}, global batch {args.batch}, mesh {dict(zip(plan.axis_names, plan.mesh_shape))}, "
         f"{args.steps} steps each, {os.cpu_count()} CPUs")
-  labels = {"hs": "hetspmd (hs.value_and_grad)", "unmodified": "hetspmd (unmodified)", "jit": "jax.jit (same shardings)"}
+  labels = {"hs": "hetspmd (hs.value_and_grad)", "unmodified": "hetspmd (unmodified)", "jit": "jax.jit (same shardings)",
+            "group": "group plan, one group", "fsdp group": "one group sharding params"}
   print(f"{'':28} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
   for name in names:
     print(f"{labels[name]:28} {medians[name] * 1e3:10.2f} {min(times[name]) * 1e3:8.2f} {max(times[name]) * 1e3:8.2f}")
@@ -73,6 +87,9 @@ def main() -> None:
   print(f"ratio hetspmd / jit: {ratio:.3f} (goal <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})")
   same = medians["unmodified"] / medians["hs"]
   print(f"ratio unmodified / hs.value_and_grad: {same:.3f} (goal <= 1.02: {'met' if same <= 1.02 else 'NOT met'})")
+  for name in ("group", "fsdp group"):
+    if name in medians:  # its programs, their exchange and the host's work between them, against one program
+      print(f"ratio {labels[name]} / jit: {medians[name] / medians['jit']:.3f}")
   hs_state = states["hs"]
   jit_state = states["jit"]
   cost = lambda f, *a: (lambda c: c[0] if isinstance(c, list) else c)(f.lower(*a).compile().cost_analysis())["flops"]

@@ -208,12 +208,16 @@ def cast_value(x: Any, dtype: Any) -> Any:
 
 def global_rows(parts: list, mesh: Mesh) -> Any:
   """One global array over ``mesh``'s devices (one axis) from each of this process's pieces' rows (one per
-  device, the same shape), no copy."""
+  device, the same shape), no copy: the piece itself where it is one laid out so already (one group of every
+  device)."""
   devices = list(mesh.devices.flat)
+  wanted = NamedSharding(mesh, P(DATA))
+  if len(parts) == 1 and parts[0].shape[0] == len(devices) and _equivalent(parts[0].sharding, wanted, parts[0].ndim):
+    return parts[0]
   shards = [s for part in parts for s in sorted(part.addressable_shards, key=lambda s: s.index[0].start or 0)]
   by_device = {s.device: s.data for s in shards}
   row = shards[0].data.shape
-  return jax.make_array_from_single_device_arrays((len(devices),) + tuple(row[1:]), NamedSharding(mesh, P(DATA)),
+  return jax.make_array_from_single_device_arrays((len(devices),) + tuple(row[1:]), wanted,
                                                   [by_device[d] for d in devices if d in by_device])
 
 
@@ -295,11 +299,21 @@ def split_on(x: Any, sharding: NamedSharding) -> Any:
 
 def group_part(x: Any, mesh: Mesh, axis: int) -> Any:
   """A hybrid plan's held leaf (split along ``axis`` over each group's devices, each group its own copy) as one
-  group's program takes it: the same shards, as a global array over the group's ``mesh``; no copy."""
+  group's program takes it: the same shards, as a global array over the group's ``mesh``; no copy. Where that is
+  how ``x`` is laid out already (one group: plain FSDP), ``x`` itself."""
+  sharding = NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0]))
+  if _equivalent(x.sharding, sharding, x.ndim):
+    return x
   mine = {s.device: s.data for s in x.addressable_shards}
   return jax.make_array_from_single_device_arrays(
-      x.shape, NamedSharding(mesh, P(*([None] * axis), mesh.axis_names[0])),
+      x.shape, sharding,
       [mine[d] for d in mesh.devices.flat if d.process_index == jax.process_index()])  # a group over processes: ours
+
+
+@functools.lru_cache(maxsize=4096)
+def _equivalent(held: Any, wanted: NamedSharding, ndim: int) -> bool:
+  """Whether an array laid out as ``held`` is laid out as ``wanted`` (the same devices, each the same piece)."""
+  return held.is_equivalent_to(wanted, ndim)
 
 
 def without_pieces(partials: list) -> list:
