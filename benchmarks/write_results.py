@@ -89,7 +89,8 @@ BENCHES = (
           "parameter drift on 8 emulated CPU devices (the CPU runs collectives in line: nothing hides)."),
     Bench("overhead", (), "measured",
           "A uniform plan against hand-written `jax.jit` with the same shardings, and an unmodified step "
-          "against one marked with `hs.value_and_grad`, on 8 emulated CPU devices."),
+          "against one marked with `hs.value_and_grad`, on 8 emulated CPU devices; the same microbatches as a "
+          "group plan of one group of every device, unsharded and sharding its parameters (FSDP)."),
     Bench("fidelity", (), "measured",
           "Predicted against measured step time for plans of the MLP and GPT-tiny on 8 profiled CPU devices "
           "(goals: Spearman >= 0.8, median absolute error <= 25%), and priced on the step's calibrated times "
