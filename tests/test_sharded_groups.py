@@ -437,6 +437,32 @@ def test_groups_of_their_own_remat_policies_hand_over_parts(scanned, remats, fn)
   _check_parts_handed_over(step, params, 4)
 
 
+def test_a_value_laid_out_where_it_is_wanted_is_passed_as_it_is():
+  """The state between steps is replicated on the plan's devices, and a hybrid plan of one group (plain FSDP)
+  holds its leaves split as its group takes them and hands its rows over as the exchange takes them: each call
+  passes them on as they are, with no new array made per leaf (a one-group gpt2-tiny step spent about half its
+  host time making them); a value on other devices is still made where it is wanted, equal to the value."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  require_devices(4)
+  devices = np.asarray(jax.devices()[:4])
+  x = jax.device_put(jnp.arange(12.0).reshape(3, 4), NamedSharding(Mesh(devices, ("data",)), P()))
+  assert transfers.on(Mesh(devices, ("data",)), x) is x
+  half = transfers.on(Mesh(devices[:2], ("data",)), x)
+  assert half.sharding.device_set == set(devices[:2]) and half.is_fully_replicated
+  np.testing.assert_array_equal(np.asarray(half), np.asarray(x))
+  # a held leaf split over one group of every device, and that group's rows: the same layout, as they are
+  held = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(Mesh(devices[None], ("group", "part")),
+                                                                      P(None, "part")))
+  assert transfers.group_part(held, Mesh(devices, ("group 0",)), 1) is held
+  rows = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(Mesh(devices, ("group 0",)), P("group 0")))
+  assert transfers.global_rows([rows], Mesh(devices, ("data",))) is rows
+  halves = [jax.device_put(np.arange(4.0).reshape(2, 2) + 4 * k, NamedSharding(Mesh(devices[2 * k:2 * k + 2], ("g",)),
+                                                                               P("g"))) for k in (0, 1)]
+  joined = transfers.global_rows(halves, Mesh(devices, ("data",)))  # two groups' rows: one array made of them
+  np.testing.assert_array_equal(np.asarray(joined), np.arange(8.0).reshape(4, 2))
+
+
 _COLLECTIVE = re.compile(r"= \S+ (all-gather|reduce-scatter)(?:-start)?\(")
 
 

@@ -190,9 +190,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
-  if not count:  # a group whose every device runs one microbatch runs no loop (Costing.one_pass)
-    with_tail = {k: _one_pass(costing, layout, k, v, tps[k], k in sharded) if _runs_once(counts, blocked.kinds, k)
-                 else v for k, v in with_tail.items()}
+  with_tail = with_tail if count else _without_loops(costing, layout, with_tail, counts, blocked.kinds, tps, sharded)
   # loop, then tail, on every device; a sharded group's each its most microbatches (masked: they take host share)
   per_position = position_seconds(costing, blocked, with_tail, _lockstep(counts, blocked, sharded), False)
   busiest = per_position.index(max(per_position))  # the first that finishes last
@@ -299,16 +297,19 @@ def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: i
                                     shard_size(costing, layout, kind), state_sharded=hybrid)
 
 
-def _runs_once(counts: Sequence[int], kinds: Sequence[str], kind: str) -> bool:
-  """Whether every position of ``kind`` runs one microbatch (its groups' programs then run no loop)."""
-  return all(c == 1 for c, k in zip(counts, kinds) if k == kind)
+def _without_loops(costing: Costing, layout: DeviceGroups, costs: dict[str, KindCost], counts: Sequence[int],
+                   kinds: Sequence[str], tps: dict[str, TensorParallel], sharded: frozenset[str]
+                   ) -> dict[str, KindCost]:
+  """``costs`` with :meth:`Costing.one_pass` for each kind every position of which (``kinds``: per position, as
+  ``counts``) runs one microbatch: its groups' programs run no loop. The accumulator is a ``1/g`` part where the
+  kind's group shards its parameters (:func:`hetspmd.planner.sharding.sharded_kind_cost`), else ``tp``'s share."""
+  def once(kind: str) -> bool:
+    return all(c == 1 for c, k in zip(counts, kinds) if k == kind)
 
+  def share(kind: str) -> float:
+    return 1 / shard_size(costing, layout, kind) if kind in sharded else tps[kind].param_share
 
-def _one_pass(costing: Costing, layout: DeviceGroups, kind: str, cost: KindCost, tp: TensorParallel,
-              sharded: bool) -> KindCost:
-  """:meth:`Costing.one_pass` of a device of ``kind``'s group: its accumulator a ``1/g`` part where the group
-  shards its parameters (:func:`hetspmd.planner.sharding.sharded_kind_cost`), else ``tp``'s share."""
-  return costing.one_pass(kind, cost, 1 / shard_size(costing, layout, kind) if sharded else tp.param_share)
+  return {k: costing.one_pass(k, cost, share(k)) if once(k) else cost for k, cost in costs.items()}
 
 
 def _sharded_comm(costing: Costing, layout: DeviceGroups, kind: str, dtype: str, remat: str) -> float:
