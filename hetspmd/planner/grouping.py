@@ -197,11 +197,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   reduce = _reduce_seconds(costing, layout, dtype, hybrid=hybrid, owner=owner, spread=spread, sums=sums,
                            received=received, parts=sharded if execution.parts_exchange else None)
   gather = gather_seconds(costing, layout, spread, zero) if zero else 0.0
-  hidden = 0.0
-  if count:
-    kind = blocked.kinds[busiest]
-    window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
-    hidden = min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
+  hidden = _tail_hides(costing, blocked.kinds[busiest], tails, size, reduce) if count else 0.0
   dispatch = PROGRAM_DISPATCH_SECONDS * (len(order) + 1 + (n if zero else 0))
   on = blocked.kinds  # per position
   each = lambda values: tuple(map(values.__getitem__, on))  # a value per kind, per position
@@ -295,6 +291,13 @@ def _group_cost(costing: Costing, layout: DeviceGroups, kind: str, microbatch: i
   cost = _kind_cost(costing, kind, microbatch, remat, n, share, zero=zero or 1)
   return sharding.sharded_kind_cost(costing, kind, cost, _sharded_comm(costing, layout, kind, dtype, remat),
                                     shard_size(costing, layout, kind), state_sharded=hybrid)
+
+
+def _tail_hides(costing: Costing, kind: str, tails: dict[str, KindCost], size: int, reduce: float) -> float:
+  """The reduction's seconds the busiest position's (of ``kind``) last tail microbatch hides: all but the last
+  collective's, within :data:`OVERLAP_EFFICIENCY` of its backward pass."""
+  window = OVERLAP_EFFICIENCY * tails[kind].micro / costing.recompute * costing.backward_share(kind, size)
+  return min(window, reduce * (1 - 1 / gradient_reductions(costing.profile, 1)))
 
 
 def _without_loops(costing: Costing, layout: DeviceGroups, costs: dict[str, KindCost], counts: Sequence[int],
