@@ -224,3 +224,37 @@ def test_a_group_of_one_microbatch_per_device_runs_no_loop(sharded, monkeypatch)
   saved = (profile.accumulate_seconds(spec) + profile.zeroing_seconds(spec)) * (1 / 4 if sharded else 1.0)
   assert looped_once.compute_seconds - once.compute_seconds == pytest.approx(saved, rel=1e-6) and saved > 0
   assert looped_twice.compute_seconds == twice.compute_seconds
+
+
+@pytest.mark.parametrize("form", ["state shares", "fsdp baseline"])
+def test_every_group_form_pays_the_accumulators_zeros_once_and_only_with_a_loop(form, monkeypatch):
+  """Groups holding the optimizer state in shares (ZeRO-1) zero their whole accumulator every step of a loop,
+  their update's share aside; the ``fsdp`` baseline zeros its ``1/n`` part, and with one microbatch a device it
+  runs no loop and zeros nothing."""
+  from hetspmd.passes.costing.step_cost import StepProfile
+  from hetspmd.planner import sharding
+  from hetspmd.planner.grouping import price_groups
+  from hetspmd.planner.pricing import Costing, device_groups
+
+  w = models.get("mlp-tiny")
+  profile = profile_step(w.make_train_step(), w.abstract_state(), w.example_batch(2))
+  pool = hs.Cluster.parse("1x2xV100-32GB+1x2xP100-16GB")
+  zeros = {k: profile.zeroing_seconds(pool.spec_of(k)) for k in pool.kinds}
+
+  def priced(count):
+    costing = Costing(pool, profile, 8)
+    if form == "fsdp baseline":
+      return sharding.fsdp_baseline(costing, 8 * 4 * count, [8], ["none"])
+    layout = device_groups(pool, "by kind", tuple(range(4)), 1)
+    return price_groups(costing, layout, {"V100-32GB": 8, "P100-16GB": 8}, "none", 8 * 4 * count, zero=1)
+
+  paying = [priced(c) for c in (1, 2)]
+  monkeypatch.setattr(StepProfile, "zeroing_seconds", lambda self, spec: 0.0)
+  free = [priced(c) for c in (1, 2)]
+  paid = [a.compute_seconds - b.compute_seconds for a, b in zip(paying, free)]
+  assert [p.counts for p in paying] == [p.counts for p in free]
+  if form == "fsdp baseline":
+    assert paid == [pytest.approx(0.0, abs=1e-15), pytest.approx(zeros["P100-16GB"] / 4, rel=1e-6)]
+  else:  # the busiest position's own kind's whole accumulator (its counts run a loop)
+    busy = paying[1].position_seconds.index(max(paying[1].position_seconds))
+    assert max(paying[1].counts) >= 2 and paid[1] == pytest.approx(zeros[paying[1].kinds[busy]], rel=1e-6)

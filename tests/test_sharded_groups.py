@@ -486,5 +486,6 @@ def test_the_profile_counts_the_collectives_a_sharded_group_issues_per_microbatc
   program, args = step._last["group 0"]
   issued = collections.Counter(_COLLECTIVE.findall(program.lower(*args).compile().as_text()))
   profile = profile_step(step_fn, state, batch(1))
-  assert issued["all-gather"] == sum(f + b for f, b in profile.param_reads), (issued, profile.param_reads)
+  assert issued["all-gather"] == sum(f + b for f, b, _ in profile.param_reads), (issued, profile.param_reads)
   assert issued["reduce-scatter"] == sum(size > 1 for size in profile.param_leaf_sizes), issued
+  assert all(iterations == 1 for *_, iterations in profile.param_reads)  # no loop reads them

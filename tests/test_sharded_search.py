@@ -234,7 +234,7 @@ def test_on_cpu_devices_a_sharded_group_pays_a_latency_per_collective_it_issues(
   cluster = hs.Cluster.parse("1x8xgpu-like", devices=specs)
   devices, latency = tuple(range(8)), cluster.hosts[0].intra.latency
   leaves = sum(size > 1 for size in deep_profile.param_leaf_sizes)
-  reads = sum(f * (2 if remat == "layers" else 1) + b for f, b in deep_profile.param_reads)
+  reads = sum(f * (2 if remat == "layers" else 1) + b for f, b, _ in deep_profile.param_reads)
   issued = reads + leaves
   assert reads >= 2 * 16 and issued > 100  # every block's matmuls gathered forward and backward
   combined, uncombined = (sharding.microbatch_comm_seconds(cluster, devices, deep_profile, "float32", remat,

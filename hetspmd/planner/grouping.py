@@ -440,13 +440,13 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   axis after the loop); with a state ``share`` its update covers that share of the optimizer state and it writes
   the parameters the others send it (under ZeRO-3, as the programs receive them)."""
   cost = costing.kind_cost(kind, tp, microbatch, remat, 0, n)
-  whole = 0.0
+  spec = costing.cluster.spec_of(kind)
+  whole = costing.profile.zeroing_seconds(spec) * tp.param_share  # its accumulator's zeros, as Costing prices them
   if tp.m > 1:
-    whole = costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
+    whole += costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
     cost = cost.with_fixed(costing.fixed[kind] + whole)
   if share is None:
     return cost
-  spec = costing.cluster.spec_of(kind)
   received = loop_param_bytes(costing.profile) if zero == 3 else costing.profile.param_bytes
   return cost.with_fixed(costing.fixed[kind] * share + received / spec.write_rate + whole)
 

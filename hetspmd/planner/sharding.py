@@ -157,32 +157,34 @@ def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: S
   moving ``(g - 1) / g`` of its bytes through every device (half an all-reduce's). ``combined`` (a backend that
   combines collectives, :func:`combines`): one collective per layer (:func:`layer_shape`; the leaves of a layer
   combined, as XLA's combine thresholds sized to a layer do); else one all-gather per reader of each leaf and
-  one reduce-scatter per leaf, as the runtime issues them (:func:`_uncombined_gathers`). Under
-  remat ``"layers"`` each recomputed layer gathers its parameters a third time (its recomputation reads them
+  one reduce-scatter per leaf (a layer scan's per iteration), as the runtime issues them
+  (:func:`_uncombined`). Under remat ``"layers"`` each recomputed layer gathers its parameters a third time (its recomputation reads them
   behind an optimization barrier, so XLA keeps no gathered copy from the forward pass)."""
   layers = remat == "layers" and profile.layer_activation is not None
   wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
   if not combined and profile.param_reads:
-    nbytes, count = _uncombined_gathers(profile, layers)
+    nbytes, count, scatters = _uncombined(profile, layers)
     gathers = allreduce_seconds(cluster, devices, nbytes, 1, count) / 2
-    leaves = sum(1 for size in profile.param_leaf_sizes if size > 1)
-    return gathers + allreduce_seconds(cluster, devices, profile.param_count * wire, 1, leaves) / 2
+    return gathers + allreduce_seconds(cluster, devices, profile.param_count * wire, 1, scatters) / 2
   _, count = layer_shape(profile)
   gathers = allreduce_seconds(cluster, devices, gathered_bytes(profile), 1, count) / 2
   scatter = allreduce_seconds(cluster, devices, profile.param_count * wire, 1, count) / 2
   return (3 if layers else 2) * gathers + scatter
 
 
-def _uncombined_gathers(profile: StepProfile, layers: bool) -> tuple[float, int]:
-  """(bytes, all-gathers) of one microbatch where each parameter leaf is gathered for each reader
-  (``profile.param_reads``; under remat ``"layers"`` the forward readers twice), in the gathered dtype."""
+def _uncombined(profile: StepProfile, layers: bool) -> tuple[float, int, int]:
+  """(bytes gathered, all-gathers, reduce-scatters) of one microbatch where each parameter leaf is gathered for
+  each reader, or per iteration of the loop that reads it, and its gradient reduce-scattered once, or per
+  iteration (``profile.param_reads``; under remat ``"layers"`` the forward's gathers twice), in the gathered
+  dtype."""
   per_element = gathered_bytes(profile) / max(profile.param_count, 1)
-  nbytes, count = 0.0, 0
-  for size, (forward, backward) in zip(profile.param_leaf_sizes, profile.param_reads):
+  nbytes, count, scatters = 0.0, 0, 0
+  for size, (forward, backward, iterations) in zip(profile.param_leaf_sizes, profile.param_reads):
     reads = forward * (2 if layers else 1) + backward
-    nbytes += reads * size * per_element
+    nbytes += reads * size / iterations * per_element
     count += reads
-  return nbytes, max(count, 1)
+    scatters += iterations if size > 1 else 0
+  return nbytes, max(count, 1), max(scatters, 1)
 
 
 def hybrid_exchange_seconds(cluster: Cluster, groups: Sequence[Sequence[int]], profile: StepProfile,
@@ -258,7 +260,10 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
       continue
     most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
     plain = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n) for k in kinds}
-    per_kind = {k: sharded_kind_cost(costing, k, plain[k], comm[dtype, remat], n, True).at(most) for k in kinds}
+    sharded = {k: sharded_kind_cost(costing, k, plain[k], comm[dtype, remat], n, True) for k in kinds}
+    if global_batch == n * microbatch:  # one microbatch everywhere: no loop (Costing.one_pass)
+      sharded = {k: costing.one_pass(k, cost, 1 / n) for k, cost in sharded.items()}
+    per_kind = {k: sharded[k].at(most) for k in kinds}
     slowest = max(kinds, key=per_kind.get)
     seconds = per_kind[slowest]
     exposed = most * exposed_seconds(slowest, comm[dtype, remat], plain[slowest].micro)  # the collectives compute leaves

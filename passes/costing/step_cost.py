@@ -310,7 +310,7 @@ class StepProfile:
   param_leaf_sizes: tuple[int, ...] = ()  # elements of each parameter leaf (one gradient leaf each)
   param_leaf_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (which ZeRO can split over n positions)
   param_leaf_paths: tuple[str, ...] = ()  # their paths inside the step's first argument (``params/...``)
-  param_reads: tuple[tuple[int, int], ...] = ()  # their (forward, backward) readers: _param_reads
+  param_reads: tuple[tuple[int, int, int], ...] = ()  # their gathers (forward, backward, iterations): _param_reads
   # the parameters the step reads only through casts to a narrower dtype, besides its update (a model computing
   # in bfloat16): their bytes, and the bytes of those casts (what ZeRO-3 group plans send and hold in the loop)
   castable_param_bytes: int = 0
@@ -457,11 +457,13 @@ def _cast_params(graph: Graph) -> tuple[int, int]:
   return castable, casts
 
 
-def _param_reads(graph: Graph) -> tuple[tuple[int, int], ...]:
-  """Per parameter leaf, the equations of the differentiated function that read it, ``(forward, backward)``, each
-  once per iteration of the loop it sits in. Example-free work on the parameters alone (a cast, a reshape) is
-  not a reader: its own readers stand for it, as a group that shards its parameters gathers each for each
-  reader of it or of such work on it (:class:`hetspmd.lowering.param_shards.ParamShards`)."""
+def _param_reads(graph: Graph) -> tuple[tuple[int, int, int], ...]:
+  """Per parameter leaf, ``(forward, backward, iterations)``: the all-gathers a group that shards its parameters
+  issues for it per microbatch (:class:`hetspmd.lowering.param_shards.ParamShards`), forward and backward apart,
+  and the iterations of the loop that reads it (1 outside loops). Each equation of the differentiated function
+  that reads the leaf gathers it whole. Example-free work on the parameters alone (a cast, a reshape) is not a
+  reader: its own readers stand for it. A loop (a layer scan) gathers one slice of it per iteration, shared by
+  every reader in its body: ``iterations`` gathers of ``1/iterations`` of it per loop and pass."""
   params = {item.index for item in graph.inputs_with_role(Role.PARAM)}
   readers: dict[tuple[Source, int], list[int]] = {}
   derived: set[int] = set()
@@ -472,20 +474,27 @@ def _param_reads(graph: Graph) -> tuple[tuple[int, int], ...]:
     if refs and all(ref.index in (params if ref.source is Source.INPUT else derived) for ref in refs):
       derived.add(node.id)
 
-  def reads(key: tuple[Source, int]) -> tuple[int, int]:
+  def reads(key: tuple[Source, int], looped: dict) -> tuple[int, int]:
     forward = backward = 0
     for k in readers.get(key, ()):
       node = graph.nodes[k]
-      if not node.phase:
+      if not node.phase or node.loops in looped:
         continue
       if node.id in derived:
-        f, b = reads((Source.NODE, node.id))
+        f, b = reads((Source.NODE, node.id), looped)
       else:
+        if node.loops:  # the loop's one gather per iteration serves every reader in it
+          looped[node.loops] = node.count
         f, b = (node.count, 0) if node.phase == "forward" else (0, node.count)
       forward, backward = forward + f, backward + b
     return forward, backward
 
-  return tuple(reads((Source.INPUT, item.index)) for item in graph.inputs_with_role(Role.PARAM))
+  out = []
+  for item in graph.inputs_with_role(Role.PARAM):
+    looped: dict = {}
+    forward, backward = reads((Source.INPUT, item.index), looped)
+    out.append((forward, backward, max(looped.values(), default=1)))
+  return tuple(out)
 
 
 def step_profile(small: Graph, large: Graph, small_batch: int, large_batch: int) -> StepProfile:
