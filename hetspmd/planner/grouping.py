@@ -440,7 +440,7 @@ def _kind_cost(costing: Costing, kind: str, microbatch: int, remat: str, n: int,
   axis after the loop); with a state ``share`` its update covers that share of the optimizer state and it writes
   the parameters the others send it (under ZeRO-3, as the programs receive them)."""
   cost = costing.kind_cost(kind, tp, microbatch, remat, 0, n)
-  spec = costing.cluster.spec_of(kind)
+  spec = costing.specs[kind]
   whole = costing.profile.zeroing_seconds(spec) * tp.param_share  # its accumulator's zeros, as Costing prices them
   if tp.m > 1:
     whole += costing.profile.param_count * GRAD_BYTES * (tp.m - 1) / tp.m / costing.links[kind].bandwidth
