@@ -190,7 +190,7 @@ def price_groups(costing: Costing, layout: DeviceGroups, sizes: dict[str, int], 
   counts = group_counts(blocked.kinds, with_tail, sizes, global_batch - n * size * count)
   if counts is None:
     return None
-  with_tail = with_tail if count else _without_loops(costing, layout, with_tail, counts, blocked.kinds, tps, sharded)
+  with_tail = with_tail if count else _without_loops(costing, layout, with_tail, counts, blocked.kinds, tps=tps, sharded=sharded)
   # loop, then tail, on every device; a sharded group's each its most microbatches (masked: they take host share)
   per_position = position_seconds(costing, blocked, with_tail, _lockstep(counts, blocked, sharded), False)
   busiest = per_position.index(max(per_position))  # the first that finishes last
@@ -301,7 +301,7 @@ def _tail_hides(costing: Costing, kind: str, tails: dict[str, KindCost], size: i
 
 
 def _without_loops(costing: Costing, layout: DeviceGroups, costs: dict[str, KindCost], counts: Sequence[int],
-                   kinds: Sequence[str], tps: dict[str, TensorParallel], sharded: frozenset[str]
+                   kinds: Sequence[str], *, tps: dict[str, TensorParallel], sharded: frozenset[str]
                    ) -> dict[str, KindCost]:
   """``costs`` with :meth:`Costing.one_pass` for each kind every position of which (``kinds``: per position, as
   ``counts``) runs one microbatch: its groups' programs run no loop. The accumulator is a ``1/g`` part where the
