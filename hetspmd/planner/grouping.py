@@ -307,7 +307,7 @@ def _without_loops(costing: Costing, layout: DeviceGroups, costs: dict[str, Kind
   ``counts``) runs one microbatch: its groups' programs run no loop. The accumulator is a ``1/g`` part where the
   kind's group shards its parameters (:func:`hetspmd.planner.sharding.sharded_kind_cost`), else ``tp``'s share."""
   def once(kind: str) -> bool:
-    return all(c == 1 for c, k in zip(counts, kinds) if k == kind)
+    return costing.runs_no_loop([c for c, k in zip(counts, kinds) if k == kind])
 
   def share(kind: str) -> float:
     return 1 / shard_size(costing, layout, kind) if kind in sharded else tps[kind].param_share

@@ -282,6 +282,12 @@ class Costing:
                               self.profile, NO_TENSOR_PARALLEL, 0, REDUCE_BYTES["float32"])
     return max(timing.fixed - reduce - zeros, 0.0)
 
+  @staticmethod
+  def runs_no_loop(counts) -> bool:
+    """Whether a program whose positions run ``counts`` runs no microbatch loop (:meth:`one_pass`): one each
+    (hetspmd.lowering.loop: a uniform count of one)."""
+    return set(counts) == {1}
+
   def one_pass(self, kind: str, cost: KindCost, share: float) -> KindCost:
     """``cost`` (a position's, :meth:`kind_cost`) where every position of its program runs one microbatch: the
     program runs no loop, so it neither zeros a gradient accumulator nor adds into one (XLA folds both away);
@@ -472,7 +478,7 @@ def price_candidate(costing: Costing, c: Candidate) -> list[Evaluated]:
   counts = c.counts(layout.kinds, costs) if callable(c.counts) else tuple(c.counts)
   if len(counts) != n or sum(counts) != c.total:
     return []
-  if set(counts) == {1}:  # no loop (hetspmd.lowering.loop: a uniform count of one)
+  if costing.runs_no_loop(counts):
     costs = {k: costing.one_pass(k, cost, tp.param_share) for k, cost in costs.items()}
   memory = (costing.memory(n, microbatch, c.zero, c.remat, tp),) * len(layout.devices)
   # a masked microbatch on a position with none can cost more than the overlap saves: try both

@@ -158,8 +158,9 @@ def microbatch_comm_seconds(cluster: Cluster, devices: Sequence[int], profile: S
   combines collectives, :func:`combines`): one collective per layer (:func:`layer_shape`; the leaves of a layer
   combined, as XLA's combine thresholds sized to a layer do); else one all-gather per reader of each leaf and
   one reduce-scatter per leaf (a layer scan's per iteration), as the runtime issues them
-  (:func:`_uncombined`). Under remat ``"layers"`` each recomputed layer gathers its parameters a third time (its recomputation reads them
-  behind an optimization barrier, so XLA keeps no gathered copy from the forward pass)."""
+  (:func:`_uncombined`). Under remat ``"layers"`` each recomputed layer gathers its parameters a third time
+  (its recomputation reads them behind an optimization barrier, so XLA keeps no gathered copy from the forward
+  pass)."""
   layers = remat == "layers" and profile.layer_activation is not None
   wire = min(GRAD_BYTES, REDUCE_BYTES[dtype]) if SCATTERS_REDUCE_DTYPE else GRAD_BYTES
   if not combined and profile.param_reads:
@@ -261,7 +262,7 @@ def fsdp_baseline(costing: Costing, global_batch: int, sizes: Sequence[int], rem
     most = max(even_counts(n, global_batch // microbatch))  # every device runs as many (lockstep)
     plain = {k: costing.kind_cost(k, NO_TENSOR_PARALLEL, microbatch, remat, 0, n) for k in kinds}
     sharded = {k: sharded_kind_cost(costing, k, plain[k], comm[dtype, remat], n, True) for k in kinds}
-    if global_batch == n * microbatch:  # one microbatch everywhere: no loop (Costing.one_pass)
+    if costing.runs_no_loop(even_counts(n, global_batch // microbatch)):
       sharded = {k: costing.one_pass(k, cost, 1 / n) for k, cost in sharded.items()}
     per_kind = {k: sharded[k].at(most) for k in kinds}
     slowest = max(kinds, key=per_kind.get)
